@@ -1,0 +1,25 @@
+"""The errors kvxfer raises.
+
+Every error kvxfer raises on purpose is a `KvxferError`. Bad arguments are also
+`ValueError`s, so callers that already catch `ValueError` keep working.
+"""
+
+
+class KvxferError(Exception):
+    """Base class of every error kvxfer raises on purpose."""
+
+
+class InvalidInputError(KvxferError, ValueError):
+    """An argument is out of range, of the wrong shape, or inconsistent."""
+
+
+class LayoutMismatchError(InvalidInputError):
+    """Caches, host blocks or a peer do not match the expected cache layout."""
+
+
+class CorruptionError(KvxferError):
+    """Received KV blocks do not match the fingerprints computed at the source."""
+
+
+class TransferError(KvxferError):
+    """A transfer between P and D failed, timed out, or its peer is gone."""
