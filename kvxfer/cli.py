@@ -1,0 +1,149 @@
+"""The `kvxfer` command: `kvxfer plan` and `kvxfer bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+
+from kvxfer.errors import KvxferError
+from kvxfer.scheduler import GroupSpec, SaveTracker
+from kvxfer.simulate import SimEngine
+
+
+def _names(ids: Sequence[int], table: Sequence[int]) -> str:
+    index = {b: i for i, b in enumerate(table)}
+    return " ".join(f"b{index[b]}" for b in ids) or "nothing"
+
+
+def _spans(positions: Sequence[int]) -> str:
+    spans: list[list[int]] = []
+    for p in positions:
+        if spans and spans[-1][1] == p - 1:
+            spans[-1][1] = p
+        else:
+            spans.append([p, p])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
+
+
+def plan_report(prompt: int, budget: int, block_size: int, lookahead: int = 0,
+                cached: int = 0, dcp: int = 1) -> tuple[list[str], bool]:
+    """Simulate one chunked prefill; return the report lines and whether kvxfer left D current.
+
+    Beside kvxfer's plan it runs the old rule ("copy the blocks newly
+    allocated this step") on a second host buffer, to show what that leaves stale.
+    """
+    if budget <= 0:
+        raise KvxferError(f"--budget must be positive, got {budget}")
+    if lookahead < 0:
+        raise KvxferError(f"--lookahead must be non-negative, got {lookahead}")
+    group = GroupSpec(block_size, dcp_size=dcp)
+    engine = SimEngine([group], lookahead=lookahead)
+    tracker = SaveTracker([group])
+    engine.add("req", prompt, cached)
+    tracker.add("req", prompt)
+    old_host: dict = {}
+    old_early: list[str] = []
+    lines = [
+        f"prompt {prompt} tokens, budget {budget}, block size {block_size}"
+        f" ({group.tokens_per_block} tokens per block id), lookahead {lookahead},"
+        f" cached {cached}, dcp {dcp}"
+    ]
+    step = 0
+    while engine.requests["req"].remaining > 0:
+        step += 1
+        scheduled = engine.schedule(budget)
+        s = scheduled[0]
+        new_ids = list(s.block_ids[0]) if s.block_ids else []
+        engine.forward(scheduled)
+        table = engine.requests["req"].tables[0]
+        plan = tracker.plan(scheduled)
+        engine.copy(plan)
+        unwritten = [b for b in new_ids if (0, b) not in engine.written]
+        engine.copy({"req": (new_ids,)}, host=old_host)
+        if unwritten:
+            old_early.append(f"step {step}: {_names(unwritten, table)}")
+        end = s.num_computed_tokens + s.num_scheduled_tokens
+        lines.append(
+            f"step {step}: writes tokens {s.num_computed_tokens}-{end - 1}"
+            f" | kvxfer copies {_names(plan['req'][0], table)}"
+            f" | new-blocks rule copies {_names(new_ids, table)}"
+        )
+    ok = True
+    for name, host in (("kvxfer", engine.host), ("new-blocks rule", old_host)):
+        stale = engine.stale_tokens("req", host).get(0, [])
+        if stale:
+            table = engine.requests["req"].tables[0]
+            blocks = sorted({table[p // group.tokens_per_block] for p in stale})
+            lines.append(
+                f"{name}: {len(stale)} prompt tokens stale on D: tokens {_spans(stale)}"
+                f" (in {_names(blocks, table)})"
+            )
+        else:
+            lines.append(f"{name}: all {prompt} prompt tokens current on D")
+        if name == "kvxfer":
+            ok = not stale and not engine.violations
+            lines.extend(f"kvxfer: {v}" for v in engine.violations)
+    if old_early:
+        lines.append("new-blocks rule copied unwritten lookahead blocks: " + "; ".join(old_early))
+    return lines, ok
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    lines, ok = plan_report(args.prompt, args.budget, args.block_size, args.lookahead,
+                            args.cached, args.dcp)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+_BENCHES = {
+    "plan": "kvxfer.bench.plan",
+    "gather": "kvxfer.bench.gather",
+    "nixl": "kvxfer.bench.nixl",
+}
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(_BENCHES[args.what])
+    result = module.run()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="simulate one chunked prefill and show the save plan")
+    plan.add_argument("--prompt", type=int, required=True, help="prompt length in tokens")
+    plan.add_argument("--budget", type=int, required=True, help="token budget per step")
+    plan.add_argument("--block-size", type=int, required=True, help="tokens per block")
+    plan.add_argument("--lookahead", type=int, default=0, help="speculative lookahead tokens")
+    plan.add_argument("--cached", type=int, default=0, help="prefix-cache hit, in tokens")
+    plan.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
+    plan.set_defaults(func=_cmd_plan)
+
+    bench = sub.add_parser("bench", help="run a benchmark and print its figures")
+    bench.add_argument("what", choices=sorted(_BENCHES))
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KvxferError as e:
+        print(f"kvxfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
