@@ -196,7 +196,7 @@ class Staging:
                 raise StagingFullError(f"request {req_id!r}: {e}") from None
             for start, length in runs:
                 req.spare.extend(range(start, start + length))
-        for k, slot in zip(new, req.spare):
+        for k, slot in zip(new, req.spare, strict=False):
             req.slots[k] = slot
         del req.spare[: len(new)]
         return [req.slots[k] for k in kernel_ids]
@@ -221,7 +221,7 @@ class Staging:
                     f"layer {layer}: rows shape {rows.shape} != expected {expected}"
                 )
         slots = self.assign(req_id, kernel_ids)
-        for region, rows in zip(self.regions, arrays):
+        for region, rows in zip(self.regions, arrays, strict=True):
             i = 0
             for start, length in coalesce(slots):
                 region[start : start + length] = rows[i : i + length]

@@ -1,0 +1,124 @@
+"""A P or D transport in its own process, driven by JSON lines on stdin.
+
+`python peer.py P|D CONFIG_JSON`. Each stdin line is a command
+`{"op": ..., ...}`; each answer is one JSON line on stdout, `{"error": ...}`
+when the command raised. Between commands the transport is polled, so P
+answers handshakes, acks and reaps leases on its own. Block contents are
+derived from `(seed, kernel id, layer)` so the test process can compute what
+D should hold without NIXL.
+"""
+
+import base64
+import json
+import logging
+import os
+import select
+import sys
+import time
+
+import numpy as np
+
+from kvxfer.staging import Staging
+from kvxfer.transport import DecodeTransport, PrefillTransport, TransportConfig
+
+
+def block_rows(seed, kernel_ids, layer, block_shape, dtype):
+    """Deterministic random blocks: what P stages for `(seed, kernel id, layer)`."""
+    out = np.empty((len(kernel_ids), *block_shape), dtype)
+    for i, k in enumerate(kernel_ids):
+        rng = np.random.default_rng([seed, k, layer])
+        out[i] = rng.integers(0, 256, out[i].nbytes, dtype=np.uint8).view(dtype).reshape(block_shape)
+    return out
+
+
+def main():
+    # NIXL logs to stdout: keep the real stdout for answers, send fd 1 to stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    role, spec = sys.argv[1], json.loads(sys.argv[2])
+    logging.basicConfig(level=os.environ.get("KVXFER_TEST_LOG", "WARNING"), stream=sys.stderr)
+    staging = Staging(spec["layers"], spec["slots"], spec["block_shape"], spec["dtype"])
+    config = TransportConfig(**spec["config"])
+    layout = spec["layout"]
+    if role == "P":
+        t = PrefillTransport(config, staging, layout)
+    else:
+        t = DecodeTransport(config, staging, layout, kernel_ratio=spec.get("kernel_ratio", 1))
+    print(json.dumps({"port": t.port}), file=answers, flush=True)
+    finished, failed, freed = [], {}, []
+
+    def pump():
+        if role == "P":
+            freed.extend(t.poll())
+        else:
+            d, f = t.poll()
+            finished.extend(d)
+            failed.update(f)
+
+    for_ever = True
+    while for_ever:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.005)
+        if not ready:
+            pump()
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "stage":
+                ids = cmd["kernel_ids"]
+                rows = [block_rows(cmd["seed"], ids, layer, staging.block_shape, staging.dtype)
+                        for layer in range(staging.num_layers)]
+                if "reserve" in cmd:
+                    staging.reserve(cmd["req_id"], cmd["reserve"])
+                out = {"slots": staging.stage(cmd["req_id"], ids, rows)}
+            elif op == "hold":
+                out = {"params": t.hold(cmd["req_id"])}
+            elif op == "freed":
+                pump()
+                out = {"freed": freed, "held": t.held(), "free_slots": staging.num_free_slots}
+            elif op == "connect":
+                out = {"layout": t.connect(cmd["peer"], cmd["host"], cmd["port"])}
+            elif op == "read":
+                t.start_read(cmd["req_id"], cmd["params"], cmd["local_ids"])
+                out = {}
+            elif op == "wait":
+                deadline = time.monotonic() + cmd["within"]
+                req = cmd["req_id"]
+                while req not in finished and req not in failed and time.monotonic() < deadline:
+                    pump()
+                    time.sleep(0.002)
+                took = cmd["within"] - (deadline - time.monotonic())
+                if req in finished:
+                    out = {"finished": True, "took": took}
+                elif req in failed:
+                    out = {"failed": failed[req], "took": took}
+                else:
+                    out = {"pending": True, "took": took}
+            elif op == "rows":
+                slots = staging.slots(cmd["req_id"], cmd["local_ids"])
+                out = {"rows": [base64.b64encode(staging.rows(layer, slots).tobytes()).decode()
+                                for layer in range(staging.num_layers)]}
+            elif op == "free":
+                staging.free(cmd["req_id"])
+                out = {}
+            elif op == "sleep":
+                end = time.monotonic() + cmd["s"]
+                while time.monotonic() < end:
+                    pump()
+                    time.sleep(0.005)
+                out = {}
+            elif op == "exit":
+                out, for_ever = {}, False
+            else:
+                out = {"error": "ValueError", "msg": f"unknown op {op}"}
+        except Exception as e:
+            out = {"error": type(e).__name__, "msg": str(e)}
+        print(json.dumps(out), file=answers, flush=True)
+    t.close()
+
+
+if __name__ == "__main__":
+    main()
