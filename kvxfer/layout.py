@@ -1,0 +1,276 @@
+"""Cache layout: what a set of per-layer KV caches looks like, block for block.
+
+A `CacheLayout` is read off the arrays themselves (`CacheLayout.from_caches`)
+and says only what the copy paths need: the global shape, the dtype, the mesh
+axes and how each array axis is sharded over them, and the ratio between the
+engine's logical block and the kernel block. Axis 0 is always the block axis;
+the inner axes are opaque (a block is bytes with a shape), so nothing here
+knows about heads, tokens or K/V packing.
+
+A layout is a frozen, hashable dataclass (a static key for cached jitted
+builders) and round-trips through a plain dict (`to_dict` / `from_dict`), so
+a peer can be sent ours and reject an incompatible one with
+`check_compatible`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+
+BLOCK_AXIS = 0
+"""The array axis that indexes blocks, in every cache kvxfer handles."""
+
+_DICT_VERSION = 1
+
+
+def _spec_entries(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """`spec` as one tuple of mesh axis names per array axis (empty = not sharded)."""
+    entries = tuple(spec)
+    if len(entries) > ndim:
+        raise InvalidInputError(f"partition spec {spec} has more entries than the {ndim} axes")
+    out: list[tuple[str, ...]] = []
+    for entry in entries + (None,) * (ndim - len(entries)):
+        if entry is None:
+            out.append(())
+        elif isinstance(entry, str):
+            out.append((entry,))
+        else:
+            out.append(tuple(entry))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Static description of a list of per-layer caches that share one layout.
+
+    Fields:
+
+    - `num_layers`: how many per-layer arrays.
+    - `shape`: the global shape of each array, `[num_blocks, *block_shape]`.
+    - `dtype`: the numpy name of the element type (`"bfloat16"`, `"float8_e4m3fn"`, ...).
+    - `mesh_axes`: the mesh as `((axis_name, size), ...)`, in mesh order.
+    - `spec`: per array axis, the mesh axis names that shard it (`()` = not sharded).
+    - `kernel_ratio`: kernel blocks per logical (engine) block; 1 when they match.
+      Block ids given to `kvxfer.gather` are always kernel ids.
+    """
+
+    num_layers: int
+    shape: tuple[int, ...]
+    dtype: str
+    mesh_axes: tuple[tuple[str, int], ...]
+    spec: tuple[tuple[str, ...], ...]
+    kernel_ratio: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_layers <= 0:
+            raise InvalidInputError(f"num_layers must be positive, got {self.num_layers}")
+        if len(self.shape) < 2 or any(d <= 0 for d in self.shape):
+            raise InvalidInputError(
+                f"cache shape must be [num_blocks, *block_shape] with positive sizes, "
+                f"got {self.shape}"
+            )
+        if len(self.spec) != len(self.shape):
+            raise InvalidInputError(f"spec {self.spec} does not have one entry per axis of {self.shape}")
+        if self.kernel_ratio <= 0:
+            raise InvalidInputError(f"kernel_ratio must be positive, got {self.kernel_ratio}")
+        sizes = dict(self.mesh_axes)
+        used = [name for entry in self.spec for name in entry]
+        unknown = [name for name in used if name not in sizes]
+        if unknown:
+            raise InvalidInputError(f"spec {self.spec} names mesh axes {unknown} not in {self.mesh_axes}")
+        if len(set(used)) != len(used):
+            raise InvalidInputError(f"spec {self.spec} uses a mesh axis twice")
+        for axis, (dim, grid) in enumerate(zip(self.shape[1:], self.shard_grid), start=1):
+            if dim % grid:
+                raise InvalidInputError(
+                    f"axis {axis} of size {dim} does not split evenly into {grid} shards "
+                    f"(spec {self.spec}, mesh {self.mesh_axes})"
+                )
+        np.dtype(self.dtype)  # raises TypeError on an unknown name
+
+    @classmethod
+    def from_caches(cls, caches: Sequence[jax.Array], kernel_ratio: int = 1) -> CacheLayout:
+        """Read the layout off per-layer caches, checking that all layers share it.
+
+        **Arguments:**
+
+        - `caches`: one `jax.Array` per layer, `[num_blocks, *block_shape]`, each with a
+          `NamedSharding`.
+        - `kernel_ratio`: kernel blocks per logical block (`kvxfer.blocks.kernel_ratio`).
+
+        **Returns:**
+
+        The `CacheLayout` of every layer.
+
+        Raises `InvalidInputError` on an empty list or an array that is not sharded by a
+        `NamedSharding`, and `LayoutMismatchError` naming the layer and value when layers
+        differ in shape, dtype or sharding.
+        """
+        if isinstance(caches, jax.Array) or not isinstance(caches, Sequence):
+            raise InvalidInputError(
+                f"caches must be a list of per-layer jax.Arrays, got {type(caches).__name__}"
+            )
+        if len(caches) == 0:
+            raise InvalidInputError("caches is an empty list: no layers to copy")
+        first = caches[0]
+        for i, cache in enumerate(caches):
+            if not isinstance(cache, jax.Array):
+                raise InvalidInputError(f"caches[{i}] is a {type(cache).__name__}, not a jax.Array")
+            if not isinstance(cache.sharding, NamedSharding):
+                raise InvalidInputError(
+                    f"caches[{i}] has sharding {cache.sharding}; kvxfer needs a NamedSharding"
+                )
+            for name, got, want in (
+                ("shape", cache.shape, first.shape),
+                ("dtype", cache.dtype, first.dtype),
+                ("mesh", cache.sharding.mesh, first.sharding.mesh),
+                ("spec", _spec_entries(cache.sharding.spec, cache.ndim),
+                 _spec_entries(first.sharding.spec, first.ndim)),
+            ):
+                if got != want:
+                    raise LayoutMismatchError(
+                        f"caches[{i}] {name} {got} differs from caches[0] {name} {want}"
+                    )
+        mesh = first.sharding.mesh
+        return cls(
+            num_layers=len(caches),
+            shape=tuple(int(d) for d in first.shape),
+            dtype=np.dtype(first.dtype).name,
+            mesh_axes=tuple((str(n), int(s)) for n, s in mesh.shape.items()),
+            spec=_spec_entries(first.sharding.spec, first.ndim),
+            kernel_ratio=kernel_ratio,
+        )
+
+    # Derived quantities.
+
+    @property
+    def num_blocks(self) -> int:
+        """Kernel blocks per layer (the length of axis 0)."""
+        return self.shape[BLOCK_AXIS]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of one block: every axis but the block axis."""
+        return self.shape[1:]
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The element dtype as a numpy dtype (ml_dtypes for bf16 and fp8)."""
+        return np.dtype(self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one whole (global) block of one layer."""
+        return math.prod(self.block_shape) * self.np_dtype.itemsize
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split a block (those sharding the inner axes), in axis order."""
+        return tuple(name for entry in self.spec[1:] for name in entry)
+
+    @property
+    def shard_grid(self) -> tuple[int, ...]:
+        """Per inner axis, how many pieces the sharding cuts it into."""
+        sizes = dict(self.mesh_axes)
+        return tuple(math.prod(sizes[n] for n in entry) for entry in self.spec[1:])
+
+    @property
+    def num_shards(self) -> int:
+        """Distinct pieces one block is split into (replicas not counted)."""
+        return math.prod(self.shard_grid)
+
+    @property
+    def shard_block_shape(self) -> tuple[int, ...]:
+        """The shape of the piece of one block that one device holds."""
+        return tuple(d // g for d, g in zip(self.block_shape, self.shard_grid))
+
+    @property
+    def bytes_per_block_per_shard(self) -> int:
+        """Bytes of the piece of one block that one device holds."""
+        return math.prod(self.shard_block_shape) * self.np_dtype.itemsize
+
+    # Shardings.
+
+    def partition_spec(self) -> PartitionSpec:
+        """The caches' `PartitionSpec`."""
+        return PartitionSpec(*(_entry_to_spec(e) for e in self.spec))
+
+    def host_partition_spec(self) -> PartitionSpec:
+        """The `PartitionSpec` of gathered blocks: the caches' spec with axis 0 unsharded.
+
+        Gathered rows are replicated over the mesh axes that shard the block axis, so
+        every device's host shard holds whole requested blocks in request order.
+        """
+        return PartitionSpec(None, *(_entry_to_spec(e) for e in self.spec[1:]))
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Raise `LayoutMismatchError` unless `mesh` has this layout's axis names and sizes."""
+        got = tuple((str(n), int(s)) for n, s in mesh.shape.items())
+        if got != self.mesh_axes:
+            raise LayoutMismatchError(f"mesh axes {got} differ from the layout's {self.mesh_axes}")
+
+    # Serialisation and peer checks.
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, JSON-serialisable dict of the layout (lists, strings, ints)."""
+        return {
+            "version": _DICT_VERSION,
+            "num_layers": self.num_layers,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "mesh_axes": [[n, s] for n, s in self.mesh_axes],
+            "spec": [list(e) for e in self.spec],
+            "kernel_ratio": self.kernel_ratio,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheLayout:
+        """Inverse of `to_dict`; raises `InvalidInputError` on a malformed dict."""
+        try:
+            version = data.get("version", _DICT_VERSION)
+            if version != _DICT_VERSION:
+                raise InvalidInputError(f"layout dict version {version!r} is not {_DICT_VERSION}")
+            return cls(
+                num_layers=int(data["num_layers"]),
+                shape=tuple(int(d) for d in data["shape"]),
+                dtype=str(data["dtype"]),
+                mesh_axes=tuple((str(n), int(s)) for n, s in data["mesh_axes"]),
+                spec=tuple(tuple(str(n) for n in e) for e in data["spec"]),
+                kernel_ratio=int(data.get("kernel_ratio", 1)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, InvalidInputError):
+                raise
+            raise InvalidInputError(f"malformed layout dict {dict(data)!r}: {e!r}") from e
+
+    def check_compatible(self, other: CacheLayout) -> None:
+        """Raise `LayoutMismatchError` naming the first field where `other` differs.
+
+        Blocks can move between two layouts only when every field matches: the bytes
+        of a block and how they are cut into shards depend on all of them. `num_blocks`
+        is the exception: P and D may size their caches differently.
+        """
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if field.name == "shape":
+                mine, theirs = mine[1:], theirs[1:]
+                name = "block_shape"
+            else:
+                name = field.name
+            if mine != theirs:
+                raise LayoutMismatchError(f"layout {name} differs: ours {mine}, theirs {theirs}")
+
+
+def _entry_to_spec(entry: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    if not entry:
+        return None
+    return entry[0] if len(entry) == 1 else entry
