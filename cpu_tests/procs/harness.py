@@ -22,15 +22,23 @@ class PeerError(Exception):
 class Peer:
     """A P or D transport in a child process; `call` never waits past its timeout."""
 
-    def __init__(self, role, spec, start_timeout=30.0):
+    def __init__(self, role, spec, start_timeout=60.0):
         self.role = role
+        self.start_timeout = start_timeout
+        self._port = None
         self.log = tempfile.TemporaryFile()
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
             [sys.executable, PEER, role, json.dumps(spec)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=REPO,
         )
-        self.port = self._answer(start_timeout)["port"]
+
+    @property
+    def port(self):
+        """The NIXL listener port; waits for the child to be ready (spawn is async)."""
+        if self._port is None:
+            self._port = self._answer(self.start_timeout)["port"]
+        return self._port
 
     def _answer(self, timeout):
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -42,6 +50,7 @@ class Peer:
         return json.loads(line)
 
     def call(self, op, timeout=20.0, **fields):
+        self.port  # noqa: B018 - the first answer is the port
         self.proc.stdin.write((json.dumps({"op": op, **fields}) + "\n").encode())
         self.proc.stdin.flush()
         out = self._answer(timeout)

@@ -40,6 +40,17 @@ def main():
     staging = Staging(spec["layers"], spec["slots"], spec["block_shape"], spec["dtype"])
     config = TransportConfig(**spec["config"])
     layout = spec["layout"]
+    if spec.get("corrupt_layout"):
+        # Test hook: this P's layout advertisement arrives cut in half.
+        from kvxfer import transport
+
+        encode = transport.encode_message
+
+        def truncating(kind, /, **fields):
+            raw = encode(kind, **fields)
+            return raw[: len(raw) // 2] if kind == "layout" else raw
+
+        transport.encode_message = truncating
     if role == "P":
         t = PrefillTransport(config, staging, layout)
     else:
@@ -97,6 +108,9 @@ def main():
                     out = {"failed": failed[req], "took": took}
                 else:
                     out = {"pending": True, "took": took}
+            elif op == "expect":
+                t.expect(cmd["params"])
+                out = {}
             elif op == "rows":
                 slots = staging.slots(cmd["req_id"], cmd["local_ids"])
                 out = {"rows": [base64.b64encode(staging.rows(layer, slots).tobytes()).decode()

@@ -1,0 +1,217 @@
+"""NIXL transport between two real processes on loopback, each with its own agent.
+
+P and D run in `procs/peer.py` children driven over pipes; every call has a
+hard timeout and children are killed at teardown, so nothing here can hang.
+"""
+
+import base64
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.errors import LayoutMismatchError, TransferError
+from kvxfer.transport import check_layouts, decode_message, encode_message, free_port
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.harness import Peer, PeerError  # noqa: E402
+from procs.peer import block_rows  # noqa: E402
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+LAYERS, SLOTS, SHAPE, DTYPE = 3, 64, (4, 2, 8), "float32"
+LAYOUT = {"tp_size": 1, "tp_rank": 0, "dtype": DTYPE, "block_shape": list(SHAPE),
+          "kernel_block_size": 4, "kernel_ratio": 2}
+D_RATIO = 2  # D's logical blocks span two kernel blocks
+TIMEOUT = 3.0  # D's transfer deadline
+
+
+def spec(name, layout=LAYOUT, **config):
+    return {"layers": LAYERS, "slots": SLOTS, "block_shape": list(SHAPE), "dtype": DTYPE,
+            "layout": layout, "kernel_ratio": D_RATIO,
+            "config": {"name": name, "handshake_timeout_s": TIMEOUT,
+                       "transfer_timeout_s": TIMEOUT, "heartbeat_interval_s": 0.1, **config}}
+
+
+@pytest.fixture(scope="module")
+def peers():
+    """All children start at once (start-up overlaps), are shared, and are always killed."""
+    started = {
+        "P": Peer("P", spec("P")),
+        "D": Peer("D", spec("D")),
+        "P_dead": Peer("P", spec("P_dead")),
+        "P_lease": Peer("P", spec("P_lease", lease_s=1.0)),
+        "P_tp": Peer("P", spec("P_tp", layout={**LAYOUT, "tp_size": 4})),
+        "P_dtype": Peer("P", spec("P_dtype", layout={**LAYOUT, "dtype": "bfloat16"})),
+        "P_corrupt": Peer("P", {**spec("P_corrupt"), "corrupt_layout": True}),
+    }
+    try:
+        for peer in started.values():
+            peer.port  # noqa: B018 - wait until each is listening
+        yield started
+    finally:
+        for peer in started.values():
+            peer.kill()
+
+
+def connect(d, p, name):
+    return d.call("connect", peer=name, host="127.0.0.1", port=p.port)
+
+
+def read(d, req_id, params, local_ids, within=TIMEOUT + 2):
+    d.call("read", req_id=req_id, params=params, local_ids=local_ids)
+    return d.call("wait", req_id=req_id, within=within, timeout=within + 10)
+
+
+def d_rows(d, req_id, local_ids):
+    rows = d.call("rows", req_id=req_id, local_ids=local_ids)["rows"]
+    return [np.frombuffer(base64.b64decode(r), DTYPE).reshape(len(local_ids), *SHAPE)
+            for r in rows]
+
+
+def expected(seed_of, kernel_ids):
+    """Blocks P staged: `seed_of[k]` is the seed of the newest copy of block k."""
+    return [np.stack([block_rows(seed_of[k], [k], layer, SHAPE, DTYPE)[0] for k in kernel_ids])
+            for layer in range(LAYERS)]
+
+
+def assert_same_bytes(got, want):
+    for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.tobytes() == w.tobytes(), f"layer {layer} differs"
+
+
+def test_d_reads_exactly_the_bytes_p_staged(peers):
+    p, d = peers["P"], peers["D"]
+    rng = np.random.default_rng(0)
+    p_ids = [int(x) for x in rng.choice(1000, 12, replace=False)]
+    d_ids = [int(x) for x in rng.choice(1000, 12, replace=False)]
+    p.call("stage", req_id="exact", kernel_ids=p_ids, seed=11)
+    params = p.call("hold", req_id="exact")["params"]
+    assert connect(d, p, "P")["layout"] == LAYOUT
+    assert read(d, "exact", params, d_ids).get("finished")
+    assert_same_bytes(d_rows(d, "exact", d_ids), expected(dict.fromkeys(p_ids, 11), p_ids))
+    out = p.call("freed")
+    assert "exact" in out["freed"] and "exact" not in out["held"]
+    d.call("free", req_id="exact")
+
+
+def test_restaged_block_is_read_in_its_newest_copy(peers):
+    p, d = peers["P"], peers["D"]
+    p.call("stage", req_id="chunks", kernel_ids=[40, 41], seed=1, reserve=3)
+    p.call("stage", req_id="chunks", kernel_ids=[41, 42], seed=2)  # 41 straddled the boundary
+    params = p.call("hold", req_id="chunks")["params"]
+    assert params["kernel_ids"] == [40, 41, 42]
+    assert params["slots"] == list(range(params["slots"][0], params["slots"][0] + 3))
+    assert read(d, "chunks", params, [7, 8, 9]).get("finished")
+    assert_same_bytes(d_rows(d, "chunks", [7, 8, 9]), expected({40: 1, 41: 2, 42: 2}, [40, 41, 42]))
+    d.call("free", req_id="chunks")
+
+
+def test_dead_p_fails_request_in_logical_ids_and_d_serves_others(peers):
+    p_dead, p, d = peers["P_dead"], peers["P"], peers["D"]
+    p_dead.call("stage", req_id="doomed", kernel_ids=[1, 2, 3, 4], seed=5)
+    params = p_dead.call("hold", req_id="doomed")["params"]
+    connect(d, p_dead, "P_dead")
+    d.call("read", req_id="doomed", params=params, local_ids=[10, 11, 20, 21])
+    p_dead.kill()
+    start = time.monotonic()
+    out = d.call("wait", req_id="doomed", within=TIMEOUT + 2, timeout=TIMEOUT + 15)
+    assert out.get("failed") == [5, 10]  # D kernel ids 10,11 | 20,21 at ratio 2
+    assert time.monotonic() - start < TIMEOUT + 2
+    p.call("stage", req_id="after", kernel_ids=[3, 4], seed=6)
+    params = p.call("hold", req_id="after")["params"]
+    assert read(d, "after", params, [30, 31]).get("finished")
+    assert_same_bytes(d_rows(d, "after", [30, 31]), expected({3: 6, 4: 6}, [3, 4]))
+    d.call("free", req_id="after")
+
+
+def test_expired_lease_frees_blocks_and_late_read_fails_not_garbage(peers):
+    p, d = peers["P_lease"], peers["D"]
+    connect(d, p, "P_lease")
+    p.call("stage", req_id="late", kernel_ids=[5, 6], seed=7)
+    params = p.call("hold", req_id="late")["params"]
+    p.call("sleep", s=1.3)
+    out = p.call("freed")
+    assert "late" in out["freed"] and out["held"] == []
+    # The freed slots are reused: reading them now would return another request's bytes.
+    reused = p.call("stage", req_id="other", kernel_ids=[8, 9], seed=8)["slots"]
+    assert set(reused) == set(params["slots"])
+    assert read(d, "late", params, [40, 41]).get("failed") == [20]
+
+
+def test_heartbeats_keep_a_lease_alive_until_d_reads(peers):
+    p, d = peers["P_lease"], peers["D"]
+    connect(d, p, "P_lease")
+    p.call("stage", req_id="kept", kernel_ids=[12, 13], seed=9)
+    params = p.call("hold", req_id="kept")["params"]
+    d.call("expect", params=params)
+    d.call("sleep", s=2.0)  # twice the lease; D heartbeats every 0.1 s meanwhile
+    assert "kept" in p.call("freed")["held"]
+    assert read(d, "kept", params, [50, 51]).get("finished")
+    assert_same_bytes(d_rows(d, "kept", [50, 51]), expected({12: 9, 13: 9}, [12, 13]))
+    d.call("free", req_id="kept")
+
+
+def test_every_expired_lease_is_reaped_not_only_up_to_a_live_one(peers):
+    p, d = peers["P_lease"], peers["D"]
+    connect(d, p, "P_lease")
+    for i, req in enumerate(["e1", "live", "e2"]):
+        p.call("stage", req_id=req, kernel_ids=[60 + i], seed=i)
+    params = {req: p.call("hold", req_id=req)["params"] for req in ["e1", "live", "e2"]}
+    d.call("expect", params=params["live"])
+    d.call("sleep", s=1.3)
+    out = p.call("freed")
+    assert {"e1", "e2"} <= set(out["freed"]) and out["held"] == ["live"]
+
+
+def test_peer_with_other_tp_size_is_rejected_at_handshake(peers):
+    with pytest.raises(PeerError, match="tp_size") as e:
+        connect(peers["D"], peers["P_tp"], "P_tp")
+    assert e.value.kind == "LayoutMismatchError"
+
+
+def test_peer_with_other_dtype_is_rejected_naming_the_field(peers):
+    with pytest.raises(PeerError, match=r"dtype: peer='bfloat16' local='float32'") as e:
+        connect(peers["D"], peers["P_dtype"], "P_dtype")
+    assert e.value.kind == "LayoutMismatchError"
+
+
+def test_truncated_layout_message_is_a_clear_error(peers):
+    with pytest.raises(PeerError, match="corrupt or truncated") as e:
+        connect(peers["D"], peers["P_corrupt"], "P_corrupt")
+    assert e.value.kind == "TransferError"
+
+
+def test_unknown_peer_times_out_with_a_clear_error(peers):
+    start = time.monotonic()
+    with pytest.raises(PeerError, match=r"'nobody'.*no NIXL metadata within") as e:
+        connect(peers["D"], type("NoPeer", (), {"port": free_port()})(), "nobody")
+    assert e.value.kind == "TransferError"
+    assert time.monotonic() - start < TIMEOUT + 5
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b"\x00\x01garbage", "not a kvxfer message"),
+        (encode_message("layout", agent="P", layout={})[:-5], "corrupt or truncated"),
+        (b"kvxfer:[1, 2]", "no type"),
+        (b'kvxfer:{"v": 99, "t": "layout"}', "protocol 99"),
+    ],
+)
+def test_bad_message_bytes_raise_transfer_error(raw, match):
+    with pytest.raises(TransferError, match=match):
+        decode_message(raw, "P")
+
+
+def test_message_round_trips():
+    msg = decode_message(encode_message("done", req_id="r", generation=3), "D")
+    assert (msg["t"], msg["req_id"], msg["generation"]) == ("done", "r", 3)
+
+
+def test_layout_check_ignores_tp_rank_but_lists_other_differences():
+    check_layouts({**LAYOUT, "tp_rank": 1}, LAYOUT)
+    with pytest.raises(LayoutMismatchError, match="block_shape.*dtype"):
+        check_layouts(LAYOUT, {**LAYOUT, "dtype": "int8", "block_shape": [1]})
