@@ -295,70 +295,92 @@ def _uint(dtype: np.dtype) -> np.dtype:
 def _gather_fn(layout: CacheLayout, mesh: Mesh, fingerprints: bool):
     layout.check_mesh(mesh)
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
-    host = NamedSharding(mesh, layout.host_partition_spec(), memory_kind="pinned_host")
-    out_shardings: object = [host] * layout.num_layers
-    fp_spec = PartitionSpec(None, layout.shard_axes or None)
-    if fingerprints:
-        fp_sharding = NamedSharding(
-            mesh, PartitionSpec(None, None, layout.shard_axes or None), memory_kind="pinned_host"
-        )
-        out_shardings = (out_shardings, fp_sharding)
-        piece_fp = jax.shard_map(
-            lambda x: _device_fingerprint(x)[:, None],
-            mesh=mesh,
-            in_specs=layout.host_partition_spec(),
-            out_specs=fp_spec,
-            check_vma=False,
-        )
+    block_axes = layout.spec[0]
+    shard_axes = layout.shard_axes or None
+    cache_spec, host_spec = layout.partition_spec(), layout.host_partition_spec()
+    fp_spec = PartitionSpec(None, None, shard_axes)
 
-    take = _take_rows(mesh, NamedSharding(mesh, layout.host_partition_spec()))
-
-    def gather(caches: list[jax.Array], ids: jax.Array):
-        rows = [take(lax.bitcast_convert_type(c, udtype), ids) for c in caches]
+    def local(caches: list[jax.Array], ids: jax.Array):
+        # Per device: its shard of each cache, [num_blocks / data, *shard_block_shape].
+        if block_axes:
+            ids, inside = _local_ids(ids, caches[0].shape[0], block_axes)
+        rows = []
+        for cache in caches:
+            row = jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0)
+            if block_axes:
+                # Each block lives on one shard of the block axes: the others add zeros.
+                row = lax.psum(jnp.where(_bcast(inside, row.ndim), row, 0), block_axes)
+            rows.append(row)
         blocks = [lax.bitcast_convert_type(r, dtype) for r in rows]
         if not fingerprints:
             return blocks
-        return blocks, jnp.stack([piece_fp(r) for r in rows])
+        return blocks, jnp.stack([_device_fingerprint(r) for r in rows])[:, :, None]
 
-    return jax.jit(gather, out_shardings=out_shardings)
+    out_specs: object = [host_spec] * layout.num_layers
+    host = NamedSharding(mesh, host_spec, memory_kind="pinned_host")
+    out_shardings: object = [host] * layout.num_layers
+    if fingerprints:
+        out_specs = (out_specs, fp_spec)
+        out_shardings = (out_shardings, NamedSharding(mesh, fp_spec, memory_kind="pinned_host"))
+    per_shard = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=([cache_spec] * layout.num_layers, PartitionSpec()),
+        out_specs=out_specs,
+        check_vma=False,
+    )
+    return jax.jit(per_shard, out_shardings=out_shardings)
 
 
 @functools.lru_cache(maxsize=64)
 def _scatter_fn(layout: CacheLayout, mesh: Mesh):
     layout.check_mesh(mesh)
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
-    on_device = NamedSharding(mesh, layout.host_partition_spec())
-    cache_sharding = NamedSharding(mesh, layout.partition_spec())
-    explicit = {"out_sharding": cache_sharding} if _explicit_mesh(mesh) else {}
+    block_axes = layout.spec[0]
+    cache_spec, host_spec = layout.partition_spec(), layout.host_partition_spec()
+    on_device = NamedSharding(mesh, host_spec)
 
-    def scatter(caches: list[jax.Array], rows: list[jax.Array], ids: jax.Array):
+    def local(caches: list[jax.Array], rows: list[jax.Array], ids: jax.Array):
+        num_local = caches[0].shape[0]
+        if block_axes:
+            ids, inside = _local_ids(ids, num_local, block_axes)
+            ids = jnp.where(inside, ids, num_local)  # another shard's block: dropped here
         out = []
         for cache, row in zip(caches, rows):
-            row = lax.bitcast_convert_type(jax.device_put(row, on_device), udtype)
-            new = lax.bitcast_convert_type(cache, udtype).at[ids].set(row, mode="drop", **explicit)
+            row = lax.bitcast_convert_type(row, udtype)
+            new = lax.bitcast_convert_type(cache, udtype).at[ids].set(row, mode="drop")
             out.append(lax.bitcast_convert_type(new, dtype))
         return out
 
-    return jax.jit(
-        scatter, out_shardings=[cache_sharding] * layout.num_layers, donate_argnums=0
+    per_shard = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=([cache_spec] * layout.num_layers, [host_spec] * layout.num_layers,
+                  PartitionSpec()),
+        out_specs=[cache_spec] * layout.num_layers,
+        check_vma=False,
     )
 
+    def scatter(caches: list[jax.Array], rows: list[jax.Array], ids: jax.Array):
+        rows = [jax.device_put(r, on_device) for r in rows]  # pinned host -> device
+        return per_shard(caches, rows, ids)
 
-def _explicit_mesh(mesh: Mesh) -> bool:
-    """Whether `mesh` carries shardings in types (the default of `jax.make_mesh`)."""
-    kinds = set(mesh.axis_types)
-    if len(kinds) > 1:
-        raise InvalidInputError(
-            f"mesh {mesh.shape} mixes axis types {mesh.axis_types}; use all Explicit or all Auto"
-        )
-    return kinds == {jax.sharding.AxisType.Explicit}
+    cache_sharding = NamedSharding(mesh, cache_spec)
+    return jax.jit(scatter, out_shardings=[cache_sharding] * layout.num_layers, donate_argnums=0)
 
 
-def _take_rows(mesh: Mesh, out: NamedSharding):
-    """`x[ids]` along axis 0, stating the output sharding where the mesh needs it."""
-    if _explicit_mesh(mesh):
-        return lambda x, ids: x.at[ids].get(out_sharding=out)
-    return lambda x, ids: jnp.take(x, ids, axis=0)
+def _local_ids(
+    ids: jax.Array, num_local: int, block_axes: tuple[str, ...]
+) -> tuple[jax.Array, jax.Array]:
+    """Global ids as offsets into this device's contiguous range of blocks, and which fall in it."""
+    first = lax.axis_index(block_axes) * num_local
+    local = ids - first
+    inside = (local >= 0) & (local < num_local)
+    return jnp.where(inside, local, 0), inside
+
+
+def _bcast(mask: jax.Array, ndim: int) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
 # The fingerprint, on device and on host. Both must give identical values.

@@ -89,7 +89,9 @@ class CacheLayout:
             raise InvalidInputError(f"spec {self.spec} names mesh axes {unknown} not in {self.mesh_axes}")
         if len(set(used)) != len(used):
             raise InvalidInputError(f"spec {self.spec} uses a mesh axis twice")
-        for axis, (dim, grid) in enumerate(zip(self.shape[1:], self.shard_grid), start=1):
+        block_grid = math.prod(sizes[n] for n in self.spec[0])
+        grids = (block_grid, *self.shard_grid)
+        for axis, (dim, grid) in enumerate(zip(self.shape, grids)):
             if dim % grid:
                 raise InvalidInputError(
                     f"axis {axis} of size {dim} does not split evenly into {grid} shards "

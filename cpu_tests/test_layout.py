@@ -1,0 +1,118 @@
+"""CacheLayout: read off the caches, hashable, dict round-trip, peer compatibility."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.layout import CacheLayout
+
+
+def _caches(mesh_shape, names, spec, shape, dtype=jnp.bfloat16, layers=2):
+    mesh = jax.make_mesh(mesh_shape, names)
+    sharding = NamedSharding(mesh, spec)
+    return [jax.device_put(jnp.zeros(shape, dtype), sharding) for _ in range(layers)]
+
+
+def test_reads_shape_dtype_mesh_and_spec_off_the_caches():
+    caches = _caches((2, 4), ("data", "model"), P("data", None, "model"), (16, 8, 8, 2, 16))
+    layout = CacheLayout.from_caches(caches, kernel_ratio=2)
+    assert layout.num_layers == 2
+    assert layout.shape == (16, 8, 8, 2, 16)
+    assert layout.dtype == "bfloat16"
+    assert layout.mesh_axes == (("data", 2), ("model", 4))
+    assert layout.spec == (("data",), (), ("model",), (), ())
+    assert layout.kernel_ratio == 2
+    assert layout.partition_spec() == P("data", None, "model", None, None)
+    assert layout.host_partition_spec() == P(None, None, "model", None, None)
+
+
+def test_bytes_per_block_per_shard_divides_by_the_inner_sharding_only():
+    caches = _caches((2, 4), ("dcp", "model"), P(None, "dcp", "model"), (16, 8, 8, 2, 16))
+    layout = CacheLayout.from_caches(caches)
+    assert layout.block_bytes == 8 * 8 * 2 * 16 * 2
+    assert layout.shard_grid == (2, 4, 1, 1)
+    assert layout.num_shards == 8
+    assert layout.shard_block_shape == (4, 2, 2, 16)
+    assert layout.bytes_per_block_per_shard == layout.block_bytes // 8
+
+
+def test_block_axis_sharding_does_not_split_a_block():
+    caches = _caches((2, 4), ("data", "model"), P("data"), (16, 4, 2, 64), jnp.int8)
+    layout = CacheLayout.from_caches(caches)
+    assert layout.num_shards == 1
+    assert layout.bytes_per_block_per_shard == 4 * 2 * 64
+
+
+def test_layout_is_hashable_and_equal_layouts_hash_alike():
+    a = CacheLayout.from_caches(_caches((1, 8), ("data", "model"), P(None, None, "model"),
+                                        (16, 8, 8, 2, 16)))
+    b = CacheLayout.from_caches(_caches((1, 8), ("data", "model"), P(None, None, "model"),
+                                        (16, 8, 8, 2, 16)))
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b}) == 1
+
+
+def test_dict_round_trip_survives_json():
+    layout = CacheLayout.from_caches(
+        _caches((2, 4), ("data", "model"), P("data", None, ("model",)), (16, 8, 8, 4, 16),
+                jnp.float8_e4m3fn),
+        kernel_ratio=4,
+    )
+    again = CacheLayout.from_dict(json.loads(json.dumps(layout.to_dict())))
+    assert again == layout
+
+
+def test_from_dict_rejects_a_malformed_dict():
+    with pytest.raises(InvalidInputError, match="malformed"):
+        CacheLayout.from_dict({"shape": [4, 4]})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("dtype", "float8_e5m2"), ("kernel_ratio", 2), ("num_layers", 3),
+     ("spec", ((), (), (), (), ())), ("mesh_axes", (("data", 4), ("model", 2)))],
+)
+def test_check_compatible_names_the_differing_field(field, value):
+    layout = CacheLayout(2, (16, 8, 8, 2, 16), "bfloat16", (("data", 2), ("model", 4)),
+                         ((), (), ("model",), (), ()))
+    other = CacheLayout.from_dict({**layout.to_dict(), field: value})
+    with pytest.raises(LayoutMismatchError, match=field):
+        layout.check_compatible(other)
+
+
+def test_check_compatible_allows_a_different_number_of_blocks_but_not_block_shape():
+    layout = CacheLayout(1, (16, 8, 16), "int8", (("model", 8),), ((), (), ("model",)))
+    layout.check_compatible(CacheLayout.from_dict({**layout.to_dict(), "shape": [64, 8, 16]}))
+    with pytest.raises(LayoutMismatchError, match="block_shape"):
+        layout.check_compatible(CacheLayout.from_dict({**layout.to_dict(), "shape": [16, 8, 8]}))
+
+
+def test_rejects_empty_cache_list():
+    with pytest.raises(InvalidInputError, match="empty"):
+        CacheLayout.from_caches([])
+
+
+def test_rejects_layers_of_mixed_dtype_naming_the_layer():
+    caches = _caches((1, 8), ("data", "model"), P(None, None, "model"), (16, 8, 8, 2, 16))
+    odd = jax.device_put(jnp.zeros((16, 8, 8, 2, 16), jnp.float32), caches[0].sharding)
+    with pytest.raises(LayoutMismatchError, match=r"caches\[2\] dtype float32"):
+        CacheLayout.from_caches(caches + [odd])
+
+
+def test_rejects_layers_of_mixed_sharding_naming_the_layer():
+    caches = _caches((1, 8), ("data", "model"), P(None, None, "model"), (16, 8, 8, 2, 16))
+    odd = jax.device_put(np.zeros((16, 8, 8, 2, 16), np.float32).astype(jnp.bfloat16),
+                         NamedSharding(caches[0].sharding.mesh, P(None, "model")))
+    with pytest.raises(LayoutMismatchError, match=r"caches\[1\] spec"):
+        CacheLayout.from_caches([caches[0], odd])
+
+
+def test_rejects_an_inner_axis_that_does_not_split_evenly():
+    with pytest.raises(InvalidInputError, match="does not split evenly"):
+        CacheLayout(1, (16, 6, 16), "int8", (("model", 4),), ((), ("model",), ()))

@@ -1,0 +1,151 @@
+"""Benchmark of `kvxfer.gather.gather_blocks` against memcpy of the same bytes.
+
+`run()` builds per-layer caches on a `('data', 'model')` mesh sharded
+`P(None, None, 'model')`, gathers random block ids to pinned host memory and
+reports bandwidths as ratios against numpy memcpy of the same number of bytes,
+measured in the same run (interleaved with the gathers, best of `iters`), so
+the figures mean something on a shared, noisy machine. `kvxfer bench gather
+--json` prints the returned dict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from kvxfer.gather import bucket_size, gather_blocks
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def run(
+    layers: int = 8,
+    num_blocks: int = 1024,
+    block_shape: tuple[int, ...] = (16, 8, 2, 128),
+    dtype: str = "bfloat16",
+    count: int = 256,
+    mesh_shape: tuple[int, int] = (1, 8),
+    iters: int = 10,
+    seed: int = 0,
+    recompile_trials: int = 100,
+) -> dict[str, float | int]:
+    """Measure gather bandwidth, recompiles and fingerprint cost.
+
+    **Arguments:**
+
+    - `layers`, `num_blocks`, `block_shape`, `dtype`: the caches,
+      `layers x [num_blocks, *block_shape]`. `block_shape[1]` is sharded over `'model'`.
+    - `count`: how many random distinct block ids each timed gather copies.
+    - `mesh_shape`: the `('data', 'model')` mesh; needs that many JAX devices.
+    - `iters`: timed rounds; each figure is the best round.
+    - `seed`: for the cache contents and block ids.
+    - `recompile_trials`: gathers with random counts in `[1, count]` after warm-up,
+      over which compilations are counted.
+
+    **Returns:**
+
+    A dict: `gather_gbps`, `memcpy_gbps` (numpy `copyto` of the same bytes),
+    `gather_over_memcpy`, `naive_over_memcpy` (per layer: jitted take, `device_get`,
+    numpy scatter into a host mirror of the cache, the shape of vLLM's TPU path),
+    `recompiles_after_warmup` (backend compilations during the trials),
+    `fingerprint_overhead` (extra time of `fingerprints=True`, as a fraction), plus
+    `bytes` copied per gather and `naive_gbps`.
+    """
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"))
+    sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
+    caches = _random_caches(layers, (num_blocks, *block_shape), np.dtype(dtype), sharding, seed)
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(num_blocks, size=count, replace=False).astype(np.int32)
+    nbytes = layers * count * int(np.prod(block_shape)) * np.dtype(dtype).itemsize
+
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    naive = _naive_path(caches, sharding)
+    timed: dict[str, Callable[[], object]] = {
+        "memcpy": lambda: np.copyto(dst, src),
+        "gather": lambda: gather_blocks(caches, ids),
+        "gather_fp": lambda: gather_blocks(caches, ids, fingerprints=True),
+        "naive": lambda: naive(ids),
+    }
+    for fn in timed.values():  # warm-up: compile, fault in pages
+        jax.block_until_ready(fn())
+    best = {name: float("inf") for name in timed}
+    for _ in range(iters):  # interleaved, so load from other processes hits all alike
+        for name, fn in timed.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            best[name] = min(best[name], time.perf_counter() - start)
+
+    recompiles = _count_recompiles(caches, num_blocks, count, recompile_trials, rng)
+    gbps = {name: nbytes / t / 1e9 for name, t in best.items()}
+    return {
+        "gather_gbps": gbps["gather"],
+        "memcpy_gbps": gbps["memcpy"],
+        "gather_over_memcpy": gbps["gather"] / gbps["memcpy"],
+        "naive_over_memcpy": gbps["naive"] / gbps["memcpy"],
+        "recompiles_after_warmup": recompiles,
+        "fingerprint_overhead": (best["gather_fp"] - best["gather"]) / best["gather"],
+        "bytes": nbytes,
+        "naive_gbps": gbps["naive"],
+    }
+
+
+def _random_caches(
+    layers: int, shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding, seed: int
+) -> list[jax.Array]:
+    """Random bit patterns (NaN payloads included), generated on device."""
+    udtype = np.dtype(f"uint{8 * dtype.itemsize}")
+
+    def bits(key: jax.Array) -> jax.Array:
+        return lax.bitcast_convert_type(jax.random.bits(key, shape, udtype), jnp.dtype(dtype))
+
+    make = jax.jit(bits, out_shardings=sharding)
+    keys = jax.random.split(jax.random.key(seed), layers)
+    return [make(k) for k in keys]
+
+
+def _naive_path(caches: list[jax.Array], sharding: NamedSharding) -> Callable[[np.ndarray], None]:
+    """Per layer: gather on device, `device_get`, numpy scatter into a host mirror."""
+    mirror = [np.empty(c.shape, c.dtype) for c in caches]
+    take = jax.jit(lambda c, i: jnp.take(c, i, axis=0, mode="clip"))
+    ids_sharding = NamedSharding(sharding.mesh, PartitionSpec())
+
+    def copy(ids: np.ndarray) -> None:
+        device_ids = jax.device_put(ids, ids_sharding)
+        for cache, host in zip(caches, mirror):
+            host[ids] = jax.device_get(take(cache, device_ids))
+
+    return copy
+
+
+def _count_recompiles(
+    caches: list[jax.Array], num_blocks: int, count: int, trials: int, rng: np.random.Generator
+) -> int:
+    """Backend compilations over `trials` gathers of random counts, after one per bucket."""
+    n = 1
+    while True:  # warm-up: one gather per bucket up to count's
+        gather_blocks(caches, np.arange(n) % num_blocks)
+        if bucket_size(n) >= bucket_size(count):
+            break
+        n = bucket_size(n) + 1
+    compiles = 0
+
+    def listener(event: str, duration: float, **kwargs: object) -> None:
+        nonlocal compiles
+        if event == _COMPILE_EVENT:
+            compiles += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for _ in range(trials):
+            k = int(rng.integers(1, count + 1))
+            ids = rng.choice(num_blocks, size=k, replace=k > num_blocks)
+            jax.block_until_ready(gather_blocks(caches, ids))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return compiles
