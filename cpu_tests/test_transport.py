@@ -215,3 +215,12 @@ def test_layout_check_ignores_tp_rank_but_lists_other_differences():
     check_layouts({**LAYOUT, "tp_rank": 1}, LAYOUT)
     with pytest.raises(LayoutMismatchError, match="block_shape.*dtype"):
         check_layouts(LAYOUT, {**LAYOUT, "dtype": "int8", "block_shape": [1]})
+
+
+def test_nixl_benchmark_reports_its_figures():
+    from kvxfer.bench.nixl import run
+
+    out = run(layers=2, blocks=8, block_bytes=4096, iters=1, timeout_s=20, verbose=False)
+    assert {"nixl_read_gbps", "memcpy_gbps", "nixl_over_memcpy", "descriptors"} <= set(out)
+    assert out["descriptors"] == 2  # one run per layer: each side's slots are contiguous
+    assert out["bytes"] == 2 * 8 * 4096 and out["nixl_read_gbps"] > 0
