@@ -1,4 +1,4 @@
-"""The `kvxfer` command: `kvxfer plan` and `kvxfer bench ...`."""
+"""The `kvxfer` command: `kvxfer demo`, `kvxfer plan` and `kvxfer bench ...`."""
 
 from __future__ import annotations
 
@@ -98,6 +98,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvxfer.demo import DemoConfig, report, run_demo
+
+    cfg = DemoConfig(layout=args.layout, dtype=args.dtype, tp_p=args.tp_p, tp_d=args.tp_d,
+                     layers=args.layers, budget=args.budget, block_size=args.block_size)
+    result = run_demo(cfg)
+    print(json.dumps(result) if args.json else "\n".join(report(result, cfg)))
+    return 0 if result["ok"] else 1
+
+
 _BENCHES = {
     "plan": "kvxfer.bench.plan",
     "gather": "kvxfer.bench.gather",
@@ -119,6 +129,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="P and D as two processes: chunked prefill, NIXL, verify")
+    demo.add_argument("--layout", default="attention", choices=["attention", "mla", "attention4d"])
+    demo.add_argument("--dtype", default="bfloat16",
+                      help="bfloat16, float8_e4m3fn, float8_e5m2, int8, ...")
+    demo.add_argument("--tp-p", type=int, default=4, help="P's devices on the model axis")
+    demo.add_argument("--tp-d", type=int, default=8, help="D's devices on the model axis")
+    demo.add_argument("--layers", type=int, default=4)
+    demo.add_argument("--block-size", type=int, default=16)
+    demo.add_argument("--budget", type=int, default=96, help="token budget per prefill step")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(func=_cmd_demo)
 
     plan = sub.add_parser("plan", help="simulate one chunked prefill and show the save plan")
     plan.add_argument("--prompt", type=int, required=True, help="prompt length in tokens")

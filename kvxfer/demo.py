@@ -1,0 +1,322 @@
+"""`kvxfer demo`: a prefill instance and a decode instance as two real processes.
+
+P shards its KV caches over its own CPU (or TPU) devices, prefills several
+prompts in chunks (with a straddling block, speculative lookahead blocks and
+a prefix-cache hit), writing random KV for each token, and saves what
+`SaveTracker` plans through `PrefillConnector`. D, in its own process with its
+own mesh, reads each finished request over NIXL into its own block ids,
+checks P's fingerprints, scatters into its caches, and compares every prompt
+token's KV with what P computed, byte for byte.
+
+The parent only relays `kv_transfer_params` from P to D, as a router would.
+Processes talk JSON lines over pipes; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvxfer.errors import KvxferError, TransferError
+
+LAYOUTS = ("attention", "mla", "attention4d")
+
+
+@dataclass
+class DemoConfig:
+    """One demo run. Layouts: tpu-inference attention (5-D), MLA, the older 4-D."""
+
+    layout: str = "attention"
+    dtype: str = "bfloat16"
+    layers: int = 4
+    num_blocks: int = 256
+    block_size: int = 16
+    heads: int = 8  # kv heads (K and V interleave to 2 * heads rows)
+    head_dim: int = 128
+    tp_p: int = 4
+    tp_d: int = 8
+    prompts: list[int] = field(default_factory=lambda: [40, 300, 517, 130])
+    cached: list[int] = field(default_factory=lambda: [0, 0, 64, 0])
+    budget: int = 96
+    lookahead: int = 3
+    seed: int = 0
+    timeout_s: float = 120.0
+
+
+def cache_shape(cfg: DemoConfig) -> tuple[int, ...]:
+    """Per-layer global cache shape of the chosen layout."""
+    p = 32 // (8 * _itemsize(cfg.dtype))
+    if cfg.layout == "attention":
+        return (cfg.num_blocks, cfg.block_size, -(-2 * cfg.heads // p), p, cfg.head_dim)
+    if cfg.layout == "mla":
+        if cfg.block_size % p:
+            raise KvxferError(f"MLA demo needs block size {cfg.block_size} divisible by {p}")
+        return (cfg.num_blocks, cfg.block_size // p, p, cfg.head_dim)
+    if cfg.layout == "attention4d":
+        return (cfg.num_blocks, cfg.block_size, 2 * cfg.heads, cfg.head_dim)
+    raise KvxferError(f"unknown demo layout {cfg.layout!r}; choose one of {LAYOUTS}")
+
+
+def _itemsize(dtype: str) -> int:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
+    import numpy as np
+
+    return np.dtype(dtype).itemsize
+
+
+# -- the two sides, each in its own process ------------------------------------------
+
+
+def _caches(cfg: DemoConfig, tp: int):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.array(jax.devices()[:tp]).reshape(1, tp)
+    mesh = Mesh(devices, ("data", "model"))
+    spec = PartitionSpec() if cfg.layout == "mla" else PartitionSpec(None, None, "model")
+    sharding = NamedSharding(mesh, spec)
+    shape = cache_shape(cfg)
+    return [jax.device_put(jnp.zeros(shape, cfg.dtype), sharding) for _ in range(cfg.layers)]
+
+
+def _token_rows(cache, table, n_tokens: int, block_size: int):
+    """The KV of tokens `[0, n_tokens)` through a block table, as `[n_tokens, rest]` numpy.
+
+    Every demo layout keeps a block's tokens on its leading inner axes
+    (attention: axis 1; MLA: axes 1-2, `(block / p, p)`), so a block reshapes
+    to `[block_size, rest]`.
+    """
+    import numpy as np
+
+    host = np.asarray(cache)
+    per_block = host.reshape(host.shape[0], block_size, -1)[np.asarray(table)]
+    return per_block.reshape(len(table) * block_size, -1)[:n_tokens]
+
+
+def _writer(cfg: DemoConfig, caches):
+    """A jitted 'forward pass': writes given rows at (block, offset) token positions."""
+    import jax
+
+    shape, shardings = caches[0].shape, [c.sharding for c in caches]
+    tpb = cfg.block_size
+
+    def write(caches, blocks, offsets, rows):
+        out = []
+        for cache, row in zip(caches, rows):
+            flat = cache.reshape(shape[0], tpb, -1)
+            out.append(flat.at[blocks, offsets].set(row, mode="drop").reshape(shape))
+        return out
+
+    return jax.jit(write, out_shardings=shardings, donate_argnums=0)
+
+
+def _serve_p(cfg: DemoConfig, out) -> None:
+    import jax
+    import numpy as np
+
+    from kvxfer.connector import ConnectorConfig, PrefillConnector
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.simulate import SimEngine
+    from kvxfer.transport import TransportConfig
+
+    caches = _caches(cfg, cfg.tp_p)
+    group = GroupSpec(cfg.block_size)
+    conn = PrefillConnector(
+        ConnectorConfig(TransportConfig("P"), staging_blocks=cfg.num_blocks), [group], caches)
+    _say(out, port=conn.transport.port)
+    engine = SimEngine([group], num_blocks=cfg.num_blocks, lookahead=cfg.lookahead)
+    rng = np.random.default_rng(cfg.seed)
+    row_bytes = int(np.prod(caches[0].shape[1:])) // cfg.block_size * caches[0].dtype.itemsize
+    write = _writer(cfg, caches)
+
+    def forward(start, stop, table):
+        # Padded to a power of two (padding rows land past the last block and are
+        # dropped) so a new token count does not compile a new program.
+        n, bucket = stop - start, 1 << (stop - start - 1).bit_length()
+        pos = np.arange(start, start + bucket)
+        blocks = np.full(bucket, cfg.num_blocks)
+        blocks[:n] = np.asarray(table)[pos[:n] // cfg.block_size]
+        rows = [rng.integers(0, 256, (bucket, row_bytes), np.uint8).view(caches[0].dtype)
+                for _ in caches]
+        return write(caches, jax.numpy.asarray(blocks), jax.numpy.asarray(pos % cfg.block_size), rows)
+
+    for i, (prompt, hit) in enumerate(zip(cfg.prompts, cfg.cached)):
+        engine.add(f"req{i}", prompt, hit)
+        conn.add_request(f"req{i}", prompt)
+    pending = set(engine.requests)
+    freed: list[str] = []
+    while pending:
+        scheduled = engine.schedule(cfg.budget)
+        for s in scheduled:
+            table = engine.requests[s.req_id].tables[0]
+            # A new request's first step also writes its prefix-cache hit's KV.
+            start = 0 if s.full_table else s.num_computed_tokens
+            caches = forward(start, s.num_computed_tokens + s.num_scheduled_tokens, table)
+        engine.forward(scheduled)
+        meta = conn.build_connector_meta(scheduled)
+        conn.wait_for_save(caches, meta)
+        for req_id in meta.completed:
+            req = engine.requests[req_id]
+            expected = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
+            np.save(expected, np.stack([
+                _token_rows(c, req.tables[0], req.num_prompt_tokens, cfg.block_size).view(np.uint8)
+                for c in caches]))
+            _say(out, params=conn.request_finished(req_id), expected=expected,
+                 prompt=req.num_prompt_tokens)
+            pending.discard(req_id)
+        freed += conn.get_finished()
+    deadline = time.monotonic() + cfg.timeout_s
+    while len(freed) < len(cfg.prompts) and time.monotonic() < deadline:
+        freed += conn.get_finished()
+        time.sleep(0.002)
+    _say(out, freed=sorted(freed))
+    # Serve until the parent says stop (D may still be finishing its checks).
+    while not select.select([sys.stdin], [], [], 0.01)[0]:
+        conn.get_finished()
+    conn.close()
+
+
+def _serve_d(cfg: DemoConfig, out) -> None:
+    import numpy as np
+
+    from kvxfer.blocks import cdiv
+    from kvxfer.connector import ConnectorConfig, DecodeConnector
+    from kvxfer.transport import TransportConfig
+
+    caches = _caches(cfg, cfg.tp_d)
+    conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks), caches)
+    _say(out, ready=True)
+    # D's own block ids: reversed, so they differ from P's.
+    free = list(range(cfg.num_blocks - 1, 0, -1))
+    tables: dict[str, tuple[list[int], str, int]] = {}
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if "stop" in msg:
+            break
+        params, prompt = msg["params"], msg["prompt"]
+        table = [free.pop(0) for _ in range(cdiv(prompt, cfg.block_size))]
+        tables[params["req_id"]] = (table, msg["expected"], prompt)
+        t0 = time.perf_counter()
+        conn.start_load_kv({params["req_id"]: (params, table)})
+        deadline = time.monotonic() + cfg.timeout_s
+        finished: list[str] = []
+        failed: list[str] = []
+        while not finished and not failed and time.monotonic() < deadline:
+            caches, finished, failed = conn.get_finished(caches)
+        seconds = time.perf_counter() - t0
+        for req_id in failed:
+            _say(out, req_id=req_id, ok=False, error="load failed",
+                 blocks=sorted(conn.get_block_ids_with_load_errors()))
+        for req_id in finished:
+            table, expected, prompt = tables[req_id]
+            want = np.load(expected)
+            got = np.stack([_token_rows(c, table, prompt, cfg.block_size).view(np.uint8) for c in caches])
+            bad = int((got != want).any(axis=(0, 2)).sum())
+            _say(out, req_id=req_id, ok=bad == 0, stale_tokens=bad, tokens=prompt,
+                 mb=want.nbytes / 1e6, seconds=seconds)
+            os.unlink(expected)
+        if not finished and not failed:
+            _say(out, req_id=params["req_id"], ok=False, error="no answer within deadline")
+    conn.close()
+
+
+def _say(out, **fields: Any) -> None:
+    out.write(json.dumps(fields) + "\n")
+    out.flush()
+
+
+def _child(role: str, cfg_json: str) -> None:
+    # NIXL and UCX log to stdout: answers go to a private copy of it, the rest to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    cfg = DemoConfig(**json.loads(cfg_json))
+    (_serve_p if role == "P" else _serve_d)(cfg, out)
+
+
+# -- the parent: start both, relay params, collect results ----------------------------
+
+
+class _Proc:
+    def __init__(self, role: str, cfg: DemoConfig, devices: int):
+        env = dict(os.environ)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        if env["JAX_PLATFORMS"] == "cpu":
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        self.role, self.timeout = role, cfg.timeout_s
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvxfer.demo", role, json.dumps(asdict(cfg))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
+
+    def read(self) -> dict[str, Any]:
+        if not select.select([self.proc.stdout], [], [], self.timeout)[0]:
+            raise TransferError(f"{self.role} said nothing within {self.timeout}s\n{self.tail()}")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise TransferError(f"{self.role} exited with {self.proc.poll()}\n{self.tail()}")
+        return json.loads(line)
+
+    def send(self, **fields: Any) -> None:
+        self.proc.stdin.write((json.dumps(fields) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        try:
+            self.send(stop=True)
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run P and D as two processes; returns per-request results and totals."""
+    cache_shape(cfg)  # reject a bad layout before starting anything
+    p = _Proc("P", cfg, max(cfg.tp_p, 1))
+    d = None
+    try:
+        p.read()  # P's listener is up
+        d = _Proc("D", cfg, max(cfg.tp_d, 1))
+        d.read()
+        results = []
+        while len(results) < len(cfg.prompts):
+            d.send(**p.read())  # one finished request's kv_transfer_params
+            results.append(d.read())
+        freed = p.read()["freed"]
+        return {"ok": all(r["ok"] for r in results), "requests": results, "p_freed": freed}
+    finally:
+        for proc in (d, p):
+            if proc is not None:
+                proc.stop()
+
+
+def report(result: dict[str, Any], cfg: DemoConfig) -> list[str]:
+    lines = [f"P: TP {cfg.tp_p}, D: TP {cfg.tp_d}, layout {cfg.layout} {cfg.dtype}, "
+             f"{cfg.layers} layers, block {cfg.block_size}, budget {cfg.budget}, "
+             f"lookahead {cfg.lookahead}"]
+    for r in result["requests"]:
+        if r["ok"]:
+            lines.append(f"{r['req_id']}: {r['tokens']} prompt tokens on D equal P's, byte for "
+                         f"byte ({r['mb']:.2f} MB, read + verify + scatter {r['seconds']:.3f} s)")
+        else:
+            lines.append(f"{r['req_id']}: FAILED {r}")
+    lines.append(f"P freed after D's reads: {', '.join(result['p_freed'])}")
+    lines.append("all requests intact" if result["ok"] else "SOME REQUESTS FAILED")
+    return lines
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
