@@ -15,6 +15,7 @@ Processes talk JSON lines over pipes; every wait has a deadline.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import subprocess
@@ -197,36 +198,50 @@ def _serve_d(cfg: DemoConfig, out) -> None:
     _say(out, ready=True)
     # D's own block ids: reversed, so they differ from P's.
     free = list(range(cfg.num_blocks - 1, 0, -1))
-    tables: dict[str, tuple[list[int], str, int]] = {}
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if "stop" in msg:
-            break
-        params, prompt = msg["params"], msg["prompt"]
-        table = [free.pop(0) for _ in range(cdiv(prompt, cfg.block_size))]
-        tables[params["req_id"]] = (table, msg["expected"], prompt)
-        t0 = time.perf_counter()
-        conn.start_load_kv({params["req_id"]: (params, table)})
-        deadline = time.monotonic() + cfg.timeout_s
-        finished: list[str] = []
-        failed: list[str] = []
-        while not finished and not failed and time.monotonic() < deadline:
-            caches, finished, failed = conn.get_finished(caches)
-        seconds = time.perf_counter() - t0
+    loads: dict[str, tuple[list[int], str, int, float]] = {}
+    stopping, inbox = False, _Lines(sys.stdin.fileno())
+    while not (stopping or inbox.closed) or loads:
+        # Start every request the router has forwarded, as soon as it arrives.
+        for msg in inbox.ready():
+            if "stop" in msg:
+                stopping = True
+                continue
+            params, prompt = msg["params"], msg["prompt"]
+            table = [free.pop(0) for _ in range(cdiv(prompt, cfg.block_size))]
+            loads[params["req_id"]] = (table, msg["expected"], prompt, time.perf_counter())
+            conn.start_load_kv({params["req_id"]: (params, table)})
+        caches, finished, failed = conn.get_finished(caches)
+        if failed:
+            errors = sorted(conn.get_block_ids_with_load_errors())
         for req_id in failed:
-            _say(out, req_id=req_id, ok=False, error="load failed",
-                 blocks=sorted(conn.get_block_ids_with_load_errors()))
+            loads.pop(req_id)
+            _say(out, req_id=req_id, ok=False, error="load failed", logical_blocks=errors)
         for req_id in finished:
-            table, expected, prompt = tables[req_id]
+            table, expected, prompt, t0 = loads.pop(req_id)
             want = np.load(expected)
-            got = np.stack([_token_rows(c, table, prompt, cfg.block_size).view(np.uint8) for c in caches])
+            got = np.stack([_token_rows(c, table, prompt, cfg.block_size).view(np.uint8)
+                            for c in caches])
             bad = int((got != want).any(axis=(0, 2)).sum())
             _say(out, req_id=req_id, ok=bad == 0, stale_tokens=bad, tokens=prompt,
-                 mb=want.nbytes / 1e6, seconds=seconds)
+                 mb=want.nbytes / 1e6, seconds=time.perf_counter() - t0)
             os.unlink(expected)
-        if not finished and not failed:
-            _say(out, req_id=params["req_id"], ok=False, error="no answer within deadline")
     conn.close()
+
+
+class _Lines:
+    """JSON lines from a pipe, without blocking and without stdio's read-ahead buffer
+    (which would hide lines from `select`)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buf, self.closed = fd, b"", False
+
+    def ready(self) -> list[dict[str, Any]]:
+        while not self.closed and select.select([self.fd], [], [], 0.001)[0]:
+            chunk = os.read(self.fd, 1 << 16)
+            self.closed = not chunk
+            self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
 
 
 def _say(out, **fields: Any) -> None:
@@ -238,6 +253,8 @@ def _child(role: str, cfg_json: str) -> None:
     # NIXL and UCX log to stdout: answers go to a private copy of it, the rest to stderr.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    logging.basicConfig(level=os.environ.get("KVXFER_LOG", "WARNING"), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
     cfg = DemoConfig(**json.loads(cfg_json))
     (_serve_p if role == "P" else _serve_d)(cfg, out)
 
@@ -256,14 +273,17 @@ class _Proc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvxfer.demo", role, json.dumps(asdict(cfg))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
+        self.lines, self.queue = _Lines(self.proc.stdout.fileno()), []
 
     def read(self) -> dict[str, Any]:
-        if not select.select([self.proc.stdout], [], [], self.timeout)[0]:
-            raise TransferError(f"{self.role} said nothing within {self.timeout}s\n{self.tail()}")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise TransferError(f"{self.role} exited with {self.proc.poll()}\n{self.tail()}")
-        return json.loads(line)
+        deadline = time.monotonic() + self.timeout
+        while not self.queue:
+            if time.monotonic() > deadline:
+                raise TransferError(f"{self.role} said nothing within {self.timeout}s\n{self.tail()}")
+            if self.lines.closed:
+                raise TransferError(f"{self.role} exited with {self.proc.poll()}\n{self.tail()}")
+            self.queue.extend(self.lines.ready())
+        return self.queue.pop(0)
 
     def send(self, **fields: Any) -> None:
         self.proc.stdin.write((json.dumps(fields) + "\n").encode())
@@ -291,10 +311,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         p.read()  # P's listener is up
         d = _Proc("D", cfg, max(cfg.tp_d, 1))
         d.read()
-        results = []
-        while len(results) < len(cfg.prompts):
-            d.send(**p.read())  # one finished request's kv_transfer_params
-            results.append(d.read())
+        for _ in cfg.prompts:
+            d.send(**p.read())  # relay each finished request's kv_transfer_params at once
+        results = sorted((d.read() for _ in cfg.prompts), key=lambda r: r["req_id"])
         freed = p.read()["freed"]
         return {"ok": all(r["ok"] for r in results), "requests": results, "p_freed": freed}
     finally:
