@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -155,6 +156,7 @@ def _serve_p(cfg: DemoConfig, out) -> None:
         conn.add_request(f"req{i}", prompt)
     pending = set(engine.requests)
     freed: list[str] = []
+    steps, copies = 0, Counter()
     while pending:
         scheduled = engine.schedule(cfg.budget)
         for s in scheduled:
@@ -165,6 +167,9 @@ def _serve_p(cfg: DemoConfig, out) -> None:
         engine.forward(scheduled)
         meta = conn.build_connector_meta(scheduled)
         conn.wait_for_save(caches, meta)
+        steps += 1
+        for req_id, ids in meta.kernel_ids.items():
+            copies.update((req_id, k) for k in ids)
         for req_id in meta.completed:
             req = engine.requests[req_id]
             expected = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
@@ -179,7 +184,8 @@ def _serve_p(cfg: DemoConfig, out) -> None:
     while len(freed) < len(cfg.prompts) and time.monotonic() < deadline:
         freed += conn.get_finished()
         time.sleep(0.002)
-    _say(out, freed=sorted(freed))
+    _say(out, freed=sorted(freed), steps=steps, copied=sum(copies.values()),
+         recopied=sum(1 for n in copies.values() if n > 1))
     # Serve until the parent says stop (D may still be finishing its checks).
     while not select.select([sys.stdin], [], [], 0.01)[0]:
         conn.get_finished()
@@ -314,8 +320,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         for _ in cfg.prompts:
             d.send(**p.read())  # relay each finished request's kv_transfer_params at once
         results = sorted((d.read() for _ in cfg.prompts), key=lambda r: r["req_id"])
-        freed = p.read()["freed"]
-        return {"ok": all(r["ok"] for r in results), "requests": results, "p_freed": freed}
+        p_side = p.read()
+        return {"ok": all(r["ok"] for r in results), "requests": results,
+                "p_freed": p_side["freed"], "p_steps": p_side["steps"],
+                "p_blocks_copied": p_side["copied"], "p_blocks_recopied": p_side["recopied"]}
     finally:
         for proc in (d, p):
             if proc is not None:
@@ -325,11 +333,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 def report(result: dict[str, Any], cfg: DemoConfig) -> list[str]:
     lines = [f"P: TP {cfg.tp_p}, D: TP {cfg.tp_d}, layout {cfg.layout} {cfg.dtype}, "
              f"{cfg.layers} layers, block {cfg.block_size}, budget {cfg.budget}, "
-             f"lookahead {cfg.lookahead}"]
+             f"lookahead {cfg.lookahead}",
+             f"P: {len(cfg.prompts)} prompts prefilled in {result['p_steps']} steps; "
+             f"{result['p_blocks_copied']} block copies to staging, {result['p_blocks_recopied']} "
+             f"blocks copied again after a chunk boundary"]
     for r in result["requests"]:
         if r["ok"]:
             lines.append(f"{r['req_id']}: {r['tokens']} prompt tokens on D equal P's, byte for "
-                         f"byte ({r['mb']:.2f} MB, read + verify + scatter {r['seconds']:.3f} s)")
+                         f"byte ({r['mb']:.2f} MB; read, verify, scatter in {r['seconds']:.3f} s)")
         else:
             lines.append(f"{r['req_id']}: FAILED {r}")
     lines.append(f"P freed after D's reads: {', '.join(result['p_freed'])}")
