@@ -67,10 +67,9 @@ def cache_shape(cfg: DemoConfig) -> tuple[int, ...]:
 
 
 def _itemsize(dtype: str) -> int:
-    import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
-    import numpy as np
+    import jax.numpy as jnp
 
-    return np.dtype(dtype).itemsize
+    return jnp.dtype(dtype).itemsize
 
 
 # -- the two sides, each in its own process ------------------------------------------
