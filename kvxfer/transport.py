@@ -40,10 +40,15 @@ ids) as failed, for the engine to recompute. D's slots of a failed read are
 released only once NIXL has released the transfer (an in-flight READ could
 otherwise land in slots reused by another request).
 
-Heterogeneous TP is not supported: a peer whose `tp_size` differs is rejected
-at handshake with `LayoutMismatchError`. (With `[blocks, tokens, heads, p,
-dim]`, a head slice is not contiguous inside a block; supporting it needs a
-heads-outer staging layout on P or per-token descriptors.)
+Heterogeneous TP. The transport moves staged blocks as bytes; whether two
+layouts may exchange them is the `layout_check`'s call. The default
+(`check_layouts`) rejects a peer whose `tp_size` differs, for staging that
+holds one rank's shard of each block: with `[blocks, tokens, heads, p, dim]`
+a head slice is not contiguous inside a block, so per-rank staging would need
+a heads-outer layout or per-token descriptors. `kvxfer.connector` instead
+stages whole blocks gathered from all of a process's shards and checks only
+the block bytes (`check_block_compatible`), so P and D may shard differently
+and D re-shards on scatter.
 
 Single-threaded: call each transport from one thread (the engine's).
 """
