@@ -111,10 +111,13 @@ def _writer(cfg: DemoConfig, caches):
     tpb = cfg.block_size
 
     def write(caches, blocks, offsets, rows):
+        # On the bits: a float scatter may canonicalize NaN payloads of other blocks.
         out = []
         for cache, row in zip(caches, rows):
-            flat = cache.reshape(shape[0], tpb, -1)
-            out.append(flat.at[blocks, offsets].set(row, mode="drop").reshape(shape))
+            bits = jax.numpy.dtype(f"uint{8 * cache.dtype.itemsize}")
+            flat = jax.lax.bitcast_convert_type(cache, bits).reshape(shape[0], tpb, -1)
+            flat = flat.at[blocks, offsets].set(jax.lax.bitcast_convert_type(row, bits), mode="drop")
+            out.append(jax.lax.bitcast_convert_type(flat.reshape(shape), cache.dtype))
         return out
 
     return jax.jit(write, out_shardings=shardings, donate_argnums=0)
