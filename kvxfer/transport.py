@@ -219,6 +219,13 @@ def _register(agent: Any, staging: Staging) -> Any:
     return agent.register_memory(regs, "DRAM")
 
 
+def _close_agent(agent: Any, reg: Any, who: str) -> None:
+    try:
+        agent.deregister_memory(reg)
+    except Exception as e:  # closing must not raise: the process may be going down
+        logger.warning("%s deregister failed: %s", who, e)
+
+
 def _slot_descs(staging_regions: Sequence[tuple[int, int]], block_bytes: int) -> np.ndarray:
     """Per-slot descriptors `(addr, len, 0)` of every layer, indexed `layer * slots + slot`."""
     rows = []
@@ -363,10 +370,7 @@ class PrefillTransport:
 
     def close(self) -> None:
         """Deregister staging and drop the agent (its listener stops with it)."""
-        try:
-            self.agent.deregister_memory(self._reg)
-        except Exception as e:
-            logger.warning("P %s deregister failed: %s", self.config.name, e)
+        _close_agent(self.agent, self._reg, f"P {self.config.name}")
         self.agent = None
 
 
@@ -693,8 +697,6 @@ class DecodeTransport:
         return list(self._reads)
 
     def close(self) -> None:
-        try:
-            self.agent.deregister_memory(self._reg)
-        except Exception as e:
-            logger.warning("D %s deregister failed: %s", self.config.name, e)
+        """Deregister staging and drop the agent (its listener stops with it)."""
+        _close_agent(self.agent, self._reg, f"D {self.config.name}")
         self.agent = None
