@@ -3,6 +3,7 @@
 import pytest
 
 from kvxfer import InvalidInputError, KvxferError
+from kvxfer.blocks import cdiv
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.simulate import SimEngine
 
@@ -204,10 +205,10 @@ def test_dcp_scales_attention_groups_only(dcp):
     assert mamba.tokens_per_block == 16
     tracker = SaveTracker([attn])
     tracker.add("r", 100)
-    step1 = tracker.plan([ScheduledRequest("r", 0, 40, ([1, 2, 3, 4][: -(-40 // (16 * dcp))],),
+    step1 = tracker.plan([ScheduledRequest("r", 0, 40, ([1, 2, 3, 4][: cdiv(40, 16 * dcp)],),
                                            full_table=True)])
     # 40 tokens at 16 * dcp tokens per id: dcp 2 -> ids 0-1, dcp 4 -> id 0.
-    assert step1 == {"r": ([1, 2],)} if dcp == 2 else {"r": ([1],)}
+    assert step1 == ({"r": ([1, 2],)} if dcp == 2 else {"r": ([1],)})
 
 
 @pytest.mark.parametrize("dcp", [2, 4])
