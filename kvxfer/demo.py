@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvxfer.blocks import cdiv
 from kvxfer.errors import KvxferError, TransferError
 
 LAYOUTS = ("attention", "mla", "attention4d")
@@ -56,7 +57,7 @@ def cache_shape(cfg: DemoConfig) -> tuple[int, ...]:
     """Per-layer global cache shape of the chosen layout."""
     p = 32 // (8 * _itemsize(cfg.dtype))
     if cfg.layout == "attention":
-        return (cfg.num_blocks, cfg.block_size, -(-2 * cfg.heads // p), p, cfg.head_dim)
+        return (cfg.num_blocks, cfg.block_size, cdiv(2 * cfg.heads, p), p, cfg.head_dim)
     if cfg.layout == "mla":
         if cfg.block_size % p:
             raise KvxferError(f"MLA demo needs block size {cfg.block_size} divisible by {p}")
@@ -128,6 +129,7 @@ def _serve_p(cfg: DemoConfig, out) -> None:
     import numpy as np
 
     from kvxfer.connector import ConnectorConfig, PrefillConnector
+    from kvxfer.gather import bucket_size
     from kvxfer.scheduler import GroupSpec
     from kvxfer.simulate import SimEngine
     from kvxfer.transport import TransportConfig
@@ -143,9 +145,10 @@ def _serve_p(cfg: DemoConfig, out) -> None:
     write = _writer(cfg, caches)
 
     def forward(start, stop, table):
-        # Padded to a power of two (padding rows land past the last block and are
+        # Padded to a bucket (padding rows land past the last block and are
         # dropped) so a new token count does not compile a new program.
-        n, bucket = stop - start, 1 << (stop - start - 1).bit_length()
+        n = stop - start
+        bucket = bucket_size(n)
         pos = np.arange(start, start + bucket)
         blocks = np.full(bucket, cfg.num_blocks)
         blocks[:n] = np.asarray(table)[pos[:n] // cfg.block_size]
@@ -197,7 +200,6 @@ def _serve_p(cfg: DemoConfig, out) -> None:
 def _serve_d(cfg: DemoConfig, out) -> None:
     import numpy as np
 
-    from kvxfer.blocks import cdiv
     from kvxfer.connector import ConnectorConfig, DecodeConnector
     from kvxfer.transport import TransportConfig
 

@@ -55,6 +55,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kvxfer.blocks import cdiv
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.layout import CacheLayout
 
@@ -421,7 +422,7 @@ def _host_fingerprint(layout: CacheLayout, rows: np.ndarray) -> np.ndarray:
     order = [0] + [1 + 2 * a for a in range(k)] + [2 + 2 * a for a in range(k)]
     pieces = data.reshape(split).transpose(order).reshape(n, layout.num_shards, -1)
     nbytes = pieces.shape[2] * pieces.itemsize
-    raw = np.zeros((n, layout.num_shards, -(-nbytes // 4) * 4), np.uint8)
+    raw = np.zeros((n, layout.num_shards, cdiv(nbytes, 4) * 4), np.uint8)
     raw[..., :nbytes] = np.ascontiguousarray(pieces).view(np.uint8).reshape(n, layout.num_shards, nbytes)
     words = raw.view("<u4")
     i = np.arange(words.shape[2], dtype=np.uint32)
