@@ -161,3 +161,29 @@ def test_abort_mid_prefill_frees_staging(pair):
     pr.p.abort("r")
     assert "r" not in pr.p.staging and "r" not in pr.p.tracker
     assert pr.p.request_finished("r") is None
+
+
+def test_corrupt_request_does_not_spoil_a_good_one_finished_in_the_same_poll(pair):
+    pr = pair()
+    for req_id, ids in (("bad", [4, 5]), ("good", [8, 9])):
+        pr.p.add_request(req_id, 32)
+        pr.save(ScheduledRequest(req_id, 0, 32, (ids,), full_table=True))
+    params = {r: pr.p.request_finished(r) for r in ("bad", "good")}
+    pr.p.staging.regions[0][pr.p.staging.slot("bad", 5)].view(np.uint8)[0] ^= 0x80
+    before = [as_bits(c).copy() for c in pr.d_caches]
+    pr.serve()
+    pr.d.start_load_kv({"bad": (params["bad"], [1, 2]), "good": (params["good"], [3, 4])})
+    # The two may finish in one poll (rows share one buffer) or in two.
+    deadline = threading.Event()
+    timer = threading.Timer(20.0, deadline.set)
+    timer.start()
+    finished, failed = [], []
+    while len(finished) + len(failed) < 2 and not deadline.is_set():
+        pr.d_caches, f, x = pr.d.get_finished(pr.d_caches)
+        finished, failed = finished + f, failed + x
+    timer.cancel()
+    assert (finished, failed) == (["good"], ["bad"])
+    assert pr.d.get_block_ids_with_load_errors() == {1, 2}
+    for b, p_cache, d_cache in zip(before, pr.p_caches, pr.d_caches):
+        assert (as_bits(d_cache)[[3, 4]] == as_bits(p_cache)[[8, 9]]).all()
+        assert (as_bits(d_cache)[[1, 2]] == b[[1, 2]]).all()

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvxfer.blocks import cdiv, to_kernel_ids, to_logical_ids
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
-from kvxfer.gather import check_fingerprints, gather_blocks, scatter_blocks
+from kvxfer.gather import bucket_size, check_fingerprints, gather_blocks, scatter_blocks
 from kvxfer.layout import CacheLayout
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.staging import Staging
@@ -69,13 +69,16 @@ class ConnectorConfig:
 
 
 def _advertised(layout: CacheLayout) -> dict[str, Any]:
-    """The layout fields a peer checks, plus P's full layout (for fingerprints)."""
+    """The layout fields a peer checks at handshake (`check_block_compatible`).
+
+    P's full layout, which says how its fingerprints cut a block into shards,
+    travels with each request's params instead.
+    """
     return {
         "block_shape": list(layout.block_shape),
         "dtype": layout.dtype,
         "num_layers": layout.num_layers,
         "kernel_ratio": layout.kernel_ratio,
-        "full": layout.to_dict(),
     }
 
 
@@ -263,29 +266,34 @@ class DecodeConnector:
         for req_id, logical in failed.items():
             self._load_errors.update(logical)
             self._loads.pop(req_id, None)
-        finished, ids, rows = [], [], [[] for _ in range(self.layout.num_layers)]
-        for req_id in done:
-            load = self._loads.pop(req_id)
+        # Copy each read request out of staging once, straight into bucket-sized
+        # rows that scatter_blocks takes as they are.
+        loads = [(req_id, self._loads.pop(req_id)) for req_id in done]
+        total = sum(len(load.kernel_ids) for _, load in loads)
+        rows = [np.empty((bucket_size(total), *self.layout.block_shape), self.layout.np_dtype)
+                for _ in range(self.layout.num_layers)]
+        finished, ids = [], []
+        for req_id, load in loads:
             slots = self.staging.slots(req_id, load.kernel_ids)
-            blocks = [self.staging.rows(layer, slots) for layer in range(self.layout.num_layers)]
+            start, stop = len(ids), len(ids) + len(slots)
+            for region, out in zip(self.staging.regions, rows):
+                np.take(region, slots, axis=0, out=out[start:stop])
             self.staging.free(req_id)
             try:
                 if self.config.verify_fingerprints:
-                    check_fingerprints(CacheLayout.from_dict(load.params["layout"]), blocks,
-                                       len(slots), np.asarray(load.params["fingerprints"], np.uint32))
+                    check_fingerprints(CacheLayout.from_dict(load.params["layout"]),
+                                       [r[start:stop] for r in rows], len(slots),
+                                       np.asarray(load.params["fingerprints"], np.uint32))
             except CorruptionError as e:
                 logger.error("D request %s failed its fingerprint check: %s", req_id, e)
                 self._load_errors.update(to_logical_ids(load.kernel_ids, self.config.kernel_ratio))
                 failed_ids.append(req_id)
-                continue
+                continue  # its rows are overwritten by the next request's, or left unused
             finished.append(req_id)
             ids.extend(load.kernel_ids)
-            for layer in range(self.layout.num_layers):
-                rows[layer].append(blocks[layer])
         caches = list(caches)
         if ids:
-            caches = scatter_blocks(caches, [np.concatenate(r) for r in rows],
-                                    np.asarray(ids, np.int64))
+            caches = scatter_blocks(caches, rows, np.asarray(ids, np.int64))
         return caches, finished, failed_ids
 
     def get_block_ids_with_load_errors(self) -> set[int]:

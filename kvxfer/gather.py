@@ -282,10 +282,12 @@ def _as_bucket_rows(
     """`h` as exactly `bucket` rows in pinned host memory, so the scatter never recompiles."""
     if isinstance(h, jax.Array) and h.shape[0] == bucket and h.sharding == sharding:
         return h
-    rows = np.asarray(h)[:count]
-    if count < bucket:
-        rows = np.concatenate([rows, np.zeros((bucket - count, *rows.shape[1:]), rows.dtype)])
-    return jax.device_put(rows, sharding)
+    rows = np.asarray(h)
+    if rows.shape[0] >= bucket:  # rows past `count` are dropped by the scatter: no copy to pad
+        return jax.device_put(rows[:bucket], sharding)
+    padded = np.zeros((bucket, *rows.shape[1:]), rows.dtype)
+    padded[:count] = rows[:count]
+    return jax.device_put(padded, sharding)
 
 
 # Jitted builders.
