@@ -108,6 +108,11 @@ class _Request:
     saved: list[int] = field(default_factory=list)
 
 
+def _prompt_end(step: ScheduledRequest, req: _Request) -> int:
+    """Prompt tokens written once `step` has run: decode tokens past the prompt don't count."""
+    return min(step.num_computed_tokens + step.num_scheduled_tokens, req.num_prompt_tokens)
+
+
 class SaveTracker:
     """Per-request save watermarks on P; turns scheduler steps into save plans.
 
@@ -152,7 +157,7 @@ class SaveTracker:
 
     def abort(self, req_id: str) -> None:
         """Drop an aborted request's state. Unknown ids: no-op."""
-        self._requests.pop(req_id, None)
+        self.finish(req_id)
 
     def plan(self, scheduled: Iterable[ScheduledRequest]) -> dict[str, BlockIds]:
         """The blocks to copy after this step's forward pass.
@@ -180,7 +185,7 @@ class SaveTracker:
         for step in steps:
             req = self._requests[step.req_id]
             self._update_table(req, step)
-            end = min(step.num_computed_tokens + step.num_scheduled_tokens, req.num_prompt_tokens)
+            end = _prompt_end(step, req)
             done = end >= req.num_prompt_tokens
             plans[step.req_id] = tuple(
                 self._group_plan(spec, req, g, end, done) for g, spec in enumerate(self.groups)
@@ -210,7 +215,7 @@ class SaveTracker:
                         raise InvalidInputError(
                             f"request {step.req_id!r} group {g} has invalid block id {block_id!r}"
                         )
-        end = min(step.num_computed_tokens + step.num_scheduled_tokens, req.num_prompt_tokens)
+        end = _prompt_end(step, req)
         for g, spec in enumerate(self.groups):
             added = len(ids[g]) if ids is not None else 0
             length = added if step.full_table else len(req.tables[g]) + added
