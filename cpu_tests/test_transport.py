@@ -82,19 +82,29 @@ def assert_same_bytes(got, want):
         assert g.tobytes() == w.tobytes(), f"layer {layer} differs"
 
 
+def stage_and_hold(p, req_id, kernel_ids, seed):
+    """P stages `kernel_ids` (content from `seed`) as one chunk and holds them for D."""
+    p.call("stage", req_id=req_id, kernel_ids=kernel_ids, seed=seed)
+    return p.call("hold", req_id=req_id)["params"]
+
+
+def assert_read_intact(d, req_id, params, local_ids, seed_of):
+    """D reads the request into `local_ids` and holds exactly the newest bytes P staged."""
+    assert read(d, req_id, params, local_ids).get("finished")
+    assert_same_bytes(d_rows(d, req_id, local_ids), expected(seed_of, params["kernel_ids"]))
+    d.call("free", req_id=req_id)
+
+
 def test_d_reads_exactly_the_bytes_p_staged(peers):
     p, d = peers["P"], peers["D"]
     rng = np.random.default_rng(0)
     p_ids = [int(x) for x in rng.choice(1000, 12, replace=False)]
     d_ids = [int(x) for x in rng.choice(1000, 12, replace=False)]
-    p.call("stage", req_id="exact", kernel_ids=p_ids, seed=11)
-    params = p.call("hold", req_id="exact")["params"]
+    params = stage_and_hold(p, "exact", p_ids, seed=11)
     assert connect(d, p, "P")["layout"] == LAYOUT
-    assert read(d, "exact", params, d_ids).get("finished")
-    assert_same_bytes(d_rows(d, "exact", d_ids), expected(dict.fromkeys(p_ids, 11), p_ids))
+    assert_read_intact(d, "exact", params, d_ids, dict.fromkeys(p_ids, 11))
     out = p.call("freed")
     assert "exact" in out["freed"] and "exact" not in out["held"]
-    d.call("free", req_id="exact")
 
 
 def test_restaged_block_is_read_in_its_newest_copy(peers):
@@ -104,15 +114,12 @@ def test_restaged_block_is_read_in_its_newest_copy(peers):
     params = p.call("hold", req_id="chunks")["params"]
     assert params["kernel_ids"] == [40, 41, 42]
     assert params["slots"] == list(range(params["slots"][0], params["slots"][0] + 3))
-    assert read(d, "chunks", params, [7, 8, 9]).get("finished")
-    assert_same_bytes(d_rows(d, "chunks", [7, 8, 9]), expected({40: 1, 41: 2, 42: 2}, [40, 41, 42]))
-    d.call("free", req_id="chunks")
+    assert_read_intact(d, "chunks", params, [7, 8, 9], {40: 1, 41: 2, 42: 2})
 
 
 def test_dead_p_fails_request_in_logical_ids_and_d_serves_others(peers):
     p_dead, p, d = peers["P_dead"], peers["P"], peers["D"]
-    p_dead.call("stage", req_id="doomed", kernel_ids=[1, 2, 3, 4], seed=5)
-    params = p_dead.call("hold", req_id="doomed")["params"]
+    params = stage_and_hold(p_dead, "doomed", [1, 2, 3, 4], seed=5)
     connect(d, p_dead, "P_dead")
     d.call("read", req_id="doomed", params=params, local_ids=[10, 11, 20, 21])
     p_dead.kill()
@@ -120,18 +127,14 @@ def test_dead_p_fails_request_in_logical_ids_and_d_serves_others(peers):
     out = d.call("wait", req_id="doomed", within=TIMEOUT + 2, timeout=TIMEOUT + 15)
     assert out.get("failed") == [5, 10]  # D kernel ids 10,11 | 20,21 at ratio 2
     assert time.monotonic() - start < TIMEOUT + 2
-    p.call("stage", req_id="after", kernel_ids=[3, 4], seed=6)
-    params = p.call("hold", req_id="after")["params"]
-    assert read(d, "after", params, [30, 31]).get("finished")
-    assert_same_bytes(d_rows(d, "after", [30, 31]), expected({3: 6, 4: 6}, [3, 4]))
-    d.call("free", req_id="after")
+    params = stage_and_hold(p, "after", [3, 4], seed=6)
+    assert_read_intact(d, "after", params, [30, 31], {3: 6, 4: 6})
 
 
 def test_expired_lease_frees_blocks_and_late_read_fails_not_garbage(peers):
     p, d = peers["P_lease"], peers["D"]
     connect(d, p, "P_lease")
-    p.call("stage", req_id="late", kernel_ids=[5, 6], seed=7)
-    params = p.call("hold", req_id="late")["params"]
+    params = stage_and_hold(p, "late", [5, 6], seed=7)
     p.call("sleep", s=1.3)
     out = p.call("freed")
     assert "late" in out["freed"] and out["held"] == []
@@ -144,22 +147,18 @@ def test_expired_lease_frees_blocks_and_late_read_fails_not_garbage(peers):
 def test_heartbeats_keep_a_lease_alive_until_d_reads(peers):
     p, d = peers["P_lease"], peers["D"]
     connect(d, p, "P_lease")
-    p.call("stage", req_id="kept", kernel_ids=[12, 13], seed=9)
-    params = p.call("hold", req_id="kept")["params"]
+    params = stage_and_hold(p, "kept", [12, 13], seed=9)
     d.call("expect", params=params)
     d.call("sleep", s=2.0)  # twice the lease; D heartbeats every 0.1 s meanwhile
     assert "kept" in p.call("freed")["held"]
-    assert read(d, "kept", params, [50, 51]).get("finished")
-    assert_same_bytes(d_rows(d, "kept", [50, 51]), expected({12: 9, 13: 9}, [12, 13]))
-    d.call("free", req_id="kept")
+    assert_read_intact(d, "kept", params, [50, 51], {12: 9, 13: 9})
 
 
 def test_every_expired_lease_is_reaped_not_only_up_to_a_live_one(peers):
     p, d = peers["P_lease"], peers["D"]
     connect(d, p, "P_lease")
-    for i, req in enumerate(["e1", "live", "e2"]):
-        p.call("stage", req_id=req, kernel_ids=[60 + i], seed=i)
-    params = {req: p.call("hold", req_id=req)["params"] for req in ["e1", "live", "e2"]}
+    params = {req: stage_and_hold(p, req, [60 + i], seed=i)
+              for i, req in enumerate(["e1", "live", "e2"])}
     d.call("expect", params=params["live"])
     d.call("sleep", s=1.3)
     out = p.call("freed")
