@@ -39,13 +39,19 @@ def test_mla_and_4d_layouts_reach_d_byte_exact(layout, tp_d):
 
 
 def test_peer_with_different_block_bytes_is_rejected():
-    ours = {"block_shape": [16, 8, 2, 128], "dtype": "bfloat16", "num_layers": 4,
-            "kernel_ratio": 1}
-    check_block_compatible(ours, dict(ours))
-    with pytest.raises(LayoutMismatchError, match="dtype: peer='float8_e4m3fn'"):
-        check_block_compatible(ours, dict(ours, dtype="float8_e4m3fn"))
-    with pytest.raises(LayoutMismatchError, match="block_shape"):
-        check_block_compatible(ours, dict(ours, block_shape=[16, 4, 2, 128]))
+    group = {"block_shape": [16, 8, 2, 128], "dtype": "bfloat16", "num_layers": 4,
+             "kernel_ratio": 1}
+    ours = {"groups": [group, dict(group, block_shape=[16, 1, 2, 128])]}
+    check_block_compatible(ours, {"groups": [dict(g) for g in ours["groups"]]})
+    with pytest.raises(LayoutMismatchError, match="group 0 dtype: peer='float8_e4m3fn'"):
+        check_block_compatible(ours, {"groups": [dict(group, dtype="float8_e4m3fn"),
+                                                 ours["groups"][1]]})
+    with pytest.raises(LayoutMismatchError, match="group 1 block_shape"):
+        check_block_compatible(ours, {"groups": [group, group]})
+    with pytest.raises(LayoutMismatchError, match="peer has 1 KV cache groups, local has 2"):
+        check_block_compatible(ours, {"groups": [group]})
+    with pytest.raises(LayoutMismatchError, match="peer has None KV cache groups"):
+        check_block_compatible(ours, group)
 
 
 def test_demo_rejects_unknown_layout_before_starting_processes():

@@ -126,8 +126,9 @@ def test_corrupted_host_block_fails_request_in_logical_ids_and_leaves_caches(pai
     meta = pr.save(ScheduledRequest("r", 0, 50, ([3, 7],), full_table=True))
     assert meta.kernel_ids == {"r": [6, 7, 14, 15]}
     params = pr.p.request_finished("r")
-    # One bit flips in P's staged copy of kernel block 14, after its fingerprint was taken.
-    slot = pr.p.staging.slot("r", 14)
+    # One bit flips in P's staged copy of kernel block 14 (kernel position 2: the first half of table
+    # entry 1), after its fingerprint was taken. Staging is keyed by position.
+    slot = pr.p.staging.slot("r", 2)
     pr.p.staging.regions[1][slot].view(np.uint8).reshape(-1)[100] ^= 0x01
     before = [as_bits(c).copy() for c in pr.d_caches]
     pr.serve()
@@ -145,7 +146,7 @@ def test_resumed_request_restages_from_scratch(pair):
     # Preempted, then rescheduled with a new table: old blocks must not be sent.
     pr.save(ScheduledRequest("r", 0, 40, ([2, 3, 4],), full_table=True))
     params = pr.p.request_finished("r")
-    assert params["kernel_ids"] == [2, 3, 4]
+    assert params["groups"][0]["keys"] == [0, 1, 2]  # table positions, staged afresh
     pr.serve()
     finished, _ = pr.load("r", params, [1, 2, 3])
     assert finished == ["r"]
@@ -169,7 +170,7 @@ def test_corrupt_request_does_not_spoil_a_good_one_finished_in_the_same_poll(pai
         pr.p.add_request(req_id, 32)
         pr.save(ScheduledRequest(req_id, 0, 32, (ids,), full_table=True))
     params = {r: pr.p.request_finished(r) for r in ("bad", "good")}
-    pr.p.staging.regions[0][pr.p.staging.slot("bad", 5)].view(np.uint8)[0] ^= 0x80
+    pr.p.staging.regions[0][pr.p.staging.slot("bad", 1)].view(np.uint8)[0] ^= 0x80
     before = [as_bits(c).copy() for c in pr.d_caches]
     pr.serve()
     pr.d.start_load_kv({"bad": (params["bad"], [1, 2]), "good": (params["good"], [3, 4])})

@@ -24,13 +24,12 @@ pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed"
 LAYERS, SLOTS, SHAPE, DTYPE = 3, 64, (4, 2, 8), "float32"
 LAYOUT = {"tp_size": 1, "tp_rank": 0, "dtype": DTYPE, "block_shape": list(SHAPE),
           "kernel_block_size": 4, "kernel_ratio": 2}
-D_RATIO = 2  # D's logical blocks span two kernel blocks
 TIMEOUT = 3.0  # D's transfer deadline
 
 
 def spec(name, layout=LAYOUT, **config):
     return {"layers": LAYERS, "slots": SLOTS, "block_shape": list(SHAPE), "dtype": DTYPE,
-            "layout": layout, "kernel_ratio": D_RATIO,
+            "layout": layout,
             "config": {"name": name, "handshake_timeout_s": TIMEOUT,
                        "transfer_timeout_s": TIMEOUT, "heartbeat_interval_s": 0.1, **config}}
 
@@ -60,14 +59,19 @@ def connect(d, p, name):
     return d.call("connect", peer=name, host="127.0.0.1", port=p.port)
 
 
-def read(d, req_id, params, local_ids, within=TIMEOUT + 2):
-    d.call("read", req_id=req_id, params=params, local_ids=local_ids)
+def read(d, req_id, params, logical_ids, within=TIMEOUT + 2):
+    """D reads a request; `logical_ids` are what it reports if the read fails."""
+    d.call("read", req_id=req_id, params=params, logical_ids=logical_ids)
     return d.call("wait", req_id=req_id, within=within, timeout=within + 10)
 
 
-def d_rows(d, req_id, local_ids):
-    rows = d.call("rows", req_id=req_id, local_ids=local_ids)["rows"]
-    return [np.frombuffer(base64.b64decode(r), DTYPE).reshape(len(local_ids), *SHAPE)
+def keys(params):
+    return params["groups"][0]["keys"]
+
+
+def d_rows(d, req_id, keys):
+    rows = d.call("rows", req_id=req_id, keys=keys)["rows"]
+    return [np.frombuffer(base64.b64decode(r), DTYPE).reshape(len(keys), *SHAPE)
             for r in rows]
 
 
@@ -88,10 +92,10 @@ def stage_and_hold(p, req_id, kernel_ids, seed):
     return p.call("hold", req_id=req_id)["params"]
 
 
-def assert_read_intact(d, req_id, params, local_ids, seed_of):
-    """D reads the request into `local_ids` and holds exactly the newest bytes P staged."""
-    assert read(d, req_id, params, local_ids).get("finished")
-    assert_same_bytes(d_rows(d, req_id, local_ids), expected(seed_of, params["kernel_ids"]))
+def assert_read_intact(d, req_id, params, logical_ids, seed_of):
+    """D reads the request and holds exactly the newest bytes P staged, under P's keys."""
+    assert read(d, req_id, params, logical_ids).get("finished")
+    assert_same_bytes(d_rows(d, req_id, keys(params)), expected(seed_of, keys(params)))
     d.call("free", req_id=req_id)
 
 
@@ -112,8 +116,8 @@ def test_restaged_block_is_read_in_its_newest_copy(peers):
     p.call("stage", req_id="chunks", kernel_ids=[40, 41], seed=1, reserve=3)
     p.call("stage", req_id="chunks", kernel_ids=[41, 42], seed=2)  # 41 straddled the boundary
     params = p.call("hold", req_id="chunks")["params"]
-    assert params["kernel_ids"] == [40, 41, 42]
-    assert params["slots"] == list(range(params["slots"][0], params["slots"][0] + 3))
+    slots = params["groups"][0]["slots"]
+    assert keys(params) == [40, 41, 42] and slots == list(range(slots[0], slots[0] + 3))
     assert_read_intact(d, "chunks", params, [7, 8, 9], {40: 1, 41: 2, 42: 2})
 
 
@@ -121,11 +125,11 @@ def test_dead_p_fails_request_in_logical_ids_and_d_serves_others(peers):
     p_dead, p, d = peers["P_dead"], peers["P"], peers["D"]
     params = stage_and_hold(p_dead, "doomed", [1, 2, 3, 4], seed=5)
     connect(d, p_dead, "P_dead")
-    d.call("read", req_id="doomed", params=params, local_ids=[10, 11, 20, 21])
+    d.call("read", req_id="doomed", params=params, logical_ids=[5, 10])
     p_dead.kill()
     start = time.monotonic()
     out = d.call("wait", req_id="doomed", within=TIMEOUT + 2, timeout=TIMEOUT + 15)
-    assert out.get("failed") == [5, 10]  # D kernel ids 10,11 | 20,21 at ratio 2
+    assert out.get("failed") == [5, 10]
     assert time.monotonic() - start < TIMEOUT + 2
     params = stage_and_hold(p, "after", [3, 4], seed=6)
     assert_read_intact(d, "after", params, [30, 31], {3: 6, 4: 6})
@@ -140,8 +144,8 @@ def test_expired_lease_frees_blocks_and_late_read_fails_not_garbage(peers):
     assert "late" in out["freed"] and out["held"] == []
     # The freed slots are reused: reading them now would return another request's bytes.
     reused = p.call("stage", req_id="other", kernel_ids=[8, 9], seed=8)["slots"]
-    assert set(reused) == set(params["slots"])
-    assert read(d, "late", params, [40, 41]).get("failed") == [20]
+    assert set(reused) == set(params["groups"][0]["slots"])
+    assert read(d, "late", params, [20]).get("failed") == [20]
 
 
 def test_heartbeats_keep_a_lease_alive_until_d_reads(peers):
@@ -206,7 +210,7 @@ def test_bad_message_bytes_raise_transfer_error(raw, match):
 
 
 def test_message_round_trips():
-    msg = decode_message(encode_message("done", req_id="r", generation=3), "D")
+    msg = decode_message(encode_message("done", req_id="r", instance="a1", generation=3), "D")
     assert (msg["t"], msg["req_id"], msg["generation"]) == ("done", "r", 3)
 
 

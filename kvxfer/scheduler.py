@@ -38,6 +38,10 @@ _KINDS = ("attention", "sliding_window", "mamba")
 BlockIds = tuple[list[int], ...]
 """One list of block ids per KV cache group, in group order."""
 
+PlacedIds = tuple[list[tuple[int, int]], ...]
+"""Per KV cache group, `(table index, block id)` pairs: which entry of the
+request's block table (which token range) each copied block holds."""
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -173,6 +177,17 @@ class SaveTracker:
         The whole step is checked before any state changes: on error, the
         tracker is as it was.
         """
+        return {req_id: tuple([b for _, b in placed] for placed in groups)
+                for req_id, groups in self.plan_placed(scheduled).items()}
+
+    def plan_placed(self, scheduled: Iterable[ScheduledRequest]) -> dict[str, PlacedIds]:
+        """`plan`, with each block's table index: `{req_id: ([(index, id), ...], ...)}`.
+
+        The index says which token range a block holds (entry `i` of a group
+        with `T` tokens per block id holds tokens `[i*T, (i+1)*T)`), so D can
+        place it at the same entry of its own table whatever P skipped
+        (null blocks, blocks outside a sliding window).
+        """
         steps = [s for s in scheduled if s.req_id in self._requests]
         seen: set[str] = set()
         for step in steps:
@@ -181,7 +196,7 @@ class SaveTracker:
             seen.add(step.req_id)
             self._check(step)
 
-        plans: dict[str, BlockIds] = {}
+        plans: dict[str, PlacedIds] = {}
         for step in steps:
             req = self._requests[step.req_id]
             self._update_table(req, step)
@@ -236,14 +251,15 @@ class SaveTracker:
             for table, added in zip(req.tables, ids):
                 table.extend(added)
 
-    def _group_plan(self, spec: GroupSpec, req: _Request, g: int, end: int, done: bool) -> list[int]:
+    def _group_plan(self, spec: GroupSpec, req: _Request, g: int, end: int,
+                    done: bool) -> list[tuple[int, int]]:
         table, saved, tpb = req.tables[g], req.saved[g], spec.tokens_per_block
         if spec.kind == "mamba":
             req.saved[g] = max(saved, end)
             if not done:
                 return []
-            state = table[(end - 1) // tpb]
-            return [state] if state != NULL_BLOCK else []
+            index = (end - 1) // tpb
+            return [(index, table[index])] if table[index] != NULL_BLOCK else []
         if end <= saved:
             return []
         lo, hi = saved // tpb, cdiv(end, tpb)
@@ -252,4 +268,4 @@ class SaveTracker:
             final_blocks = cdiv(req.num_prompt_tokens, tpb)
             lo = max(lo, final_blocks - cdiv(spec.sliding_window, tpb) - 1)
         req.saved[g] = end
-        return [b for b in table[lo:hi] if b != NULL_BLOCK]
+        return [(i, table[i]) for i in range(lo, hi) if table[i] != NULL_BLOCK]

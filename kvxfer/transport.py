@@ -1,44 +1,60 @@
 """NIXL transport: agents, handshake, descriptors, reads, notifications, leases.
 
 The only kvxfer module that imports NIXL (`_nixl()`). One agent per process,
-UCX backend, registering the `kvxfer.staging.Staging` regions once.
+UCX backend, registering the regions of one `kvxfer.staging.Staging` per KV
+cache group once.
+
+Identity. A P transport draws a random `instance` id at every start; it is in
+its advertisement, in every param set it hands out, and in every `done` and
+`hb` D sends back. A P restarted under the same agent name is a new instance:
+params from before the restart are refused (D reports the request failed,
+and the new P acks any `done` for another instance with `ok: false`), so a
+read can never be served by blocks of an unrelated prefill. A request id is
+held once at a time.
 
 Handshake, all NIXL-native. Both agents run NIXL's metadata listener. D
 fetches P's agent metadata from P's listener (`fetch_remote_metadata`, polled
 with a deadline), pushes its own to P (`send_local_metadata`) so P can answer,
 then sends a `hello` notification. P answers with a `layout` notification:
-versioned JSON carrying P's cache layout (the caller's dict: shapes, dtype,
-block size, kernel ratio, TP size/rank, sharding) and its staging regions
-(base addresses, lengths, block bytes). D checks it against its own before
-any read and raises `LayoutMismatchError` naming the differing fields. Bytes
-that are not a kvxfer message, truncated JSON, or another version raise
-`TransferError` naming the peer.
+versioned JSON carrying its instance, its cache layout (the caller's dict)
+and, per group, its staging regions (base addresses, lengths, block bytes).
+D checks it against its own before any read and raises `LayoutMismatchError`
+naming the differing fields. Bytes that are not a kvxfer message, truncated
+JSON, or another version raise `TransferError` naming the peer.
 
 Reads. P's `hold(req_id)` starts a lease and returns the transfer params
 (JSON-able; the engine forwards them to D as vLLM forwards
-`kv_transfer_params`): P's agent name, address, a generation, the request's
-kernel block ids and their P slots. D's `start_read` assigns its own slots and
-posts one NIXL READ with one descriptor per (layer, run of slots contiguous on
-both sides), so a request staged in one slot run costs one descriptor per
-layer.
+`kv_transfer_params`): P's agent name, instance, address, a generation and,
+per group, the staging keys of the request's blocks (what the caller staged
+them under: `kvxfer.connector` uses table positions) and their P slots. D's
+`start_read` stages the same keys in its own slots and posts one NIXL READ
+with one descriptor per (group, layer, run of slots contiguous on both
+sides), so a request staged in one slot run costs one descriptor per layer.
 
-Completion and leases. When the READ is done D sends `done(req, generation)`;
-P frees the request's slots and answers `ack` with `ok` true only if the
-request was still held under that generation. P frees a held request when D
-says done or when its lease expires (`lease_s`, extended by D's `hb`
-heartbeats); every lease is scanned on each `poll`. Soundness of a late read:
-P frees only inside `poll`, and a lease once expired is never revived, so "held
-when the `done` arrived" implies "held during the whole read" (the READ
-completed before `done` was sent). D reports a request finished only after an
-`ok` ack; a read of freed (possibly reused) slots gets `ok: false` and is
-reported failed, never delivered as data.
+Completion and leases. When the READ is done D sends `done(req, instance,
+generation)`; P frees the request's slots and answers `ack` with `ok` true
+only if the request was still held under that instance and generation. P
+frees a held request when D says done or when its lease expires (`lease_s`,
+extended by D's `hb` heartbeats); every lease is scanned on each `poll`.
+Soundness of a late read: P frees only inside `poll`, and a lease once
+expired is never revived, so "held when the `done` arrived" implies "held
+during the whole read" (the READ completed before `done` was sent). D reports
+a request finished only after an `ok` ack; a read of freed (possibly reused)
+slots gets `ok: false` and is reported failed, never delivered as data.
 
 Failures never hang D. Every read has a deadline (`transfer_timeout_s`) from
 `start_read` to the ack; a transfer error, a disconnected peer, a refused
-ack, or the deadline yields the request id and its logical block ids (in D's
-ids) as failed, for the engine to recompute. D's slots of a failed read are
-released only once NIXL has released the transfer (an in-flight READ could
-otherwise land in slots reused by another request).
+ack, stale params, or the deadline yields the request id and the logical
+block ids the caller gave as failed, for the engine to recompute. A peer
+whose READ or notification fails is dropped (its other reads fail with it)
+and the next request to it connects afresh, so a restarted P is reached again
+on its old port or a new one. D's slots of a failed read are released only
+once NIXL has released the transfer (an in-flight READ could otherwise land
+in slots reused by another request).
+
+Hostile or malformed peers. A notification whose fields have the wrong type
+or range is logged and dropped alone; the rest of the batch is handled, and
+`poll` never raises because of what a peer sent.
 
 Heterogeneous TP. The transport moves staged blocks as bytes; whether two
 layouts may exchange them is the `layout_check`'s call. The default
@@ -57,9 +73,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import secrets
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,22 +86,27 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.blocks import coalesce_pairs, to_logical_ids
+from kvxfer.blocks import coalesce_pairs
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
 from kvxfer.staging import Staging
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _MAGIC = b"kvxfer:"
 _MAX_BIND_TRIES = 8
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class TransportConfig:
     """Everything the transport reads, in one place.
 
-    - `name`: this agent's name; P's name is what D connects to.
+    - `name`: this agent's name; P's name is what D connects to. Unique among
+      the live agents of a process.
     - `host`: the address this agent is reached at (advertised by P in params).
     - `listen_port`: NIXL metadata listener port; 0 picks a free one.
     - `handshake_timeout_s`: deadline of `connect`.
@@ -93,11 +117,10 @@ class TransportConfig:
       is created); `cma,tcp,self` reads host memory faster between processes
       on one machine than UCX's default choice. None keeps UCX's default.
     - `num_threads`: UCX backend worker threads (0: NIXL's default).
-    - `prepped`: read through `prep_xfer_dlist`/`make_prepped_xfer` (per-slot
-      descriptor lists prepared once) instead of per-request coalesced lists.
-      Off by default: measured with `kvxfer.bench.nixl` (runs placement) it
-      was no faster (0.79-0.89x memcpy vs 0.87-0.92x), NIXL merging the
-      adjacent per-slot descriptors itself.
+
+    Per-slot prepared descriptor lists (`prep_xfer_dlist`) were measured and
+    dropped: with runs placement they were no faster (0.79-0.89x memcpy vs
+    0.87-0.92x), NIXL merging adjacent per-slot descriptors itself.
     """
 
     name: str
@@ -109,7 +132,33 @@ class TransportConfig:
     heartbeat_interval_s: float = 5.0
     ucx_tls: str | None = "cma,tcp,self"
     num_threads: int = 0
-    prepped: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
+            raise InvalidInputError(f"TransportConfig name must be a non-empty printable str, "
+                                    f"got {self.name!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise InvalidInputError(f"TransportConfig host must be a non-empty str, got {self.host!r}")
+        if not _is_int(self.listen_port) or not 0 <= self.listen_port <= 65535:
+            raise InvalidInputError(
+                f"TransportConfig listen_port must be an int in [0, 65535], got {self.listen_port!r}")
+        for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s"):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not math.isfinite(value) or value <= 0):
+                raise InvalidInputError(
+                    f"TransportConfig {name} must be a positive finite number of seconds, "
+                    f"got {value!r}")
+        if self.heartbeat_interval_s >= self.lease_s:
+            raise InvalidInputError(
+                f"TransportConfig heartbeat_interval_s {self.heartbeat_interval_s} must be shorter "
+                f"than lease_s {self.lease_s}, or heartbeats cannot keep a lease alive")
+        if self.ucx_tls is not None and (not isinstance(self.ucx_tls, str) or not self.ucx_tls):
+            raise InvalidInputError(
+                f"TransportConfig ucx_tls must be None or a non-empty str, got {self.ucx_tls!r}")
+        if not _is_int(self.num_threads) or self.num_threads < 0:
+            raise InvalidInputError(
+                f"TransportConfig num_threads must be a non-negative int, got {self.num_threads!r}")
 
 
 def _nixl() -> tuple[Any, Any]:
@@ -135,6 +184,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+_live_names: set[str] = set()
+_live_lock = threading.Lock()
+
+
+def _claim_name(name: str) -> None:
+    """Two live agents of one process may not share a name (NIXL tells peers apart by it)."""
+    with _live_lock:
+        if name in _live_names:
+            raise InvalidInputError(
+                f"a NIXL agent named {name!r} is already live in this process; "
+                f"close it first or pick another name")
+        _live_names.add(name)
+
+
+def _release_name(name: str) -> None:
+    with _live_lock:
+        _live_names.discard(name)
 
 
 def _create_agent(config: TransportConfig) -> tuple[Any, int]:
@@ -172,15 +240,15 @@ def encode_message(kind: str, /, **fields: Any) -> bytes:
 
 def decode_message(raw: bytes, sender: str) -> dict[str, Any]:
     """Parse a kvxfer notification from `sender`; `TransferError` if it is not one."""
-    if not raw.startswith(_MAGIC):
+    if not isinstance(raw, bytes) or not raw.startswith(_MAGIC):
         raise TransferError(f"message from {sender!r} is not a kvxfer message: {raw[:32]!r}")
     try:
         msg = json.loads(raw[len(_MAGIC) :])
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise TransferError(
             f"message from {sender!r} is corrupt or truncated ({len(raw)} bytes): {e}"
         ) from None
-    if not isinstance(msg, dict) or "t" not in msg:
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
         raise TransferError(f"message from {sender!r} has no type: {str(msg)[:80]}")
     if msg.get("v") != PROTOCOL_VERSION:
         raise TransferError(
@@ -188,6 +256,21 @@ def decode_message(raw: bytes, sender: str) -> dict[str, Any]:
             f"this side speaks {PROTOCOL_VERSION}"
         )
     return msg
+
+
+def _field(msg: Mapping[str, Any], key: str, check: Callable[[Any], bool], what: str,
+           sender: str) -> Any:
+    """`msg[key]` if `check` accepts it, else a `TransferError` naming the field and value."""
+    value = msg.get(key)
+    if not check(value):
+        raise TransferError(
+            f"{msg.get('t')!r} message from {sender!r}: field {key!r} must be {what}, "
+            f"got {value!r:.80}")
+    return value
+
+
+def _is_generation(value: object) -> bool:
+    return _is_int(value) and value >= 1
 
 
 LayoutCheck = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
@@ -214,8 +297,18 @@ def check_layouts(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
         raise LayoutMismatchError("peer cache layout differs: " + "; ".join(diffs))
 
 
-def _register(agent: Any, staging: Staging) -> Any:
-    regs = [(addr, n, 0, "") for addr, n in staging.region_addresses()]
+def _stagings(staging: Staging | Sequence[Staging]) -> list[Staging]:
+    """One staging per KV cache group; a single `Staging` is one group."""
+    out = [staging] if isinstance(staging, Staging) else list(staging)
+    if not out or not all(isinstance(s, Staging) for s in out):
+        raise InvalidInputError(
+            f"staging must be a Staging or a non-empty list of them (one per KV cache group), "
+            f"got {staging!r:.80}")
+    return out
+
+
+def _register(agent: Any, stagings: Sequence[Staging]) -> Any:
+    regs = [(addr, n, 0, "") for s in stagings for addr, n in s.region_addresses()]
     return agent.register_memory(regs, "DRAM")
 
 
@@ -226,20 +319,81 @@ def _close_agent(agent: Any, reg: Any, who: str) -> None:
         logger.warning("%s deregister failed: %s", who, e)
 
 
-def _slot_descs(staging_regions: Sequence[tuple[int, int]], block_bytes: int) -> np.ndarray:
-    """Per-slot descriptors `(addr, len, 0)` of every layer, indexed `layer * slots + slot`."""
-    rows = []
-    for base, nbytes in staging_regions:
-        starts = base + np.arange(nbytes // block_bytes, dtype=np.uint64) * block_bytes
-        rows.append(np.stack([starts, np.full_like(starts, block_bytes), 0 * starts], axis=1))
-    return np.concatenate(rows).astype(np.uint64)
-
-
 def _send(nixl: Any, peer: str, kind: str, /, **fields: Any) -> None:
     try:
         nixl.send_notif(peer, encode_message(kind, **fields))
     except Exception as e:  # NIXL raises its own exception types for a gone peer
         raise TransferError(f"cannot send {kind!r} to peer {peer!r}: {e}") from e
+
+
+def _free_everywhere(stagings: Sequence[Staging], req_id: str) -> None:
+    for staging in stagings:
+        if req_id in staging:
+            staging.free(req_id)
+
+
+# ---------------------------------------------------------------------- params
+
+
+@dataclass(frozen=True)
+class ReadParams:
+    """P's transfer params for one request, checked (`ReadParams.parse`).
+
+    `keys[g]` are the staging keys of group `g`'s blocks, `slots[g]` their P slots.
+    """
+
+    peer: str
+    instance: str
+    host: str
+    port: int
+    req_id: str
+    generation: int
+    keys: tuple[tuple[int, ...], ...]
+    slots: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def parse(cls, params: object, num_groups: int) -> ReadParams:
+        """Check every field's type and range; `InvalidInputError` naming the first bad one."""
+        if not isinstance(params, Mapping):
+            raise InvalidInputError(f"transfer params must be a dict, got {type(params).__name__}")
+
+        def get(key: str, check: Callable[[Any], bool], what: str) -> Any:
+            value = params.get(key)
+            if not check(value):
+                raise InvalidInputError(f"transfer params field {key!r} must be {what}, "
+                                        f"got {value!r:.80}")
+            return value
+
+        def is_str(v: object) -> bool:
+            return isinstance(v, str) and bool(v)
+
+        groups = get("groups", lambda v: isinstance(v, list) and len(v) == num_groups,
+                     f"a list of {num_groups} groups")
+        keys, slots = [], []
+        for g, group in enumerate(groups):
+            k = group.get("keys") if isinstance(group, Mapping) else None
+            s = group.get("slots") if isinstance(group, Mapping) else None
+            if not (isinstance(k, list) and isinstance(s, list) and len(k) == len(s)
+                    and all(_is_int(x) and x >= 0 for x in k + s)):
+                raise InvalidInputError(
+                    f"transfer params group {g} must have equal-length lists of non-negative int "
+                    f"'keys' and 'slots', got {group!r:.120}")
+            if len(set(k)) != len(k) or len(set(s)) != len(s):
+                raise InvalidInputError(f"transfer params group {g} repeats a key or a slot")
+            keys.append(tuple(k))
+            slots.append(tuple(s))
+        if not any(keys):
+            raise InvalidInputError("transfer params name no block in any group")
+        return cls(
+            peer=get("peer", is_str, "a non-empty str"),
+            instance=get("instance", is_str, "a non-empty str"),
+            host=get("host", is_str, "a non-empty str"),
+            port=get("port", lambda v: _is_int(v) and 0 < v <= 65535, "an int port"),
+            req_id=get("req_id", is_str, "a non-empty str"),
+            generation=get("generation", _is_generation, "a positive int"),
+            keys=tuple(keys),
+            slots=tuple(slots),
+        )
 
 
 # ---------------------------------------------------------------------- P side
@@ -257,51 +411,73 @@ class PrefillTransport:
     **Arguments:**
 
     - `config`: `TransportConfig`; `config.name` is the name D connects to.
-    - `staging`: the staging P saves blocks into; its regions are registered here.
+    - `staging`: the staging P saves blocks into, one per KV cache group (a
+      single `Staging` is one group); their regions are registered here.
     - `layout`: JSON-able cache layout advertised to D at handshake.
     """
 
-    def __init__(self, config: TransportConfig, staging: Staging, layout: Mapping[str, Any]):
+    def __init__(self, config: TransportConfig, staging: Staging | Sequence[Staging],
+                 layout: Mapping[str, Any]):
+        if not isinstance(config, TransportConfig):
+            raise InvalidInputError(f"config must be a TransportConfig, got {config!r:.80}")
         self.config = config
-        self.staging = staging
+        self.stagings = _stagings(staging)
         self.layout = dict(layout)
-        self.agent, self.port = _create_agent(config)
-        self._reg = _register(self.agent, staging)
+        self.instance = secrets.token_hex(8)
+        _claim_name(config.name)
+        try:
+            self.agent, self.port = _create_agent(config)
+        except BaseException:
+            _release_name(config.name)
+            raise
+        self._reg = _register(self.agent, self.stagings)
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
         self._freed: list[str] = []
 
+    @property
+    def staging(self) -> Staging:
+        """The first group's staging (the only one for a single-group model)."""
+        return self.stagings[0]
+
     def advertisement(self) -> dict[str, Any]:
         """What D receives at handshake (the `layout` message's fields)."""
         return {
             "agent": self.config.name,
+            "instance": self.instance,
             "layout": self.layout,
-            "regions": [list(r) for r in self.staging.region_addresses()],
-            "block_bytes": self.staging.block_bytes,
-            "num_slots": self.staging.num_slots,
+            "groups": [{"regions": [list(r) for r in s.region_addresses()],
+                        "block_bytes": s.block_bytes, "num_slots": s.num_slots}
+                       for s in self.stagings],
         }
 
     def hold(self, req_id: str, now: float | None = None) -> dict[str, Any]:
         """Start `req_id`'s lease; returns the params D needs to read it.
 
-        Call once the request's last chunk is staged.
+        Call once the request's last chunk is staged. A request is held once:
+        holding it again before it is freed raises `InvalidInputError`.
         """
         now = time.monotonic() if now is None else now
-        kernel_ids = self.staging.blocks(req_id)
+        if req_id in self._leases:
+            raise InvalidInputError(f"request {req_id!r} is already held for D")
+        staged = [s.blocks(req_id) if req_id in s else [] for s in self.stagings]
+        if not any(staged):
+            raise InvalidInputError(f"request {req_id!r} has nothing staged to hold")
         generation = self._next_generation
         self._next_generation += 1
         self._leases[req_id] = _Lease(generation, now + self.config.lease_s)
         logger.debug("P %s holds %s gen %s (%s blocks)", self.config.name, req_id,
-                     generation, len(kernel_ids))
+                     generation, sum(map(len, staged)))
         return {
             "peer": self.config.name,
+            "instance": self.instance,
             "host": self.config.host,
             "port": self.port,
             "req_id": req_id,
             "generation": generation,
-            "kernel_ids": kernel_ids,
-            "slots": self.staging.slots(req_id, kernel_ids),
+            "groups": [{"keys": keys, "slots": s.slots(req_id, keys) if keys else []}
+                       for s, keys in zip(self.stagings, staged)],
         }
 
     def held(self) -> list[str]:
@@ -311,6 +487,7 @@ class PrefillTransport:
         """Handle D's notifications and reap expired leases.
 
         Returns the request ids freed since the last call (read by D, or expired).
+        Never raises because of what a peer sent: a bad message is logged and dropped.
         """
         now = time.monotonic() if now is None else now
         for sender, messages in self.agent.get_new_notifs().items():
@@ -331,9 +508,12 @@ class PrefillTransport:
         if kind == "hello":
             self._hellos[sender] = now + self.config.handshake_timeout_s
         elif kind == "done":
-            req_id, generation = msg.get("req_id"), msg.get("generation")
+            req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
+            generation = _field(msg, "generation", _is_generation, "a positive int", sender)
+            instance = _field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
             lease = self._leases.get(req_id)
-            ok = lease is not None and lease.generation == generation
+            ok = (instance == self.instance and lease is not None
+                  and lease.generation == generation)
             if ok:
                 self._free(req_id)
             logger.debug("P %s done %s gen %s from %s ok=%s", self.config.name, req_id,
@@ -343,7 +523,13 @@ class PrefillTransport:
             except TransferError as e:
                 logger.warning("P %s: %s", self.config.name, e)
         elif kind == "hb":
-            for req_id, generation in msg.get("reqs", []):
+            instance = _field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
+            reqs = _field(msg, "reqs", lambda v: isinstance(v, list) and all(
+                isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
+                and _is_generation(r[1]) for r in v), "a list of [req_id, generation]", sender)
+            if instance != self.instance:
+                return
+            for req_id, generation in reqs:
                 lease = self._leases.get(req_id)
                 if lease is not None and lease.generation == generation:
                     lease.expires = max(lease.expires, now + self.config.lease_s)
@@ -364,27 +550,34 @@ class PrefillTransport:
 
     def _free(self, req_id: str) -> None:
         del self._leases[req_id]
-        if req_id in self.staging:
-            self.staging.free(req_id)
+        _free_everywhere(self.stagings, req_id)
         self._freed.append(req_id)
 
     def close(self) -> None:
         """Deregister staging and drop the agent (its listener stops with it)."""
+        if self.agent is None:
+            return
         _close_agent(self.agent, self._reg, f"P {self.config.name}")
         self.agent = None
+        _release_name(self.config.name)
 
 
 # ---------------------------------------------------------------------- D side
 
 
 @dataclass
-class _Peer:
-    name: str
+class _PeerGroup:
     regions: list[tuple[int, int]]
     block_bytes: int
     num_slots: int
+
+
+@dataclass
+class _Peer:
+    name: str
+    instance: str
+    groups: list[_PeerGroup]
     layout: dict[str, Any]
-    prepped: Any = None  # remote per-slot dlist handle
     last_heartbeat: float = 0.0
 
 
@@ -392,8 +585,9 @@ class _Peer:
 class _Read:
     req_id: str
     peer: str
+    instance: str
     generation: int
-    local_ids: list[int]
+    logical_ids: list[int]
     deadline: float
     handle: Any = None
     state: str = "xfer"  # "xfer": READ posted; "ack": waiting for P's ack
@@ -406,9 +600,9 @@ class DecodeTransport:
     **Arguments:**
 
     - `config`: `TransportConfig`.
-    - `staging`: where reads land; must match P's block bytes and layer count.
+    - `staging`: where reads land, one per KV cache group (a single `Staging`
+      is one group); each must match P's block bytes and layer count.
     - `layout`: this side's JSON-able cache layout, checked against each peer's.
-    - `kernel_ratio`: kernel blocks per logical block (failures are reported in logical ids).
     - `layout_check`: `(local, remote) -> None`, raising `LayoutMismatchError`;
       defaults to `check_layouts`.
     """
@@ -416,26 +610,35 @@ class DecodeTransport:
     def __init__(
         self,
         config: TransportConfig,
-        staging: Staging,
+        staging: Staging | Sequence[Staging],
         layout: Mapping[str, Any],
-        kernel_ratio: int = 1,
         layout_check: LayoutCheck = check_layouts,
     ):
+        if not isinstance(config, TransportConfig):
+            raise InvalidInputError(f"config must be a TransportConfig, got {config!r:.80}")
         self.config = config
-        self.staging = staging
+        self.stagings = _stagings(staging)
         self.layout = dict(layout)
-        self.kernel_ratio = kernel_ratio
         self.layout_check = layout_check
-        self.agent, self.port = _create_agent(config)
-        self._reg = _register(self.agent, staging)
-        self._local_prepped: Any = None
+        _claim_name(config.name)
+        try:
+            self.agent, self.port = _create_agent(config)
+        except BaseException:
+            _release_name(config.name)
+            raise
+        self._reg = _register(self.agent, self.stagings)
         self._peers: dict[str, _Peer] = {}
         self._adverts: dict[str, dict[str, Any] | TransferError] = {}
         self._reads: dict[str, _Read] = {}
-        self._expected: dict[str, tuple[str, int]] = {}  # req -> (peer, generation)
+        self._expected: dict[str, tuple[str, str, int]] = {}  # req -> (peer, instance, gen)
         self._zombies: list[tuple[str, Any]] = []  # (req, handle) failed but still in flight
         self._done: list[str] = []
         self._failed: dict[str, list[int]] = {}
+
+    @property
+    def staging(self) -> Staging:
+        """The first group's staging (the only one for a single-group model)."""
+        return self.stagings[0]
 
     # -- handshake
 
@@ -462,11 +665,14 @@ class DecodeTransport:
             self.agent.send_local_metadata(host, port)
             _send(self.agent, peer, "hello", agent=self.config.name)
         except TransferError:
+            self._forget(peer)
             raise
         except Exception as e:
+            self._forget(peer)
             raise TransferError(f"handshake with peer {peer!r} at {host}:{port} failed: {e}") from e
         while peer not in self._adverts:
             if time.monotonic() > deadline:
+                self._forget(peer)
                 raise TransferError(
                     f"peer {peer!r} at {host}:{port} sent no layout within "
                     f"{self.config.handshake_timeout_s}s"
@@ -474,122 +680,154 @@ class DecodeTransport:
             self._drain_notifs()
             time.sleep(0.002)
         advert = self._adverts.pop(peer)
-        if isinstance(advert, TransferError):
-            raise advert
-        self._peers[peer] = self._accept(peer, advert)
-        logger.debug("D %s connected to %s at %s:%s", self.config.name, peer, host, port)
+        try:
+            if isinstance(advert, TransferError):
+                raise advert
+            self._peers[peer] = self._accept(peer, advert)
+        except Exception:
+            self._forget(peer)
+            raise
+        logger.debug("D %s connected to %s (instance %s) at %s:%s", self.config.name, peer,
+                     self._peers[peer].instance, host, port)
         return self._peers[peer].layout
 
     def _accept(self, peer: str, advert: dict[str, Any]) -> _Peer:
         try:
             layout = dict(advert["layout"])
-            regions = [(int(a), int(n)) for a, n in advert["regions"]]
-            block_bytes, num_slots = int(advert["block_bytes"]), int(advert["num_slots"])
+            instance = advert["instance"]
+            if not isinstance(instance, str) or not instance:
+                raise ValueError(f"instance {instance!r}")
+            groups = [_PeerGroup([(int(a), int(n)) for a, n in g["regions"]],
+                                 int(g["block_bytes"]), int(g["num_slots"]))
+                      for g in advert["groups"]]
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"layout message from {peer!r} is malformed: {e!r}") from None
         self.layout_check(self.layout, layout)
-        if block_bytes != self.staging.block_bytes or len(regions) != self.staging.num_layers:
+        if len(groups) != len(self.stagings):
             raise LayoutMismatchError(
-                f"peer {peer!r} stages {len(regions)} layers of {block_bytes}-byte blocks, "
-                f"local staging has {self.staging.num_layers} of {self.staging.block_bytes}"
-            )
-        state = _Peer(peer, regions, block_bytes, num_slots, layout)
-        if self.config.prepped:
-            if self._local_prepped is None:
-                self._local_prepped = self.agent.prep_xfer_dlist(
-                    "NIXL_INIT_AGENT",
-                    _slot_descs(self.staging.region_addresses(), self.staging.block_bytes),
-                    "DRAM",
+                f"peer {peer!r} stages {len(groups)} KV cache groups, local staging has "
+                f"{len(self.stagings)}")
+        for g, (theirs, ours) in enumerate(zip(groups, self.stagings)):
+            if theirs.block_bytes != ours.block_bytes or len(theirs.regions) != ours.num_layers:
+                raise LayoutMismatchError(
+                    f"peer {peer!r} group {g} stages {len(theirs.regions)} layers of "
+                    f"{theirs.block_bytes}-byte blocks, local staging has {ours.num_layers} of "
+                    f"{ours.block_bytes}"
                 )
-            state.prepped = self.agent.prep_xfer_dlist(
-                peer, _slot_descs(regions, block_bytes), "DRAM"
-            )
-        return state
+        return _Peer(peer, instance, groups, layout)
 
-    def _drop_peer(self, peer: str) -> None:
-        if self._peers.pop(peer, None) is not None:
-            try:
-                self.agent.remove_remote_agent(peer)
-            except Exception as e:
-                logger.debug("D %s remove %s: %s", self.config.name, peer, e)
+    def _forget(self, peer: str) -> None:
+        """Drop NIXL's metadata of `peer`, so the next connect fetches it afresh."""
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception as e:
+            logger.debug("D %s remove %s: %s", self.config.name, peer, e)
+
+    def _drop_peer(self, peer: str, why: str) -> None:
+        """Disconnect `peer` (gone, restarted or failing); its reads fail with it."""
+        if self._peers.pop(peer, None) is None:
+            return
+        logger.warning("D %s drops peer %s: %s", self.config.name, peer, why)
+        for read in [r for r in self._reads.values() if r.peer == peer]:
+            self._fail(read)
+        self._forget(peer)
 
     # -- reads
 
     def expect(self, params: Mapping[str, Any]) -> None:
         """Keep P's lease on a request alive (heartbeats) until `start_read` takes it."""
-        self._expected[params["req_id"]] = (params["peer"], int(params["generation"]))
+        p = ReadParams.parse(params, len(self.stagings))
+        self._expected[p.req_id] = (p.peer, p.instance, p.generation)
 
-    def start_read(
-        self, req_id: str, params: Mapping[str, Any], local_kernel_ids: Sequence[int]
-    ) -> None:
-        """Post the READ of `req_id`'s blocks from P into D's slots for `local_kernel_ids`.
+    def start_read(self, req_id: str, params: Mapping[str, Any],
+                   logical_ids: Sequence[int]) -> None:
+        """Post the READ of `req_id`'s blocks from P into D's staging, under P's keys.
 
-        `local_kernel_ids[i]` receives P's `params["kernel_ids"][i]`. Never
-        raises for a peer problem: the request is then reported failed by `poll`.
+        `logical_ids` are the engine's (D's) block ids the request's blocks
+        land in: what is reported if the read fails. Raises
+        `InvalidInputError` for malformed params or a request already being
+        read, before any state changes; never raises for a peer problem: the
+        request is then reported failed by `poll`.
         """
-        p_ids = list(params["kernel_ids"])
-        if len(p_ids) != len(local_kernel_ids) or len(params["slots"]) != len(p_ids):
-            raise InvalidInputError(
-                f"request {req_id!r}: P has {len(p_ids)} kernel blocks, "
-                f"{len(params['slots'])} slots; D asked for {len(local_kernel_ids)}"
-            )
-        if req_id in self._reads:
+        if req_id in self._reads or any(z == req_id for z, _ in self._zombies):
             raise InvalidInputError(f"request {req_id!r} is already being read")
-        self._expected.pop(req_id, None)
-        peer = str(params["peer"])
-        read = _Read(req_id, peer, int(params["generation"]), list(local_kernel_ids),
+        if any(req_id in s for s in self.stagings):
+            raise InvalidInputError(
+                f"request {req_id!r} still holds D staging from an earlier read; free it first")
+        p = ReadParams.parse(params, len(self.stagings))
+        self._expected.pop(p.req_id, None)
+        connected = self._peers.get(p.peer)
+        if connected is not None and connected.instance != p.instance:
+            # New params from a restarted P, or old params: reconnect and see which.
+            self._drop_peer(p.peer, f"params name instance {p.instance}, "
+                                    f"connected to instance {connected.instance}")
+        read = _Read(req_id, p.peer, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s)
         self._reads[req_id] = read
         try:
-            if peer not in self._peers:
-                self.connect(peer, str(params["host"]), int(params["port"]))
-            d_slots = self.staging.assign(req_id, read.local_ids)
-            read.handle = self._post(self._peers[peer], list(params["slots"]), d_slots, req_id)
+            if p.peer not in self._peers:
+                self.connect(p.peer, p.host, p.port)
+            peer = self._peers[p.peer]
+            if peer.instance != p.instance:
+                raise TransferError(
+                    f"params of {req_id!r} are from P instance {p.instance}, but {p.peer!r} at "
+                    f"{p.host}:{p.port} is now instance {peer.instance} (P restarted)")
+            for g, (slots, group) in enumerate(zip(p.slots, peer.groups)):
+                bad = [s for s in slots if s >= group.num_slots]
+                if bad:
+                    raise TransferError(f"params of {req_id!r} name P slots {bad[:4]} of group "
+                                        f"{g}, past P's {group.num_slots}")
+            d_slots = [s.assign(req_id, keys) for s, keys in zip(self.stagings, p.keys)]
         except Exception as e:  # any failure here is this request's, not the engine's
-            logger.warning("D %s cannot read %s from %s: %s", self.config.name, req_id, peer, e)
+            logger.warning("D %s cannot read %s from %s: %s", self.config.name, req_id, p.peer, e)
             self._fail(read)
+            return
+        try:
+            read.handle = self._post(peer, p.slots, d_slots, req_id)
+        except Exception as e:
+            self._fail(read)
+            self._drop_peer(p.peer, f"posting the READ of {req_id} failed: {e}")
 
-    def _post(self, peer: _Peer, p_slots: list[int], d_slots: list[int], req_id: str) -> Any:
-        bb = self.staging.block_bytes
-        if self.config.prepped:
-            n = self.staging.num_slots
-            local_idx = [layer * n + s for layer in range(self.staging.num_layers) for s in d_slots]
-            remote_idx = [layer * peer.num_slots + s for layer in range(len(peer.regions))
-                          for s in p_slots]
-            handle = self.agent.make_prepped_xfer(
-                "READ", self._local_prepped, local_idx, peer.prepped, remote_idx
-            )
-        else:
-            runs = np.asarray(coalesce_pairs(p_slots, d_slots), dtype=np.uint64).reshape(-1, 3)
-            local, remote = [], []
-            for (p_base, _), (d_base, _) in zip(
-                peer.regions, self.staging.region_addresses(), strict=True
-            ):
-                lengths = runs[:, 2] * bb
+    def _post(self, peer: _Peer, p_slots: Sequence[Sequence[int]],
+              d_slots: Sequence[Sequence[int]], req_id: str) -> Any:
+        local, remote = [], []
+        for theirs, ours, ps, ds in zip(peer.groups, self.stagings, p_slots, d_slots, strict=True):
+            if not ps:
+                continue
+            bb = ours.block_bytes
+            runs = np.asarray(coalesce_pairs(ps, ds), dtype=np.uint64).reshape(-1, 3)
+            lengths = runs[:, 2] * bb
+            for (p_base, _), (d_base, _) in zip(theirs.regions, ours.region_addresses(),
+                                                strict=True):
                 remote.append(np.stack([p_base + runs[:, 0] * bb, lengths, 0 * lengths], 1))
                 local.append(np.stack([d_base + runs[:, 1] * bb, lengths, 0 * lengths], 1))
-            handle = self.agent.initialize_xfer(
-                "READ",
-                self.agent.get_xfer_descs(np.concatenate(local), "DRAM"),
-                self.agent.get_xfer_descs(np.concatenate(remote), "DRAM"),
-                peer.name,
-            )
+        handle = self.agent.initialize_xfer(
+            "READ",
+            self.agent.get_xfer_descs(np.concatenate(local), "DRAM"),
+            self.agent.get_xfer_descs(np.concatenate(remote), "DRAM"),
+            peer.name,
+        )
         state = self.agent.transfer(handle)
         if state == "ERR":
+            self._release(handle)
             raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer.name!r}")
-        logger.debug("D %s posted READ of %s (%s blocks)", self.config.name, req_id, len(d_slots))
+        logger.debug("D %s posted READ of %s (%s descriptors)", self.config.name, req_id,
+                     sum(len(x) for x in local))
         return handle
 
     def poll(self, now: float | None = None) -> tuple[list[str], dict[str, list[int]]]:
         """Advance reads; returns `(finished, failed)` since the last call.
 
         `finished`: request ids whose blocks are in staging and confirmed by P
-        (the caller copies them out, then `staging.free(req_id)`). `failed`:
-        request id -> logical block ids (D's) to recompute; their slots are freed here.
+        (the caller copies them out, then frees them in every staging).
+        `failed`: request id -> the logical ids given to `start_read`; their
+        slots are freed here.
         """
         now = time.monotonic() if now is None else now
         self._drain_notifs()
         for read in list(self._reads.values()):
+            if read.req_id not in self._reads:  # failed with its peer meanwhile
+                continue
             if read.state == "xfer":
                 try:
                     state = self.agent.check_xfer_state(read.handle)
@@ -601,18 +839,15 @@ class DecodeTransport:
                     read.handle = None
                     try:
                         _send(self.agent, read.peer, "done", req_id=read.req_id,
-                              generation=read.generation)
+                              instance=read.instance, generation=read.generation)
                         read.state = "ack"
                     except TransferError as e:
-                        logger.warning("D %s: %s", self.config.name, e)
-                        self._drop_peer(read.peer)
                         self._fail(read)
+                        self._drop_peer(read.peer, str(e))
                         continue
                 elif state == "ERR":
-                    logger.warning("D %s READ of %s from %s failed", self.config.name,
-                                   read.req_id, read.peer)
-                    self._drop_peer(read.peer)
                     self._fail(read)
+                    self._drop_peer(read.peer, f"READ of {read.req_id} failed")
                     continue
             if now > read.deadline and read.req_id in self._reads:
                 logger.warning("D %s read of %s from %s timed out in state %s",
@@ -629,51 +864,64 @@ class DecodeTransport:
             for raw in messages:
                 try:
                     msg = decode_message(raw, sender)
+                    if msg["t"] == "layout":
+                        self._adverts[sender] = msg
+                    elif msg["t"] == "ack":
+                        self._on_ack(sender, msg)
+                    else:
+                        logger.warning("D %s ignores %r message from %s", self.config.name,
+                                       msg["t"], sender)
                 except TransferError as e:
-                    if sender not in self._peers:
+                    if sender not in self._peers and not isinstance(self._adverts.get(sender),
+                                                                    dict):
                         self._adverts[sender] = e  # a handshake in progress fails loudly
                     logger.warning("D %s ignores a message: %s", self.config.name, e)
-                    continue
-                if msg["t"] == "layout":
-                    self._adverts[sender] = msg
-                elif msg["t"] == "ack":
-                    read = self._reads.get(msg.get("req_id"))
-                    if (read is None or read.peer != sender or read.state != "ack"
-                            or read.generation != msg.get("generation")):
-                        continue
-                    if msg.get("ok") is True:
-                        del self._reads[read.req_id]
-                        self._done.append(read.req_id)
-                        logger.debug("D %s read %s in %.4fs", self.config.name, read.req_id,
-                                     time.monotonic() - read.started)
-                    else:
-                        logger.warning("D %s: P %s no longer held %s (lease expired)",
-                                       self.config.name, sender, read.req_id)
-                        self._fail(read)
+
+    def _on_ack(self, sender: str, msg: dict[str, Any]) -> None:
+        req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
+        generation = _field(msg, "generation", _is_generation, "a positive int", sender)
+        ok = _field(msg, "ok", lambda v: isinstance(v, bool), "a bool", sender)
+        read = self._reads.get(req_id)
+        if (read is None or read.peer != sender or read.state != "ack"
+                or read.generation != generation):
+            return
+        if ok:
+            del self._reads[read.req_id]
+            self._done.append(read.req_id)
+            logger.debug("D %s read %s in %.4fs", self.config.name, read.req_id,
+                         time.monotonic() - read.started)
+        else:
+            logger.warning("D %s: P %s no longer held %s (lease expired or P restarted)",
+                           self.config.name, sender, read.req_id)
+            self._fail(read)
 
     def _heartbeat(self, now: float) -> None:
-        wanted: dict[str, list[tuple[str, int]]] = {}
+        wanted: dict[str, list[list[Any]]] = {}
+        instances: dict[str, str] = {}
         for read in self._reads.values():
-            wanted.setdefault(read.peer, []).append((read.req_id, read.generation))
-        for req_id, (peer, generation) in self._expected.items():
-            wanted.setdefault(peer, []).append((req_id, generation))
+            wanted.setdefault(read.peer, []).append([read.req_id, read.generation])
+            instances[read.peer] = read.instance
+        for req_id, (peer, instance, generation) in self._expected.items():
+            wanted.setdefault(peer, []).append([req_id, generation])
+            instances.setdefault(peer, instance)
         for peer, reqs in wanted.items():
             state = self._peers.get(peer)
             if state is None or now - state.last_heartbeat < self.config.heartbeat_interval_s:
                 continue
             state.last_heartbeat = now
             try:
-                _send(self.agent, peer, "hb", reqs=reqs)
+                _send(self.agent, peer, "hb", instance=state.instance, reqs=reqs)
             except TransferError as e:
-                logger.warning("D %s: %s", self.config.name, e)
+                self._drop_peer(peer, str(e))
 
     def _fail(self, read: _Read) -> None:
-        self._reads.pop(read.req_id, None)
-        self._failed[read.req_id] = to_logical_ids(read.local_ids, self.kernel_ratio)
+        if self._reads.pop(read.req_id, None) is None:
+            return
+        self._failed[read.req_id] = list(read.logical_ids)
         if read.handle is not None and not self._release(read.handle):
             self._zombies.append((read.req_id, read.handle))
-        elif read.req_id in self.staging:
-            self.staging.free(read.req_id)
+        else:
+            _free_everywhere(self.stagings, read.req_id)
 
     def _release(self, handle: Any) -> bool:
         try:
@@ -686,11 +934,14 @@ class DecodeTransport:
         still = []
         for req_id, handle in self._zombies:
             if self._release(handle):
-                if req_id in self.staging:
-                    self.staging.free(req_id)
+                _free_everywhere(self.stagings, req_id)
             else:
                 still.append((req_id, handle))
         self._zombies = still
+
+    def free(self, req_id: str) -> None:
+        """Release the staging of a finished request, once its blocks are copied out."""
+        _free_everywhere(self.stagings, req_id)
 
     def pending(self) -> list[str]:
         """Request ids with a read in progress."""
@@ -698,5 +949,8 @@ class DecodeTransport:
 
     def close(self) -> None:
         """Deregister staging and drop the agent (its listener stops with it)."""
+        if self.agent is None:
+            return
         _close_agent(self.agent, self._reg, f"D {self.config.name}")
         self.agent = None
+        _release_name(self.config.name)

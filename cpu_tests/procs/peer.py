@@ -54,7 +54,7 @@ def main():
     if role == "P":
         t = PrefillTransport(config, staging, layout)
     else:
-        t = DecodeTransport(config, staging, layout, kernel_ratio=spec.get("kernel_ratio", 1))
+        t = DecodeTransport(config, staging, layout)
     print(json.dumps({"port": t.port}), file=answers, flush=True)
     finished, failed, freed = [], {}, []
 
@@ -93,7 +93,12 @@ def main():
             elif op == "connect":
                 out = {"layout": t.connect(cmd["peer"], cmd["host"], cmd["port"])}
             elif op == "read":
-                t.start_read(cmd["req_id"], cmd["params"], cmd["local_ids"])
+                # `logical_ids`: what D reports if the read fails; blocks land under P's keys.
+                t.start_read(cmd["req_id"], cmd["params"], cmd["logical_ids"])
+                out = {}
+            elif op == "notify":
+                # Test hook: raw bytes as a notification, as a faulty or hostile peer sends them.
+                t.agent.send_notif(cmd["peer"], base64.b64decode(cmd["raw"]))
                 out = {}
             elif op == "wait":
                 deadline = time.monotonic() + cmd["within"]
@@ -112,7 +117,7 @@ def main():
                 t.expect(cmd["params"])
                 out = {}
             elif op == "rows":
-                slots = staging.slots(cmd["req_id"], cmd["local_ids"])
+                slots = staging.slots(cmd["req_id"], cmd["keys"])
                 out = {"rows": [base64.b64encode(staging.rows(layer, slots).tobytes()).decode()
                                 for layer in range(staging.num_layers)]}
             elif op == "free":

@@ -69,7 +69,6 @@ def run(
     iters: int = 5,
     seed: int = 0,
     placement: str = "runs",
-    prepped: bool = False,
     ucx_tls: str | None = "cma,tcp,self",
     timeout_s: float = 60.0,
     verbose: bool = True,
@@ -78,12 +77,12 @@ def run(
 
     Keys: `nixl_read_gbps`, `memcpy_gbps`, `nixl_over_memcpy`, `descriptors`
     (NIXL descriptors per read, before any merging NIXL does), `bytes`,
-    `placement`, `prepped`, `ucx_tls`, `iters`. Printed as one JSON line when `verbose`.
+    `placement`, `ucx_tls`, `iters`. Printed as one JSON line when `verbose`.
     """
     from kvxfer.blocks import coalesce_pairs
     from kvxfer.transport import DecodeTransport, TransportConfig
 
-    common = {"ucx_tls": ucx_tls, "prepped": prepped, "transfer_timeout_s": timeout_s,
+    common = {"ucx_tls": ucx_tls, "transfer_timeout_s": timeout_s,
               "handshake_timeout_s": timeout_s}
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -108,14 +107,13 @@ def run(
         for i in range(iters + 1):
             num_ids = blocks * _SLOTS_PER_BLOCK
             p_ids = [int(x) for x in rng.choice(num_ids, blocks, replace=False)]
-            d_ids = [int(x) for x in rng.choice(num_ids, blocks, replace=False)]
             req_id = f"bench-{i}"
             ours.send(("stage", req_id, p_ids))
             if not ours.poll(timeout_s):
                 raise TransferError(f"benchmark P did not hold {req_id} within {timeout_s}s")
             params = ours.recv()
             start = time.perf_counter()
-            d.start_read(req_id, params, d_ids)
+            d.start_read(req_id, params, [])
             finished: list[str] = []
             while req_id not in finished:
                 done, failed = d.poll()
@@ -125,8 +123,9 @@ def run(
                 time.sleep(0.0001)  # leave the cores to NIXL's progress thread
             times.append(time.perf_counter() - start)
             memcpy_times.append(_memcpy_seconds(src, dst))  # interleaved: same load
-            runs = coalesce_pairs(params["slots"], staging.slots(req_id, d_ids))
-            descriptors = layers * (blocks if prepped else len(runs))
+            group = params["groups"][0]
+            runs = coalesce_pairs(group["slots"], staging.slots(req_id, group["keys"]))
+            descriptors = layers * len(runs)
             staging.free(req_id)
         ours.send(("exit",))
     finally:
@@ -146,7 +145,6 @@ def run(
         "descriptors": descriptors,
         "bytes": nbytes,
         "placement": placement,
-        "prepped": prepped,
         "ucx_tls": ucx_tls,
         "iters": iters,
     }
