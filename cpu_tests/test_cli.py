@@ -1,8 +1,10 @@
-"""`kvxfer plan` and `kvxfer bench plan`, through the real entry point."""
+"""`kvxfer plan`, `kvxfer bench plan` and bad `kvxfer demo` flags, through the real entry point."""
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from kvxfer.cli import main, plan_report
 
@@ -51,3 +53,86 @@ def test_bench_plan_prints_its_figures_as_json():
     result = json.loads(out.stdout)
     assert set(result) == {"plan_us_short", "plan_us_long", "long_over_short"}
     assert result["plan_us_short"] > 0 and result["plan_us_long"] > 0
+
+
+# Bad flags: one `kvxfer: error:` line naming the value, exit 2, no traceback, no process.
+
+
+@pytest.fixture
+def no_processes(monkeypatch):
+    """Fail the test if `kvxfer demo` starts P or D."""
+    import kvxfer.demo
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("kvxfer demo started a process for a bad flag")
+
+    monkeypatch.setattr(kvxfer.demo, "_Proc", refuse)
+
+
+def _one_error_line(capsys, *names):
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvxfer: error: "), out.err
+    assert "Traceback" not in out.err and out.out == ""
+    for name in names:
+        assert name in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--dtype", "garbage"], ["--dtype", "'garbage'"]),
+    (["--layers", "0"], ["--layers", "got 0"]),
+    (["--tp-p", "3"], ["--tp-p 3", "does not divide"]),
+    (["--tp-d", "16"], ["--tp-d 16"]),
+    (["--tp-d", "0"], ["--tp-d", "got 0"]),
+    (["--budget", "0"], ["--budget", "got 0"]),
+    (["--budget", "-5"], ["--budget", "got -5"]),
+    (["--block-size", "0"], ["--block-size", "got 0"]),
+    (["--block-size", "1"], ["need 999 blocks", "--num-blocks 256", "raise --num-blocks"]),
+    (["--block-size", "48"], ["cached[2] 64", "--block-size 48"]),
+    (["--num-blocks", "10"], ["--num-blocks 10", "raise --num-blocks"]),
+    (["--layout", "mla", "--dtype", "int8", "--block-size", "2"], ["--block-size 2"]),
+])
+def test_demo_bad_flag_is_one_error_line_before_any_process_starts(
+        no_processes, capsys, flags, names):
+    assert main(["demo", *flags]) == 2
+    _one_error_line(capsys, *names)
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--lookahead", "100000"], ["--lookahead 100000", "need 6253 blocks", "4095"]),
+    (["--lookahead", "-1"], ["--lookahead", "got -1"]),
+    (["--prompt", "0"], ["--prompt", "got 0"]),
+    (["--prompt", "100000000"], ["--prompt 100000000"]),
+    (["--block-size", "0"], ["--block-size", "got 0"]),
+    (["--dcp", "0"], ["--dcp", "got 0"]),
+    (["--cached", "-16"], ["--cached", "got -16"]),
+    (["--cached", "48"], ["--cached", "cached tokens 48", "--prompt 40"]),
+    (["--cached", "16", "--dcp", "2"], ["32-token blocks", "cached tokens 16"]),
+])
+def test_plan_bad_flag_is_one_error_line(capsys, flags, names):
+    base = {"--prompt": "40", "--budget": "8", "--block-size": "16"}
+    for flag, value in zip(flags[::2], flags[1::2]):
+        base[flag] = value
+    assert main(["plan", *[x for kv in base.items() for x in kv]]) == 2
+    _one_error_line(capsys, *names)
+
+
+def test_plan_lookahead_that_just_fits_the_simulated_pool_runs():
+    # cdiv(40 + 65480, 16) = 4095 blocks: the whole pool but the null block.
+    lines, ok = plan_report(40, 100000, 16, lookahead=65480)
+    assert ok and lines[-1].endswith("b4094")
+
+
+def test_plan_huge_lookahead_through_the_real_entry_point_has_no_traceback():
+    out = kvxfer("plan", "--prompt", "40", "--budget", "8", "--block-size", "16",
+                 "--lookahead", "100000")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("kvxfer: error: --prompt 40 plus --lookahead 100000 need 6253")
+
+
+def test_demo_non_integer_flag_is_argparse_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--layers", "two"])
+    assert e.value.code == 2
+    assert "invalid int value: 'two'" in capsys.readouterr().err

@@ -7,6 +7,7 @@ kernel blocks). DESIGN.md section 3 gives the formulas.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 
 from kvxfer.errors import InvalidInputError
@@ -16,8 +17,30 @@ NULL_BLOCK = 0
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling of `a / b` for non-negative `a` and positive `b`."""
+    """Ceiling of `a / b` for a non-negative int `a` and a positive int `b`.
+
+    numpy integers are accepted (token counts may come out of numpy arrays);
+    bools and floats are not. Raises `InvalidInputError` naming both values.
+    """
+    if type(a) is not int or type(b) is not int:  # plain ints skip the conversion
+        a, b = _cdiv_ints(a, b)
+    if a < 0 or b <= 0:
+        raise InvalidInputError(
+            f"cdiv({a!r}, {b!r}) needs a non-negative int a and a positive int b"
+        )
     return -(-a // b)
+
+
+def _cdiv_ints(a: object, b: object) -> tuple[int, int]:
+    """`a` and `b` as plain ints, if both are integers (numpy ones too) other than bools."""
+    try:
+        if isinstance(a, bool) or isinstance(b, bool):
+            raise TypeError
+        return operator.index(a), operator.index(b)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidInputError(
+            f"cdiv({a!r}, {b!r}) needs ints, got {type(a).__name__} and {type(b).__name__}"
+        ) from None
 
 
 def _check_positive(name: str, value: int) -> None:

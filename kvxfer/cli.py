@@ -9,7 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvxfer.errors import KvxferError
+from kvxfer.blocks import cdiv
+from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.scheduler import GroupSpec, SaveTracker
 from kvxfer.simulate import SimEngine
 
@@ -29,6 +30,34 @@ def _spans(positions: Sequence[int]) -> str:
     return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
 
 
+_PLAN_BLOCKS = 4096
+"""Blocks in the simulated engine's pool that `kvxfer plan` runs (block 0 is the null block)."""
+
+
+def _check_plan_args(prompt: int, budget: int, block_size: int, lookahead: int, cached: int,
+                     dcp: int) -> None:
+    """Raise `InvalidInputError` naming the first bad flag, before anything is simulated."""
+    for flag, value, low in (("--prompt", prompt, 1), ("--budget", budget, 1),
+                             ("--block-size", block_size, 1), ("--lookahead", lookahead, 0),
+                             ("--cached", cached, 0), ("--dcp", dcp, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            kind = "positive" if low else "non-negative"
+            raise InvalidInputError(f"{flag} must be {kind}, got {value!r}")
+    tokens_per_block = block_size * dcp
+    if cached >= prompt or cached % tokens_per_block:
+        raise InvalidInputError(
+            f"--cached must be a whole number of {tokens_per_block}-token blocks below "
+            f"--prompt {prompt}, got cached tokens {cached}"
+        )
+    need = cdiv(prompt + lookahead, tokens_per_block)
+    if need > _PLAN_BLOCKS - 1:
+        raise InvalidInputError(
+            f"--prompt {prompt} plus --lookahead {lookahead} need {need} blocks of "
+            f"{tokens_per_block} tokens, more than the simulated engine's {_PLAN_BLOCKS - 1}; "
+            f"lower --prompt or --lookahead, or raise --block-size"
+        )
+
+
 def plan_report(prompt: int, budget: int, block_size: int, lookahead: int = 0,
                 cached: int = 0, dcp: int = 1) -> tuple[list[str], bool]:
     """Simulate one chunked prefill; return the report lines and whether kvxfer left D current.
@@ -36,12 +65,9 @@ def plan_report(prompt: int, budget: int, block_size: int, lookahead: int = 0,
     Beside kvxfer's plan it runs the old rule ("copy the blocks newly
     allocated this step") on a second host buffer, to show what that leaves stale.
     """
-    if budget <= 0:
-        raise KvxferError(f"--budget must be positive, got {budget}")
-    if lookahead < 0:
-        raise KvxferError(f"--lookahead must be non-negative, got {lookahead}")
+    _check_plan_args(prompt, budget, block_size, lookahead, cached, dcp)
     group = GroupSpec(block_size, dcp_size=dcp)
-    engine = SimEngine([group], lookahead=lookahead)
+    engine = SimEngine([group], num_blocks=_PLAN_BLOCKS, lookahead=lookahead)
     tracker = SaveTracker([group])
     engine.add("req", prompt, cached)
     tracker.add("req", prompt)
@@ -102,8 +128,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvxfer.demo import DemoConfig, report, run_demo
 
-    cfg = DemoConfig(layout=args.layout, dtype=args.dtype, tp_p=args.tp_p, tp_d=args.tp_d,
-                     layers=args.layers, budget=args.budget, block_size=args.block_size)
+    fields = dict(layout=args.layout, dtype=args.dtype, tp_p=args.tp_p, tp_d=args.tp_d,
+                  layers=args.layers, budget=args.budget, block_size=args.block_size)
+    if args.num_blocks is not None:
+        fields["num_blocks"] = args.num_blocks
+    cfg = DemoConfig(**fields)
     result = run_demo(cfg)
     print(json.dumps(result) if args.json else "\n".join(report(result, cfg)))
     return 0 if result["ok"] else 1
@@ -153,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=4)
     demo.add_argument("--block-size", type=int, default=16)
     demo.add_argument("--budget", type=int, default=96, help="token budget per prefill step")
+    demo.add_argument("--num-blocks", type=int,
+                      help="blocks in each side's KV cache and staging (default 256)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     demo.set_defaults(func=_cmd_demo)
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvxfer.blocks import cdiv
-from kvxfer.errors import KvxferError, TransferError
+from kvxfer.errors import InvalidInputError, KvxferError, TransferError
 
 LAYOUTS = ("attention", "mla", "attention4d")
 
@@ -51,6 +51,81 @@ class DemoConfig:
     lookahead: int = 3
     seed: int = 0
     timeout_s: float = 120.0
+
+    def validate(self) -> None:
+        """Raise `InvalidInputError` naming the first bad field (by its flag) and value.
+
+        `run_demo` calls it before starting any process, so a bad setting fails
+        at once in the parent rather than as a child's crash, or a P that never
+        finishes prefilling, found only when a read times out.
+        """
+        flags = {"layout", "dtype", "layers", "num_blocks", "block_size", "tp_p", "tp_d", "budget"}
+        dtypes = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "int8")
+        max_tp = 8  # the CPU devices a child emulates; kept for TPU runs too, for simplicity
+
+        def name(f: str) -> str:
+            return "--" + f.replace("_", "-") if f in flags else f"DemoConfig.{f}"
+
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.layout not in LAYOUTS:
+            raise InvalidInputError(
+                f"unknown demo layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
+        if self.dtype not in dtypes:
+            raise InvalidInputError(
+                f"{name('dtype')} {self.dtype!r} is not one of {', '.join(dtypes)}")
+        for f in ("layers", "num_blocks", "block_size", "heads", "head_dim", "budget",
+                  "tp_p", "tp_d"):
+            value = getattr(self, f)
+            if not is_int(value) or value <= 0:
+                raise InvalidInputError(f"{name(f)} must be a positive int, got {value!r}")
+        for f in ("lookahead", "seed"):
+            value = getattr(self, f)
+            if not is_int(value) or value < 0:
+                raise InvalidInputError(f"{name(f)} must be a non-negative int, got {value!r}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise InvalidInputError(f"{name('timeout_s')} must be a positive number, got {t!r}")
+        p = 32 // (8 * _itemsize(self.dtype))  # cache_shape's packing
+        if self.layout == "mla" and self.block_size % p:
+            raise InvalidInputError(
+                f"{name('block_size')} {self.block_size} must be a multiple of {p} for an MLA "
+                f"cache of {self.dtype}")
+        shape = cache_shape(self)
+        for f in ("tp_p", "tp_d"):
+            tp = getattr(self, f)
+            if tp > max_tp:
+                raise InvalidInputError(
+                    f"{name(f)} {tp} is more than the {max_tp} devices the demo gives a side")
+            # MLA caches are replicated; the others shard axis 2 (K/V heads) over the model axis.
+            if self.layout != "mla" and shape[2] % tp:
+                fits = [n for n in range(1, max_tp + 1) if shape[2] % n == 0]
+                raise InvalidInputError(
+                    f"{name(f)} {tp} does not divide the {shape[2]} head rows of the "
+                    f"{self.layout} cache {shape}; use one of {fits}")
+        prompts, cached = self.prompts, self.cached
+        if (not isinstance(prompts, (list, tuple)) or not prompts
+                or not all(is_int(n) and n > 0 for n in prompts)):
+            raise InvalidInputError(
+                f"{name('prompts')} must be a non-empty list of positive ints, got {prompts!r}")
+        if not isinstance(cached, (list, tuple)) or len(cached) != len(prompts):
+            raise InvalidInputError(
+                f"{name('cached')} {cached!r} must give one prefix hit per prompt of {prompts}")
+        for i, (hit, prompt) in enumerate(zip(cached, prompts)):
+            if not is_int(hit) or not 0 <= hit < prompt or hit % self.block_size:
+                raise InvalidInputError(
+                    f"{name('cached')}[{i}] {hit!r} must be a multiple of {name('block_size')} "
+                    f"{self.block_size} in [0, prompt {prompt})")
+        # P's engine allocates up to prompt + lookahead tokens per request and frees
+        # nothing until the end; block 0 is the null block.
+        need = sum(cdiv(n + self.lookahead, self.block_size) for n in prompts)
+        if need > self.num_blocks - 1:
+            raise InvalidInputError(
+                f"prompts {list(prompts)} with lookahead {self.lookahead} need {need} blocks of "
+                f"{self.block_size} tokens, more than the {self.num_blocks - 1} usable of "
+                f"{name('num_blocks')} {self.num_blocks}; raise {name('num_blocks')} or lower "
+                f"the prompts")
 
 
 def cache_shape(cfg: DemoConfig) -> tuple[int, ...]:
@@ -314,7 +389,7 @@ class _Proc:
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run P and D as two processes; returns per-request results and totals."""
-    cache_shape(cfg)  # reject a bad layout before starting anything
+    cfg.validate()  # reject a bad setting before starting anything
     p = _Proc("P", cfg, max(cfg.tp_p, 1))
     d = None
     try:

@@ -46,6 +46,7 @@ plain path on TPU.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -191,6 +192,7 @@ def block_fingerprints(
 
     `uint32[num_layers, count, num_shards]`.
     """
+    count = _check_count(count)
     _check_host_blocks(host_blocks, layout, count)
     return np.stack([_host_fingerprint(layout, np.asarray(h)[:count]) for h in host_blocks])
 
@@ -214,6 +216,7 @@ def check_fingerprints(
 
     The error names the first mismatching layer, block row and shard.
     """
+    count = _check_count(count)
     expected = np.asarray(expected)
     want = (layout.num_layers, count, layout.num_shards)
     if (expected.ndim != 3 or expected.shape[0] != want[0] or expected.shape[1] < count
@@ -251,6 +254,13 @@ def _check_block_ids(block_ids: object, layout: CacheLayout) -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def _check_count(count: object) -> int:
+    """`count` as an int: it must be a non-negative integer (numpy ones too), not a bool."""
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+        raise InvalidInputError(f"count must be a non-negative int, got {count!r}")
+    return int(count)
+
+
 def _check_host_blocks(host_blocks: object, layout: CacheLayout, count: int) -> None:
     if isinstance(host_blocks, (jax.Array, np.ndarray)) or not isinstance(host_blocks, Sequence):
         raise InvalidInputError(
@@ -261,6 +271,10 @@ def _check_host_blocks(host_blocks: object, layout: CacheLayout, count: int) -> 
             f"host_blocks has {len(host_blocks)} layers; the caches have {layout.num_layers}"
         )
     for i, h in enumerate(host_blocks):
+        if isinstance(h, jax.Array) and h.is_deleted():
+            raise InvalidInputError(
+                f"host_blocks[{i}] was deleted (donated to an earlier call); pass live arrays"
+            )
         shape, dtype = tuple(getattr(h, "shape", ())), np.dtype(getattr(h, "dtype", object))
         if len(shape) != len(layout.shape) or shape[1:] != layout.block_shape:
             raise LayoutMismatchError(

@@ -71,17 +71,44 @@ class CacheLayout:
     kernel_ratio: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_layers <= 0:
-            raise InvalidInputError(f"num_layers must be positive, got {self.num_layers}")
-        if len(self.shape) < 2 or any(d <= 0 for d in self.shape):
+        if not _is_int(self.num_layers) or self.num_layers <= 0:
+            raise InvalidInputError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        if (not isinstance(self.shape, Sequence) or len(self.shape) < 2
+                or not all(_is_int(d) and d > 0 for d in self.shape)):
             raise InvalidInputError(
-                f"cache shape must be [num_blocks, *block_shape] with positive sizes, "
-                f"got {self.shape}"
+                f"cache shape must be [num_blocks, *block_shape] with positive int sizes, "
+                f"got {self.shape!r}"
             )
-        if len(self.spec) != len(self.shape):
+        if not isinstance(self.dtype, str):
+            raise InvalidInputError(f"dtype must be a numpy dtype name, got {self.dtype!r}")
+        try:
+            np.dtype(self.dtype)
+        except TypeError:
+            raise InvalidInputError(f"unknown dtype name {self.dtype!r}") from None
+        if not isinstance(self.mesh_axes, Sequence):
+            raise InvalidInputError(f"mesh_axes must be ((name, size), ...), got {self.mesh_axes!r}")
+        for entry in self.mesh_axes:
+            if (not isinstance(entry, Sequence) or len(entry) != 2 or not isinstance(entry[0], str)
+                    or not _is_int(entry[1]) or entry[1] <= 0):
+                raise InvalidInputError(
+                    f"mesh_axes entry {entry!r} is not (axis name, positive int size)"
+                )
+        if not isinstance(self.spec, Sequence) or len(self.spec) != len(self.shape):
             raise InvalidInputError(f"spec {self.spec} does not have one entry per axis of {self.shape}")
-        if self.kernel_ratio <= 0:
-            raise InvalidInputError(f"kernel_ratio must be positive, got {self.kernel_ratio}")
+        for entry in self.spec:
+            if (not isinstance(entry, Sequence) or isinstance(entry, str)
+                    or not all(isinstance(n, str) for n in entry)):
+                raise InvalidInputError(
+                    f"spec entry {entry!r} is not a tuple of mesh axis names (strings)"
+                )
+        if not _is_int(self.kernel_ratio) or self.kernel_ratio <= 0:
+            raise InvalidInputError(f"kernel_ratio must be a positive int, got {self.kernel_ratio!r}")
+        if self.num_blocks % self.kernel_ratio:
+            # Logical block L holds kernel blocks L*r .. L*r + r - 1: the last would run past.
+            raise InvalidInputError(
+                f"kernel_ratio {self.kernel_ratio} does not divide the {self.num_blocks} "
+                f"kernel blocks of shape {self.shape}"
+            )
         sizes = dict(self.mesh_axes)
         used = [name for entry in self.spec for name in entry]
         unknown = [name for name in used if name not in sizes]
@@ -97,7 +124,6 @@ class CacheLayout:
                     f"axis {axis} of size {dim} does not split evenly into {grid} shards "
                     f"(spec {self.spec}, mesh {self.mesh_axes})"
                 )
-        np.dtype(self.dtype)  # raises TypeError on an unknown name
 
     @classmethod
     def from_caches(cls, caches: Sequence[jax.Array], kernel_ratio: int = 1) -> CacheLayout:
@@ -113,9 +139,9 @@ class CacheLayout:
 
         The `CacheLayout` of every layer.
 
-        Raises `InvalidInputError` on an empty list or an array that is not sharded by a
-        `NamedSharding`, and `LayoutMismatchError` naming the layer and value when layers
-        differ in shape, dtype or sharding.
+        Raises `InvalidInputError` on an empty list, a deleted (donated) array or an
+        array that is not sharded by a `NamedSharding`, and `LayoutMismatchError` naming
+        the layer and value when layers differ in shape, dtype or sharding.
         """
         if isinstance(caches, jax.Array) or not isinstance(caches, Sequence):
             raise InvalidInputError(
@@ -127,6 +153,12 @@ class CacheLayout:
         for i, cache in enumerate(caches):
             if not isinstance(cache, jax.Array):
                 raise InvalidInputError(f"caches[{i}] is a {type(cache).__name__}, not a jax.Array")
+            if cache.is_deleted():
+                # Running on a donated buffer crashes the process (scatter) or raises deep in JAX.
+                raise InvalidInputError(
+                    f"caches[{i}] was deleted (donated to an earlier call); pass the caches "
+                    f"that call returned"
+                )
             if not isinstance(cache.sharding, NamedSharding):
                 raise InvalidInputError(
                     f"caches[{i}] has sharding {cache.sharding}; kvxfer needs a NamedSharding"
@@ -236,22 +268,26 @@ class CacheLayout:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CacheLayout:
-        """Inverse of `to_dict`; raises `InvalidInputError` on a malformed dict."""
+        """Inverse of `to_dict`; raises `InvalidInputError` on a malformed dict.
+
+        Nothing is coerced: sizes must be ints and names strings, so a peer's
+        `2.5` or `"8"` is refused rather than silently rounded or parsed.
+        """
         try:
             version = data.get("version", _DICT_VERSION)
             if version != _DICT_VERSION:
                 raise InvalidInputError(f"layout dict version {version!r} is not {_DICT_VERSION}")
             return cls(
-                num_layers=int(data["num_layers"]),
-                shape=tuple(int(d) for d in data["shape"]),
-                dtype=str(data["dtype"]),
-                mesh_axes=tuple((str(n), int(s)) for n, s in data["mesh_axes"]),
-                spec=tuple(tuple(str(n) for n in e) for e in data["spec"]),
-                kernel_ratio=int(data.get("kernel_ratio", 1)),
+                num_layers=data["num_layers"],
+                shape=tuple(data["shape"]),
+                dtype=data["dtype"],
+                mesh_axes=tuple(tuple(pair) for pair in data["mesh_axes"]),
+                spec=tuple(tuple(e) for e in data["spec"]),
+                kernel_ratio=data.get("kernel_ratio", 1),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, InvalidInputError):
-                raise
+        except InvalidInputError as e:
+            raise InvalidInputError(f"malformed layout dict {dict(data)!r}: {e}") from e
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise InvalidInputError(f"malformed layout dict {dict(data)!r}: {e!r}") from e
 
     def check_compatible(self, other: CacheLayout) -> None:
@@ -270,6 +306,10 @@ class CacheLayout:
                 name = field.name
             if mine != theirs:
                 raise LayoutMismatchError(f"layout {name} differs: ours {mine}, theirs {theirs}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _entry_to_spec(entry: tuple[str, ...]) -> str | tuple[str, ...] | None:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvxfer.blocks import coalesce
-from kvxfer.errors import InvalidInputError, KvxferError
+from kvxfer.errors import InvalidInputError, KvxferError, LayoutMismatchError
 
 Placement = Literal["runs", "mirror"]
 
@@ -50,6 +50,10 @@ class UnknownRequestError(KvxferError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
@@ -61,6 +65,9 @@ class SlotAllocator:
     """Free slots as sorted, merged `(start, length)` runs; hands out runs."""
 
     def __init__(self, num_slots: int) -> None:
+        if not _is_int(num_slots) or num_slots < 0:
+            raise InvalidInputError(f"num_slots must be a non-negative int, got {num_slots!r}")
+        self.num_slots = num_slots
         self._starts: list[int] = [0] if num_slots else []
         self._lengths: list[int] = [num_slots] if num_slots else []
 
@@ -94,8 +101,26 @@ class SlotAllocator:
             self._lengths[i] -= n
 
     def release(self, start: int, length: int) -> None:
-        """Return a run; merges with free neighbours."""
+        """Return a run; merges with free neighbours.
+
+        Raises `InvalidInputError` naming the run, before any change, if it is
+        not inside `[0, num_slots)` or overlaps a free run (a double release).
+        """
+        if not (_is_int(start) and _is_int(length) and length > 0
+                and 0 <= start and start + length <= self.num_slots):
+            raise InvalidInputError(
+                f"cannot release slot run (start {start!r}, length {length!r}): not a "
+                f"non-empty run inside [0, {self.num_slots})"
+            )
         i = bisect.bisect_left(self._starts, start)
+        # Free runs are disjoint and sorted: only the neighbours on each side can overlap.
+        overlaps = (i > 0 and self._starts[i - 1] + self._lengths[i - 1] > start) or (
+            i < len(self._starts) and self._starts[i] < start + length)
+        if overlaps:
+            raise InvalidInputError(
+                f"cannot release slot run (start {start}, length {length}): it overlaps free "
+                f"slots (a double release)"
+            )
         self._starts.insert(i, start)
         self._lengths.insert(i, length)
         if i + 1 < len(self._starts) and start + length == self._starts[i + 1]:
@@ -132,10 +157,9 @@ class Staging:
         dtype: Any = np.uint8,
         placement: Placement = "runs",
     ) -> None:
-        if num_layers <= 0 or num_slots <= 0:
-            raise InvalidInputError(
-                f"num_layers and num_slots must be positive, got {num_layers}, {num_slots}"
-            )
+        for name, value in (("num_layers", num_layers), ("num_slots", num_slots)):
+            if not _is_int(value) or value <= 0:
+                raise InvalidInputError(f"Staging {name} must be a positive int, got {value!r}")
         if placement not in ("runs", "mirror"):
             raise InvalidInputError(f"placement must be 'runs' or 'mirror', got {placement!r}")
         self.block_shape = tuple(int(d) for d in block_shape)
@@ -209,7 +233,8 @@ class Staging:
         """Copy blocks into `req_id`'s slots; returns the slots.
 
         `rows_per_layer[l]` is array-like `[len(kernel_ids), *block_shape]`
-        (numpy, or a host jax array) holding the blocks in `kernel_ids` order.
+        (numpy, or a host jax array) of the staging dtype, holding the blocks in
+        `kernel_ids` order. Rows of another dtype raise `LayoutMismatchError`.
         """
         if len(rows_per_layer) != self.num_layers:
             raise InvalidInputError(
@@ -221,6 +246,11 @@ class Staging:
             if rows.shape != expected:
                 raise InvalidInputError(
                     f"layer {layer}: rows shape {rows.shape} != expected {expected}"
+                )
+            # Copying would cast silently (1e300 into bf16 is inf): the bytes must match.
+            if rows.dtype != self.dtype:
+                raise LayoutMismatchError(
+                    f"layer {layer}: rows have dtype {rows.dtype}, staging holds {self.dtype}"
                 )
         slots = self.assign(req_id, kernel_ids)
         for region, rows in zip(self.regions, arrays, strict=True):

@@ -1,0 +1,287 @@
+"""Inputs kvxfer used to accept silently (cast, round, wrap or crash on) are refused,
+with a kvxfer error naming the value, before any state changes."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvxfer.blocks import cdiv
+from kvxfer.demo import DemoConfig
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.gather import block_fingerprints, check_fingerprints, gather_blocks, scatter_blocks
+from kvxfer.layout import CacheLayout
+from kvxfer.scheduler import GroupSpec
+from kvxfer.simulate import SimEngine
+from kvxfer.staging import SlotAllocator, Staging
+
+# Staging.
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.uint8])
+def test_stage_refuses_rows_of_another_dtype(dtype):
+    s = Staging(1, 4, (2,), dtype)
+    with pytest.raises(LayoutMismatchError, match=rf"float64.*{np.dtype(dtype).name}"):
+        s.stage("r", [0], [np.full((1, 2), 1e300)])  # would have been cast (to inf in bf16)
+    assert "r" not in s and s.num_free_slots == 4
+
+
+def test_stage_accepts_a_host_jax_array_of_the_staging_dtype():
+    s = Staging(1, 4, (2,), ml_dtypes.bfloat16)
+    rows = jnp.array([[1.5, -2.0]], jnp.bfloat16)
+    slots = s.stage("r", [3], [rows])
+    np.testing.assert_array_equal(s.rows(0, slots), np.asarray(rows))
+
+
+@pytest.mark.parametrize("num_layers, num_slots, bad", [
+    (True, 4, "num_layers must be a positive int, got True"),
+    (1.5, 4, "num_layers must be a positive int, got 1.5"),
+    (1, 4.0, "num_slots must be a positive int, got 4.0"),
+    (1, 0, "num_slots must be a positive int, got 0"),
+])
+def test_staging_refuses_sizes_that_are_not_positive_ints(num_layers, num_slots, bad):
+    with pytest.raises(InvalidInputError, match=bad):
+        Staging(num_layers, num_slots, (2,))
+
+
+def _free_runs(alloc):
+    return list(zip(alloc._starts, alloc._lengths))
+
+
+def test_release_refuses_a_double_release_and_keeps_the_free_list():
+    alloc = SlotAllocator(8)
+    alloc.allocate(8)
+    alloc.release(0, 4)
+    for start, length in [(0, 4), (2, 4), (3, 1), (0, 8)]:
+        with pytest.raises(InvalidInputError, match=rf"start {start}, length {length}\).*overlaps"):
+            alloc.release(start, length)
+        assert alloc.num_free == 4 and _free_runs(alloc) == [(0, 4)]
+    alloc.release(4, 4)  # the run actually held: merges into one
+    assert _free_runs(alloc) == [(0, 8)]
+
+
+@pytest.mark.parametrize("start, length", [(6, 4), (-1, 1), (8, 1), (2, 0), (2, -1), (1.0, 2),
+                                           (True, 1)])
+def test_release_refuses_a_run_outside_the_slots(start, length):
+    alloc = SlotAllocator(8)
+    alloc.allocate(8)
+    with pytest.raises(InvalidInputError, match=rf"start {start!r}, length {length!r}"):
+        alloc.release(start, length)
+    assert alloc.num_free == 0
+
+
+def test_staging_free_twice_does_not_free_slots_twice():
+    s = Staging(1, 8, (2,), np.uint8)
+    s.assign("a", [1, 2, 3])
+    s.assign("b", [4, 5])
+    s.free("a")
+    with pytest.raises(InvalidInputError, match="overlaps"):
+        s._free.release(0, 3)
+    assert s.num_free_slots == 6
+
+
+# Fingerprint counts.
+
+
+@pytest.fixture(scope="module")
+def gathered():
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    sharding = NamedSharding(mesh, P(None, None, "model"))
+    caches = [jax.device_put(jnp.ones((16, 4, 8, 16), jnp.bfloat16), sharding) for _ in range(2)]
+    out = gather_blocks(caches, [1, 2], fingerprints=True)
+    return CacheLayout.from_caches(caches), out
+
+
+@pytest.mark.parametrize("count", [-1, True, 1.5, "2"])
+def test_check_fingerprints_refuses_a_count_that_is_not_a_non_negative_int(gathered, count):
+    layout, out = gathered
+    with pytest.raises(InvalidInputError, match=rf"count must be a non-negative int, got {count!r}"):
+        check_fingerprints(layout, out.blocks, count, out.fingerprints)
+    with pytest.raises(InvalidInputError, match=rf"count must be a non-negative int, got {count!r}"):
+        block_fingerprints(layout, out.blocks, count)
+
+
+def test_fingerprint_count_may_not_exceed_the_rows(gathered):
+    layout, out = gathered
+    with pytest.raises(InvalidInputError, match="8 rows, fewer than the 9"):
+        check_fingerprints(layout, out.blocks, 9, np.zeros((2, 9, 8), np.uint32))
+    with pytest.raises(InvalidInputError, match="8 rows, fewer than the 9"):
+        block_fingerprints(layout, out.blocks, 9)
+
+
+def test_fingerprint_count_may_be_a_numpy_int(gathered):
+    layout, out = gathered
+    check_fingerprints(layout, out.blocks, np.int64(2), out.fingerprints)
+    assert block_fingerprints(layout, out.blocks, np.int32(2)).shape == (2, 2, 8)
+
+
+# cdiv.
+
+
+@pytest.mark.parametrize("a, b", [(-7, 2), (7, 0), (7, -2), (np.int64(-1), 2)])
+def test_cdiv_refuses_negative_numerator_or_non_positive_denominator(a, b):
+    with pytest.raises(InvalidInputError, match=rf"cdiv\({int(a)}, {int(b)}\)"):
+        cdiv(a, b)
+
+
+@pytest.mark.parametrize("a, b", [(7.5, 2), (7, 2.0), (True, 1), (7, False), (np.bool_(True), 1),
+                                  ("7", 2)])
+def test_cdiv_refuses_bools_floats_and_strings(a, b):
+    with pytest.raises(InvalidInputError, match="needs ints"):
+        cdiv(a, b)
+
+
+def test_cdiv_accepts_numpy_ints_and_returns_a_python_int():
+    assert cdiv(np.int64(33), np.int32(16)) == 3 and type(cdiv(np.int64(33), 16)) is int
+    assert cdiv(0, 5) == 0 and cdiv(32, 16) == 2
+
+
+def test_sim_engine_with_a_numpy_prompt_length_still_plans():
+    engine = SimEngine([GroupSpec(16)])
+    engine.add("r", np.int64(40))
+    engine.forward(engine.schedule(64))
+    assert engine.requests["r"].tables[0] == [1, 2, 3]
+
+
+# CacheLayout.
+
+_LAYOUT = CacheLayout(1, (16, 8, 16), "int8", (("model", 8),), ((), (), ("model",)))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_layers", 2.5, "num_layers must be a positive int, got 2.5"),
+    ("num_layers", True, "num_layers must be a positive int, got True"),
+    ("num_layers", "1", "num_layers must be a positive int, got '1'"),
+    ("shape", [16, 8.5, 16], r"positive int sizes, got \(16, 8.5, 16\)"),
+    ("shape", [16, True, 16], r"positive int sizes, got \(16, True, 16\)"),
+    ("mesh_axes", [["model", 8.0]], r"mesh_axes entry \('model', 8.0\)"),
+    ("mesh_axes", [[7, 8]], r"mesh_axes entry \(7, 8\)"),
+    ("kernel_ratio", 1.9, "kernel_ratio must be a positive int, got 1.9"),
+    ("kernel_ratio", True, "kernel_ratio must be a positive int, got True"),
+    ("dtype", 5, "dtype must be a numpy dtype name, got 5"),
+    ("dtype", "garbage", "unknown dtype name 'garbage'"),
+    ("spec", [[], [], [7]], r"spec entry \(7,\)"),
+])
+def test_from_dict_refuses_fields_of_the_wrong_type_instead_of_coercing(field, value, message):
+    with pytest.raises(InvalidInputError, match=message):
+        CacheLayout.from_dict({**_LAYOUT.to_dict(), field: value})
+
+
+def test_layout_with_unknown_dtype_name_is_invalid_input_not_type_error():
+    with pytest.raises(InvalidInputError, match="unknown dtype name 'garbage'"):
+        CacheLayout(1, (16, 8, 16), "garbage", (("model", 8),), ((), (), ("model",)))
+
+
+@pytest.mark.parametrize("ratio, message", [
+    (3, "kernel_ratio 3 does not divide the 16 kernel blocks"),
+    (2.0, "kernel_ratio must be a positive int, got 2.0"),
+])
+def test_layout_refuses_a_kernel_ratio_that_is_not_an_int_dividing_the_blocks(ratio, message):
+    with pytest.raises(InvalidInputError, match=message):
+        CacheLayout(1, (16, 8, 16), "int8", (("model", 8),), ((), (), ("model",)), ratio)
+
+
+def test_layout_round_trips_after_the_stricter_checks():
+    layout = CacheLayout(1, (16, 8, 16), "int8", (("model", 8),), ((), (), ("model",)), 4)
+    assert CacheLayout.from_dict(layout.to_dict()) == layout
+
+
+# Donated caches.
+
+
+def _caches(layers=4):
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    sharding = NamedSharding(mesh, P(None, None, "model"))
+    return [jax.device_put(jnp.zeros((16, 4, 8, 16), jnp.bfloat16), sharding)
+            for _ in range(layers)]
+
+
+def test_scatter_on_donated_caches_names_the_deleted_layer_instead_of_crashing():
+    caches = _caches()
+    rows = gather_blocks(caches, [1, 2])
+    new = scatter_blocks(caches, rows, [3, 4])  # donates `caches`
+    with pytest.raises(InvalidInputError, match=r"caches\[0\] was deleted \(donated"):
+        scatter_blocks(caches, rows, [3, 4])
+    with pytest.raises(InvalidInputError, match=r"caches\[0\] was deleted"):
+        gather_blocks(caches, [3])
+    mixed = new[:3] + caches[3:]  # only layer 3 is stale
+    with pytest.raises(InvalidInputError, match=r"caches\[3\] was deleted.*pass the caches that"):
+        scatter_blocks(mixed, rows, [3, 4])
+    assert not any(c.is_deleted() for c in new)  # refused before dispatch: nothing donated
+    np.testing.assert_array_equal(np.asarray(gather_blocks(new, [3])[0])[0], np.asarray(rows[0])[0])
+
+
+def test_scatter_refuses_deleted_host_blocks():
+    caches = _caches(layers=2)
+    rows = gather_blocks(caches, [1, 2])
+    rows[1].delete()
+    with pytest.raises(InvalidInputError, match=r"host_blocks\[1\] was deleted"):
+        scatter_blocks(caches, rows, [3, 4])
+    assert not any(c.is_deleted() for c in caches)
+
+
+# DemoConfig.validate (the CLI's view of it is in test_cli.py).
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dtype="garbage"), "--dtype 'garbage' is not one of"),
+    (dict(dtype="float64"), "--dtype 'float64' is not one of"),
+    (dict(layers=0), "--layers must be a positive int, got 0"),
+    (dict(budget=0), "--budget must be a positive int, got 0"),
+    (dict(tp_p=3), r"--tp-p 3 does not divide the 8 head rows.*one of \[1, 2, 4, 8\]"),
+    (dict(tp_d=16), "--tp-d 16 is more than the 8 devices"),
+    (dict(tp_p=0), "--tp-p must be a positive int, got 0"),
+    (dict(layout="attention4d", heads=3, tp_p=3, tp_d=4), "--tp-d 4 does not divide the 6 head rows"),
+    (dict(layout="mla", dtype="int8", block_size=2), "--block-size 2 must be a multiple of 4"),
+    (dict(heads=1.5), "DemoConfig.heads must be a positive int, got 1.5"),
+    (dict(lookahead=-1), "DemoConfig.lookahead must be a non-negative int, got -1"),
+    (dict(seed=-3), "DemoConfig.seed must be a non-negative int, got -3"),
+    (dict(timeout_s=0), "DemoConfig.timeout_s must be a positive number, got 0"),
+    (dict(timeout_s=float("nan")), "DemoConfig.timeout_s must be a positive number, got nan"),
+    (dict(prompts=[], cached=[]), r"DemoConfig.prompts must be a non-empty list .* got \[\]"),
+    (dict(prompts=[40, 0], cached=[0, 0]), r"DemoConfig.prompts .* got \[40, 0\]"),
+    (dict(prompts=[40], cached=[0, 0]), r"DemoConfig.cached \[0, 0\] must give one prefix hit"),
+    (dict(prompts=[40], cached=[8]), r"DemoConfig.cached\[0\] 8 must be a multiple of --block-size 16"),
+    (dict(prompts=[32], cached=[32]), r"DemoConfig.cached\[0\] 32 .* in \[0, prompt 32\)"),
+    (dict(num_blocks=10), "need 64 blocks of 16 tokens, more than the 9 usable of --num-blocks 10; "
+                          "raise --num-blocks"),
+])
+def test_demo_config_validate_names_the_bad_field_and_value(fields, message):
+    with pytest.raises(InvalidInputError, match=message):
+        DemoConfig(**fields).validate()
+
+
+@pytest.mark.parametrize("fields", [
+    dict(), dict(dtype="float32", tp_p=8, tp_d=1), dict(dtype="float16"),
+    dict(layout="mla", tp_p=3, tp_d=7), dict(layout="attention4d", dtype="int8", tp_p=8),
+    dict(dtype="float8_e5m2", tp_p=4, tp_d=2),
+])
+def test_demo_config_validate_accepts_working_configs(fields):
+    DemoConfig(**fields).validate()
+
+
+def _p_engine_runs_out_of_blocks(cfg):
+    """Drive P's engine as the demo does (all prompts added, nothing freed); True if it runs dry."""
+    engine = SimEngine([GroupSpec(cfg.block_size)], num_blocks=cfg.num_blocks, lookahead=cfg.lookahead)
+    for i, (prompt, hit) in enumerate(zip(cfg.prompts, cfg.cached)):
+        engine.add(f"req{i}", prompt, hit)
+    try:
+        while any(r.remaining > 0 for r in engine.requests.values()):
+            engine.forward(engine.schedule(cfg.budget))
+    except IndexError:  # the free deque is empty
+        return True
+    return False
+
+
+def test_demo_block_check_matches_what_p_engine_allocates():
+    # prompts 40 and 300 with lookahead 3 need cdiv(43, 16) + cdiv(303, 16) = 3 + 19 = 22 blocks.
+    fits = DemoConfig(prompts=[40, 300], cached=[0, 64], lookahead=3, num_blocks=23)
+    fits.validate()
+    assert not _p_engine_runs_out_of_blocks(fits)
+    short = DemoConfig(prompts=[40, 300], cached=[0, 64], lookahead=3, num_blocks=22)
+    with pytest.raises(InvalidInputError, match="need 22 blocks of 16 tokens, more than the 21"):
+        short.validate()
+    assert _p_engine_runs_out_of_blocks(short)
