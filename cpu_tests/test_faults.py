@@ -1,0 +1,256 @@
+"""Faults and bad input through the public connector API, P and D in one process.
+
+Each test shows one way a deployment goes wrong (a bad request among good
+ones, a hybrid model's sliding window and null blocks, a held id added again,
+the caller's own mistakes) and pins that no wrong byte is reported as success,
+no request is lost and no staging slot leaks.
+"""
+
+import copy
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.scheduler import GroupSpec, ScheduledRequest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.pair import SHAPE, Pair, as_bits, caches_on, copy_block  # noqa: E402
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+
+@pytest.fixture
+def pair():
+    made = []
+
+    def make(**kw):
+        made.append(Pair(**kw))
+        return made[-1]
+    yield make
+    for p in made:
+        p.close()
+
+
+def prefill(pr, req_id, table, tokens=32):
+    pr.p.add_request(req_id, tokens)
+    pr.save(ScheduledRequest(req_id, 0, tokens, (table,), full_table=True))
+    return pr.p.request_finished(req_id)
+
+
+def batch_transport_results(d, count):
+    """Hold the transport's results until `count` requests are done, so they reach one call."""
+    real, done, failed = d.transport.poll, [], {}
+
+    def poll(now=None):
+        got_done, got_failed = real(now)
+        done.extend(got_done)
+        failed.update(got_failed)
+        if len(done) + len(failed) < count:
+            return [], {}
+        out = (list(done), dict(failed))
+        done.clear()
+        failed.clear()
+        return out
+
+    d.transport.poll = poll
+
+
+def assert_d_holds(pr, d_ids, p_ids, group=0):
+    for p_cache, d_cache in zip(pr.p_caches[group], pr.d_caches[group]):
+        assert (as_bits(d_cache)[d_ids] == as_bits(p_cache)[p_ids]).all()
+
+
+def _bad_fingerprint_shape(params, table):
+    params["groups"][0]["fingerprints"] = params["groups"][0]["fingerprints"][:1]
+    return params, table
+
+
+def _d_ids_out_of_range(params, table):
+    return params, [SHAPE[0] + 3, SHAPE[0] + 4]
+
+
+def _table_too_short(params, table):
+    return params, table[:1]
+
+
+def _null_block_in_table(params, table):
+    return params, [0, table[1]]
+
+
+def _repeated_block_in_table(params, table):
+    return params, [table[0], table[0]]
+
+
+def _layout_of_another_dtype(params, table):
+    params["groups"][0]["layout"]["dtype"] = "float8_e4m3fn"
+    return params, table
+
+
+def _params_missing_a_field(params, table):
+    del params["instance"]
+    return params, table
+
+
+def _keys_as_strings(params, table):
+    params["groups"][0]["keys"] = [str(k) for k in params["groups"][0]["keys"]]
+    return params, table
+
+
+def _table_of_floats(params, table):
+    return params, [float(b) for b in table]
+
+
+REFUSED_AT_START = [_bad_fingerprint_shape, _d_ids_out_of_range, _table_too_short,
+                    _null_block_in_table, _repeated_block_in_table, _layout_of_another_dtype,
+                    _params_missing_a_field, _keys_as_strings, _table_of_floats]
+
+
+def _corrupt_staged_byte(pr, params):
+    pr.p.staging.regions[1][pr.p.staging.slot("b", 1)].view(np.uint8)[7] ^= 0x10
+    return params
+
+
+def _generation_p_never_gave(pr, params):
+    params["generation"] += 100  # P acks ok=false: the blocks may be another request's
+    return params
+
+
+FAILED_AFTER_READ = [_corrupt_staged_byte, _generation_p_never_gave]
+
+
+@pytest.mark.parametrize("spoil", REFUSED_AT_START + FAILED_AFTER_READ,
+                         ids=lambda f: f.__name__.strip("_"))
+def test_bad_middle_request_fails_alone_and_the_others_finish(pair, spoil):
+    pr = pair()
+    p_tables = {"a": [2, 3], "b": [4, 5], "c": [6, 7]}
+    d_tables = {"a": [10, 11], "b": [12, 13], "c": [14, 15]}
+    params = {r: prefill(pr, r, t) for r, t in p_tables.items()}
+    before = [as_bits(c).copy() for c in pr.d_caches[0]]
+    pr.serve()
+    if spoil in FAILED_AFTER_READ:
+        params["b"] = spoil(pr, copy.deepcopy(params["b"]))
+        batch_transport_results(pr.d, 3)  # all three reach the same get_finished
+        bad_table = d_tables["b"]
+    else:
+        params["b"], bad_table = spoil(copy.deepcopy(params["b"]), d_tables["b"])
+    finished, failed = pr.load_all({"a": (params["a"], d_tables["a"]),
+                                    "b": (params["b"], bad_table),
+                                    "c": (params["c"], d_tables["c"])}, 3)
+    assert sorted(finished) == ["a", "c"] and failed == ["b"]
+    # The failure names the request's block ids (those that are ids at all) for recompute.
+    assert pr.d.get_block_ids_with_load_errors() == {b for b in bad_table
+                                                     if type(b) is int and b}
+    assert_d_holds(pr, [10, 11, 14, 15], [2, 3, 6, 7])
+    for b, c in zip(before, pr.d_caches[0]):  # b's blocks are left as they were
+        assert (as_bits(c)[[12, 13]] == b[[12, 13]]).all()
+    assert pr.d.staging.num_free_slots == pr.d.staging.num_slots
+    assert pr.d.pending() == []
+
+
+def test_caches_of_another_dtype_raise_before_any_state_changes_and_lose_nothing(pair):
+    pr = pair()
+    params = prefill(pr, "r", [2, 3])
+    pr.serve()
+    pr.d.start_load_kv({"r": (params, [10, 11])})
+    wrong = [c.astype("float32") for c in pr.d_caches[0]]
+    with pytest.raises(LayoutMismatchError, match="float32"):
+        pr.d.get_finished(wrong)
+    assert pr.d.pending() == ["r"] or "r" in pr.d._loads
+    finished, failed = pr.wait(1)
+    assert (finished, failed) == (["r"], [])
+    assert_d_holds(pr, [10, 11], [2, 3])
+
+
+def test_request_already_loading_is_refused_and_its_first_load_completes(pair):
+    pr = pair()
+    params = prefill(pr, "r", [2, 3])
+    pr.serve()
+    pr.d.start_load_kv({"r": (params, [10, 11])})
+    with pytest.raises(InvalidInputError, match="'r' is already loading"):
+        pr.d.start_load_kv({"r": (params, [20, 21])})
+    assert pr.wait(1) == (["r"], [])
+    assert_d_holds(pr, [10, 11], [2, 3])
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert not (as_bits(d_cache)[[20, 21]] == as_bits(p_cache)[[2, 3]]).all()
+
+
+def test_hybrid_request_lands_at_its_positions_in_every_group_from_tp4_to_tp2(pair):
+    """Full attention, a 32-token sliding window and a mamba state, P TP 4, D TP 2.
+
+    P's sliding-window and mamba tables hold the null block in front, D's
+    tables are laid out differently (and null where D needs nothing): every
+    block must land in D's entry at the same position as on P.
+    """
+    groups = [GroupSpec(16), GroupSpec(16, "sliding_window", sliding_window=32),
+              GroupSpec(16, "mamba")]
+    pr = pair(groups=groups, d_devices=(4, 5))
+    p_tables = ([3, 4, 5, 6, 7], [0, 0, 9, 10, 11], [0, 0, 0, 0, 12])
+    d_tables = ([21, 20, 19, 18, 17], [0, 0, 25, 23, 24], [0, 0, 0, 0, 2])
+    pr.p.add_request("r", 70)  # 5 blocks; the window needs entries 2..4, mamba entry 4
+    meta = pr.save(ScheduledRequest("r", 0, 40, tuple(t[:3] for t in p_tables), full_table=True))
+    # The second chunk rewrites the straddling entry 2 in every attention group.
+    for g in (0, 1):
+        pr.p_caches[g] = [copy_block(c, p_tables[g][2], 1) for c in pr.p_caches[g]]
+    meta = pr.save(ScheduledRequest("r", 40, 30, tuple(t[3:] for t in p_tables)))
+    assert meta.blocks["r"] == ([(2, 5), (3, 6), (4, 7)], [(2, 9), (3, 10), (4, 11)], [(4, 12)])
+    params = pr.p.request_finished("r")
+    assert [g["keys"] for g in params["groups"]] == [[0, 1, 2, 3, 4], [2, 3, 4], [4]]
+    pr.serve()
+    assert pr.load("r", params, d_tables) == (["r"], [])
+    assert_d_holds(pr, d_tables[0], p_tables[0], group=0)
+    assert_d_holds(pr, [25, 23, 24], [9, 10, 11], group=1)
+    assert_d_holds(pr, [2], [12], group=2)
+    assert all(s.num_free_slots == s.num_slots for s in pr.d.stagings)
+
+
+def test_hybrid_request_fails_when_d_table_lacks_a_window_position(pair):
+    groups = [GroupSpec(16), GroupSpec(16, "sliding_window", sliding_window=32)]
+    pr = pair(groups=groups)
+    pr.p.add_request("r", 70)
+    pr.save(ScheduledRequest("r", 0, 70, ([3, 4, 5, 6, 7], [0, 0, 9, 10, 11]), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.serve()
+    # D's sliding-window table is null at entry 2, where P sends a block.
+    assert pr.load("r", params, ([21, 20, 19, 18, 17], [0, 0, 0, 23, 24])) == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {21, 20, 19, 18, 17, 23, 24}
+
+
+def test_held_request_id_is_refused_until_d_has_read_it(pair):
+    pr = pair()
+    params = prefill(pr, "r", [2, 3])
+    with pytest.raises(InvalidInputError, match="'r' is still held on P"):
+        pr.p.add_request("r", 32)
+    pr.serve()
+    assert pr.load("r", params, [10, 11]) == (["r"], [])
+    assert_d_holds(pr, [10, 11], [2, 3])
+    deadline = 200
+    while "r" not in pr.freed and deadline:
+        pr.wait(0, timeout=0.01)
+        deadline -= 1
+    with pr._lock:
+        pr.p.add_request("r", 32)  # D has read it and P freed it: the id is free again
+
+
+def test_request_finished_before_its_prefill_completed_frees_its_staging(pair):
+    pr = pair()
+    pr.p.add_request("r", 100)
+    pr.save(ScheduledRequest("r", 0, 40, ([2, 3, 4, 5, 6, 7, 8],), full_table=True))
+    assert "r" in pr.p.staging
+    assert pr.p.request_finished("r") is None
+    assert "r" not in pr.p.staging and pr.p.staging.num_free_slots == pr.p.staging.num_slots
+    pr.p.add_request("r", 100)  # and the id may be used again
+
+
+def test_d_caches_with_another_layer_count_raise_and_lose_nothing(pair):
+    pr = pair()
+    params = prefill(pr, "r", [2, 3])
+    pr.serve()
+    pr.d.start_load_kv({"r": (params, [10, 11])})
+    other = caches_on(jax.devices()[4:8], seed=3, layers=3)
+    with pytest.raises(LayoutMismatchError, match="num_layers=3"):
+        pr.d.get_finished(other)
+    assert pr.wait(1) == (["r"], [])
