@@ -227,3 +227,72 @@ def test_nixl_benchmark_reports_its_figures():
     assert {"nixl_read_gbps", "memcpy_gbps", "nixl_over_memcpy", "descriptors"} <= set(out)
     assert out["descriptors"] == 2  # one run per layer: each side's slots are contiguous
     assert out["bytes"] == 2 * 8 * 4096 and out["nixl_read_gbps"] > 0
+
+
+def _restarted(peer, name, port):
+    """Kill `peer` and start a new P under the same name, listening on `port`."""
+    peer.kill()
+    new = Peer("P", spec(name, listen_port=port))
+    new.port  # noqa: B018 - wait until it listens
+    return new
+
+
+@pytest.mark.parametrize("same_port", [True, False], ids=["same_port", "new_port"])
+def test_restarted_p_refuses_old_params_and_serves_new_ones(peers, same_port):
+    """P restarts under its name; D still holds params from before and has a live connection."""
+    d, name = peers["D"], f"P_restart_{int(same_port)}"
+    port = free_port()
+    p = Peer("P", spec(name, listen_port=port))
+    try:
+        old = stage_and_hold(p, "r", [1, 2], seed=21)
+        assert_read_intact(d, "warm", stage_and_hold(p, "warm", [5], seed=20), [9], {5: 20})
+        p = _restarted(p, name, port if same_port else free_port())
+        new = stage_and_hold(p, "r", [1, 2], seed=22)  # the same id and keys, other bytes
+        # Generations start again at 1: only the instance tells the two prefills apart.
+        assert new["instance"] != old["instance"] and new["generation"] == old["generation"] == 1
+        # Old params first: the connected instance is gone, so D reconnects, and refuses them.
+        assert read(d, "r", old, [3, 4]).get("failed") == [3, 4]
+        assert_read_intact(d, "r", new, [3, 4], {1: 22, 2: 22})
+        # And the other way round: old params while connected to the new instance.
+        again = stage_and_hold(p, "r2", [1, 2], seed=23)
+        assert read(d, "r2", {**old, "req_id": "r2"}, [5]).get("failed") == [5]
+        assert_read_intact(d, "r2", again, [5], {1: 23, 2: 23})
+        assert p.call("freed")["held"] == []
+    finally:
+        p.kill()
+
+
+def test_malformed_notifications_are_dropped_alone_and_the_batch_goes_on(peers):
+    p, d = peers["P"], peers["D"]
+    connect(d, p, "P")
+    params = stage_and_hold(p, "amid", [70, 71], seed=30)
+    garbage = [
+        encode_message("hb", instance=params["instance"], reqs="amid"),
+        encode_message("hb", instance=params["instance"], reqs=[[1, "a"]]),
+        encode_message("hb", instance=7, reqs=[]),
+        encode_message("done", req_id="amid", instance=params["instance"], generation="1"),
+        encode_message("done", req_id=5, instance=params["instance"], generation=1),
+        encode_message("done", req_id="amid", generation=params["generation"]),  # no instance
+        encode_message("done", req_id="amid", instance=params["instance"], generation=True),
+        encode_message("nonsense"),
+        b"kvxfer:{\"v\": 2, \"t\": 5}",
+        b"\xff\xfe",
+    ]
+    for raw in garbage:  # D -> P, before the real done
+        d.call("notify", peer="P", raw=base64.b64encode(raw).decode())
+    for raw in [encode_message("ack", req_id="amid", generation="x", ok=True),
+                encode_message("ack", req_id="amid", generation=params["generation"], ok="yes"),
+                encode_message("ack", req_id="amid", generation=params["generation"], ok=True),
+                encode_message("layout", agent="P")]:  # P -> D: an early ok must not count
+        p.call("notify", peer="D", raw=base64.b64encode(raw).decode())
+    assert "amid" in p.call("freed")["held"]  # none of it freed the request
+    assert_read_intact(d, "amid", params, [1], {70: 30, 71: 30})
+    assert "amid" in p.call("freed")["freed"]
+
+
+def test_p_refuses_to_hold_a_request_twice(peers):
+    p = peers["P"]
+    stage_and_hold(p, "twice", [80], seed=1)
+    with pytest.raises(PeerError, match="'twice' is already held") as e:
+        p.call("hold", req_id="twice")
+    assert e.value.kind == "InvalidInputError"

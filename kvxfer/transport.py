@@ -95,6 +95,7 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 2
 _MAGIC = b"kvxfer:"
 _MAX_BIND_TRIES = 8
+_REFETCH_S = 0.25  # how often `connect` asks for a peer's metadata again
 
 
 def _is_int(value: object) -> bool:
@@ -628,6 +629,8 @@ class DecodeTransport:
             raise
         self._reg = _register(self.agent, self.stagings)
         self._peers: dict[str, _Peer] = {}
+        self._instances: dict[str, str] = {}  # peer -> the instance last connected to
+        self._past: dict[str, set[str]] = {}  # peer -> instances known to be gone
         self._adverts: dict[str, dict[str, Any] | TransferError] = {}
         self._reads: dict[str, _Read] = {}
         self._expected: dict[str, tuple[str, str, int]] = {}  # req -> (peer, instance, gen)
@@ -655,12 +658,19 @@ class DecodeTransport:
         self._adverts.pop(peer, None)
         try:
             self.agent.fetch_remote_metadata(peer, host, port)
+            refetch = time.monotonic() + _REFETCH_S
             while not self.agent.check_remote_metadata(peer):
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TransferError(
                         f"peer {peer!r} at {host}:{port} sent no NIXL metadata within "
                         f"{self.config.handshake_timeout_s}s (unknown peer or not listening)"
                     )
+                if now > refetch:
+                    # NIXL may first spend a fetch on a cached socket to a previous
+                    # listener at that address (a restarted P), which it then closes.
+                    self.agent.fetch_remote_metadata(peer, host, port)
+                    refetch = now + _REFETCH_S
                 time.sleep(0.002)
             self.agent.send_local_metadata(host, port)
             _send(self.agent, peer, "hello", agent=self.config.name)
@@ -687,6 +697,10 @@ class DecodeTransport:
         except Exception:
             self._forget(peer)
             raise
+        instance = self._peers[peer].instance
+        if self._instances.get(peer, instance) != instance:  # a new start of that P
+            self._past.setdefault(peer, set()).add(self._instances[peer])
+        self._instances[peer] = instance
         logger.debug("D %s connected to %s (instance %s) at %s:%s", self.config.name, peer,
                      self._peers[peer].instance, host, port)
         return self._peers[peer].layout
@@ -725,12 +739,35 @@ class DecodeTransport:
 
     def _drop_peer(self, peer: str, why: str) -> None:
         """Disconnect `peer` (gone, restarted or failing); its reads fail with it."""
-        if self._peers.pop(peer, None) is None:
+        state = self._peers.pop(peer, None)
+        if state is None:
             return
         logger.warning("D %s drops peer %s: %s", self.config.name, peer, why)
         for read in [r for r in self._reads.values() if r.peer == peer]:
             self._fail(read)
         self._forget(peer)
+
+    def _probe(self, peer: _Peer) -> str | None:
+        """The instance answering a fresh `hello` over the current connection, or None.
+
+        Waits up to `handshake_timeout_s`; a dead or replaced peer does not answer.
+        """
+        self._adverts.pop(peer.name, None)
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        try:
+            _send(self.agent, peer.name, "hello", agent=self.config.name)
+        except TransferError:
+            return None
+        while time.monotonic() < deadline:
+            self._drain_notifs()
+            advert = self._adverts.pop(peer.name, None)
+            if isinstance(advert, dict):
+                instance = advert.get("instance")
+                return instance if isinstance(instance, str) else None
+            if advert is not None:
+                return None
+            time.sleep(0.002)
+        return None
 
     # -- reads
 
@@ -756,19 +793,27 @@ class DecodeTransport:
                 f"request {req_id!r} still holds D staging from an earlier read; free it first")
         p = ReadParams.parse(params, len(self.stagings))
         self._expected.pop(p.req_id, None)
+        stale = p.instance in self._past.get(p.peer, ())
         connected = self._peers.get(p.peer)
-        if connected is not None and connected.instance != p.instance:
-            # New params from a restarted P, or old params: reconnect and see which.
-            self._drop_peer(p.peer, f"params name instance {p.instance}, "
-                                    f"connected to instance {connected.instance}")
+        if not stale and connected is not None and connected.instance != p.instance:
+            # Params from a restarted P, or stale ones: ask the connected P who it is.
+            if self._probe(connected) == connected.instance:
+                stale = True  # the connected P is alive: these params are not its own
+            else:
+                self._drop_peer(p.peer, f"params name instance {p.instance}, the connected "
+                                        f"instance {connected.instance} does not answer")
         read = _Read(req_id, p.peer, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s)
         self._reads[req_id] = read
         try:
+            if stale:
+                raise TransferError(f"params of {req_id!r} are from P instance {p.instance} of "
+                                    f"{p.peer!r}, which is not the live one (P restarted)")
             if p.peer not in self._peers:
                 self.connect(p.peer, p.host, p.port)
             peer = self._peers[p.peer]
             if peer.instance != p.instance:
+                self._past.setdefault(p.peer, set()).add(p.instance)
                 raise TransferError(
                     f"params of {req_id!r} are from P instance {p.instance}, but {p.peer!r} at "
                     f"{p.host}:{p.port} is now instance {peer.instance} (P restarted)")

@@ -95,6 +95,9 @@ def main():
             elif op == "read":
                 # `logical_ids`: what D reports if the read fails; blocks land under P's keys.
                 t.start_read(cmd["req_id"], cmd["params"], cmd["logical_ids"])
+                failed.pop(cmd["req_id"], None)  # an id read again: forget its last outcome
+                while cmd["req_id"] in finished:
+                    finished.remove(cmd["req_id"])
                 out = {}
             elif op == "notify":
                 # Test hook: raw bytes as a notification, as a faulty or hostile peer sends them.
