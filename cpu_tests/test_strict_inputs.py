@@ -285,3 +285,57 @@ def test_demo_block_check_matches_what_p_engine_allocates():
     with pytest.raises(InvalidInputError, match="need 22 blocks of 16 tokens, more than the 21"):
         short.validate()
     assert _p_engine_runs_out_of_blocks(short)
+
+
+# Transport and connector configs: refused before any agent is created.
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(name=""), "name must be a non-empty printable str, got ''"),
+    (dict(name=7), "name must be a non-empty printable str, got 7"),
+    (dict(name="P", listen_port=-1), "listen_port must be an int in \\[0, 65535\\], got -1"),
+    (dict(name="P", listen_port=70000), "listen_port .* got 70000"),
+    (dict(name="P", listen_port=True), "listen_port .* got True"),
+    (dict(name="P", handshake_timeout_s=-1), "handshake_timeout_s must be a positive finite"),
+    (dict(name="P", transfer_timeout_s=0), "transfer_timeout_s must be a positive finite"),
+    (dict(name="P", transfer_timeout_s=float("inf")), "transfer_timeout_s .* got inf"),
+    (dict(name="P", lease_s=-30.0), "lease_s must be a positive finite number of seconds, got -30"),
+    (dict(name="P", lease_s="30"), "lease_s .* got '30'"),
+    (dict(name="P", lease_s=1.0, heartbeat_interval_s=2.0), "must be shorter than lease_s"),
+    (dict(name="P", ucx_tls=""), "ucx_tls must be None or a non-empty str"),
+    (dict(name="P", num_threads=-1), "num_threads must be a non-negative int, got -1"),
+])
+def test_transport_config_refuses_bad_values(fields, message):
+    from kvxfer.transport import TransportConfig
+
+    with pytest.raises(InvalidInputError, match=message):
+        TransportConfig(**fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(staging_blocks=0), "staging_blocks must be a positive int, got 0"),
+    (dict(staging_blocks=8.0), "staging_blocks must be a positive int, got 8.0"),
+    (dict(kernel_ratio=True), "kernel_ratio must be a positive int, got True"),
+    (dict(verify_fingerprints=1), "verify_fingerprints must be a bool, got 1"),
+    (dict(transport="P"), "transport must be a TransportConfig, got 'P'"),
+])
+def test_connector_config_refuses_bad_values(fields, message):
+    from kvxfer.connector import ConnectorConfig
+    from kvxfer.transport import TransportConfig
+
+    with pytest.raises(InvalidInputError, match=message):
+        ConnectorConfig(**{"transport": TransportConfig("P"), **fields})
+
+
+def test_two_live_agents_may_not_share_a_name():
+    pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.staging import Staging
+    from kvxfer.transport import DecodeTransport, PrefillTransport, TransportConfig
+
+    first = PrefillTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {})
+    try:
+        with pytest.raises(InvalidInputError, match="'twin' is already live"):
+            DecodeTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {})
+    finally:
+        first.close()
+    DecodeTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {}).close()  # free once closed
