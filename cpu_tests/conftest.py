@@ -1,4 +1,4 @@
-"""CPU test setup: JAX on the CPU backend with 8 emulated devices.
+"""CPU test setup: JAX on the CPU backend with 8 emulated devices; the `pair` fixture.
 
 The environment must be set before JAX is first imported, which is why this
 happens at conftest import time rather than in a fixture.
@@ -10,3 +10,20 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def pair():
+    """Makes in-process P/D connector pairs (`procs.pair.Pair(**kw)`); closes them at teardown."""
+    from procs.pair import Pair
+
+    made = []
+
+    def make(**kw):
+        made.append(Pair(**kw))
+        return made[-1]
+    yield make
+    for p in made:
+        p.close()

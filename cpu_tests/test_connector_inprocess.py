@@ -4,24 +4,11 @@ import os
 import sys
 
 import numpy as np
-import pytest
 
 from kvxfer.scheduler import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.pair import Pair, as_bits, copy_block  # noqa: E402
-
-
-@pytest.fixture
-def pair():
-    made = []
-
-    def make(**kw):
-        made.append(Pair(**kw))
-        return made[-1]
-    yield make
-    for p in made:
-        p.close()
+from procs.pair import as_bits, copy_block  # noqa: E402
 
 
 def test_d_receives_newest_copy_of_block_rewritten_by_later_chunk(pair):

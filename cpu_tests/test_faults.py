@@ -18,21 +18,9 @@ from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.pair import SHAPE, Pair, as_bits, caches_on, copy_block  # noqa: E402
+from procs.pair import SHAPE, as_bits, caches_on, copy_block  # noqa: E402
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
-
-
-@pytest.fixture
-def pair():
-    made = []
-
-    def make(**kw):
-        made.append(Pair(**kw))
-        return made[-1]
-    yield make
-    for p in made:
-        p.close()
 
 
 def prefill(pr, req_id, table, tokens=32):

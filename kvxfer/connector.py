@@ -110,8 +110,7 @@ def _per_group(caches: object) -> tuple[list[list[jax.Array]], bool]:
             f"(one per KV cache group), got {type(caches).__name__}")
     if isinstance(caches[0], jax.Array):
         return [list(caches)], True
-    return [c if isinstance(c, list) else list(c) if isinstance(c, Sequence) else c
-            for c in caches], False
+    return [list(c) if isinstance(c, Sequence) else c for c in caches], False
 
 
 def _layouts(caches: Sequence[Sequence[jax.Array]], kernel_ratio: int) -> list[CacheLayout]:

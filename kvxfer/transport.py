@@ -308,9 +308,18 @@ def _stagings(staging: Staging | Sequence[Staging]) -> list[Staging]:
     return out
 
 
-def _register(agent: Any, stagings: Sequence[Staging]) -> Any:
-    regs = [(addr, n, 0, "") for s in stagings for addr, n in s.region_addresses()]
-    return agent.register_memory(regs, "DRAM")
+def _start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[Any, int, Any]:
+    """`(agent, listen port, registration)`: a new agent under a name no live agent has."""
+    if not isinstance(config, TransportConfig):
+        raise InvalidInputError(f"config must be a TransportConfig, got {config!r:.80}")
+    _claim_name(config.name)
+    try:
+        agent, port = _create_agent(config)
+        regs = [(addr, n, 0, "") for s in stagings for addr, n in s.region_addresses()]
+        return agent, port, agent.register_memory(regs, "DRAM")
+    except BaseException:
+        _release_name(config.name)
+        raise
 
 
 def _close_agent(agent: Any, reg: Any, who: str) -> None:
@@ -419,19 +428,9 @@ class PrefillTransport:
 
     def __init__(self, config: TransportConfig, staging: Staging | Sequence[Staging],
                  layout: Mapping[str, Any]):
-        if not isinstance(config, TransportConfig):
-            raise InvalidInputError(f"config must be a TransportConfig, got {config!r:.80}")
-        self.config = config
-        self.stagings = _stagings(staging)
-        self.layout = dict(layout)
+        self.config, self.stagings, self.layout = config, _stagings(staging), dict(layout)
         self.instance = secrets.token_hex(8)
-        _claim_name(config.name)
-        try:
-            self.agent, self.port = _create_agent(config)
-        except BaseException:
-            _release_name(config.name)
-            raise
-        self._reg = _register(self.agent, self.stagings)
+        self.agent, self.port, self._reg = _start_agent(config, self.stagings)
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
@@ -615,19 +614,9 @@ class DecodeTransport:
         layout: Mapping[str, Any],
         layout_check: LayoutCheck = check_layouts,
     ):
-        if not isinstance(config, TransportConfig):
-            raise InvalidInputError(f"config must be a TransportConfig, got {config!r:.80}")
-        self.config = config
-        self.stagings = _stagings(staging)
-        self.layout = dict(layout)
+        self.config, self.stagings, self.layout = config, _stagings(staging), dict(layout)
         self.layout_check = layout_check
-        _claim_name(config.name)
-        try:
-            self.agent, self.port = _create_agent(config)
-        except BaseException:
-            _release_name(config.name)
-            raise
-        self._reg = _register(self.agent, self.stagings)
+        self.agent, self.port, self._reg = _start_agent(config, self.stagings)
         self._peers: dict[str, _Peer] = {}
         self._instances: dict[str, str] = {}  # peer -> the instance last connected to
         self._past: dict[str, set[str]] = {}  # peer -> instances known to be gone
