@@ -43,6 +43,11 @@ def _cdiv_ints(a: object, b: object) -> tuple[int, int]:
         ) from None
 
 
+def is_int(value: object) -> bool:
+    """A Python int that is not a bool: what kvxfer's ids, counts and sizes must be."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidInputError(f"{name} must be a positive int, got {value!r}")

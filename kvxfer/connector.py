@@ -57,7 +57,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.blocks import NULL_BLOCK
+from kvxfer.blocks import NULL_BLOCK, is_int
 from kvxfer.errors import InvalidInputError, KvxferError, LayoutMismatchError
 from kvxfer.gather import bucket_size, check_fingerprints, gather_blocks, scatter_blocks
 from kvxfer.layout import CacheLayout
@@ -68,10 +68,6 @@ from kvxfer.transport import DecodeTransport, PrefillTransport, ReadParams, Tran
 logger = logging.getLogger(__name__)
 
 _BLOCK_FIELDS = ("block_shape", "dtype", "num_layers", "kernel_ratio")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -95,7 +91,7 @@ class ConnectorConfig:
                 f"ConnectorConfig transport must be a TransportConfig, got {self.transport!r:.80}")
         for name in ("staging_blocks", "kernel_ratio"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise InvalidInputError(f"ConnectorConfig {name} must be a positive int, got {value!r}")
         if not isinstance(self.verify_fingerprints, bool):
             raise InvalidInputError(
@@ -346,7 +342,7 @@ def _table_ids(table: object) -> list[int]:
     stack = [table]
     while stack:
         item = stack.pop()
-        if _is_int(item) and item > NULL_BLOCK:
+        if is_int(item) and item > NULL_BLOCK:
             ids.setdefault(item, None)
         elif isinstance(item, (list, tuple)):
             stack.extend(reversed(item))
@@ -552,4 +548,4 @@ class DecodeConnector:
 
 
 def _is_id_list(value: object) -> bool:
-    return isinstance(value, (list, tuple)) and all(_is_int(b) and b >= 0 for b in value)
+    return isinstance(value, (list, tuple)) and all(is_int(b) and b >= 0 for b in value)

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 
 BLOCK_AXIS = 0
@@ -71,10 +72,10 @@ class CacheLayout:
     kernel_ratio: int = 1
 
     def __post_init__(self) -> None:
-        if not _is_int(self.num_layers) or self.num_layers <= 0:
+        if not is_int(self.num_layers) or self.num_layers <= 0:
             raise InvalidInputError(f"num_layers must be a positive int, got {self.num_layers!r}")
         if (not isinstance(self.shape, Sequence) or len(self.shape) < 2
-                or not all(_is_int(d) and d > 0 for d in self.shape)):
+                or not all(is_int(d) and d > 0 for d in self.shape)):
             raise InvalidInputError(
                 f"cache shape must be [num_blocks, *block_shape] with positive int sizes, "
                 f"got {self.shape!r}"
@@ -89,7 +90,7 @@ class CacheLayout:
             raise InvalidInputError(f"mesh_axes must be ((name, size), ...), got {self.mesh_axes!r}")
         for entry in self.mesh_axes:
             if (not isinstance(entry, Sequence) or len(entry) != 2 or not isinstance(entry[0], str)
-                    or not _is_int(entry[1]) or entry[1] <= 0):
+                    or not is_int(entry[1]) or entry[1] <= 0):
                 raise InvalidInputError(
                     f"mesh_axes entry {entry!r} is not (axis name, positive int size)"
                 )
@@ -101,7 +102,7 @@ class CacheLayout:
                 raise InvalidInputError(
                     f"spec entry {entry!r} is not a tuple of mesh axis names (strings)"
                 )
-        if not _is_int(self.kernel_ratio) or self.kernel_ratio <= 0:
+        if not is_int(self.kernel_ratio) or self.kernel_ratio <= 0:
             raise InvalidInputError(f"kernel_ratio must be a positive int, got {self.kernel_ratio!r}")
         if self.num_blocks % self.kernel_ratio:
             # Logical block L holds kernel blocks L*r .. L*r + r - 1: the last would run past.
@@ -306,10 +307,6 @@ class CacheLayout:
                 name = field.name
             if mine != theirs:
                 raise LayoutMismatchError(f"layout {name} differs: ours {mine}, theirs {theirs}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _entry_to_spec(entry: tuple[str, ...]) -> str | tuple[str, ...] | None:

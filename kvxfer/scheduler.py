@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvxfer.blocks import NULL_BLOCK, cdiv
+from kvxfer.blocks import NULL_BLOCK, cdiv, is_int
 from kvxfer.errors import InvalidInputError
 
 GroupKind = Literal["attention", "sliding_window", "mamba"]
@@ -41,10 +41,6 @@ BlockIds = tuple[list[int], ...]
 PlacedIds = tuple[list[tuple[int, int]], ...]
 """Per KV cache group, `(table index, block id)` pairs: which entry of the
 request's block table (which token range) each copied block holds."""
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -63,14 +59,14 @@ class GroupSpec:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.block_size) or self.block_size <= 0:
+        if not is_int(self.block_size) or self.block_size <= 0:
             raise InvalidInputError(f"GroupSpec block_size must be a positive int, got {self.block_size!r}")
         if self.kind not in _KINDS:
             raise InvalidInputError(f"GroupSpec kind must be one of {_KINDS}, got {self.kind!r}")
-        if not _is_int(self.dcp_size) or self.dcp_size <= 0:
+        if not is_int(self.dcp_size) or self.dcp_size <= 0:
             raise InvalidInputError(f"GroupSpec dcp_size must be a positive int, got {self.dcp_size!r}")
         if self.kind == "sliding_window":
-            if not _is_int(self.sliding_window) or self.sliding_window <= 0:
+            if not is_int(self.sliding_window) or self.sliding_window <= 0:
                 raise InvalidInputError(
                     "GroupSpec of kind 'sliding_window' needs a positive int sliding_window, "
                     f"got {self.sliding_window!r}"
@@ -144,7 +140,7 @@ class SaveTracker:
         """Track a request whose prompt KV (`num_prompt_tokens` tokens) must reach D."""
         if req_id in self._requests:
             raise InvalidInputError(f"request {req_id!r} is already tracked")
-        if not _is_int(num_prompt_tokens) or num_prompt_tokens <= 0:
+        if not is_int(num_prompt_tokens) or num_prompt_tokens <= 0:
             raise InvalidInputError(
                 f"num_prompt_tokens of request {req_id!r} must be a positive int, "
                 f"got {num_prompt_tokens!r}"
@@ -213,7 +209,7 @@ class SaveTracker:
         req = self._requests[step.req_id]
         for name in ("num_computed_tokens", "num_scheduled_tokens"):
             value = getattr(step, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise InvalidInputError(
                     f"{name} of request {step.req_id!r} must be a non-negative int, got {value!r}"
                 )
@@ -226,7 +222,7 @@ class SaveTracker:
                 )
             for g, group_ids in enumerate(ids):
                 for block_id in group_ids:
-                    if not _is_int(block_id) or block_id < 0:
+                    if not is_int(block_id) or block_id < 0:
                         raise InvalidInputError(
                             f"request {step.req_id!r} group {g} has invalid block id {block_id!r}"
                         )

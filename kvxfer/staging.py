@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvxfer.blocks import coalesce
+from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, KvxferError, LayoutMismatchError
 
 Placement = Literal["runs", "mirror"]
@@ -50,10 +50,6 @@ class UnknownRequestError(KvxferError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
@@ -65,7 +61,7 @@ class SlotAllocator:
     """Free slots as sorted, merged `(start, length)` runs; hands out runs."""
 
     def __init__(self, num_slots: int) -> None:
-        if not _is_int(num_slots) or num_slots < 0:
+        if not is_int(num_slots) or num_slots < 0:
             raise InvalidInputError(f"num_slots must be a non-negative int, got {num_slots!r}")
         self.num_slots = num_slots
         self._starts: list[int] = [0] if num_slots else []
@@ -106,7 +102,7 @@ class SlotAllocator:
         Raises `InvalidInputError` naming the run, before any change, if it is
         not inside `[0, num_slots)` or overlaps a free run (a double release).
         """
-        if not (_is_int(start) and _is_int(length) and length > 0
+        if not (is_int(start) and is_int(length) and length > 0
                 and 0 <= start and start + length <= self.num_slots):
             raise InvalidInputError(
                 f"cannot release slot run (start {start!r}, length {length!r}): not a "
@@ -158,7 +154,7 @@ class Staging:
         placement: Placement = "runs",
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_slots", num_slots)):
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise InvalidInputError(f"Staging {name} must be a positive int, got {value!r}")
         if placement not in ("runs", "mirror"):
             raise InvalidInputError(f"placement must be 'runs' or 'mirror', got {placement!r}")

@@ -86,7 +86,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.blocks import coalesce_pairs
+from kvxfer.blocks import coalesce_pairs, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
 from kvxfer.staging import Staging
 
@@ -96,10 +96,6 @@ PROTOCOL_VERSION = 2
 _MAGIC = b"kvxfer:"
 _MAX_BIND_TRIES = 8
 _REFETCH_S = 0.25  # how often `connect` asks for a peer's metadata again
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -140,7 +136,7 @@ class TransportConfig:
                                     f"got {self.name!r}")
         if not isinstance(self.host, str) or not self.host:
             raise InvalidInputError(f"TransportConfig host must be a non-empty str, got {self.host!r}")
-        if not _is_int(self.listen_port) or not 0 <= self.listen_port <= 65535:
+        if not is_int(self.listen_port) or not 0 <= self.listen_port <= 65535:
             raise InvalidInputError(
                 f"TransportConfig listen_port must be an int in [0, 65535], got {self.listen_port!r}")
         for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s"):
@@ -157,7 +153,7 @@ class TransportConfig:
         if self.ucx_tls is not None and (not isinstance(self.ucx_tls, str) or not self.ucx_tls):
             raise InvalidInputError(
                 f"TransportConfig ucx_tls must be None or a non-empty str, got {self.ucx_tls!r}")
-        if not _is_int(self.num_threads) or self.num_threads < 0:
+        if not is_int(self.num_threads) or self.num_threads < 0:
             raise InvalidInputError(
                 f"TransportConfig num_threads must be a non-negative int, got {self.num_threads!r}")
 
@@ -271,7 +267,7 @@ def _field(msg: Mapping[str, Any], key: str, check: Callable[[Any], bool], what:
 
 
 def _is_generation(value: object) -> bool:
-    return _is_int(value) and value >= 1
+    return is_int(value) and value >= 1
 
 
 LayoutCheck = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
@@ -384,7 +380,7 @@ class ReadParams:
             k = group.get("keys") if isinstance(group, Mapping) else None
             s = group.get("slots") if isinstance(group, Mapping) else None
             if not (isinstance(k, list) and isinstance(s, list) and len(k) == len(s)
-                    and all(_is_int(x) and x >= 0 for x in k + s)):
+                    and all(is_int(x) and x >= 0 for x in k + s)):
                 raise InvalidInputError(
                     f"transfer params group {g} must have equal-length lists of non-negative int "
                     f"'keys' and 'slots', got {group!r:.120}")
@@ -398,7 +394,7 @@ class ReadParams:
             peer=get("peer", is_str, "a non-empty str"),
             instance=get("instance", is_str, "a non-empty str"),
             host=get("host", is_str, "a non-empty str"),
-            port=get("port", lambda v: _is_int(v) and 0 < v <= 65535, "an int port"),
+            port=get("port", lambda v: is_int(v) and 0 < v <= 65535, "an int port"),
             req_id=get("req_id", is_str, "a non-empty str"),
             generation=get("generation", _is_generation, "a positive int"),
             keys=tuple(keys),
