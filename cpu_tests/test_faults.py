@@ -9,6 +9,7 @@ no request is lost and no staging slot leaks.
 import copy
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -215,12 +216,14 @@ def test_held_request_id_is_refused_until_d_has_read_it(pair):
     pr.serve()
     assert pr.load("r", params, [10, 11]) == (["r"], [])
     assert_d_holds(pr, [10, 11], [2, 3])
-    deadline = 200
-    while "r" not in pr.freed and deadline:
-        pr.wait(0, timeout=0.01)
-        deadline -= 1
-    with pr._lock:
-        pr.p.add_request("r", 32)  # D has read it and P freed it: the id is free again
+    deadline = time.monotonic() + 10
+    while True:
+        with pr._lock:
+            if "r" in pr.freed:
+                pr.p.add_request("r", 32)  # D has read it and P freed it: the id is free again
+                break
+        assert time.monotonic() < deadline, "P never freed 'r'"
+        time.sleep(0.001)
 
 
 def test_request_finished_before_its_prefill_completed_frees_its_staging(pair):

@@ -339,3 +339,20 @@ def test_two_live_agents_may_not_share_a_name():
     finally:
         first.close()
     DecodeTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {}).close()  # free once closed
+
+
+def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_changes():
+    pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.staging import Staging
+    from kvxfer.transport import DecodeTransport, TransportConfig
+
+    params = {"peer": "P", "instance": "i", "host": "127.0.0.1", "port": 1, "req_id": "r",
+              "generation": 1, "groups": [{"keys": [0], "slots": [0]}]}
+    d = DecodeTransport(TransportConfig("D-strict"), Staging(1, 4, (8,)), {})
+    try:
+        for bad in ("12", [1.0], [-1], None):
+            with pytest.raises(InvalidInputError, match="logical_ids of 'r' must be a list"):
+                d.start_read("r", params, bad)
+        assert d.pending() == [] and "r" not in d.staging
+    finally:
+        d.close()

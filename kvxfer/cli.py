@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvxfer.blocks import cdiv
+from kvxfer.blocks import cdiv, is_int
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.scheduler import GroupSpec, SaveTracker
 from kvxfer.simulate import SimEngine
@@ -40,7 +40,7 @@ def _check_plan_args(prompt: int, budget: int, block_size: int, lookahead: int, 
     for flag, value, low in (("--prompt", prompt, 1), ("--budget", budget, 1),
                              ("--block-size", block_size, 1), ("--lookahead", lookahead, 0),
                              ("--cached", cached, 0), ("--dcp", dcp, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not is_int(value) or value < low:
             kind = "positive" if low else "non-negative"
             raise InvalidInputError(f"{flag} must be {kind}, got {value!r}")
     tokens_per_block = block_size * dcp

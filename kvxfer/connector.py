@@ -397,19 +397,19 @@ class DecodeConnector:
             if req_id in self._loads or req_id in self._refused:
                 raise InvalidInputError(f"request {req_id!r} is already loading")
         for req_id, entry in requests.items():
+            pair = isinstance(entry, (tuple, list)) and len(entry) == 2
+            params, table = entry if pair else (None, ())
             try:
-                if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                if not pair:
                     raise InvalidInputError(
                         f"request {req_id!r}: expected (kv_transfer_params, block table), "
                         f"got {entry!r:.80}")
-                params, table = entry
                 load = self._prepare(req_id, params, table)
                 self.transport.start_read(req_id, params, load.logical_ids)
             except KvxferError as e:
                 logger.warning("D refuses request %s: %s", req_id, e)
                 self._refused.append(req_id)
-                self._load_errors.update(_table_ids(entry[1] if isinstance(entry, (tuple, list))
-                                                    and len(entry) == 2 else ()))
+                self._load_errors.update(_table_ids(table))
                 continue
             self._loads[req_id] = load
 

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvxfer.blocks import cdiv
+from kvxfer.blocks import cdiv, is_int
 from kvxfer.errors import InvalidInputError, KvxferError, TransferError
 
 LAYOUTS = ("attention", "mla", "attention4d")
@@ -66,9 +66,6 @@ class DemoConfig:
         def name(f: str) -> str:
             return "--" + f.replace("_", "-") if f in flags else f"DemoConfig.{f}"
 
-        def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
         if self.layout not in LAYOUTS:
             raise InvalidInputError(
                 f"unknown demo layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -87,12 +84,7 @@ class DemoConfig:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise InvalidInputError(f"{name('timeout_s')} must be a positive number, got {t!r}")
-        p = 32 // (8 * _itemsize(self.dtype))  # cache_shape's packing
-        if self.layout == "mla" and self.block_size % p:
-            raise InvalidInputError(
-                f"{name('block_size')} {self.block_size} must be a multiple of {p} for an MLA "
-                f"cache of {self.dtype}")
-        shape = cache_shape(self)
+        shape = cache_shape(self)  # raises for an MLA block size the packing does not divide
         for f in ("tp_p", "tp_d"):
             tp = getattr(self, f)
             if tp > max_tp:
@@ -135,7 +127,8 @@ def cache_shape(cfg: DemoConfig) -> tuple[int, ...]:
         return (cfg.num_blocks, cfg.block_size, cdiv(2 * cfg.heads, p), p, cfg.head_dim)
     if cfg.layout == "mla":
         if cfg.block_size % p:
-            raise KvxferError(f"MLA demo needs block size {cfg.block_size} divisible by {p}")
+            raise InvalidInputError(f"--block-size {cfg.block_size} must be a multiple of {p} "
+                                    f"for an MLA cache of {cfg.dtype}")
         return (cfg.num_blocks, cfg.block_size // p, p, cfg.head_dim)
     if cfg.layout == "attention4d":
         return (cfg.num_blocks, cfg.block_size, 2 * cfg.heads, cfg.head_dim)

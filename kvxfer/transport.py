@@ -777,6 +777,10 @@ class DecodeTransport:
             raise InvalidInputError(
                 f"request {req_id!r} still holds D staging from an earlier read; free it first")
         p = ReadParams.parse(params, len(self.stagings))
+        if not isinstance(logical_ids, Sequence) or not all(
+                is_int(b) and b >= 0 for b in logical_ids):
+            raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
+                                    f"int block ids, got {logical_ids!r:.80}")
         self._expected.pop(p.req_id, None)
         stale = p.instance in self._past.get(p.peer, ())
         connected = self._peers.get(p.peer)
