@@ -29,7 +29,7 @@ def test_d_receives_newest_copy_of_block_rewritten_by_later_chunk(pair):
     assert pr.d.get_block_ids_with_load_errors() == set()
 
 
-def test_corrupted_host_block_fails_request_in_logical_ids_and_leaves_caches(pair):
+def test_corrupted_host_block_fails_request_in_logical_ids_and_leaves_other_blocks(pair):
     pr = pair(kernel_ratio=2, block_size=32)  # logical blocks of 32 tokens = 2 kernel blocks
     pr.p.add_request("r", 50)
     meta = pr.save(ScheduledRequest("r", 0, 50, ([3, 7],), full_table=True))
@@ -44,8 +44,11 @@ def test_corrupted_host_block_fails_request_in_logical_ids_and_leaves_caches(pai
     finished, failed = pr.load("r", params, [10, 11])
     assert (finished, failed) == ([], ["r"])
     assert pr.d.get_block_ids_with_load_errors() == {10, 11}
+    # D verifies after the scatter: only the failed request's own blocks (kernel 20-23,
+    # recomputed by the engine) may have changed.
+    others = np.setdiff1d(np.arange(before[0].shape[0]), [20, 21, 22, 23])
     for b, c in zip(before, pr.d_caches[0]):
-        assert (as_bits(c) == b).all()
+        assert (as_bits(c)[others] == b[others]).all()
 
 
 def test_resumed_request_restages_from_scratch(pair):
@@ -89,4 +92,5 @@ def test_corrupt_request_does_not_spoil_a_good_one_finished_in_the_same_poll(pai
     assert pr.d.get_block_ids_with_load_errors() == {1, 2}
     for b, p_cache, d_cache in zip(before, pr.p_caches[0], pr.d_caches[0]):
         assert (as_bits(d_cache)[[3, 4]] == as_bits(p_cache)[[8, 9]]).all()
-        assert (as_bits(d_cache)[[1, 2]] == b[[1, 2]]).all()
+        # bad's own blocks (1, 2) were written and are recomputed; the rest is untouched.
+        assert (as_bits(d_cache)[[0, 5, 6]] == b[[0, 5, 6]]).all()

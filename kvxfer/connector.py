@@ -58,11 +58,11 @@ import jax
 import numpy as np
 
 from kvxfer.blocks import NULL_BLOCK, is_int
-from kvxfer.errors import InvalidInputError, KvxferError, LayoutMismatchError
-from kvxfer.gather import bucket_size, check_fingerprints, gather_blocks, scatter_blocks
+from kvxfer.errors import CorruptionError, InvalidInputError, KvxferError, LayoutMismatchError
+from kvxfer.gather import compare_fingerprints, fingerprint_blocks, gather_into, scatter_blocks
 from kvxfer.layout import CacheLayout
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
-from kvxfer.staging import Staging
+from kvxfer.staging import Staging, StagingFullError
 from kvxfer.transport import DecodeTransport, PrefillTransport, ReadParams, TransportConfig
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class PrefillConnector:
         self.layouts = _layouts(per_group, config.kernel_ratio)
         self.stagings = [_staging_for(layout, config) for layout in self.layouts]
         self.transport = PrefillTransport(config.transport, self.stagings, _advertised(self.layouts))
-        # req -> per group: kernel position -> uint32[layers, shards]
+        # req -> per group: kernel position -> uint32[layers]
         self._fingerprints: dict[str, list[dict[int, np.ndarray]]] = {}
         self._params: dict[str, dict[str, Any]] = {}
 
@@ -262,25 +262,28 @@ class PrefillConnector:
                     staging.free(req_id)
             self._fingerprints.pop(req_id, None)
         for g, (group_caches, staging) in enumerate(zip(per_group, self.stagings)):
-            ids = [k for groups in meta.blocks.values() for _, k in groups[g]]
-            if not ids:
-                continue
-            gathered = gather_blocks(group_caches, np.asarray(ids, np.int64), fingerprints=True)
-            rows = [np.asarray(b) for b in gathered.blocks]
-            prints = np.asarray(gathered.fingerprints)
+            placed = [(req_id, groups[g]) for req_id, groups in meta.blocks.items() if groups[g]]
+            ids, slots, assigned, full = [], [], [], None
+            for req_id, blocks in placed:
+                try:
+                    slots += staging.assign(req_id, [pos for pos, _ in blocks])
+                except StagingFullError as e:
+                    full = e  # stage the requests that fit, then raise
+                    break
+                ids += [k for _, k in blocks]
+                assigned.append((req_id, blocks))
+            # Straight from the caches into the slots NIXL reads: no host copy between.
+            prints = gather_into(group_caches, np.asarray(ids, np.int64), staging.regions,
+                                 np.asarray(slots, np.int64))
             start = 0
-            for req_id, groups in meta.blocks.items():
-                placed = groups[g]
-                if not placed:
-                    continue
-                stop = start + len(placed)
-                positions = [pos for pos, _ in placed]
-                staging.stage(req_id, positions, [r[start:stop] for r in rows])
+            for req_id, blocks in assigned:
                 per_block = self._fingerprints.setdefault(
                     req_id, [{} for _ in self.stagings])[g]
-                for i, pos in enumerate(positions):
+                for i, (pos, _) in enumerate(blocks):
                     per_block[pos] = prints[:, start + i]
-                start = stop
+                start += len(blocks)
+            if full is not None:
+                raise full
         for req_id in meta.completed:
             self._hold(req_id)
 
@@ -291,10 +294,10 @@ class PrefillConnector:
         params = self.transport.hold(req_id)
         prints = self._fingerprints.pop(req_id)
         for g, group in enumerate(params["groups"]):
-            num_layers, num_shards = self.layouts[g].num_layers, self.layouts[g].num_shards
+            num_layers = self.layouts[g].num_layers
             group["fingerprints"] = (
                 np.stack([prints[g][k] for k in group["keys"]], axis=1) if group["keys"]
-                else np.zeros((num_layers, 0, num_shards), np.uint32)).tolist()
+                else np.zeros((num_layers, 0), np.uint32)).tolist()
             group["layout"] = self.layouts[g].to_dict()
         self._params[req_id] = params
 
@@ -330,7 +333,7 @@ class PrefillConnector:
 @dataclass
 class _Load:
     layouts: list[CacheLayout]  # P's, per group
-    fingerprints: list[np.ndarray]  # per group, uint32[layers, n, shards]
+    fingerprints: list[np.ndarray]  # per group, uint32[layers, n]
     keys: list[list[int]]  # per group, P's kernel positions
     kernel_ids: list[list[int]]  # per group, D's kernel ids, aligned with keys
     logical_ids: list[int]  # D's logical ids, all groups: what a failure reports
@@ -433,7 +436,7 @@ class DecodeConnector:
                                         f"layout or fingerprints: {e!r:.120}") from None
             check_block_compatible({"groups": [_block_fields(ours)]},
                                    {"groups": [_block_fields(theirs)]})
-            want = (theirs.num_layers, len(keys), theirs.num_shards)
+            want = (theirs.num_layers, len(keys))
             if (prints.shape != want or not np.issubdtype(prints.dtype, np.integer)
                     or (prints.size and (prints.min() < 0 or prints.max() >= 1 << 32))):
                 raise InvalidInputError(
@@ -494,46 +497,66 @@ class DecodeConnector:
             self._load_errors.update(logical)
             self._loads.pop(req_id, None)
             failed_ids.append(req_id)
-        loads = [(req_id, self._loads.pop(req_id)) for req_id in done if req_id in self._loads]
-        # Per group, each read request is copied out of staging once, straight into
-        # bucket-sized rows that scatter_blocks takes as they are.
-        rows = [[np.empty((bucket_size(sum(len(load.keys[g]) for _, load in loads)),
-                           *layout.block_shape), layout.np_dtype)
-                 for _ in range(layout.num_layers)] for g, layout in enumerate(self.layouts)]
-        ids: list[list[int]] = [[] for _ in self.layouts]
+        loads = {req_id: self._loads.pop(req_id) for req_id in done if req_id in self._loads}
+        bad: dict[str, str] = {}
+        try:
+            for g in range(len(self.layouts)):
+                per_group[g] = self._write_group(g, per_group[g], loads, bad)
+        finally:
+            for req_id in loads:
+                self.transport.free(req_id)
         finished = []
-        for req_id, load in loads:
-            try:
-                self._copy_out(req_id, load, rows, ids)
-            except Exception as e:  # one request's problem fails that request alone
-                log = logger.error if isinstance(e, KvxferError) else logger.exception
-                log("D request %s failed after its read: %s", req_id, e)
+        for req_id, load in loads.items():
+            if req_id in bad:
+                logger.error("D request %s failed after its read: %s", req_id, bad[req_id])
                 self._load_errors.update(load.logical_ids)
                 failed_ids.append(req_id)
-                continue  # its rows are overwritten by the next request's, or left unused
-            finally:
-                self.transport.free(req_id)
-            finished.append(req_id)
-            for g in range(len(self.layouts)):
-                ids[g].extend(load.kernel_ids[g])
-        for g, group_ids in enumerate(ids):
-            if group_ids:
-                per_group[g] = scatter_blocks(per_group[g], rows[g], np.asarray(group_ids, np.int64))
+            else:
+                finished.append(req_id)
         return (per_group[0] if single else per_group), finished, failed_ids
 
-    def _copy_out(self, req_id: str, load: _Load, rows: list[list[np.ndarray]],
-                  ids: list[list[int]]) -> None:
-        """Copy `req_id`'s blocks from staging into `rows` after `ids`, and verify them."""
-        for g, staging in enumerate(self.stagings):
-            if not load.keys[g]:
+    def _write_group(self, g: int, caches: list[jax.Array], loads: Mapping[str, _Load],
+                     bad: dict[str, str]) -> list[jax.Array]:
+        """Scatter group `g` of every read request from staging into `caches`, then verify.
+
+        One scatter straight out of the staging regions, then one on-device
+        fingerprint of the blocks as they landed, checked per request against
+        P's: a flipped bit anywhere from P's gather to here fails the request
+        (its blocks are its own, and the engine recomputes them). A request's
+        problem goes into `bad` (request id -> reason).
+        """
+        staging = self.stagings[g]
+        ids: list[int] = []
+        slots: list[int] = []
+        spans: list[tuple[str, int, int]] = []  # (request, first row in ids, count)
+        taken: set[int] = set()
+        for req_id, load in loads.items():
+            if req_id in bad or not load.keys[g]:
                 continue
-            slots = staging.slots(req_id, load.keys[g])
-            start, stop = len(ids[g]), len(ids[g]) + len(slots)
-            for region, out in zip(staging.regions, rows[g]):
-                np.take(region, slots, axis=0, out=out[start:stop])
-            if self.config.verify_fingerprints:
-                check_fingerprints(load.layouts[g], [r[start:stop] for r in rows[g]], len(slots),
-                                   load.fingerprints[g])
+            if taken.intersection(load.kernel_ids[g]):
+                bad[req_id] = f"group {g}: its D blocks overlap another request's in this step"
+                continue
+            try:
+                slots += staging.slots(req_id, load.keys[g])
+            except KvxferError as e:
+                bad[req_id] = str(e)
+                continue
+            taken.update(load.kernel_ids[g])
+            spans.append((req_id, len(ids), len(load.keys[g])))
+            ids += load.kernel_ids[g]
+        if not ids:
+            return caches
+        caches = scatter_blocks(caches, staging.regions, np.asarray(ids, np.int64),
+                                rows=np.asarray(slots, np.int64))
+        if self.config.verify_fingerprints:
+            got = fingerprint_blocks(caches, np.asarray(ids, np.int64))
+            for req_id, start, count in spans:
+                try:
+                    compare_fingerprints(got[:, start : start + count],
+                                         loads[req_id].fingerprints[g])
+                except CorruptionError as e:
+                    bad[req_id] = f"group {g}: {e}"
+        return caches
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Logical block ids whose load failed since the last call (to recompute)."""

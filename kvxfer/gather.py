@@ -45,6 +45,7 @@ plain path on TPU.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import numbers
 from collections.abc import Sequence
@@ -56,7 +57,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer.blocks import cdiv
+from kvxfer.blocks import coalesce_pairs
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.layout import CacheLayout
 
@@ -72,7 +73,7 @@ class GatheredBlocks(NamedTuple):
     """What `gather_blocks(..., fingerprints=True)` returns.
 
     - `blocks`: per layer, `[bucket, *block_shape]` in pinned host memory.
-    - `fingerprints`: `uint32[num_layers, bucket, num_shards]` in pinned host memory.
+    - `fingerprints`: `uint32[num_layers, bucket]` in pinned host memory.
     """
 
     blocks: list[jax.Array]
@@ -100,7 +101,7 @@ def gather_blocks(
       shape, dtype and `NamedSharding`. Not modified.
     - `block_ids`: 1-D integer kernel block ids, `[n]`, each in `[0, num_blocks)`.
       Repeats are allowed.
-    - `fingerprints`: also return per-block, per-shard fingerprints.
+    - `fingerprints`: also return per-block fingerprints (independent of sharding).
 
     **Returns:**
 
@@ -131,23 +132,28 @@ def scatter_blocks(
     caches: Sequence[jax.Array],
     host_blocks: Sequence[jax.Array | np.ndarray],
     block_ids: Sequence[int] | np.ndarray | jax.Array,
+    *,
+    rows: Sequence[int] | np.ndarray | None = None,
 ) -> list[jax.Array]:
-    """Write blocks into the caches, in one dispatch; the input caches are donated.
+    """Write blocks into the caches in place; the input caches are donated.
 
     **Arguments:**
 
     - `caches`: one array per layer, `[num_blocks, *block_shape]`, as for
       `gather_blocks`. Donated: do not use them after the call.
-    - `host_blocks`: one array per layer, `[rows, *block_shape]` with `rows >= n`, of
-      the caches' dtype (a `gather_blocks` result, or numpy arrays). Rows past `n` are
-      ignored.
+    - `host_blocks`: one array per layer, `[num_rows, *block_shape]`, of the caches'
+      dtype (a `gather_blocks` result, numpy arrays, or staging regions).
     - `block_ids`: 1-D integer kernel block ids, `[n]`, distinct, each in
-      `[0, num_blocks)`. Row `i` of each layer goes to block `block_ids[i]`.
+      `[0, num_blocks)`.
+    - `rows`: which row of `host_blocks` goes to each block id, `[n]`, each in
+      `[0, num_rows)`; by default rows `0..n-1`. Row `rows[i]` of each layer goes to
+      block `block_ids[i]`.
 
     **Returns:**
 
     The new caches, same shapes and shardings, with those blocks replaced and every
-    other block unchanged.
+    other block unchanged. They hold the donated inputs' buffers: the cost is that of
+    the `n` blocks, whatever the caches' size (see the module docstring).
 
     Raises `InvalidInputError` (or `LayoutMismatchError`) naming the offending value
     before anything is dispatched.
@@ -159,18 +165,86 @@ def scatter_blocks(
         raise InvalidInputError(
             f"block_ids to scatter must be distinct; repeated: {uniq[counts > 1].tolist()}"
         )
-    _check_host_blocks(host_blocks, layout, len(ids))
+    num_rows = _check_host_blocks(host_blocks, layout, 0 if rows is not None else len(ids))
+    src = np.arange(len(ids)) if rows is None else _check_rows(rows, len(ids), num_rows)
     if len(ids) == 0:
         return list(caches)
     mesh = caches[0].sharding.mesh
+    if _writes_in_place(mesh):
+        return _scatter_in_place(layout, mesh, caches, host_blocks, ids, src)
+    return _scatter_xla(layout, mesh, caches, host_blocks, ids, src)
+
+
+def gather_into(
+    caches: Sequence[jax.Array],
+    block_ids: Sequence[int] | np.ndarray | jax.Array,
+    regions: Sequence[np.ndarray],
+    rows: Sequence[int] | np.ndarray,
+) -> np.ndarray:
+    """Copy blocks into host arrays that already exist (staging), and fingerprint them.
+
+    **Arguments:**
+
+    - `caches`: one array per layer, `[num_blocks, *block_shape]`. Not modified.
+    - `block_ids`: 1-D integer kernel block ids, `[n]`, each in `[0, num_blocks)`.
+    - `regions`: one writable numpy array per layer, `[num_rows, *block_shape]`, of the
+      caches' dtype.
+    - `rows`: the row of `regions` each block goes to, `[n]`, distinct, each in
+      `[0, num_rows)`.
+
+    **Returns:**
+
+    `uint32[num_layers, n]`: the blocks' fingerprints, computed on device
+    from the caches (the same values `gather_blocks(..., fingerprints=True)` gives).
+    """
+    layout = CacheLayout.from_caches(caches)
+    ids = _check_block_ids(block_ids, layout)
+    num_rows = _check_host_blocks(regions, layout, 0)
+    dst = _check_rows(rows, len(ids), num_rows)
+    if len(np.unique(dst)) != len(dst):
+        raise InvalidInputError(f"rows to gather into must be distinct, got {dst.tolist()[:16]}")
+    for i, region in enumerate(regions):
+        if not isinstance(region, np.ndarray) or not region.flags.writeable:
+            raise InvalidInputError(f"regions[{i}] must be a writable numpy array")
+    if len(ids) == 0:
+        return np.zeros((layout.num_layers, 0), np.uint32)
+    mesh = caches[0].sharding.mesh
+    if _writes_in_place(mesh):
+        prints = fingerprint_blocks(caches, ids, _block=False)  # dispatched; runs meanwhile
+        jax.block_until_ready(list(caches))
+        for cache, region in zip(caches, regions):
+            for shard in cache.addressable_shards:
+                _copy_shard_out(shard, region, ids, dst)
+        return np.asarray(prints)[:, : len(ids)]
+    gathered = gather_blocks(caches, ids, fingerprints=True)
+    for blocks, region in zip(gathered.blocks, regions):
+        for shard in blocks.addressable_shards:
+            if shard.replica_id == 0:
+                inner = shard.index[1:]
+                _copy_runs(region[(slice(None), *inner)], dst, np.asarray(shard.data),
+                           np.arange(len(ids)))
+    return np.asarray(gathered.fingerprints)[:, : len(ids)]
+
+
+def fingerprint_blocks(
+    caches: Sequence[jax.Array], block_ids: Sequence[int] | np.ndarray | jax.Array,
+    *, _block: bool = True,
+) -> np.ndarray:
+    """Fingerprints of blocks as they are in the caches, computed on device.
+
+    `uint32[num_layers, n]`, the values `gather_blocks(...,
+    fingerprints=True)` gives for the same bytes: D checks the blocks it wrote
+    against P's fingerprints with it, after the scatter.
+    """
+    layout = CacheLayout.from_caches(caches)
+    ids = _check_block_ids(block_ids, layout)
     bucket = bucket_size(len(ids))
-    # Padding ids point past the last block; mode="drop" discards those rows.
-    padded = np.full(bucket, layout.num_blocks, np.int32)
+    padded = np.zeros(bucket, np.int32)
     padded[: len(ids)] = ids
-    host_sharding = NamedSharding(mesh, layout.host_partition_spec(), memory_kind="pinned_host")
-    rows = [_as_bucket_rows(h, bucket, len(ids), host_sharding) for h in host_blocks]
-    fn = _scatter_fn(layout, mesh)
-    return fn(list(caches), rows, jax.device_put(padded, NamedSharding(mesh, PartitionSpec())))
+    mesh = caches[0].sharding.mesh
+    out = _fingerprint_fn(layout, mesh)(
+        list(caches), jax.device_put(padded, NamedSharding(mesh, PartitionSpec())))
+    return np.asarray(out)[:, : len(ids)] if _block else out
 
 
 def block_fingerprints(
@@ -190,7 +264,7 @@ def block_fingerprints(
 
     **Returns:**
 
-    `uint32[num_layers, count, num_shards]`.
+    `uint32[num_layers, count]`.
     """
     count = _check_count(count)
     _check_host_blocks(host_blocks, layout, count)
@@ -211,28 +285,38 @@ def check_fingerprints(
     - `host_blocks`: one array per layer, `[rows, *block_shape]`, `rows >= count`, as
       received.
     - `count`: how many leading rows are real blocks.
-    - `expected`: `uint32[num_layers, rows', num_shards]`, `rows' >= count`, the
+    - `expected`: `uint32[num_layers, rows']`, `rows' >= count`, the
       fingerprints `gather_blocks` returned at the source.
 
-    The error names the first mismatching layer, block row and shard.
+    The error names the first mismatching layer and block row.
     """
     count = _check_count(count)
     expected = np.asarray(expected)
-    want = (layout.num_layers, count, layout.num_shards)
-    if (expected.ndim != 3 or expected.shape[0] != want[0] or expected.shape[1] < count
-            or expected.shape[2] != want[2]):
+    if expected.ndim != 2 or expected.shape[0] != layout.num_layers or expected.shape[1] < count:
         raise InvalidInputError(
             f"expected fingerprints have shape {expected.shape}; need "
-            f"[{want[0]}, >= {count}, {want[2]}]"
+            f"[{layout.num_layers}, >= {count}]"
         )
-    got = block_fingerprints(layout, host_blocks, count)
-    bad = np.argwhere(got != expected[:, :count])
+    compare_fingerprints(block_fingerprints(layout, host_blocks, count), expected[:, :count])
+
+
+def compare_fingerprints(got: np.ndarray, expected: np.ndarray) -> None:
+    """Raise `CorruptionError` at the first block where two fingerprint arrays differ.
+
+    Both are `uint32[num_layers, n]` (`fingerprint_blocks` of what arrived, and
+    what the sender computed); the error names the layer and block row.
+    """
+    got, expected = np.asarray(got), np.asarray(expected)
+    if got.shape != expected.shape:
+        raise InvalidInputError(
+            f"fingerprints of shape {got.shape} cannot be checked against {expected.shape}")
+    bad = np.argwhere(got != expected)
     if len(bad):
-        layer, row, shard = (int(v) for v in bad[0])
+        layer, row = (int(v) for v in bad[0])
         raise CorruptionError(
-            f"block fingerprint mismatch at layer {layer}, block row {row}, shard {shard}: "
-            f"received {got[layer, row, shard]:#010x}, sender computed "
-            f"{int(expected[layer, row, shard]):#010x} ({len(bad)} mismatching pieces in all)"
+            f"block fingerprint mismatch at layer {layer}, block row {row}: received "
+            f"{int(got[layer, row]):#010x}, sender computed {int(expected[layer, row]):#010x} "
+            f"({len(bad)} mismatching blocks in all)"
         )
 
 
@@ -261,7 +345,21 @@ def _check_count(count: object) -> int:
     return int(count)
 
 
-def _check_host_blocks(host_blocks: object, layout: CacheLayout, count: int) -> None:
+def _check_rows(rows: object, count: int, num_rows: int) -> np.ndarray:
+    """`rows` as int64 `[count]`, each in `[0, num_rows)`."""
+    arr = np.asarray(rows)
+    if arr.shape != (count,) or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidInputError(
+            f"rows must be {count} integers (one per block id), got {np.asarray(rows).tolist()!r:.80}")
+    arr = arr.astype(np.int64)
+    bad = arr[(arr < 0) | (arr >= num_rows)]
+    if bad.size:
+        raise InvalidInputError(f"rows {bad[:8].tolist()} out of range [0, {num_rows})")
+    return arr
+
+
+def _check_host_blocks(host_blocks: object, layout: CacheLayout, count: int) -> int:
+    """Check per-layer host arrays of at least `count` rows; returns their row count."""
     if isinstance(host_blocks, (jax.Array, np.ndarray)) or not isinstance(host_blocks, Sequence):
         raise InvalidInputError(
             f"host_blocks must be a list of per-layer arrays, got {type(host_blocks).__name__}"
@@ -288,20 +386,105 @@ def _check_host_blocks(host_blocks: object, layout: CacheLayout, count: int) -> 
             raise InvalidInputError(
                 f"host_blocks[{i}] has {shape[0]} rows, fewer than the {count} block ids"
             )
+    rows = {int(h.shape[0]) for h in host_blocks}
+    if len(rows) > 1:
+        raise LayoutMismatchError(f"host_blocks have different row counts per layer: {rows}")
+    return rows.pop()
 
 
-def _as_bucket_rows(
-    h: jax.Array | np.ndarray, bucket: int, count: int, sharding: NamedSharding
+def _bucket_rows(
+    h: jax.Array | np.ndarray, src: np.ndarray, bucket: int, sharding: NamedSharding
 ) -> jax.Array:
-    """`h` as exactly `bucket` rows in pinned host memory, so the scatter never recompiles."""
-    if isinstance(h, jax.Array) and h.shape[0] == bucket and h.sharding == sharding:
+    """Rows `src` of `h` as exactly `bucket` rows in pinned host memory (no recompiles)."""
+    if (isinstance(h, jax.Array) and h.shape[0] == bucket and h.sharding == sharding
+            and np.array_equal(src, np.arange(len(src)))):
         return h
-    rows = np.asarray(h)
-    if rows.shape[0] >= bucket:  # rows past `count` are dropped by the scatter: no copy to pad
-        return jax.device_put(rows[:bucket], sharding)
-    padded = np.zeros((bucket, *rows.shape[1:]), rows.dtype)
-    padded[:count] = rows[:count]
+    padded = np.zeros((bucket, *h.shape[1:]), h.dtype)
+    np.take(np.asarray(h), src, axis=0, out=padded[: len(src)])
     return jax.device_put(padded, sharding)
+
+
+# Writing in place where the caches are host memory (XLA:CPU).
+#
+# XLA:CPU does a scatter into a donated bf16 or fp8 buffer as a full copy of the
+# buffer (it widens the type; a bitcast to uint16 is a copy too), so there the
+# blocks are copied with numpy straight into the buffers the caches own.
+
+
+def _writes_in_place(mesh: Mesh) -> bool:
+    return all(d.platform == "cpu" for d in mesh.devices.flat)
+
+
+def _buffer_view(array: jax.Array) -> np.ndarray:
+    """A writable numpy view of a single-device CPU array's buffer (C order), no copy.
+
+    The view does not keep `array` alive: the caller does.
+    """
+    nbytes = array.size * array.dtype.itemsize
+    if nbytes == 0:
+        return np.empty(array.shape, array.dtype)
+    raw = (ctypes.c_char * nbytes).from_address(array.unsafe_buffer_pointer())
+    return np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)
+
+
+def _copy_runs(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray,
+               src_rows: np.ndarray) -> None:
+    """`dst[dst_rows[i]] = src[src_rows[i]]`, as slice copies where rows run together."""
+    if not len(dst_rows):
+        return
+    runs = coalesce_pairs(src_rows.tolist(), dst_rows.tolist())
+    if 2 * len(runs) <= len(dst_rows):  # mostly contiguous: no temporary
+        for s, d, n in runs:
+            dst[d : d + n] = src[s : s + n]
+    else:
+        dst[dst_rows] = src[src_rows]
+
+
+def _shard_rows(shard: jax.Shard, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which of `ids` this shard holds (a mask), and their offsets in its block range."""
+    first = shard.index[0].start or 0
+    local = ids - first
+    inside = (local >= 0) & (local < shard.data.shape[0])
+    return inside, local[inside]
+
+
+def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+                      host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray,
+                      src: np.ndarray) -> list[jax.Array]:
+    # Donating to an identity waits for every pending use of the buffers and hands
+    # them over without a copy; from then on nothing else reads or writes them.
+    new = _own_fn(layout, mesh)(list(caches))
+    jax.block_until_ready(new)
+    for cache, host in zip(new, host_blocks):
+        host = np.asarray(host)
+        for shard in cache.addressable_shards:  # every replica: each has its own buffer
+            inside, local = _shard_rows(shard, ids)
+            _copy_runs(_buffer_view(shard.data), local, host[(slice(None), *shard.index[1:])],
+                       src[inside])
+    return new
+
+
+def _copy_shard_out(shard: jax.Shard, region: np.ndarray, ids: np.ndarray,
+                    dst: np.ndarray) -> None:
+    if shard.replica_id != 0:
+        return
+    inside, local = _shard_rows(shard, ids)
+    _copy_runs(region[(slice(None), *shard.index[1:])], dst[inside],
+               _buffer_view(shard.data), local)
+
+
+def _scatter_xla(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+                 host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray,
+                 src: np.ndarray) -> list[jax.Array]:
+    """An XLA scatter with unique indices into the donated caches (aliased in and out)."""
+    bucket = bucket_size(len(ids))
+    # Padding ids are distinct and past the last block: dropped, and indices stay unique.
+    padded = (layout.num_blocks + np.arange(bucket)).astype(np.int32)
+    padded[: len(ids)] = ids
+    host_sharding = NamedSharding(mesh, layout.host_partition_spec(), memory_kind="pinned_host")
+    rows = [_bucket_rows(h, src, bucket, host_sharding) for h in host_blocks]
+    fn = _scatter_fn(layout, mesh)
+    return fn(list(caches), rows, jax.device_put(padded, NamedSharding(mesh, PartitionSpec())))
 
 
 # Jitted builders.
@@ -318,9 +501,7 @@ def _gather_fn(layout: CacheLayout, mesh: Mesh, fingerprints: bool):
     layout.check_mesh(mesh)
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
     block_axes = layout.spec[0]
-    shard_axes = layout.shard_axes or None
     cache_spec, host_spec = layout.partition_spec(), layout.host_partition_spec()
-    fp_spec = PartitionSpec(None, None, shard_axes)
 
     def local(caches: list[jax.Array], ids: jax.Array):
         # Per device: its shard of each cache, [num_blocks / data, *shard_block_shape].
@@ -336,14 +517,15 @@ def _gather_fn(layout: CacheLayout, mesh: Mesh, fingerprints: bool):
         blocks = [lax.bitcast_convert_type(r, dtype) for r in rows]
         if not fingerprints:
             return blocks
-        return blocks, jnp.stack([_device_fingerprint(r) for r in rows])[:, :, None]
+        return blocks, jnp.stack([_device_fingerprint(r, layout) for r in rows])
 
     out_specs: object = [host_spec] * layout.num_layers
     host = NamedSharding(mesh, host_spec, memory_kind="pinned_host")
     out_shardings: object = [host] * layout.num_layers
     if fingerprints:
-        out_specs = (out_specs, fp_spec)
-        out_shardings = (out_shardings, NamedSharding(mesh, fp_spec, memory_kind="pinned_host"))
+        out_specs = (out_specs, PartitionSpec())
+        out_shardings = (out_shardings,
+                         NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"))
     per_shard = jax.shard_map(
         local,
         mesh=mesh,
@@ -366,11 +548,13 @@ def _scatter_fn(layout: CacheLayout, mesh: Mesh):
         num_local = caches[0].shape[0]
         if block_axes:
             ids, inside = _local_ids(ids, num_local, block_axes)
-            ids = jnp.where(inside, ids, num_local)  # another shard's block: dropped here
+            # Another shard's block: dropped here, at an index no other row uses.
+            ids = jnp.where(inside, ids, num_local + lax.iota(ids.dtype, ids.shape[0]))
         out = []
         for cache, row in zip(caches, rows):
             row = lax.bitcast_convert_type(row, udtype)
-            new = lax.bitcast_convert_type(cache, udtype).at[ids].set(row, mode="drop")
+            new = lax.bitcast_convert_type(cache, udtype).at[ids].set(
+                row, mode="drop", unique_indices=True)
             out.append(lax.bitcast_convert_type(new, dtype))
         return out
 
@@ -391,6 +575,39 @@ def _scatter_fn(layout: CacheLayout, mesh: Mesh):
     return jax.jit(scatter, out_shardings=[cache_sharding] * layout.num_layers, donate_argnums=0)
 
 
+@functools.lru_cache(maxsize=64)
+def _own_fn(layout: CacheLayout, mesh: Mesh):
+    sharding = NamedSharding(mesh, layout.partition_spec())
+    return jax.jit(lambda caches: caches, out_shardings=[sharding] * layout.num_layers,
+                   donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint_fn(layout: CacheLayout, mesh: Mesh):
+    layout.check_mesh(mesh)
+    udtype = _uint(layout.np_dtype)
+    block_axes = layout.spec[0]
+
+    def local(caches: list[jax.Array], ids: jax.Array) -> jax.Array:
+        if block_axes:
+            ids, inside = _local_ids(ids, caches[0].shape[0], block_axes)
+        prints = []
+        for cache in caches:
+            h = _device_fingerprint(
+                jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0), layout)
+            if block_axes:
+                h = lax.psum(jnp.where(inside, h, jnp.uint32(0)), block_axes)
+            prints.append(h)
+        return jnp.stack(prints)
+
+    per_shard = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=([layout.partition_spec()] * layout.num_layers, PartitionSpec()),
+        out_specs=PartitionSpec(), check_vma=False,
+    )
+    return jax.jit(per_shard)
+
+
 def _local_ids(
     ids: jax.Array, num_local: int, block_axes: tuple[str, ...]
 ) -> tuple[jax.Array, jax.Array]:
@@ -408,42 +625,39 @@ def _bcast(mask: jax.Array, ndim: int) -> jax.Array:
 # The fingerprint, on device and on host. Both must give identical values.
 
 
-def _device_fingerprint(piece: jax.Array) -> jax.Array:
-    """`uint32[n]`: the hash of each row of `piece`, `[n, ...]` of unsigned ints."""
-    n = piece.shape[0]
-    flat = piece.reshape(n, -1)
-    per_word = 4 // piece.dtype.itemsize
-    if flat.shape[1] % per_word:
-        pad = per_word - flat.shape[1] % per_word
-        flat = jnp.concatenate([flat, jnp.zeros((n, pad), flat.dtype)], axis=1)
-    if per_word > 1:
-        words = lax.bitcast_convert_type(flat.reshape(n, -1, per_word), jnp.uint32)
-    else:
-        words = flat.astype(jnp.uint32)
-    i = lax.iota(jnp.uint32, words.shape[1])
-    weights = (i * jnp.uint32(2) + jnp.uint32(1)) * _K
-    return _fmix32(jnp.sum(words * weights, axis=1, dtype=jnp.uint32))
+def _device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
+    """`uint32[n]`: the fingerprint of each whole block whose pieces this device holds.
+
+    Inside `shard_map`: `rows` is `[n, *shard_block_shape]` of unsigned ints. Each
+    element is weighted by its flat index in the whole block, so the per-device sums
+    add up (`psum` over the axes that split a block) to the same value however the
+    block is sharded.
+    """
+    weights = jnp.zeros((), jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(layout.block_shape))):
+        size, entry = rows.shape[1 + axis], layout.spec[1 + axis]
+        index = lax.iota(jnp.uint32, size)
+        if entry:
+            index = index + lax.axis_index(entry).astype(jnp.uint32) * jnp.uint32(size)
+        shape = [1] * len(layout.block_shape)
+        shape[axis] = size
+        weights = weights + index.reshape(shape) * jnp.uint32(stride)
+        stride *= layout.block_shape[axis]
+    weights = (weights * jnp.uint32(2) + jnp.uint32(1)) * _K
+    partial = jnp.sum(rows.astype(jnp.uint32) * weights[None],
+                      axis=tuple(range(1, rows.ndim)), dtype=jnp.uint32)
+    if layout.shard_axes:
+        partial = lax.psum(partial, layout.shard_axes)
+    return _fmix32(partial)
 
 
 def _host_fingerprint(layout: CacheLayout, rows: np.ndarray) -> np.ndarray:
-    """`uint32[n, num_shards]` for `rows`, `[n, *block_shape]`, with numpy."""
-    n = rows.shape[0]
-    data = np.ascontiguousarray(rows).view(_uint(layout.np_dtype))
-    # Cut each block into the shard grid: axis k of size d becomes (g, d // g), then
-    # all the g axes go first so a piece is contiguous in C order, as on its device.
-    split: list[int] = [n]
-    for d, g in zip(layout.block_shape, layout.shard_grid):
-        split += [g, d // g]
-    k = len(layout.block_shape)
-    order = [0] + [1 + 2 * a for a in range(k)] + [2 + 2 * a for a in range(k)]
-    pieces = data.reshape(split).transpose(order).reshape(n, layout.num_shards, -1)
-    nbytes = pieces.shape[2] * pieces.itemsize
-    raw = np.zeros((n, layout.num_shards, cdiv(nbytes, 4) * 4), np.uint8)
-    raw[..., :nbytes] = np.ascontiguousarray(pieces).view(np.uint8).reshape(n, layout.num_shards, nbytes)
-    words = raw.view("<u4")
-    i = np.arange(words.shape[2], dtype=np.uint32)
+    """`uint32[n]` for whole blocks `rows`, `[n, *block_shape]`, with numpy."""
+    words = np.ascontiguousarray(rows).view(_uint(layout.np_dtype)).reshape(rows.shape[0], -1)
+    i = np.arange(words.shape[1], dtype=np.uint32)
     weights = (i * np.uint32(2) + np.uint32(1)) * _K
-    return _fmix32(np.sum(words * weights, axis=2, dtype=np.uint32))
+    return _fmix32(np.sum(words.astype(np.uint32) * weights, axis=1, dtype=np.uint32))
 
 
 def _fmix32(h):
