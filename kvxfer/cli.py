@@ -142,6 +142,7 @@ _BENCHES = {
     "plan": "kvxfer.bench.plan",
     "gather": "kvxfer.bench.gather",
     "nixl": "kvxfer.bench.nixl",
+    "e2e": "kvxfer.bench.e2e",
 }
 
 

@@ -341,15 +341,18 @@ def _child(role: str, cfg_json: str) -> None:
 
 
 class _Proc:
-    def __init__(self, role: str, cfg: DemoConfig, devices: int):
+    """A child process `python -m module role cfg_json` that answers in JSON lines."""
+
+    def __init__(self, role: str, cfg_json: str, devices: int, timeout_s: float,
+                 module: str = "kvxfer.demo"):
         env = dict(os.environ)
         env.setdefault("JAX_PLATFORMS", "cpu")
         if env["JAX_PLATFORMS"] == "cpu":
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-        self.role, self.timeout = role, cfg.timeout_s
+        self.role, self.timeout = role, timeout_s
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvxfer.demo", role, json.dumps(asdict(cfg))],
+            [sys.executable, "-m", module, role, cfg_json],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
         self.lines, self.queue = _Lines(self.proc.stdout.fileno()), []
 
@@ -362,6 +365,11 @@ class _Proc:
                 raise TransferError(f"{self.role} exited with {self.proc.poll()}\n{self.tail()}")
             self.queue.extend(self.lines.ready())
         return self.queue.pop(0)
+
+    def ready(self) -> list[dict[str, Any]]:
+        """Every message that has arrived, without waiting."""
+        msgs, self.queue = self.queue + self.lines.ready(), []
+        return msgs
 
     def send(self, **fields: Any) -> None:
         self.proc.stdin.write((json.dumps(fields) + "\n").encode())
@@ -383,11 +391,12 @@ class _Proc:
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run P and D as two processes; returns per-request results and totals."""
     cfg.validate()  # reject a bad setting before starting anything
-    p = _Proc("P", cfg, max(cfg.tp_p, 1))
+    cfg_json = json.dumps(asdict(cfg))
+    p = _Proc("P", cfg_json, max(cfg.tp_p, 1), cfg.timeout_s)
     d = None
     try:
         p.read()  # P's listener is up
-        d = _Proc("D", cfg, max(cfg.tp_d, 1))
+        d = _Proc("D", cfg_json, max(cfg.tp_d, 1), cfg.timeout_s)
         d.read()
         for _ in cfg.prompts:
             d.send(**p.read())  # relay each finished request's kv_transfer_params at once

@@ -57,7 +57,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer.blocks import coalesce_pairs
+from kvxfer.blocks import cdiv, coalesce_pairs
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.layout import CacheLayout
 
@@ -628,25 +628,47 @@ def _bcast(mask: jax.Array, ndim: int) -> jax.Array:
 def _device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
     """`uint32[n]`: the fingerprint of each whole block whose pieces this device holds.
 
-    Inside `shard_map`: `rows` is `[n, *shard_block_shape]` of unsigned ints. Each
-    element is weighted by its flat index in the whole block, so the per-device sums
-    add up (`psum` over the axes that split a block) to the same value however the
-    block is sharded.
+    Inside `shard_map`: `rows` is `[n, *shard_block_shape]` of unsigned ints. The
+    sum runs over the block's little-endian 32-bit words, each weighted by its index
+    in the whole block, so the per-device sums add up (`psum` over the axes that
+    split a block) to the same value however the block is sharded. Where a device's
+    rows of the last axis are whole words (the usual case) it sums words; otherwise
+    it sums elements, each weighted by its word's weight shifted to its byte offset
+    in the word, which is the same sum.
     """
-    weights = jnp.zeros((), jnp.uint32)
+    n, local = rows.shape[0], rows.shape[1:]
+    itemsize = layout.np_dtype.itemsize
+    per_word = 4 // itemsize
+    aligned = (local[-1] * itemsize) % 4 == 0 and (layout.block_shape[-1] * itemsize) % 4 == 0
+    step = per_word if aligned else 1
+    # The flat index, in the whole block, of each element this device sums (the
+    # first element of each word when summing words).
+    index = jnp.zeros((), jnp.uint32)
     stride = 1
-    for axis in reversed(range(len(layout.block_shape))):
-        size, entry = rows.shape[1 + axis], layout.spec[1 + axis]
-        index = lax.iota(jnp.uint32, size)
+    last = len(local) - 1
+    for axis in reversed(range(len(local))):
+        entry = layout.spec[1 + axis]
+        part = lax.iota(jnp.uint32, local[axis] // step if axis == last else local[axis])
+        if axis == last:
+            part = part * jnp.uint32(step)
         if entry:
-            index = index + lax.axis_index(entry).astype(jnp.uint32) * jnp.uint32(size)
-        shape = [1] * len(layout.block_shape)
-        shape[axis] = size
-        weights = weights + index.reshape(shape) * jnp.uint32(stride)
+            part = part + lax.axis_index(entry).astype(jnp.uint32) * jnp.uint32(local[axis])
+        shape = [1] * len(local)
+        shape[axis] = part.shape[0]
+        index = index + part.reshape(shape) * jnp.uint32(stride)
         stride *= layout.block_shape[axis]
-    weights = (weights * jnp.uint32(2) + jnp.uint32(1)) * _K
-    partial = jnp.sum(rows.astype(jnp.uint32) * weights[None],
-                      axis=tuple(range(1, rows.ndim)), dtype=jnp.uint32)
+    index = index.reshape(-1)
+    if aligned:
+        if per_word > 1:
+            rows = lax.bitcast_convert_type(
+                rows.reshape(n, *local[:-1], local[-1] // per_word, per_word), jnp.uint32)
+        words = rows.reshape(n, -1)
+        weights = (index // jnp.uint32(per_word) * jnp.uint32(2) + jnp.uint32(1)) * _K
+    else:
+        words = rows.reshape(n, -1).astype(jnp.uint32)
+        byte = index * jnp.uint32(itemsize)
+        weights = (((byte >> 2) * jnp.uint32(2) + jnp.uint32(1)) * _K) << ((byte & 3) * 8)
+    partial = jnp.sum(words * weights[None], axis=1, dtype=jnp.uint32)
     if layout.shard_axes:
         partial = lax.psum(partial, layout.shard_axes)
     return _fmix32(partial)
@@ -654,10 +676,14 @@ def _device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
 
 def _host_fingerprint(layout: CacheLayout, rows: np.ndarray) -> np.ndarray:
     """`uint32[n]` for whole blocks `rows`, `[n, *block_shape]`, with numpy."""
-    words = np.ascontiguousarray(rows).view(_uint(layout.np_dtype)).reshape(rows.shape[0], -1)
+    n = rows.shape[0]
+    data = np.ascontiguousarray(rows).view(np.uint8).reshape(n, -1)
+    padded = np.zeros((n, cdiv(data.shape[1], 4) * 4), np.uint8)
+    padded[:, : data.shape[1]] = data
+    words = padded.view("<u4")
     i = np.arange(words.shape[1], dtype=np.uint32)
     weights = (i * np.uint32(2) + np.uint32(1)) * _K
-    return _fmix32(np.sum(words.astype(np.uint32) * weights, axis=1, dtype=np.uint32))
+    return _fmix32(np.sum(words * weights, axis=1, dtype=np.uint32))
 
 
 def _fmix32(h):

@@ -50,11 +50,19 @@ class UnknownRequestError(KvxferError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def _aligned_region(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A page-aligned array whose pages are all mapped.
+
+    Written once here: otherwise the first save or read into each page pays
+    its page fault on the transfer path (measured: a 64 MB read into fresh
+    pages took 4x as long as into touched ones).
+    """
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     offset = (-raw.ctypes.data) % _ALIGN
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+    region = raw[offset : offset + nbytes]
+    region.fill(0)
+    return region.view(dtype).reshape(shape)
 
 
 class SlotAllocator:
@@ -163,7 +171,7 @@ class Staging:
         self.num_slots = num_slots
         self.placement = placement
         self.regions: list[np.ndarray] = [
-            _aligned_empty((num_slots, *self.block_shape), self.dtype) for _ in range(num_layers)
+            _aligned_region((num_slots, *self.block_shape), self.dtype) for _ in range(num_layers)
         ]
         self.block_bytes = self.regions[0][0].nbytes
         self._free = SlotAllocator(num_slots)

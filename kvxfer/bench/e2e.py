@@ -1,0 +1,375 @@
+"""`kvxfer bench e2e`: the whole path, from P's device caches into D's, against memcpy.
+
+P (TP 4) and D (TP 8) run as two processes, as in `kvxfer demo`; the parent
+relays each finished request's `kv_transfer_params` from P to D as a router
+would. Both sides have 8 layers of 2,048 blocks of `[16, 8, 2, 128]` bf16
+(64 KiB per block per layer) and a 2,048-block staging per side.
+
+1. **Stream.** 64 requests with prompt lengths drawn from 128 to 8,192
+   tokens. P admits a request when its blocks fit in the cache, prefills all
+   admitted requests in chunks (a 4,096-token budget per step, allocating
+   blocks per chunk as vLLM does), saves what `SaveTracker` plans through
+   `PrefillConnector`, and frees a request's blocks once D has read it. D
+   starts each request as soon as its params arrive, into its own block ids,
+   and frees them once its KV is in the caches. `e2e_gbps` is the bytes
+   delivered into D's caches per second of wall time, from P's first step to
+   D's last delivery, less P's simulated scheduling and forward time (the
+   forward pass writes no KV here: the caches hold random bytes from the
+   start). Every block is verified on D against P's fingerprints.
+2. **Latency.** 16 requests of 2,048 tokens, one at a time: from P's
+   `request_finished` to D's `get_finished` returning the KV in D's caches
+   (the processes share the machine's monotonic clock). `verify_overhead` is
+   D's on-device fingerprint of a 2,048-token request's blocks, timed
+   separately after each delivery, over that request's path time.
+3. **Scatter.** 64 blocks into 256-block and 4,096-block caches on D's mesh:
+   the cost must not grow with the cache.
+
+The reference is numpy's copy of a 256 MiB buffer into another, measured in D's
+process before and after the stream (median); `*_over_memcpy` divide by it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.blocks import cdiv
+from kvxfer.demo import _Lines, _Proc, _say
+
+_MEMCPY_BYTES = 256 << 20
+
+
+@dataclass
+class E2EConfig:
+    layers: int = 8
+    num_blocks: int = 2048
+    block_size: int = 16
+    heads: int = 8
+    head_dim: int = 128
+    tp_p: int = 4
+    tp_d: int = 8
+    requests: int = 64
+    min_prompt: int = 128
+    max_prompt: int = 8192
+    budget: int = 4096
+    latency_requests: int = 16
+    latency_prompt: int = 2048
+    scatter_blocks: int = 64
+    scatter_caches: tuple[int, int] = (256, 4096)
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.block_size, self.heads, 2, self.head_dim)
+
+
+def _caches(cfg: E2EConfig, tp: int, num_blocks: int, seed: int) -> list[Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:tp]).reshape(1, tp), ("data", "model"))
+    sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
+    rng = np.random.default_rng(seed)
+    shape = (num_blocks, *cfg.block_shape)
+    return [jax.device_put(rng.integers(0, 1 << 16, shape, np.uint16).view(jnp.bfloat16),
+                           sharding) for _ in range(cfg.layers)]
+
+
+def _memcpy_gbps() -> float:
+    src = np.ones(_MEMCPY_BYTES, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    rates = []
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        rates.append(_MEMCPY_BYTES / (time.perf_counter() - start) / 1e9)
+    return statistics.median(rates)
+
+
+# -- P ---------------------------------------------------------------------------------
+
+
+class _Prefill:
+    """P's engine loop: admission, chunked scheduling, saves, frees."""
+
+    def __init__(self, cfg: E2EConfig, out: Any):
+        from kvxfer.connector import ConnectorConfig, PrefillConnector
+        from kvxfer.scheduler import GroupSpec
+        from kvxfer.transport import TransportConfig
+
+        self.cfg, self.out = cfg, out
+        self.caches = _caches(cfg, cfg.tp_p, cfg.num_blocks, seed=1)
+        self.conn = PrefillConnector(
+            ConnectorConfig(TransportConfig("P", lease_s=600.0), staging_blocks=cfg.num_blocks),
+            [GroupSpec(cfg.block_size)], self.caches)
+        self.free = deque(range(1, cfg.num_blocks))
+        self.tables: dict[str, list[int]] = {}
+        self.prompts: dict[str, int] = {}
+        self.computed: dict[str, int] = {}
+        self.waiting: deque[tuple[str, int]] = deque()
+        self.forward_s = 0.0  # simulated scheduling: excluded from the path's time
+        self.save_s = 0.0
+
+    def add(self, req_id: str, prompt: int) -> None:
+        self.waiting.append((req_id, prompt))
+
+    def step(self) -> None:
+        from kvxfer.scheduler import ScheduledRequest
+
+        t0 = time.monotonic()
+        bs = self.cfg.block_size
+        while self.waiting and cdiv(self.waiting[0][1], bs) <= len(self.free):
+            req_id, prompt = self.waiting.popleft()
+            self.conn.add_request(req_id, prompt)
+            self.tables[req_id], self.prompts[req_id], self.computed[req_id] = [], prompt, 0
+        budget, scheduled = self.cfg.budget, []
+        for req_id, table in self.tables.items():
+            remaining = self.prompts[req_id] - self.computed[req_id]
+            if budget <= 0 or remaining <= 0:
+                continue
+            n = min(budget, remaining)
+            budget -= n
+            first = not table
+            added = [self.free.popleft()
+                     for _ in range(cdiv(self.computed[req_id] + n, bs) - len(table))]
+            table.extend(added)
+            scheduled.append(ScheduledRequest(req_id, self.computed[req_id], n,
+                                              ([*table],) if first else (added,), full_table=first))
+            self.computed[req_id] += n
+        t1 = time.monotonic()
+        self.forward_s += t1 - t0
+        if scheduled:
+            meta = self.conn.build_connector_meta(scheduled)
+            self.conn.wait_for_save(self.caches, meta)
+            done = time.monotonic()
+            self.save_s += done - t1
+            for req_id in sorted(meta.completed):
+                params = self.conn.request_finished(req_id)
+                _say(self.out, params=params, done=done, blocks=len(self.tables[req_id]))
+        for req_id in self.conn.get_finished():
+            self.free.extend(self.tables.pop(req_id))
+            del self.prompts[req_id], self.computed[req_id]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.tables)
+
+
+def _serve_p(cfg: E2EConfig, out: Any) -> None:
+    p = _Prefill(cfg, out)
+    _say(out, port=p.conn.transport.port)
+    inbox = _Lines(sys.stdin.fileno())
+    stopping = False
+    while not (stopping or inbox.closed):
+        for msg in inbox.ready():
+            if "stop" in msg:
+                stopping = True
+            elif "stream" in msg:
+                for i, prompt in enumerate(msg["stream"]):
+                    p.add(f"{msg['name']}{i}", prompt)
+            elif "report" in msg:
+                _say(out, forward_s=p.forward_s, save_s=p.save_s)
+        p.step()
+        if not p.busy:
+            time.sleep(0.0005)
+    p.conn.close()
+
+
+# -- D ---------------------------------------------------------------------------------
+
+
+def _serve_d(cfg: E2EConfig, out: Any) -> None:
+    from kvxfer.connector import ConnectorConfig, DecodeConnector
+    from kvxfer.gather import fingerprint_blocks
+    from kvxfer.transport import TransportConfig
+
+    block_bytes = int(np.prod(cfg.block_shape)) * 2
+    memcpy = [_memcpy_gbps()]
+    caches = _caches(cfg, cfg.tp_d, cfg.num_blocks, seed=2)
+    conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks),
+                           caches)
+    free = deque(range(cfg.num_blocks - 1, 0, -1))  # D's ids differ from P's
+    loads: dict[str, list[int]] = {}
+    waiting: deque[dict[str, Any]] = deque()
+    _say(out, ready=True)
+    inbox = _Lines(sys.stdin.fileno())
+    while True:
+        msgs = inbox.ready()
+        if any("stop" in m for m in msgs) or inbox.closed:
+            break
+        for msg in msgs:
+            if "params" in msg:
+                waiting.append(msg)
+            elif "scatter" in msg:
+                memcpy.append(_memcpy_gbps())
+                _say(out, memcpy_gbps=statistics.median(memcpy), **_scatter_figures(cfg))
+        while waiting and waiting[0]["blocks"] <= len(free):
+            msg = waiting.popleft()
+            table = [free.popleft() for _ in range(msg["blocks"])]
+            req_id = msg["params"]["req_id"]
+            loads[req_id] = table
+            conn.start_load_kv({req_id: (msg["params"], table)})
+        if not loads:
+            time.sleep(0.0005)
+            continue
+        caches, finished, failed = conn.get_finished(caches)
+        now = time.monotonic()
+        for req_id in finished:
+            table = loads.pop(req_id)
+            # A separate on-device fingerprint of what just landed: the verify's cost.
+            start = time.perf_counter()
+            fingerprint_blocks(caches, table)
+            verify_s = time.perf_counter() - start
+            free.extend(table)
+            _say(out, req_id=req_id, ok=True, at=now, bytes=len(table) * block_bytes * cfg.layers,
+                 verify_s=verify_s)
+        for req_id in failed:
+            free.extend(loads.pop(req_id))
+            _say(out, req_id=req_id, ok=False, at=now)
+    conn.close()
+
+
+def _scatter_figures(cfg: E2EConfig) -> dict[str, float]:
+    from kvxfer.gather import scatter_blocks
+
+    n = cfg.scatter_blocks
+    rows = [np.random.default_rng(layer).integers(0, 1 << 16, (n, *cfg.block_shape), np.uint16)
+            for layer in range(cfg.layers)]
+    figures = {}
+    for name, num_blocks in zip(("scatter_ms_small_cache", "scatter_ms_big_cache"),
+                                cfg.scatter_caches):
+        caches = _caches(cfg, cfg.tp_d, num_blocks, seed=3)
+        host = [r.view(caches[0].dtype) for r in rows]
+        ids = np.random.default_rng(4).choice(num_blocks, n, replace=False)
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            caches = scatter_blocks(caches, host, ids)
+            times.append(time.perf_counter() - start)
+        figures[name] = 1e3 * min(times[1:])  # the first call compiles
+        del caches
+    figures["scatter_growth"] = figures["scatter_ms_big_cache"] / figures["scatter_ms_small_cache"]
+    return figures
+
+
+def _child(role: str, cfg_json: str) -> None:
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # NIXL and UCX log to stdout
+    logging.basicConfig(level=os.environ.get("KVXFER_LOG", "WARNING"), stream=sys.stderr)
+    fields = json.loads(cfg_json)
+    fields["scatter_caches"] = tuple(fields["scatter_caches"])
+    cfg = E2EConfig(**fields)
+    (_serve_p if role == "P" else _serve_d)(cfg, out)
+
+
+# -- the parent ------------------------------------------------------------------------
+
+
+def _relay(p: _Proc, d: _Proc, count: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Forward `count` finished requests from P to D; returns (P's, D's) message pairs."""
+    sent: dict[str, dict[str, Any]] = {}
+    results = []
+    while len(results) < count:
+        progressed = False
+        for msg in p.ready():
+            sent[msg["params"]["req_id"]] = msg
+            d.send(**msg)
+            progressed = True
+        for msg in d.ready():
+            results.append((sent.pop(msg["req_id"]), msg))
+            progressed = True
+        for proc in (p, d):
+            if proc.lines.closed:
+                raise RuntimeError(f"{proc.role} exited with {proc.proc.poll()}\n{proc.tail()}")
+        if not progressed:
+            time.sleep(0.0002)
+    return results
+
+
+def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
+    """Run the three parts; returns the figures as a JSON-able dict."""
+    cfg = cfg or E2EConfig()
+    cfg_json = json.dumps(asdict(cfg))
+    p = _Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module="kvxfer.bench.e2e")
+    d = None
+    try:
+        p.read()
+        d = _Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module="kvxfer.bench.e2e")
+        d.read()
+        # Warm up: compile every bucket the stream can use, on both sides.
+        warm = [cfg.block_size * (1 << k) for k in range(3, 10)]
+        p.send(stream=[min(w, cfg.max_prompt) for w in warm], name="warm")
+        _check(_relay(p, d, len(warm)))
+
+        rng = np.random.default_rng(cfg.seed)
+        prompts = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, cfg.requests).tolist()
+        p.send(report=True)
+        before = p.read()
+        start = time.monotonic()
+        p.send(stream=prompts, name="req")
+        stream = _check(_relay(p, d, cfg.requests))
+        wall = max(r["at"] for _, r in stream) - start
+        p.send(report=True)
+        after = p.read()
+        forward_s = after["forward_s"] - before["forward_s"]
+        delivered = sum(r["bytes"] for _, r in stream)
+
+        latencies, verify = [], []
+        for i in range(cfg.latency_requests):
+            p.send(stream=[cfg.latency_prompt], name=f"lat{i}-")
+            (sent, got), = _check(_relay(p, d, 1))
+            latencies.append(got["at"] - sent["done"])
+            verify.append(got["verify_s"] / latencies[-1])
+        lat_bytes = cdiv(cfg.latency_prompt, cfg.block_size) * cfg.layers * int(
+            np.prod(cfg.block_shape)) * 2
+
+        d.send(scatter=True)
+        figures = d.read()
+    finally:
+        for proc in (d, p):
+            if proc is not None:
+                proc.stop()
+    memcpy = figures.pop("memcpy_gbps")
+    e2e = delivered / max(wall - forward_s, 1e-9) / 1e9
+    p50 = statistics.median(latencies)
+    p99 = float(np.percentile(latencies, 99))
+    return {
+        "e2e_gbps": round(e2e, 3),
+        "memcpy_gbps": round(memcpy, 3),
+        "e2e_over_memcpy": round(e2e / memcpy, 3),
+        "p50_ms_2k": round(1e3 * p50, 2),
+        "p99_ms_2k": round(1e3 * p99, 2),
+        "latency_2k_over_memcpy": round(p50 / (lat_bytes / (memcpy * 1e9)), 2),
+        "scatter_ms_small_cache": round(figures["scatter_ms_small_cache"], 2),
+        "scatter_ms_big_cache": round(figures["scatter_ms_big_cache"], 2),
+        "scatter_growth": round(figures["scatter_growth"], 2),
+        "verify_overhead": round(statistics.median(verify), 3),
+        "stream_requests": cfg.requests,
+        "stream_gb": round(delivered / 1e9, 3),
+        "stream_wall_s": round(wall, 3),
+        "p_forward_s": round(forward_s, 3),
+        "p_save_s": round(after["save_s"] - before["save_s"], 3),
+    }
+
+
+def _check(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Any]:
+    bad = [r["req_id"] for _, r in pairs if not r["ok"]]
+    if bad:
+        raise RuntimeError(f"D failed to load {bad}")
+    return pairs
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
