@@ -17,6 +17,7 @@ from kvxfer.gather import (
     block_fingerprints,
     bucket_size,
     check_fingerprints,
+    fingerprint_blocks,
     gather_blocks,
     scatter_blocks,
 )
@@ -249,3 +250,25 @@ def test_bench_reports_ratios_and_no_recompiles_after_warmup():
             "recompiles_after_warmup", "fingerprint_overhead"} <= set(result)
     assert result["recompiles_after_warmup"] == 0
     assert result["gather_gbps"] > 0 and result["memcpy_gbps"] > 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape, spec, mesh_shape", [
+    ((8, 4, 3, 8), P(None, None, None, "model"), (1, 8)),  # pieces of the last axis, < 1 word
+    ((8, 4, 3, 8), P(None, None, None, "model"), (1, 4)),
+    ((8, 4, 3, 7), P(), (1, 8)),  # blocks of an odd number of bytes
+    ((8, 4, 8, 2), P(None, None, "model"), (1, 8)),
+])
+def test_fingerprints_on_device_equal_numpy_for_pieces_that_are_not_whole_words(
+        dtype, shape, spec, mesh_shape):
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"))
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(12)
+    host = [rng.integers(0, 256, int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+            .view(dtype).reshape(shape) for _ in range(LAYERS)]
+    caches = [jax.device_put(h, NamedSharding(mesh, spec)) for h in host]
+    ids = [1, 5, 2]
+    on_device = fingerprint_blocks(caches, ids)
+    layout = CacheLayout.from_caches(caches)
+    np.testing.assert_array_equal(on_device, block_fingerprints(layout, [h[ids] for h in host], 3))
+    assert len(np.unique(on_device)) == on_device.size  # distinct blocks, distinct prints

@@ -2,10 +2,10 @@
 
 P (`PrefillConnector`): the scheduler hands each step to
 `build_connector_meta`, which asks the `SaveTracker` which blocks to copy
-and at which table positions; after the forward pass `wait_for_save` gathers
-them out of the device caches (one dispatch per KV cache group for all
-requests of the step, with fingerprints) into that group's registered host
-staging, keyed by table position. When a request's prefill completes its
+and at which table positions; after the forward pass `wait_for_save` copies
+them out of the device caches straight into that group's registered host
+staging (one gather per KV cache group for all requests of the step, with
+fingerprints), keyed by table position. When a request's prefill completes its
 blocks are held under a lease and `request_finished` returns the
 `kv_transfer_params` the engine forwards to D. `get_finished` reports the
 requests D has read (or whose lease expired), whose blocks the engine may now
@@ -13,8 +13,10 @@ free.
 
 D (`DecodeConnector`): `start_load_kv` checks each request's params against
 D's own block table and posts the NIXL reads; `get_finished` advances them,
-checks each received request against P's fingerprints, scatters it into the
-device caches (one dispatch per group) and returns the new caches with the
+scatters the received blocks from staging into the device caches in place
+(one scatter per group), fingerprints them there on device and checks each
+request against P's fingerprints (a mismatch fails the request: the blocks it
+wrote are its own, and recomputed), and returns the new caches with the
 finished and failed request ids; `get_block_ids_with_load_errors` lists the
 logical block ids to recompute.
 
@@ -125,8 +127,7 @@ def _block_fields(layout: CacheLayout) -> dict[str, Any]:
 def _advertised(layouts: Sequence[CacheLayout]) -> dict[str, Any]:
     """The layout fields a peer checks at handshake (`check_block_compatible`), per group.
 
-    P's full layouts, which say how its fingerprints cut a block into shards,
-    travel with each request's params instead.
+    P's full layouts travel with each request's params instead.
     """
     return {"groups": [_block_fields(layout) for layout in layouts]}
 

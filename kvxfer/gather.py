@@ -1,46 +1,66 @@
-"""Gather KV blocks from device caches into pinned host arrays, and scatter them back.
+"""Gather KV blocks from device caches into host memory, and scatter them back.
 
     host = gather_blocks(caches, block_ids)
-    caches = scatter_blocks(caches, host, block_ids)
+    prints = gather_into(caches, block_ids, staging_regions, slots)
+    caches = scatter_blocks(caches, host, block_ids)               # or rows=slots
+    prints = fingerprint_blocks(caches, block_ids)
 
-Both are pure functions over `list[jax.Array]` (one array per layer, blocks on
-axis 0) and issue one jitted dispatch for all layers. Block ids are kernel
-block ids; their count is padded to a power-of-two bucket (at least
-`MIN_BUCKET`) and the ids go in as a device array, so after one call per
-bucket no new block count compiles again. Jitted builders are cached on the
-static `CacheLayout`, the mesh and the bucket.
+All take `list[jax.Array]` (one array per layer, blocks on axis 0) and do all
+layers in one jitted dispatch. Block ids are kernel block ids; their count is
+padded to a power-of-two bucket (at least `MIN_BUCKET`) and the ids go in as a
+device array, so after one call per bucket no new block count compiles again.
+Jitted builders are cached on the static `CacheLayout`, the mesh and the bucket.
 
 Blocks are moved as unsigned integers of the element's width (a bitcast, free
 on device), so bf16 and fp8 NaN payloads round-trip bit for bit and nothing
 depends on the element type or on what the inner axes mean.
 
-Sharding: both run per shard under `shard_map`. Gathered blocks keep the
+Sharding: everything runs per shard under `shard_map`. Gathered blocks keep the
 caches' sharding on the inner axes and have the block axis unsharded. With an
 unsharded block axis (mesh `(1, 8)`, `P(None, None, 'model')`) there is no
 cross-device traffic. Where the block axis is sharded (over `'data'`, each
 shard a contiguous range of blocks), each shard takes the requested blocks it
-holds, zeros the rest, and a `psum` over the block axes assembles the rows, so
-the gathered rows are replicated over those axes; a scatter writes on each
-shard only the blocks it holds, with no collective.
+holds, zeros the rest, and a `psum` over the block axes assembles the rows; a
+scatter writes on each shard only the blocks it holds, with no collective.
 
-Fingerprints (`gather_blocks(..., fingerprints=True)`) are 32-bit hashes of
-each block's piece on each shard, computed on device from the gathered rows in
-the same dispatch. `block_fingerprints` computes the same values with numpy
-from host bytes alone, and `check_fingerprints` raises `CorruptionError` at
-the first mismatch. The hash is `fmix32(sum_i w_i * c_i mod 2**32)` over the
-piece's little-endian 32-bit words `w_i` (zero padded), with odd
-position-dependent constants `c_i = (2*i + 1) * 0x9E3779B1`: a single flipped
-bit changes the sum by an odd multiple of a power of two below `2**32`, so it
-is always caught, and moving a word changes its weight. The fingerprint is a
-second pass over the gathered bytes: on the CPU backend it costs about as much
-as the gather itself; on TPU it runs at HBM bandwidth, far above D2H.
+In place. `scatter_blocks` costs what its `n` blocks cost, whatever the size of
+the caches, and never holds a second copy of them:
 
-Not implemented: on TPU, tpu-inference writes gathered blocks in place into a
-preallocated pinned-host pool with a Pallas DMA kernel (`pltpu.async_copy`
-into `pl.HOST` memory), which saves the per-call host mapping cost. That path
-can only be tested on a TPU, so it is left out rather than shipped untested;
-here every gather allocates its pinned-host output. `tpu_tests/` measures the
-plain path on TPU.
+- On XLA:CPU a scatter into a donated bf16 or fp8 buffer is done as a full copy
+  of the buffer (the type is widened; a bitcast to uint16 is itself a copy;
+  `dynamic_update_slice` with a runtime index is no better): 64 blocks took 9 ms
+  into 256-block caches and 148 ms into 4,096-block ones. There the caches are
+  donated to an identity (which waits for every pending use of the buffers and
+  hands them over without a copy) and the blocks are copied with numpy into the
+  very buffers the returned caches own: the buffer pointers do not change.
+- Elsewhere (TPU, GPU) it is an XLA scatter with unique indices (bucket padding
+  goes to distinct ids past the end, dropped) into the donated caches, which
+  the compiled program aliases to its outputs. A Pallas kernel, as
+  tpu-inference uses for its KV updates, is not written: it can only be tested
+  on a TPU.
+
+P's side, `gather_into`, copies blocks straight into existing host arrays (the
+registered staging NIXL reads): on XLA:CPU with numpy from the caches' own
+buffers, one copy in all; elsewhere a `gather_blocks` into pinned host memory,
+then one host copy of each shard's piece into staging. Registering each step's
+gather output with NIXL instead would save that copy but cost a registration
+per step; on TPU, tpu-inference writes gathered blocks straight into a
+preallocated pinned-host pool with a Pallas DMA (`pltpu.async_copy` into
+`pl.HOST` memory). Neither is measurable without a TPU, so neither is shipped.
+
+Fingerprints are 32-bit hashes of whole blocks, independent of how the caches
+are sharded, so P (TP 4) and D (TP 8) compute the same values on their own
+devices. The hash is `fmix32(sum_j w_j * c_j mod 2**32)` over the block's
+little-endian 32-bit words `w_j` (C order, zero padded), with odd
+position-dependent constants `c_j = (2*j + 1) * 0x9E3779B1`: a single flipped
+bit changes the sum by an odd multiple of a power of two below `2**32`, so it is
+always caught, and moving a word changes its weight. Each device sums the words
+it holds (by their index in the whole block) and a `psum` over the axes that
+split a block adds the parts. `gather_blocks(..., fingerprints=True)` and
+`gather_into` fingerprint on P in the same pass; `fingerprint_blocks` is D's
+check after the scatter; `block_fingerprints` computes the same values with
+numpy from host bytes, and `check_fingerprints` raises `CorruptionError` at the
+first mismatch.
 """
 
 from __future__ import annotations
@@ -153,7 +173,10 @@ def scatter_blocks(
 
     The new caches, same shapes and shardings, with those blocks replaced and every
     other block unchanged. They hold the donated inputs' buffers: the cost is that of
-    the `n` blocks, whatever the caches' size (see the module docstring).
+    the `n` blocks, whatever the caches' size (see the module docstring). One
+    exception on XLA:CPU: caches whose buffers JAX shares with a numpy array
+    (`jax.device_put` of an aligned numpy array may not copy) cannot be donated, so
+    the first scatter into them copies them once; later ones are in place.
 
     Raises `InvalidInputError` (or `LayoutMismatchError`) naming the offending value
     before anything is dispatched.
@@ -453,10 +476,10 @@ def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Arra
                       src: np.ndarray) -> list[jax.Array]:
     # Donating to an identity waits for every pending use of the buffers and hands
     # them over without a copy; from then on nothing else reads or writes them.
+    hosts = [np.asarray(h) for h in host_blocks]  # before donating: they may be the caches
     new = _own_fn(layout, mesh)(list(caches))
     jax.block_until_ready(new)
-    for cache, host in zip(new, host_blocks):
-        host = np.asarray(host)
+    for cache, host in zip(new, hosts):
         for shard in cache.addressable_shards:  # every replica: each has its own buffer
             inside, local = _shard_rows(shard, ids)
             _copy_runs(_buffer_view(shard.data), local, host[(slice(None), *shard.index[1:])],

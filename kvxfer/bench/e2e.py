@@ -115,6 +115,7 @@ class _Prefill:
             ConnectorConfig(TransportConfig("P", lease_s=600.0), staging_blocks=cfg.num_blocks),
             [GroupSpec(cfg.block_size)], self.caches)
         self.free = deque(range(1, cfg.num_blocks))
+        self.pool, self.committed = len(self.free), 0
         self.tables: dict[str, list[int]] = {}
         self.prompts: dict[str, int] = {}
         self.computed: dict[str, int] = {}
@@ -130,8 +131,10 @@ class _Prefill:
 
         t0 = time.monotonic()
         bs = self.cfg.block_size
-        while self.waiting and cdiv(self.waiting[0][1], bs) <= len(self.free):
+        # Admit a request once its whole prompt's blocks are free of other admitted ones.
+        while self.waiting and self.committed + cdiv(self.waiting[0][1], bs) <= self.pool:
             req_id, prompt = self.waiting.popleft()
+            self.committed += cdiv(prompt, bs)
             self.conn.add_request(req_id, prompt)
             self.tables[req_id], self.prompts[req_id], self.computed[req_id] = [], prompt, 0
         budget, scheduled = self.cfg.budget, []
@@ -159,7 +162,9 @@ class _Prefill:
                 params = self.conn.request_finished(req_id)
                 _say(self.out, params=params, done=done, blocks=len(self.tables[req_id]))
         for req_id in self.conn.get_finished():
-            self.free.extend(self.tables.pop(req_id))
+            table = self.tables.pop(req_id)
+            self.free.extend(table)
+            self.committed -= len(table)
             del self.prompts[req_id], self.computed[req_id]
 
     @property
