@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvxfer.cli import main, plan_report
@@ -136,3 +137,23 @@ def test_demo_non_integer_flag_is_argparse_usage_error(capsys):
         main(["demo", "--layers", "two"])
     assert e.value.code == 2
     assert "invalid int value: 'two'" in capsys.readouterr().err
+
+
+def test_bench_e2e_small_run_delivers_every_request_and_reports_every_figure():
+    from kvxfer.bench.e2e import E2EConfig, run
+
+    cfg = E2EConfig(layers=2, num_blocks=256, requests=4, min_prompt=32, max_prompt=600,
+                    latency_requests=2, latency_prompt=256, scatter_blocks=8,
+                    scatter_caches=(16, 256), timeout_s=120)
+    out = run(cfg)  # raises if D failed to load any request
+    assert set(out) >= {"e2e_gbps", "memcpy_gbps", "e2e_over_memcpy", "p50_ms_2k", "p99_ms_2k",
+                        "latency_2k_over_memcpy", "scatter_ms_small_cache",
+                        "scatter_ms_big_cache", "scatter_growth", "verify_overhead"}
+    assert out["stream_requests"] == 4
+    # Every byte of the stream's prompts reached D: 4 requests of whole 64 KiB blocks.
+    rng = np.random.default_rng(cfg.seed)
+    prompts = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, cfg.requests)
+    blocks = sum(-(-int(p) // cfg.block_size) for p in prompts)
+    assert out["stream_gb"] == round(blocks * cfg.layers * 65536 / 1e9, 3)
+    assert 0 < out["e2e_over_memcpy"] and 0 < out["verify_overhead"]
+    assert out["p50_ms_2k"] <= out["p99_ms_2k"]
