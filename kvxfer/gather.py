@@ -235,17 +235,20 @@ def gather_into(
     if _writes_in_place(mesh):
         prints = fingerprint_blocks(caches, ids, _block=False)  # dispatched; runs meanwhile
         jax.block_until_ready(list(caches))
+        copies = _RowCopies(ids, dst, ids_are_dst=False)
         for cache, region in zip(caches, regions):
             for shard in cache.addressable_shards:
-                _copy_shard_out(shard, region, ids, dst)
+                if shard.replica_id == 0:
+                    copies.copy(shard, region[(slice(None), *shard.index[1:])],
+                                _buffer_view(shard.data))
         return np.asarray(prints)[:, : len(ids)]
     gathered = gather_blocks(caches, ids, fingerprints=True)
+    copies = _RowCopies(np.arange(len(ids)), dst, ids_are_dst=False)  # row i -> slot dst[i]
     for blocks, region in zip(gathered.blocks, regions):
         for shard in blocks.addressable_shards:
             if shard.replica_id == 0:
-                inner = shard.index[1:]
-                _copy_runs(region[(slice(None), *inner)], dst, np.asarray(shard.data),
-                           np.arange(len(ids)))
+                copies.copy(shard, region[(slice(None), *shard.index[1:])],
+                            np.asarray(shard.data))
     return np.asarray(gathered.fingerprints)[:, : len(ids)]
 
 
@@ -450,25 +453,38 @@ def _buffer_view(array: jax.Array) -> np.ndarray:
     return np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)
 
 
-def _copy_runs(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray,
-               src_rows: np.ndarray) -> None:
-    """`dst[dst_rows[i]] = src[src_rows[i]]`, as slice copies where rows run together."""
-    if not len(dst_rows):
-        return
-    runs = coalesce_pairs(src_rows.tolist(), dst_rows.tolist())
-    if 2 * len(runs) <= len(dst_rows):  # mostly contiguous: no temporary
-        for s, d, n in runs:
-            dst[d : d + n] = src[s : s + n]
-    else:
-        dst[dst_rows] = src[src_rows]
+class _RowCopies:
+    """`dst[to[i]] = src[frm[i]]` for the blocks a shard holds, as slice copies where
+    rows run together.
 
+    `ids` are block ids (global), `rows` the matching host rows; `ids_are_dst` says
+    which side the shard's buffer is. The rows each block range holds, and their
+    runs, are worked out once per call and reused for every layer and inner piece.
+    """
 
-def _shard_rows(shard: jax.Shard, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Which of `ids` this shard holds (a mask), and their offsets in its block range."""
-    first = shard.index[0].start or 0
-    local = ids - first
-    inside = (local >= 0) & (local < shard.data.shape[0])
-    return inside, local[inside]
+    def __init__(self, ids: np.ndarray, rows: np.ndarray, ids_are_dst: bool):
+        self.ids, self.rows, self.ids_are_dst = ids, rows, ids_are_dst
+        self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list | None]] = {}
+
+    def copy(self, shard: jax.Shard, dst: np.ndarray, src: np.ndarray) -> None:
+        first, size = shard.index[0].start or 0, shard.data.shape[0]
+        plan = self._plans.get((first, size))
+        if plan is None:
+            local = self.ids - first
+            inside = (local >= 0) & (local < size)
+            held, rows = local[inside], self.rows[inside]
+            to, frm = (held, rows) if self.ids_are_dst else (rows, held)
+            runs = coalesce_pairs(frm.tolist(), to.tolist())
+            plan = self._plans[(first, size)] = (to, frm, runs if 2 * len(runs) <= len(to)
+                                                 else None)
+        to, frm, runs = plan
+        if not len(to):
+            return
+        if runs is not None:  # mostly contiguous: no temporary
+            for s, d, n in runs:
+                dst[d : d + n] = src[s : s + n]
+        else:
+            dst[to] = src[frm]
 
 
 def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
@@ -479,21 +495,11 @@ def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Arra
     hosts = [np.asarray(h) for h in host_blocks]  # before donating: they may be the caches
     new = _own_fn(layout, mesh)(list(caches))
     jax.block_until_ready(new)
+    copies = _RowCopies(ids, src, ids_are_dst=True)
     for cache, host in zip(new, hosts):
         for shard in cache.addressable_shards:  # every replica: each has its own buffer
-            inside, local = _shard_rows(shard, ids)
-            _copy_runs(_buffer_view(shard.data), local, host[(slice(None), *shard.index[1:])],
-                       src[inside])
+            copies.copy(shard, _buffer_view(shard.data), host[(slice(None), *shard.index[1:])])
     return new
-
-
-def _copy_shard_out(shard: jax.Shard, region: np.ndarray, ids: np.ndarray,
-                    dst: np.ndarray) -> None:
-    if shard.replica_id != 0:
-        return
-    inside, local = _shard_rows(shard, ids)
-    _copy_runs(region[(slice(None), *shard.index[1:])], dst[inside],
-               _buffer_view(shard.data), local)
 
 
 def _scatter_xla(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
