@@ -221,11 +221,11 @@ def test_scatter_rows_may_read_one_host_row_into_two_blocks(path):
     [
         ([0, 1, STAGING_ROWS], rf"rows \[{STAGING_ROWS}\] out of range \[0, {STAGING_ROWS}\)"),
         ([-1, 0, 1], r"rows \[-1\] out of range"),
-        ([0, 1], r"rows must be 3 integers .*\[0, 1\]"),
-        ([0, 1, 2, 3], r"rows must be 3 integers .*\[0, 1, 2, 3\]"),
-        ([0.0, 1.0, 2.0], r"rows must be 3 integers .*0\.0"),
-        ([[0, 1, 2]], r"rows must be 3 integers .*\[\[0, 1, 2\]\]"),
-        (["0", "1", "2"], r"rows must be 3 integers .*'0'"),
+        ([0, 1], r"rows must hold one integer per block id \(3\), got .*\[0, 1\]"),
+        ([0, 1, 2, 3], r"rows must hold one integer per block id \(3\), got .*\[0, 1, 2, 3\]"),
+        ([0.0, 1.0, 2.0], r"rows must hold one integer per block id \(3\), got .*0\.0"),
+        ([[0, 1, 2]], r"rows must hold one integer per block id \(3\), got .*\[\[0, 1, 2\]\]"),
+        (["0", "1", "2"], r"rows must hold one integer per block id \(3\), got .*'0'"),
     ],
 )
 def test_scatter_rejects_bad_rows_naming_them_and_keeps_the_caches(rows, message, path):
@@ -284,12 +284,12 @@ def _read_only(regions):
     [
         (lambda r: r, [3, 7, 3], InvalidInputError, r"distinct, got \[3, 7, 3\]"),
         (lambda r: r, [3, 7, STAGING_ROWS], InvalidInputError, rf"rows \[{STAGING_ROWS}\] out of range"),
-        (lambda r: r, [3, 7], InvalidInputError, "rows must be 3 integers"),
+        (lambda r: r, [3, 7], InvalidInputError, r"rows must hold one integer per block id \(3\)"),
         (_read_only, [3, 7, 8], InvalidInputError, r"regions\[1\] must be a writable numpy array"),
         (lambda r: [r[0], jnp.asarray(r[1])], [3, 7, 8], InvalidInputError,
          r"regions\[1\] must be a writable numpy array"),
         (lambda r: [r[0], r[1].astype(np.float32)], [3, 7, 8], LayoutMismatchError, "dtype float32"),
-        (lambda r: [r[0], r[1][:, :2]], [3, 7, 8], LayoutMismatchError, r"host_blocks\[1\] has shape"),
+        (lambda r: [r[0], r[1][:, :2]], [3, 7, 8], LayoutMismatchError, r"regions\[1\] has shape"),
         (lambda r: r[:1], [3, 7, 8], LayoutMismatchError, "1 layers"),
     ],
 )

@@ -547,10 +547,10 @@ class DecodeConnector:
             ids += load.kernel_ids[g]
         if not ids:
             return caches
-        caches = scatter_blocks(caches, staging.regions, np.asarray(ids, np.int64),
-                                rows=np.asarray(slots, np.int64))
+        ids_array = np.asarray(ids, np.int64)
+        caches = scatter_blocks(caches, staging.regions, ids_array, rows=np.asarray(slots, np.int64))
         if self.config.verify_fingerprints:
-            got = fingerprint_blocks(caches, np.asarray(ids, np.int64))
+            got = fingerprint_blocks(caches, ids_array)
             for req_id, start, count in spans:
                 try:
                     compare_fingerprints(got[:, start : start + count],

@@ -136,13 +136,8 @@ def gather_blocks(
     """
     layout = CacheLayout.from_caches(caches)
     ids = _check_block_ids(block_ids, layout)
-    bucket = bucket_size(len(ids))
-    padded = np.empty(bucket, np.int32)
-    padded[: len(ids)] = ids
-    padded[len(ids):] = ids[-1] if len(ids) else 0
     mesh = caches[0].sharding.mesh
-    fn = _gather_fn(layout, mesh, fingerprints)
-    out = fn(list(caches), jax.device_put(padded, NamedSharding(mesh, PartitionSpec())))
+    out = _gather_fn(layout, mesh, fingerprints)(list(caches), _bucket_ids(ids, mesh))
     if fingerprints:
         return GatheredBlocks(*out)
     return out
@@ -222,7 +217,7 @@ def gather_into(
     """
     layout = CacheLayout.from_caches(caches)
     ids = _check_block_ids(block_ids, layout)
-    num_rows = _check_host_blocks(regions, layout, 0)
+    num_rows = _check_host_blocks(regions, layout, 0, "regions")
     dst = _check_rows(rows, len(ids), num_rows)
     if len(np.unique(dst)) != len(dst):
         raise InvalidInputError(f"rows to gather into must be distinct, got {dst.tolist()[:16]}")
@@ -233,7 +228,8 @@ def gather_into(
         return np.zeros((layout.num_layers, 0), np.uint32)
     mesh = caches[0].sharding.mesh
     if _writes_in_place(mesh):
-        prints = fingerprint_blocks(caches, ids, _block=False)  # dispatched; runs meanwhile
+        # Dispatched first: the hash runs on device while numpy copies.
+        prints = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
         jax.block_until_ready(list(caches))
         copies = _RowCopies(ids, dst, ids_are_dst=False)
         for cache, region in zip(caches, regions):
@@ -253,8 +249,7 @@ def gather_into(
 
 
 def fingerprint_blocks(
-    caches: Sequence[jax.Array], block_ids: Sequence[int] | np.ndarray | jax.Array,
-    *, _block: bool = True,
+    caches: Sequence[jax.Array], block_ids: Sequence[int] | np.ndarray | jax.Array
 ) -> np.ndarray:
     """Fingerprints of blocks as they are in the caches, computed on device.
 
@@ -264,13 +259,9 @@ def fingerprint_blocks(
     """
     layout = CacheLayout.from_caches(caches)
     ids = _check_block_ids(block_ids, layout)
-    bucket = bucket_size(len(ids))
-    padded = np.zeros(bucket, np.int32)
-    padded[: len(ids)] = ids
     mesh = caches[0].sharding.mesh
-    out = _fingerprint_fn(layout, mesh)(
-        list(caches), jax.device_put(padded, NamedSharding(mesh, PartitionSpec())))
-    return np.asarray(out)[:, : len(ids)] if _block else out
+    out = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
+    return np.asarray(out)[:, : len(ids)]
 
 
 def block_fingerprints(
@@ -376,7 +367,7 @@ def _check_rows(rows: object, count: int, num_rows: int) -> np.ndarray:
     arr = np.asarray(rows)
     if arr.shape != (count,) or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InvalidInputError(
-            f"rows must be {count} integers (one per block id), got {np.asarray(rows).tolist()!r:.80}")
+            f"rows must hold one integer per block id ({count}), got {np.asarray(rows).tolist()!r:.80}")
     arr = arr.astype(np.int64)
     bad = arr[(arr < 0) | (arr >= num_rows)]
     if bad.size:
@@ -384,38 +375,46 @@ def _check_rows(rows: object, count: int, num_rows: int) -> np.ndarray:
     return arr
 
 
-def _check_host_blocks(host_blocks: object, layout: CacheLayout, count: int) -> int:
+def _check_host_blocks(host_blocks: object, layout: CacheLayout, count: int,
+                       name: str = "host_blocks") -> int:
     """Check per-layer host arrays of at least `count` rows; returns their row count."""
     if isinstance(host_blocks, (jax.Array, np.ndarray)) or not isinstance(host_blocks, Sequence):
         raise InvalidInputError(
-            f"host_blocks must be a list of per-layer arrays, got {type(host_blocks).__name__}"
+            f"{name} must be a list of per-layer arrays, got {type(host_blocks).__name__}"
         )
     if len(host_blocks) != layout.num_layers:
         raise LayoutMismatchError(
-            f"host_blocks has {len(host_blocks)} layers; the caches have {layout.num_layers}"
+            f"{name} has {len(host_blocks)} layers; the caches have {layout.num_layers}"
         )
     for i, h in enumerate(host_blocks):
         if isinstance(h, jax.Array) and h.is_deleted():
             raise InvalidInputError(
-                f"host_blocks[{i}] was deleted (donated to an earlier call); pass live arrays"
+                f"{name}[{i}] was deleted (donated to an earlier call); pass live arrays"
             )
         shape, dtype = tuple(getattr(h, "shape", ())), np.dtype(getattr(h, "dtype", object))
         if len(shape) != len(layout.shape) or shape[1:] != layout.block_shape:
             raise LayoutMismatchError(
-                f"host_blocks[{i}] has shape {shape}; blocks have shape {layout.block_shape}"
+                f"{name}[{i}] has shape {shape}; blocks have shape {layout.block_shape}"
             )
         if dtype != layout.np_dtype:
             raise LayoutMismatchError(
-                f"host_blocks[{i}] has dtype {dtype}; the caches have {layout.dtype}"
+                f"{name}[{i}] has dtype {dtype}; the caches have {layout.dtype}"
             )
         if shape[0] < count:
             raise InvalidInputError(
-                f"host_blocks[{i}] has {shape[0]} rows, fewer than the {count} block ids"
+                f"{name}[{i}] has {shape[0]} rows, fewer than the {count} block ids"
             )
     rows = {int(h.shape[0]) for h in host_blocks}
     if len(rows) > 1:
-        raise LayoutMismatchError(f"host_blocks have different row counts per layer: {rows}")
+        raise LayoutMismatchError(f"{name} have different row counts per layer: {rows}")
     return rows.pop()
+
+
+def _bucket_ids(ids: np.ndarray, mesh: Mesh) -> jax.Array:
+    """`ids` padded to their bucket with copies of the last (any valid id), on the mesh."""
+    padded = np.full(bucket_size(len(ids)), ids[-1] if len(ids) else 0, np.int32)
+    padded[: len(ids)] = ids
+    return jax.device_put(padded, NamedSharding(mesh, PartitionSpec()))
 
 
 def _bucket_rows(

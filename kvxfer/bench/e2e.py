@@ -72,6 +72,11 @@ class E2EConfig:
     def block_shape(self) -> tuple[int, ...]:
         return (self.block_size, self.heads, 2, self.head_dim)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer (bf16)."""
+        return int(np.prod(self.block_shape)) * 2
+
 
 def _caches(cfg: E2EConfig, tp: int, num_blocks: int, seed: int) -> list[Any]:
     import jax
@@ -200,7 +205,6 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
     from kvxfer.gather import fingerprint_blocks
     from kvxfer.transport import TransportConfig
 
-    block_bytes = int(np.prod(cfg.block_shape)) * 2
     memcpy = [_memcpy_gbps()]
     caches = _caches(cfg, cfg.tp_d, cfg.num_blocks, seed=2)
     conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks),
@@ -238,7 +242,7 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
             fingerprint_blocks(caches, table)
             verify_s = time.perf_counter() - start
             free.extend(table)
-            _say(out, req_id=req_id, ok=True, at=now, bytes=len(table) * block_bytes * cfg.layers,
+            _say(out, req_id=req_id, ok=True, at=now, bytes=len(table) * cfg.block_bytes * cfg.layers,
                  verify_s=verify_s)
         for req_id in failed:
             free.extend(loads.pop(req_id))
@@ -337,8 +341,7 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
             (sent, got), = _check(_relay(p, d, 1))
             latencies.append(got["at"] - sent["done"])
             verify.append(got["verify_s"] / latencies[-1])
-        lat_bytes = cdiv(cfg.latency_prompt, cfg.block_size) * cfg.layers * int(
-            np.prod(cfg.block_shape)) * 2
+        lat_bytes = cdiv(cfg.latency_prompt, cfg.block_size) * cfg.layers * cfg.block_bytes
 
         d.send(scatter=True)
         figures = d.read()
