@@ -1,10 +1,14 @@
 """Connectors in one process: P on devices 0-3, D on devices 4-7, two NIXL agents."""
 
 import os
+import subprocess
 import sys
+import time
 
 import numpy as np
+import pytest
 
+from kvxfer.errors import InvalidInputError
 from kvxfer.scheduler import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +41,7 @@ def test_corrupted_host_block_fails_request_in_logical_ids_and_leaves_other_bloc
     params = pr.p.request_finished("r")
     # One bit flips in P's staged copy of kernel block 14 (kernel position 2: the first half of table
     # entry 1), after its fingerprint was taken. Staging is keyed by position.
-    slot = pr.p.staging.slot("r", 2)
+    slot = pr.p.slot_map.slot("r", 2)
     pr.p.staging.regions[1][slot].view(np.uint8).reshape(-1)[100] ^= 0x01
     before = [as_bits(c).copy() for c in pr.d_caches[0]]
     pr.serve()
@@ -70,9 +74,9 @@ def test_abort_mid_prefill_frees_staging(pair):
     pr = pair()
     pr.p.add_request("r", 100)
     pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
-    assert "r" in pr.p.staging
+    assert "r" in pr.p.slot_map
     pr.p.abort("r")
-    assert "r" not in pr.p.staging and "r" not in pr.p.tracker
+    assert "r" not in pr.p.slot_map and "r" not in pr.p.tracker
     assert pr.p.request_finished("r") is None
 
 
@@ -82,7 +86,7 @@ def test_corrupt_request_does_not_spoil_a_good_one_finished_in_the_same_poll(pai
         pr.p.add_request(req_id, 32)
         pr.save(ScheduledRequest(req_id, 0, 32, (ids,), full_table=True))
     params = {r: pr.p.request_finished(r) for r in ("bad", "good")}
-    pr.p.staging.regions[0][pr.p.staging.slot("bad", 1)].view(np.uint8)[0] ^= 0x80
+    pr.p.staging.regions[0][pr.p.slot_map.slot("bad", 1)].view(np.uint8)[0] ^= 0x80
     before = [as_bits(c).copy() for c in pr.d_caches[0]]
     pr.serve()
     # The two may finish in one poll (rows share one buffer) or in two.
@@ -94,3 +98,99 @@ def test_corrupt_request_does_not_spoil_a_good_one_finished_in_the_same_poll(pai
         assert (as_bits(d_cache)[[3, 4]] == as_bits(p_cache)[[8, 9]]).all()
         # bad's own blocks (1, 2) were written and are recomputed; the rest is untouched.
         assert (as_bits(d_cache)[[0, 5, 6]] == b[[0, 5, 6]]).all()
+
+
+def test_scheduler_side_params_exist_before_the_worker_saves_and_worker_serves_them(pair):
+    # vLLM asks for the params (request_finished) before the worker's output of the completing
+    # step is processed: the scheduler side must have made them when it planned that step.
+    pr = pair()
+    pr.p.add_request("r", 40)
+    meta = pr.p.build_connector_meta([ScheduledRequest("r", 0, 40, ([4, 6, 8],), full_table=True)])
+    params = pr.p.request_finished("r")
+    assert params is not None and params["instance"] == meta.instance
+    assert meta.holds == {"r": params["generation"]}
+    assert "r" not in pr.p.transport.held()  # not yet saved by the worker
+    pr.p.wait_for_save(pr.caches("p"), meta)
+    assert pr.p.transport.held() == ["r"]
+    pr.serve()
+    assert pr.load("r", params, [1, 2, 3]) == (["r"], [])
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[1, 2, 3]] == as_bits(p_cache)[[4, 6, 8]]).all()
+
+
+def test_slots_are_reused_only_after_the_worker_reports_them_freed(pair):
+    pr = pair()  # 32 staging slots
+    pr.p.add_request("a", 16 * 20)
+    pr.save(ScheduledRequest("a", 0, 16 * 20, (list(range(1, 21)),), full_table=True))
+    params = pr.p.request_finished("a")
+    assert pr.p.scheduler.held() == ["a"] and pr.p.slot_map.num_free_slots == 12
+    pr.serve()
+    assert pr.load("a", params, list(range(1, 21))) == (["a"], [])
+    deadline = time.monotonic() + 10
+    while pr.p.scheduler.held() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pr.p.scheduler.held() == [] and pr.p.slot_map.num_free_slots == 32
+
+
+def test_request_that_does_not_fit_staging_is_dropped_not_raised(pair, caplog):
+    pr = pair()  # 32 staging slots
+    pr.p.add_request("big", 16 * 40)
+    pr.p.add_request("small", 32)
+    meta = pr.save(ScheduledRequest("big", 0, 16 * 40, (list(range(1, 41)),), full_table=True),
+                   ScheduledRequest("small", 0, 32, ([3, 4],), full_table=True))
+    assert "big" not in meta.blocks and "big" not in pr.p.tracker
+    assert "P drops request 'big'" in caplog.text or "P drops request big" in caplog.text
+    assert pr.p.request_finished("big") is None  # D computes its prompt itself
+    assert pr.p.request_finished("small")["groups"][0]["keys"] == [0, 1]
+    assert pr.p.slot_map.num_free_slots == 30
+
+
+def test_d_reads_only_the_entries_it_does_not_hold_locally(pair):
+    pr = pair()
+    pr.p.add_request("r", 64)
+    pr.save(ScheduledRequest("r", 0, 64, ([2, 3, 4, 5],), full_table=True))
+    params = pr.p.request_finished("r")
+    before = [as_bits(c).copy() for c in pr.d_caches[0]]
+    pr.serve()
+    # D's local prefix cache holds the first two entries (blocks 10 and 11): only 12, 13 are read.
+    finished, failed = pr.load_all({"r": (params, [10, 11, 12, 13], [2])}, 1)
+    assert (finished, failed) == (["r"], [])
+    for b, p_cache, d_cache in zip(before, pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[12, 13]] == as_bits(p_cache)[[4, 5]]).all()
+        assert (as_bits(d_cache)[[10, 11]] == b[[10, 11]]).all()
+
+
+def test_d_holding_every_entry_finishes_without_a_read(pair):
+    pr = pair()
+    pr.p.add_request("r", 32)
+    pr.save(ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.d.start_load_kv({"r": (params, [10, 11], [2])})
+    assert pr.d.pending() == []
+    assert pr.get_finished() == (["r"], [])
+
+
+def test_bad_have_fails_the_request_alone(pair):
+    pr = pair()
+    pr.p.add_request("r", 32)
+    pr.save(ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.d.start_load_kv({"r": (params, [10, 11], [-1])})
+    assert pr.get_finished() == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {10, 11}
+
+
+def test_worker_refuses_metadata_of_another_p_instance(pair):
+    pr = pair()
+    pr.p.add_request("r", 32)
+    meta = pr.p.build_connector_meta([ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True)])
+    meta.instance = "someone-else"
+    with pytest.raises(InvalidInputError, match="someone-else"):
+        pr.p.wait_for_save(pr.caches("p"), meta)
+
+
+def test_import_kvxfer_pulls_in_neither_vllm_nor_torch():
+    code = ("import sys, kvxfer, kvxfer.connector, kvxfer.cli; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

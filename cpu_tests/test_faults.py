@@ -53,11 +53,6 @@ def assert_d_holds(pr, d_ids, p_ids, group=0):
         assert (as_bits(d_cache)[d_ids] == as_bits(p_cache)[p_ids]).all()
 
 
-def _bad_fingerprint_shape(params, table):
-    params["groups"][0]["fingerprints"] = params["groups"][0]["fingerprints"][:1]
-    return params, table
-
-
 def _d_ids_out_of_range(params, table):
     return params, [SHAPE[0] + 3, SHAPE[0] + 4]
 
@@ -74,8 +69,8 @@ def _repeated_block_in_table(params, table):
     return params, [table[0], table[0]]
 
 
-def _layout_of_another_dtype(params, table):
-    params["groups"][0]["layout"]["dtype"] = "float8_e4m3fn"
+def _keys_and_slots_of_unequal_length(params, table):
+    params["groups"][0]["slots"] = params["groups"][0]["slots"][:1]
     return params, table
 
 
@@ -93,13 +88,18 @@ def _table_of_floats(params, table):
     return params, [float(b) for b in table]
 
 
-REFUSED_AT_START = [_bad_fingerprint_shape, _d_ids_out_of_range, _table_too_short,
-                    _null_block_in_table, _repeated_block_in_table, _layout_of_another_dtype,
+REFUSED_AT_START = [_d_ids_out_of_range, _table_too_short, _null_block_in_table,
+                    _repeated_block_in_table, _keys_and_slots_of_unequal_length,
                     _params_missing_a_field, _keys_as_strings, _table_of_floats]
 
 
 def _corrupt_staged_byte(pr, params):
-    pr.p.staging.regions[1][pr.p.staging.slot("b", 1)].view(np.uint8)[7] ^= 0x10
+    pr.p.staging.regions[1][pr.p.slot_map.slot("b", 1)].view(np.uint8)[7] ^= 0x10
+    return params
+
+
+def _corrupt_staged_fingerprint(pr, params):
+    pr.p.staging.prints[pr.p.slot_map.slot("b", 0), 1] ^= 0x4  # a hostile or faulty P
     return params
 
 
@@ -108,7 +108,7 @@ def _generation_p_never_gave(pr, params):
     return params
 
 
-FAILED_AFTER_READ = [_corrupt_staged_byte, _generation_p_never_gave]
+FAILED_AFTER_READ = [_corrupt_staged_byte, _corrupt_staged_fingerprint, _generation_p_never_gave]
 
 
 @pytest.mark.parametrize("spoil", REFUSED_AT_START + FAILED_AFTER_READ,
@@ -136,7 +136,8 @@ def test_bad_middle_request_fails_alone_and_the_others_finish(pair, spoil):
     assert_d_holds(pr, [10, 11, 14, 15], [2, 3, 6, 7])
     # D verifies after the scatter, so a corrupt read has written b's own blocks (the
     # engine recomputes them); every other failure leaves them as they were.
-    untouched = [0, 1, 16] if spoil is _corrupt_staged_byte else [0, 1, 12, 13, 16]
+    scattered = spoil in (_corrupt_staged_byte, _corrupt_staged_fingerprint)
+    untouched = [0, 1, 16] if scattered else [0, 1, 12, 13, 16]
     for b, c in zip(before, pr.d_caches[0]):
         assert (as_bits(c)[untouched] == b[untouched]).all()
     assert pr.d.staging.num_free_slots == pr.d.staging.num_slots
@@ -233,9 +234,9 @@ def test_request_finished_before_its_prefill_completed_frees_its_staging(pair):
     pr = pair()
     pr.p.add_request("r", 100)
     pr.save(ScheduledRequest("r", 0, 40, ([2, 3, 4, 5, 6, 7, 8],), full_table=True))
-    assert "r" in pr.p.staging
+    assert "r" in pr.p.slot_map
     assert pr.p.request_finished("r") is None
-    assert "r" not in pr.p.staging and pr.p.staging.num_free_slots == pr.p.staging.num_slots
+    assert "r" not in pr.p.slot_map and pr.p.slot_map.num_free_slots == pr.p.slot_map.num_slots
     pr.p.add_request("r", 100)  # and the id may be used again
 
 

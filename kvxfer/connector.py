@@ -1,24 +1,35 @@
 """P and D put together, in the engine's terms (vLLM's `KVConnectorBase_V1`).
 
-P (`PrefillConnector`): the scheduler hands each step to
-`build_connector_meta`, which asks the `SaveTracker` which blocks to copy
-and at which table positions; after the forward pass `wait_for_save` copies
-them out of the device caches straight into that group's registered host
-staging (one gather per KV cache group for all requests of the step, with
-fingerprints), keyed by table position. When a request's prefill completes its
-blocks are held under a lease and `request_finished` returns the
-`kv_transfer_params` the engine forwards to D. `get_finished` reports the
-requests D has read (or whose lease expired), whose blocks the engine may now
-free.
+P is split the way vLLM splits a connector, by role:
 
-D (`DecodeConnector`): `start_load_kv` checks each request's params against
-D's own block table and posts the NIXL reads; `get_finished` advances them,
+- `PrefillScheduler` (scheduler side, no caches, no device): each step goes
+  to `build_connector_meta`, which asks the `SaveTracker` which blocks to
+  copy and at which table positions, assigns their staging slots, and, for a
+  request whose prefill completes in the step, its generation and its
+  `kv_transfer_params`. So the params exist as soon as the completing step is
+  planned: vLLM asks for them (`request_finished`) before the worker's output
+  for that step is processed. Its `SaveMeta` is plain data.
+- `PrefillWorker` (worker side, owns the registered staging and the NIXL
+  agent): after the forward pass `save` copies the planned blocks out of the
+  device caches straight into their slots (one gather per KV cache group for
+  all requests of the step) and writes their fingerprints into the staging's
+  fingerprint rows, which D reads with the blocks; then holds the completed
+  requests under a lease. `poll` reports the requests D has read (or whose
+  lease expired), whose slots the scheduler side may reuse (`release`).
+- `PrefillConnector`: the two side by side in one process.
+
+Since P's blocks sit in host staging once saved, the engine may free P's
+device blocks as soon as the request finishes; only the staging waits for D.
+
+D (`DecodeConnector`, worker side): `start_load_kv` checks each request's
+params against D's own block table, skips the entries D already holds (a
+local prefix hit), and posts the NIXL reads; `get_finished` advances them,
 scatters the received blocks from staging into the device caches in place
 (one scatter per group), fingerprints them there on device and checks each
-request against P's fingerprints (a mismatch fails the request: the blocks it
-wrote are its own, and recomputed), and returns the new caches with the
-finished and failed request ids; `get_block_ids_with_load_errors` lists the
-logical block ids to recompute.
+request against P's fingerprints, read from P with the blocks (a mismatch
+fails the request: the blocks it wrote are its own, and recomputed), and
+returns the new caches with the finished and failed request ids;
+`get_block_ids_with_load_errors` lists the logical block ids to recompute.
 
 Blocks travel with their positions. For every block P sends, the params say
 which entry of the request's block table (which token range) it holds, in
@@ -53,7 +64,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -64,8 +75,14 @@ from kvxfer.errors import CorruptionError, InvalidInputError, KvxferError, Layou
 from kvxfer.gather import compare_fingerprints, fingerprint_blocks, gather_into, scatter_blocks
 from kvxfer.layout import CacheLayout
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
-from kvxfer.staging import Staging, StagingFullError
-from kvxfer.transport import DecodeTransport, PrefillTransport, ReadParams, TransportConfig
+from kvxfer.staging import SlotMap, Staging, StagingFullError
+from kvxfer.transport import (
+    DecodeTransport,
+    PrefillTransport,
+    ReadParams,
+    TransportConfig,
+    new_instance,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,14 +176,27 @@ Placed = list[tuple[int, int]]
 
 @dataclass
 class SaveMeta:
-    """One step's saves, and which requests restart or complete.
+    """One step's saves, as P's scheduler side hands them to its worker side.
 
-    `blocks[req_id][g]` lists group `g`'s `(kernel position, kernel id)` pairs.
+    - `blocks[req_id][g]`: group `g`'s `(kernel position, kernel id)` pairs;
+    - `slots[req_id][g]`: the staging slot of each of those blocks;
+    - `holds[req_id]`: the generation under which a request whose prefill
+      completes this step is held for D, once its blocks are saved;
+    - `instance`: the P instance the params name (the worker's transport is
+      started under it).
+
+    Plain data (ints, strs, lists): it crosses vLLM's scheduler -> worker
+    boundary as `KVConnectorMetadata`.
     """
 
+    instance: str = ""
     blocks: dict[str, tuple[Placed, ...]] = field(default_factory=dict)
-    restarted: set[str] = field(default_factory=set)
-    completed: set[str] = field(default_factory=set)
+    slots: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    holds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def completed(self) -> set[str]:
+        return set(self.holds)
 
     @property
     def kernel_ids(self) -> dict[str, list[int]]:
@@ -178,8 +208,219 @@ def _kernel_placed(placed: Iterable[tuple[int, int]], ratio: int) -> Placed:
     return [(index * ratio + j, block * ratio + j) for index, block in placed for j in range(ratio)]
 
 
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where D reaches P's worker: its agent name, host and NIXL listener port."""
+
+    name: str
+    host: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidInputError(f"P agent name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise InvalidInputError(f"P host must be a non-empty str, got {self.host!r}")
+        if not is_int(self.port) or not 0 < self.port <= 65535:
+            raise InvalidInputError(f"P port must be an int in [1, 65535], got {self.port!r}")
+
+
+class PrefillScheduler:
+    """P's scheduler side: save plans, staging slots, transfer identity and params.
+
+    Needs no caches and touches no device (it runs in vLLM's scheduler process): the
+    worker side (`PrefillWorker`) copies what `build_connector_meta` says into
+    the slots it says. Because the slots and the generation are decided here,
+    the params D needs are known as soon as the completing step is planned,
+    which is when vLLM asks for them (`request_finished` runs before the
+    worker's output for that step is processed).
+
+    A request whose blocks do not fit the staging is dropped (logged): it
+    gets no params, so D computes its prompt itself; raising here would stop
+    the engine.
+
+    Arguments:
+        groups: the engine's KV cache groups.
+        staging_blocks: kernel blocks per layer of each group's staging (the
+            worker's must be the same).
+        kernel_ratio: kernel blocks per logical block.
+        address: where D reaches P's worker.
+        instance: P's identity for this start (`new_instance()` when None).
+    """
+
+    def __init__(self, groups: Sequence[GroupSpec], *, staging_blocks: int, kernel_ratio: int,
+                 address: PeerAddress, instance: str | None = None):
+        self.tracker = SaveTracker(groups)
+        if not isinstance(address, PeerAddress):
+            raise InvalidInputError(f"address must be a PeerAddress, got {address!r:.80}")
+        for name, value in (("staging_blocks", staging_blocks), ("kernel_ratio", kernel_ratio)):
+            if not is_int(value) or value <= 0:
+                raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
+        self.kernel_ratio = kernel_ratio
+        self.address = address
+        self.instance = instance or new_instance()
+        self.slot_maps = [SlotMap(staging_blocks) for _ in self.tracker.groups]
+        self._next_generation = 1
+        self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
+        self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
+        self._dropped: set[str] = set()  # did not fit the staging
+
+    def add_request(self, req_id: str, num_prompt_tokens: int) -> None:
+        """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
+
+        Refused while P still holds a request of that id (being prefilled,
+        staged, or waiting for D): its params could otherwise read the new
+        prefill's blocks.
+        """
+        if not isinstance(req_id, str) or not req_id:
+            raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
+        if req_id in self._held or req_id in self._params or any(req_id in m for m in self.slot_maps):
+            raise InvalidInputError(
+                f"request {req_id!r} is still held on P for D; it cannot be added again until "
+                f"D has read it or its lease expired (get_finished reports it)")
+        self._dropped.discard(req_id)
+        self.tracker.add(req_id, num_prompt_tokens)
+
+    def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
+        """This step's saves: kernel ids, kernel positions and staging slots of every group."""
+        scheduled = list(scheduled)
+        meta = SaveMeta(instance=self.instance)
+        restarted = {s.req_id for s in scheduled if s.full_table and s.req_id in self.tracker}
+        for req_id, groups in self.tracker.plan_placed(scheduled).items():
+            if req_id in restarted:  # new, or resumed after preemption: staged afresh
+                self._free_slots(req_id)
+            placed = tuple(_kernel_placed(g, self.kernel_ratio) for g in groups)
+            try:
+                slots = tuple(m.assign(req_id, [pos for pos, _ in blocks])
+                              for m, blocks in zip(self.slot_maps, placed))
+            except StagingFullError as e:
+                logger.warning("P drops request %s: %s; D will compute its prompt", req_id, e)
+                self.abort(req_id)
+                self._dropped.add(req_id)
+                continue
+            meta.blocks[req_id], meta.slots[req_id] = placed, slots
+            if req_id not in self.tracker:  # its prefill completes this step
+                self._complete(req_id, meta)
+        return meta
+
+    def _complete(self, req_id: str, meta: SaveMeta) -> None:
+        keys = [m.blocks(req_id) if req_id in m else [] for m in self.slot_maps]
+        if not any(keys):
+            logger.warning("P request %s completed with nothing staged", req_id)
+            return
+        generation = self._next_generation
+        self._next_generation += 1
+        meta.holds[req_id] = generation
+        self._held.add(req_id)
+        self._params[req_id] = ReadParams(
+            peer=self.address.name, instance=self.instance, host=self.address.host,
+            port=self.address.port, req_id=req_id, generation=generation,
+            keys=tuple(map(tuple, keys)),
+            slots=tuple(tuple(m.slots(req_id, k)) if k else () for m, k in zip(self.slot_maps, keys)),
+        ).to_dict()
+
+    def request_finished(self, req_id: str) -> dict[str, Any] | None:
+        """The `kv_transfer_params` D needs, once the request's prefill is planned to completion.
+
+        A request finished before its prefill completed has nothing for D: its
+        plan state and slots are dropped and None is returned; so is a request
+        dropped for want of staging.
+        """
+        if req_id in self.tracker:
+            self.abort(req_id)
+            return None
+        self._dropped.discard(req_id)
+        return self._params.pop(req_id, None)
+
+    def abort(self, req_id: str) -> None:
+        """Drop an aborted request's plan state and slots (not those D may be reading)."""
+        self.tracker.abort(req_id)
+        self._params.pop(req_id, None)
+        if req_id not in self._held:
+            self._free_slots(req_id)
+
+    def release(self, freed: Iterable[str]) -> None:
+        """The worker freed these requests (read by D, or lease expired): reuse their slots."""
+        for req_id in freed:
+            self._held.discard(req_id)
+            self._free_slots(req_id)
+
+    def held(self) -> list[str]:
+        """Requests handed to D whose slots the worker has not yet freed."""
+        return sorted(self._held)
+
+    def _free_slots(self, req_id: str) -> None:
+        for m in self.slot_maps:
+            if req_id in m:
+                m.free(req_id)
+
+
+class PrefillWorker:
+    """P's worker side: copies planned blocks into staging and serves them to D.
+
+    Arguments:
+        config: `ConnectorConfig` (`staging_blocks` must be the scheduler side's).
+        caches: the current per-layer caches of each group (a plain list of
+            arrays when there is one group); only their layouts are kept.
+        instance: the scheduler side's P instance (`new_instance()` when None).
+    """
+
+    def __init__(self, config: ConnectorConfig,
+                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+                 instance: str | None = None):
+        if not isinstance(config, ConnectorConfig):
+            raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
+        self.config = config
+        per_group, _ = _per_group(caches)
+        self.layouts = _layouts(per_group, config.kernel_ratio)
+        self.stagings = [_staging_for(layout, config) for layout in self.layouts]
+        self.transport = PrefillTransport(config.transport, self.stagings,
+                                          _advertised(self.layouts), instance=instance)
+
+    @property
+    def address(self) -> PeerAddress:
+        t = self.transport
+        return PeerAddress(t.config.name, t.config.host, t.port)
+
+    def save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+             meta: SaveMeta) -> None:
+        """Copy `meta`'s blocks from the caches into their slots, with their fingerprints.
+
+        One gather per group for every request of the step, straight into the
+        regions NIXL reads; a block copied again by a later chunk goes back to
+        its slot. Requests completing this step are then held for D.
+        """
+        if meta.instance != self.transport.instance:
+            raise InvalidInputError(
+                f"metadata is for P instance {meta.instance!r}, this worker serves "
+                f"{self.transport.instance!r}")
+        per_group, _ = _per_group(caches)
+        if len(per_group) != len(self.layouts):
+            raise InvalidInputError(
+                f"caches hold {len(per_group)} groups, this connector {len(self.layouts)}")
+        for g, (group_caches, staging) in enumerate(zip(per_group, self.stagings)):
+            ids = [k for groups in meta.blocks.values() for _, k in groups[g]]
+            if not ids:
+                continue
+            slots = np.asarray([s for groups in meta.slots.values() for s in groups[g]], np.int64)
+            prints = gather_into(group_caches, np.asarray(ids, np.int64), staging.regions, slots)
+            staging.prints[slots] = prints.T
+        for req_id, generation in meta.holds.items():
+            self.transport.lease(req_id, generation)
+
+    def poll(self) -> list[str]:
+        """Requests D has read, or whose lease expired: their slots may be reused."""
+        return self.transport.poll()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
 class PrefillConnector:
-    """P side: save plans, gathers into registered staging, leases for D.
+    """P in one process: a `PrefillScheduler` and a `PrefillWorker` side by side.
+
+    For engines that plan and run in one process (and for kvxfer's own demo
+    and tests); vLLM splits the two across processes (`kvxfer.vllm`).
 
     Arguments:
         config: `ConnectorConfig`.
@@ -193,148 +434,81 @@ class PrefillConnector:
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
         if not isinstance(config, ConnectorConfig):
             raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
-        self.config = config
-        self.tracker = SaveTracker(groups)
+        groups = list(groups)
         per_group, _ = _per_group(caches)
-        if len(per_group) != len(self.tracker.groups):
+        if len(per_group) != len(groups):
             raise InvalidInputError(f"caches hold {len(per_group)} groups, the GroupSpecs "
-                                    f"{len(self.tracker.groups)}")
-        self.layouts = _layouts(per_group, config.kernel_ratio)
-        self.stagings = [_staging_for(layout, config) for layout in self.layouts]
-        self.transport = PrefillTransport(config.transport, self.stagings, _advertised(self.layouts))
-        # req -> per group: kernel position -> uint32[layers]
-        self._fingerprints: dict[str, list[dict[int, np.ndarray]]] = {}
-        self._params: dict[str, dict[str, Any]] = {}
+                                    f"{len(groups)}")
+        SaveTracker(groups)  # checks the specs before a NIXL agent starts
+        self.config = config
+        self.worker = PrefillWorker(config, caches)
+        try:
+            self.scheduler = PrefillScheduler(
+                groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
+                address=self.worker.address, instance=self.worker.transport.instance)
+        except BaseException:
+            self.worker.close()
+            raise
+
+    @property
+    def tracker(self) -> SaveTracker:
+        return self.scheduler.tracker
+
+    @property
+    def layouts(self) -> list[CacheLayout]:
+        return self.worker.layouts
+
+    @property
+    def stagings(self) -> list[Staging]:
+        return self.worker.stagings
 
     @property
     def staging(self) -> Staging:
         """The first group's staging (the only one for a single-group model)."""
-        return self.stagings[0]
+        return self.worker.stagings[0]
 
-    # -- scheduler side
+    @property
+    def transport(self) -> PrefillTransport:
+        return self.worker.transport
+
+    @property
+    def slot_map(self) -> SlotMap:
+        """The first group's slot bookkeeping (which request's blocks sit in which slots)."""
+        return self.scheduler.slot_maps[0]
 
     def add_request(self, req_id: str, num_prompt_tokens: int) -> None:
-        """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
-
-        Refused while P still holds a request of that id (being prefilled,
-        staged, or waiting for D): its params could otherwise read the new
-        prefill's blocks.
-        """
-        if not isinstance(req_id, str) or not req_id:
-            raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
-        if (req_id in self.transport.held() or req_id in self._params
-                or any(req_id in s for s in self.stagings)):
-            raise InvalidInputError(
-                f"request {req_id!r} is still held on P for D; it cannot be added again until "
-                f"D has read it or its lease expired (get_finished reports it)")
-        self.tracker.add(req_id, num_prompt_tokens)
+        """See `PrefillScheduler.add_request`."""
+        self.scheduler.add_request(req_id, num_prompt_tokens)
 
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
-        """This step's saves, in kernel block ids and kernel positions of every group."""
-        scheduled = list(scheduled)
-        meta = SaveMeta()
-        tracked = {s.req_id: s for s in scheduled if s.req_id in self.tracker}
-        ratio = self.config.kernel_ratio
-        for req_id, groups in self.tracker.plan_placed(scheduled).items():
-            meta.blocks[req_id] = tuple(_kernel_placed(placed, ratio) for placed in groups)
-            if tracked[req_id].full_table:
-                meta.restarted.add(req_id)
-            if req_id not in self.tracker:
-                meta.completed.add(req_id)
-        return meta
-
-    # -- worker side
+        """See `PrefillScheduler.build_connector_meta`."""
+        return self.scheduler.build_connector_meta(scheduled)
 
     def wait_for_save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                       meta: SaveMeta) -> None:
-        """Copy this step's planned blocks from the caches into staging.
-
-        One gather per group for every request of the step; a block copied
-        again by a later chunk replaces its earlier copy (same position, same
-        slot). Completed requests are then held for D under a lease.
-        """
-        per_group, _ = _per_group(caches)
-        if len(per_group) != len(self.layouts):
-            raise InvalidInputError(
-                f"caches hold {len(per_group)} groups, this connector {len(self.layouts)}")
-        for req_id in meta.restarted:
-            for staging in self.stagings:  # resumed after preemption: start over
-                if req_id in staging:
-                    staging.free(req_id)
-            self._fingerprints.pop(req_id, None)
-        for g, (group_caches, staging) in enumerate(zip(per_group, self.stagings)):
-            placed = [(req_id, groups[g]) for req_id, groups in meta.blocks.items() if groups[g]]
-            ids, slots, assigned, full = [], [], [], None
-            for req_id, blocks in placed:
-                try:
-                    slots += staging.assign(req_id, [pos for pos, _ in blocks])
-                except StagingFullError as e:
-                    full = e  # stage the requests that fit, then raise
-                    break
-                ids += [k for _, k in blocks]
-                assigned.append((req_id, blocks))
-            # Straight from the caches into the slots NIXL reads: no host copy between.
-            prints = gather_into(group_caches, np.asarray(ids, np.int64), staging.regions,
-                                 np.asarray(slots, np.int64))
-            start = 0
-            for req_id, blocks in assigned:
-                per_block = self._fingerprints.setdefault(
-                    req_id, [{} for _ in self.stagings])[g]
-                for i, (pos, _) in enumerate(blocks):
-                    per_block[pos] = prints[:, start + i]
-                start += len(blocks)
-            if full is not None:
-                raise full
-        for req_id in meta.completed:
-            self._hold(req_id)
-
-    def _hold(self, req_id: str) -> None:
-        if not any(req_id in s for s in self.stagings):
-            logger.warning("P request %s completed with nothing staged", req_id)
-            return
-        params = self.transport.hold(req_id)
-        prints = self._fingerprints.pop(req_id)
-        for g, group in enumerate(params["groups"]):
-            num_layers = self.layouts[g].num_layers
-            group["fingerprints"] = (
-                np.stack([prints[g][k] for k in group["keys"]], axis=1) if group["keys"]
-                else np.zeros((num_layers, 0), np.uint32)).tolist()
-            group["layout"] = self.layouts[g].to_dict()
-        self._params[req_id] = params
+        """See `PrefillWorker.save`."""
+        self.worker.save(caches, meta)
 
     def request_finished(self, req_id: str) -> dict[str, Any] | None:
-        """The `kv_transfer_params` D needs, once the request's prefill is saved.
-
-        A request finished before its prefill completed has nothing for D: its
-        plan state and staged blocks are dropped and None is returned.
-        """
-        if req_id in self.tracker:
-            self.abort(req_id)
-            return None
-        return self._params.pop(req_id, None)
+        """See `PrefillScheduler.request_finished`."""
+        return self.scheduler.request_finished(req_id)
 
     def abort(self, req_id: str) -> None:
-        """Drop an aborted request's plan state and staged blocks (not those D may be reading)."""
-        self.tracker.abort(req_id)
-        self._params.pop(req_id, None)
-        self._fingerprints.pop(req_id, None)
-        if req_id not in self.transport.held():
-            for staging in self.stagings:
-                if req_id in staging:
-                    staging.free(req_id)
+        """See `PrefillScheduler.abort`."""
+        self.scheduler.abort(req_id)
 
     def get_finished(self) -> list[str]:
         """Requests D has read, or whose lease expired: their blocks may be freed."""
-        return self.transport.poll()
+        freed = self.worker.poll()
+        self.scheduler.release(freed)
+        return freed
 
     def close(self) -> None:
-        self.transport.close()
+        self.worker.close()
 
 
 @dataclass
 class _Load:
-    layouts: list[CacheLayout]  # P's, per group
-    fingerprints: list[np.ndarray]  # per group, uint32[layers, n]
     keys: list[list[int]]  # per group, P's kernel positions
     kernel_ids: list[list[int]]  # per group, D's kernel ids, aligned with keys
     logical_ids: list[int]  # D's logical ids, all groups: what a failure reports
@@ -377,39 +551,46 @@ class DecodeConnector:
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._refused: list[str] = []  # failed in start_load_kv, reported by get_finished
+        self._held_locally: list[str] = []  # nothing to read, reported finished by get_finished
 
     @property
     def staging(self) -> Staging:
         """The first group's staging (the only one for a single-group model)."""
         return self.stagings[0]
 
-    def start_load_kv(self, requests: Mapping[str, tuple[Mapping[str, Any], Any]]) -> None:
-        """Start reading each request: `{req_id: (kv_transfer_params, D's block table)}`.
+    def start_load_kv(self, requests: Mapping[str, tuple[Any, ...]]) -> None:
+        """Start reading each request: `{req_id: (kv_transfer_params, D's block table[, have])}`.
 
         D's table is, per group, its logical block ids in token order (a plain
         list of ids when there is one group); entries past the prompt
         (allocated for decode) are ignored. Each block P sends lands in the
-        entry at its position. A request whose params or table are bad is
-        failed alone (reported by the next `get_finished`); a request id
-        already loading raises `InvalidInputError` before anything starts.
+        entry at its position. `have` (optional), per group, counts the
+        leading table entries D already holds (a local prefix-cache hit):
+        blocks P sends for those entries are not read. A request whose params
+        or table are bad is failed alone (reported by the next
+        `get_finished`); a request id already loading raises
+        `InvalidInputError` before anything starts.
         """
         if not isinstance(requests, Mapping):
             raise InvalidInputError(f"requests must be a dict, got {type(requests).__name__}")
         for req_id in requests:
             if not isinstance(req_id, str) or not req_id:
                 raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
-            if req_id in self._loads or req_id in self._refused:
+            if req_id in self._loads or req_id in self._refused or req_id in self._held_locally:
                 raise InvalidInputError(f"request {req_id!r} is already loading")
         for req_id, entry in requests.items():
-            pair = isinstance(entry, (tuple, list)) and len(entry) == 2
-            params, table = entry if pair else (None, ())
+            ok = isinstance(entry, (tuple, list)) and len(entry) in (2, 3)
+            params, table, have = (*entry, None)[:3] if ok else (None, (), None)
             try:
-                if not pair:
+                if not ok:
                     raise InvalidInputError(
-                        f"request {req_id!r}: expected (kv_transfer_params, block table), "
+                        f"request {req_id!r}: expected (kv_transfer_params, block table[, have]), "
                         f"got {entry!r:.80}")
-                load = self._prepare(req_id, params, table)
-                self.transport.start_read(req_id, params, load.logical_ids)
+                p, load = self._prepare(req_id, params, table, have)
+                if not any(load.keys):
+                    self._held_locally.append(req_id)  # D has every block P sends
+                    continue
+                self.transport.start_read(req_id, p.to_dict(), load.logical_ids)
             except KvxferError as e:
                 logger.warning("D refuses request %s: %s", req_id, e)
                 self._refused.append(req_id)
@@ -417,8 +598,12 @@ class DecodeConnector:
                 continue
             self._loads[req_id] = load
 
-    def _prepare(self, req_id: str, params: Any, table: Any) -> _Load:
-        """Check `params` against D's table and layouts; map P's positions to D's kernel ids."""
+    def _prepare(self, req_id: str, params: Any, table: Any,
+                 have: Any) -> tuple[ReadParams, _Load]:
+        """Check `params` against D's table; map P's positions to D's kernel ids.
+
+        Returns the params to read (without the blocks D already has) and the load.
+        """
         p = ReadParams.parse(params, len(self.layouts))
         tables = [table] if len(self.layouts) == 1 and _is_id_list(table) else table
         if (not isinstance(tables, (list, tuple)) or len(tables) != len(self.layouts)
@@ -426,26 +611,19 @@ class DecodeConnector:
             raise InvalidInputError(
                 f"request {req_id!r}: D's block table must be {len(self.layouts)} list(s) of "
                 f"non-negative int block ids, got {table!r:.120}")
-        load = _Load([], [], [], [], [])
+        have = [0] * len(self.layouts) if have is None else have
+        if (not isinstance(have, (list, tuple)) or len(have) != len(self.layouts)
+                or not all(is_int(h) and h >= 0 for h in have)):
+            raise InvalidInputError(f"request {req_id!r}: 'have' must be {len(self.layouts)} "
+                                    f"non-negative int(s), got {have!r:.80}")
+        load = _Load([], [], [])
+        keep_keys, keep_slots = [], []
         logical: dict[int, None] = {}
-        for g, (keys, ours, group) in enumerate(zip(p.keys, self.layouts, params["groups"])):
-            try:
-                theirs = CacheLayout.from_dict(group["layout"])
-                prints = np.asarray(group["fingerprints"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise InvalidInputError(f"request {req_id!r} group {g}: params lack a valid "
-                                        f"layout or fingerprints: {e!r:.120}") from None
-            check_block_compatible({"groups": [_block_fields(ours)]},
-                                   {"groups": [_block_fields(theirs)]})
-            want = (theirs.num_layers, len(keys))
-            if (prints.shape != want or not np.issubdtype(prints.dtype, np.integer)
-                    or (prints.size and (prints.min() < 0 or prints.max() >= 1 << 32))):
-                raise InvalidInputError(
-                    f"request {req_id!r} group {g}: fingerprints of shape {prints.shape} "
-                    f"(dtype {prints.dtype}); expected uint32 {list(want)}")
+        for g, (keys, slots, ours) in enumerate(zip(p.keys, p.slots, self.layouts)):
             ratio, d_table = ours.kernel_ratio, tables[g]
+            kept = [(key, slot) for key, slot in zip(keys, slots) if key // ratio >= have[g]]
             kernel_ids = []
-            for key in keys:
+            for key, _ in kept:
                 entry, j = divmod(key, ratio)
                 if entry >= len(d_table):
                     raise InvalidInputError(
@@ -465,12 +643,12 @@ class DecodeConnector:
             if len(set(kernel_ids)) != len(kernel_ids):
                 raise InvalidInputError(f"request {req_id!r} group {g}: D's table repeats a block "
                                         f"id at the positions P sends")
-            load.layouts.append(theirs)
-            load.fingerprints.append(prints.astype(np.uint32))
-            load.keys.append(list(keys))
+            keep_keys.append(tuple(k for k, _ in kept))
+            keep_slots.append(tuple(s for _, s in kept))
+            load.keys.append([k for k, _ in kept])
             load.kernel_ids.append(kernel_ids)
         load.logical_ids = list(logical)
-        return load
+        return replace(p, keys=tuple(keep_keys), slots=tuple(keep_slots)), load
 
     def get_finished(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
                      ) -> tuple[Any, list[str], list[str]]:
@@ -494,6 +672,7 @@ class DecodeConnector:
                                           f"was built for {layout}")
         done, failed = self.transport.poll()
         failed_ids, self._refused = self._refused, []
+        local, self._held_locally = self._held_locally, []
         for req_id, logical in failed.items():
             self._load_errors.update(logical)
             self._loads.pop(req_id, None)
@@ -506,7 +685,7 @@ class DecodeConnector:
         finally:
             for req_id in loads:
                 self.transport.free(req_id)
-        finished = []
+        finished = local
         for req_id, load in loads.items():
             if req_id in bad:
                 logger.error("D request %s failed after its read: %s", req_id, bad[req_id])
@@ -551,10 +730,11 @@ class DecodeConnector:
         caches = scatter_blocks(caches, staging.regions, ids_array, rows=np.asarray(slots, np.int64))
         if self.config.verify_fingerprints:
             got = fingerprint_blocks(caches, ids_array)
+            expected = staging.prints[slots].T  # P's, read with the blocks
             for req_id, start, count in spans:
                 try:
                     compare_fingerprints(got[:, start : start + count],
-                                         loads[req_id].fingerprints[g])
+                                         expected[:, start : start + count])
                 except CorruptionError as e:
                     bad[req_id] = f"group {g}: {e}"
         return caches

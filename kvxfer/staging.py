@@ -141,53 +141,32 @@ class _Request:
     spare: list[int] = field(default_factory=list)  # reserved, not yet used, in order
 
 
-class Staging:
-    """Registered host regions and the (request, kernel block id) -> slot map.
+class SlotMap:
+    """Which request's blocks sit in which staging slots: the bookkeeping of a `Staging`.
+
+    Needs no memory and no JAX, so an engine's scheduler process can hand out
+    slots (vLLM's scheduler-side connector) while the worker that owns the
+    registered regions copies into the slots it is told.
 
     **Arguments:**
 
-    - `num_layers`: one region per layer (per KV cache array).
-    - `num_slots`: blocks each region holds.
-    - `block_shape`: shape of one kernel block, e.g. `(tokens, heads, p, dim)`.
-    - `dtype`: the cache dtype (a numpy dtype; `ml_dtypes` names work once imported).
+    - `num_slots`: slots in each region.
     - `placement`: `"runs"` (contiguous slots per request) or `"mirror"` (slot = block id).
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        block_shape: Sequence[int],
-        dtype: Any = np.uint8,
-        placement: Placement = "runs",
-    ) -> None:
-        for name, value in (("num_layers", num_layers), ("num_slots", num_slots)):
-            if not is_int(value) or value <= 0:
-                raise InvalidInputError(f"Staging {name} must be a positive int, got {value!r}")
+    def __init__(self, num_slots: int, placement: Placement = "runs") -> None:
+        if not is_int(num_slots) or num_slots <= 0:
+            raise InvalidInputError(f"Staging num_slots must be a positive int, got {num_slots!r}")
         if placement not in ("runs", "mirror"):
             raise InvalidInputError(f"placement must be 'runs' or 'mirror', got {placement!r}")
-        self.block_shape = tuple(int(d) for d in block_shape)
-        self.dtype = np.dtype(dtype)
         self.num_slots = num_slots
         self.placement = placement
-        self.regions: list[np.ndarray] = [
-            _aligned_region((num_slots, *self.block_shape), self.dtype) for _ in range(num_layers)
-        ]
-        self.block_bytes = self.regions[0][0].nbytes
         self._free = SlotAllocator(num_slots)
         self._requests: dict[Hashable, _Request] = {}
 
     @property
-    def num_layers(self) -> int:
-        return len(self.regions)
-
-    @property
     def num_free_slots(self) -> int:
         return self._free.num_free if self.placement == "runs" else self.num_slots
-
-    def region_addresses(self) -> list[tuple[int, int]]:
-        """`(base address, length in bytes)` of each layer's region, for registration."""
-        return [(r.ctypes.data, r.nbytes) for r in self.regions]
 
     def reserve(self, req_id: Hashable, num_blocks: int) -> None:
         """Reserve `num_blocks` contiguous slots for blocks `req_id` will stage later.
@@ -231,6 +210,94 @@ class Staging:
         del req.spare[: len(new)]
         return [req.slots[k] for k in kernel_ids]
 
+    def slot(self, req_id: Hashable, kernel_id: int) -> int:
+        """The slot holding kernel block `kernel_id` of `req_id`."""
+        return self.slots(req_id, [kernel_id])[0]
+
+    def slots(self, req_id: Hashable, kernel_ids: Sequence[int]) -> list[int]:
+        """Slots holding `kernel_ids` of `req_id`, in order."""
+        req = self._request(req_id)
+        missing = [k for k in kernel_ids if k not in req.slots]
+        if missing:
+            raise UnknownRequestError(
+                f"request {req_id!r} has no staged kernel blocks {missing}"
+            )
+        return [req.slots[k] for k in kernel_ids]
+
+    def blocks(self, req_id: Hashable) -> list[int]:
+        """Kernel ids staged for `req_id`, in the order they were first staged."""
+        return list(self._request(req_id).slots)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._requests
+
+    def requests(self) -> list[Hashable]:
+        return list(self._requests)
+
+    def free(self, req_id: Hashable) -> None:
+        """Release every slot of `req_id` (staged or reserved)."""
+        req = self._requests.pop(req_id, None)
+        if req is None:
+            raise UnknownRequestError(f"request {req_id!r} is not staged")
+        if self.placement == "runs":
+            for start, length in coalesce(sorted([*req.slots.values(), *req.spare])):
+                self._free.release(start, length)
+
+    def _request(self, req_id: Hashable) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            raise UnknownRequestError(f"request {req_id!r} is not staged")
+        return req
+
+
+class Staging(SlotMap):
+    """Registered host regions, and the (request, key) -> slot map of a `SlotMap`.
+
+    **Arguments:**
+
+    - `num_layers`: one region per layer (per KV cache array).
+    - `num_slots`: blocks each region holds.
+    - `block_shape`: shape of one kernel block, e.g. `(tokens, heads, p, dim)`.
+    - `dtype`: the cache dtype (a numpy dtype; `ml_dtypes` names work once imported).
+    - `placement`: `"runs"` (contiguous slots per request) or `"mirror"` (slot = block id).
+
+    Besides the block regions, `prints` (`uint32[num_slots, num_layers]`) holds
+    each staged block's fingerprints, one row per slot: P writes them where it
+    gathers, D reads them with the blocks (one more descriptor per run), so
+    they travel with the bytes they vouch for and never through the engine.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        block_shape: Sequence[int],
+        dtype: Any = np.uint8,
+        placement: Placement = "runs",
+    ) -> None:
+        if not is_int(num_layers) or num_layers <= 0:
+            raise InvalidInputError(f"Staging num_layers must be a positive int, got {num_layers!r}")
+        super().__init__(num_slots, placement)
+        self.block_shape = tuple(int(d) for d in block_shape)
+        self.dtype = np.dtype(dtype)
+        self.regions: list[np.ndarray] = [
+            _aligned_region((num_slots, *self.block_shape), self.dtype) for _ in range(num_layers)
+        ]
+        self.prints = _aligned_region((num_slots, num_layers), np.dtype(np.uint32))
+        self.block_bytes = self.regions[0][0].nbytes
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.regions)
+
+    def region_addresses(self) -> list[tuple[int, int]]:
+        """`(base address, length in bytes)` of each layer's region, for registration."""
+        return [(r.ctypes.data, r.nbytes) for r in self.regions]
+
+    def prints_address(self) -> tuple[int, int]:
+        """`(base address, length in bytes)` of the fingerprint region."""
+        return self.prints.ctypes.data, self.prints.nbytes
+
     def stage(
         self, req_id: Hashable, kernel_ids: Sequence[int], rows_per_layer: Sequence[Any]
     ) -> list[int]:
@@ -264,45 +331,6 @@ class Staging:
                 i += length
         return slots
 
-    def slot(self, req_id: Hashable, kernel_id: int) -> int:
-        """The slot holding kernel block `kernel_id` of `req_id`."""
-        return self.slots(req_id, [kernel_id])[0]
-
-    def slots(self, req_id: Hashable, kernel_ids: Sequence[int]) -> list[int]:
-        """Slots holding `kernel_ids` of `req_id`, in order."""
-        req = self._request(req_id)
-        missing = [k for k in kernel_ids if k not in req.slots]
-        if missing:
-            raise UnknownRequestError(
-                f"request {req_id!r} has no staged kernel blocks {missing}"
-            )
-        return [req.slots[k] for k in kernel_ids]
-
-    def blocks(self, req_id: Hashable) -> list[int]:
-        """Kernel ids staged for `req_id`, in the order they were first staged."""
-        return list(self._request(req_id).slots)
-
     def rows(self, layer: int, slots: Sequence[int]) -> np.ndarray:
         """A copy of the blocks in `slots` of one layer, `[len(slots), *block_shape]`."""
         return self.regions[layer][np.asarray(slots, dtype=np.int64)]
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._requests
-
-    def requests(self) -> list[Hashable]:
-        return list(self._requests)
-
-    def free(self, req_id: Hashable) -> None:
-        """Release every slot of `req_id` (staged or reserved)."""
-        req = self._requests.pop(req_id, None)
-        if req is None:
-            raise UnknownRequestError(f"request {req_id!r} is not staged")
-        if self.placement == "runs":
-            for start, length in coalesce(sorted([*req.slots.values(), *req.spare])):
-                self._free.release(start, length)
-
-    def _request(self, req_id: Hashable) -> _Request:
-        req = self._requests.get(req_id)
-        if req is None:
-            raise UnknownRequestError(f"request {req_id!r} is not staged")
-        return req

@@ -26,10 +26,15 @@ Reads. P's `hold(req_id)` starts a lease and returns the transfer params
 (JSON-able; the engine forwards them to D as vLLM forwards
 `kv_transfer_params`): P's agent name, instance, address, a generation and,
 per group, the staging keys of the request's blocks (what the caller staged
-them under: `kvxfer.connector` uses table positions) and their P slots. D's
-`start_read` stages the same keys in its own slots and posts one NIXL READ
-with one descriptor per (group, layer, run of slots contiguous on both
-sides), so a request staged in one slot run costs one descriptor per layer.
+them under: `kvxfer.connector` uses table positions) and their P slots. A
+caller that makes the params elsewhere (vLLM's scheduler process, which must
+hand them out before the worker has saved the last chunk) builds them with
+`ReadParams(...).to_dict()` and starts the lease with `lease(req_id,
+generation)`. D's `start_read` stages the same keys in its own slots and
+posts one NIXL READ with one descriptor per (group, layer, run of slots
+contiguous on both sides), plus one per run for the slots' fingerprint rows
+(`Staging.prints`), so a request staged in one slot run costs one descriptor
+per layer and one more.
 
 Completion and leases. When the READ is done D sends `done(req, instance,
 generation)`; P frees the request's slots and answers `ack` with `ok` true
@@ -92,7 +97,7 @@ from kvxfer.staging import Staging
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _MAGIC = b"kvxfer:"
 _MAX_BIND_TRIES = 8
 _REFETCH_S = 0.25  # how often `connect` asks for a peer's metadata again
@@ -311,7 +316,8 @@ def _start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[
     _claim_name(config.name)
     try:
         agent, port = _create_agent(config)
-        regs = [(addr, n, 0, "") for s in stagings for addr, n in s.region_addresses()]
+        regs = [(addr, n, 0, "") for s in stagings
+                for addr, n in [*s.region_addresses(), s.prints_address()]]
         return agent, port, agent.register_memory(regs, "DRAM")
     except BaseException:
         _release_name(config.name)
@@ -339,6 +345,11 @@ def _free_everywhere(stagings: Sequence[Staging], req_id: str) -> None:
 
 
 # ---------------------------------------------------------------------- params
+
+
+def new_instance() -> str:
+    """A fresh P instance id: drawn at every start, so params outlive no restart."""
+    return secrets.token_hex(8)
 
 
 @dataclass(frozen=True)
@@ -401,6 +412,14 @@ class ReadParams:
             slots=tuple(slots),
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able params (what `parse` reads back)."""
+        return {
+            "peer": self.peer, "instance": self.instance, "host": self.host, "port": self.port,
+            "req_id": self.req_id, "generation": self.generation,
+            "groups": [{"keys": list(k), "slots": list(s)} for k, s in zip(self.keys, self.slots)],
+        }
+
 
 # ---------------------------------------------------------------------- P side
 
@@ -420,12 +439,17 @@ class PrefillTransport:
     - `staging`: the staging P saves blocks into, one per KV cache group (a
       single `Staging` is one group); their regions are registered here.
     - `layout`: JSON-able cache layout advertised to D at handshake.
+    - `instance`: this start's identity (`new_instance()` when None); a
+      scheduler that hands out params in another process draws it and passes
+      it here.
     """
 
     def __init__(self, config: TransportConfig, staging: Staging | Sequence[Staging],
-                 layout: Mapping[str, Any]):
+                 layout: Mapping[str, Any], instance: str | None = None):
         self.config, self.stagings, self.layout = config, _stagings(staging), dict(layout)
-        self.instance = secrets.token_hex(8)
+        if instance is not None and (not isinstance(instance, str) or not instance):
+            raise InvalidInputError(f"instance must be a non-empty str, got {instance!r}")
+        self.instance = instance or new_instance()
         self.agent, self.port, self._reg = _start_agent(config, self.stagings)
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
@@ -444,6 +468,7 @@ class PrefillTransport:
             "instance": self.instance,
             "layout": self.layout,
             "groups": [{"regions": [list(r) for r in s.region_addresses()],
+                        "prints": list(s.prints_address()),
                         "block_bytes": s.block_bytes, "num_slots": s.num_slots}
                        for s in self.stagings],
         }
@@ -454,27 +479,37 @@ class PrefillTransport:
         Call once the request's last chunk is staged. A request is held once:
         holding it again before it is freed raises `InvalidInputError`.
         """
-        now = time.monotonic() if now is None else now
         if req_id in self._leases:
             raise InvalidInputError(f"request {req_id!r} is already held for D")
         staged = [s.blocks(req_id) if req_id in s else [] for s in self.stagings]
         if not any(staged):
             raise InvalidInputError(f"request {req_id!r} has nothing staged to hold")
         generation = self._next_generation
-        self._next_generation += 1
+        self.lease(req_id, generation, now)
+        return ReadParams(
+            peer=self.config.name, instance=self.instance, host=self.config.host,
+            port=self.port, req_id=req_id, generation=generation, keys=tuple(map(tuple, staged)),
+            slots=tuple(tuple(s.slots(req_id, keys)) if keys else ()
+                        for s, keys in zip(self.stagings, staged)),
+        ).to_dict()
+
+    def lease(self, req_id: str, generation: int, now: float | None = None) -> None:
+        """Start `req_id`'s lease under a `generation` its params already name.
+
+        For a caller that made the params itself (vLLM's scheduler process
+        hands them out before the worker has saved the last chunk): the
+        generation must be fresh for this instance, else a late `done` for an
+        earlier hold could free this one.
+        """
+        now = time.monotonic() if now is None else now
+        if req_id in self._leases:
+            raise InvalidInputError(f"request {req_id!r} is already held for D")
+        if not _is_generation(generation) or generation < self._next_generation:
+            raise InvalidInputError(f"request {req_id!r}: generation {generation!r} is not "
+                                    f"fresh (next is {self._next_generation})")
+        self._next_generation = generation + 1
         self._leases[req_id] = _Lease(generation, now + self.config.lease_s)
-        logger.debug("P %s holds %s gen %s (%s blocks)", self.config.name, req_id,
-                     generation, sum(map(len, staged)))
-        return {
-            "peer": self.config.name,
-            "instance": self.instance,
-            "host": self.config.host,
-            "port": self.port,
-            "req_id": req_id,
-            "generation": generation,
-            "groups": [{"keys": keys, "slots": s.slots(req_id, keys) if keys else []}
-                       for s, keys in zip(self.stagings, staged)],
-        }
+        logger.debug("P %s holds %s gen %s", self.config.name, req_id, generation)
 
     def held(self) -> list[str]:
         return list(self._leases)
@@ -564,6 +599,7 @@ class PrefillTransport:
 @dataclass
 class _PeerGroup:
     regions: list[tuple[int, int]]
+    prints: tuple[int, int]
     block_bytes: int
     num_slots: int
 
@@ -697,6 +733,7 @@ class DecodeTransport:
             if not isinstance(instance, str) or not instance:
                 raise ValueError(f"instance {instance!r}")
             groups = [_PeerGroup([(int(a), int(n)) for a, n in g["regions"]],
+                                 (int(g["prints"][0]), int(g["prints"][1])),
                                  int(g["block_bytes"]), int(g["num_slots"]))
                       for g in advert["groups"]]
         except (KeyError, TypeError, ValueError) as e:
@@ -713,6 +750,10 @@ class DecodeTransport:
                     f"{theirs.block_bytes}-byte blocks, local staging has {ours.num_layers} of "
                     f"{ours.block_bytes}"
                 )
+            if theirs.prints[1] != theirs.num_slots * ours.prints.strides[0]:
+                raise LayoutMismatchError(
+                    f"peer {peer!r} group {g} advertises a {theirs.prints[1]}-byte fingerprint "
+                    f"region for {theirs.num_slots} slots of {ours.num_layers} layers")
         return _Peer(peer, instance, groups, layout)
 
     def _forget(self, peer: str) -> None:
@@ -835,6 +876,11 @@ class DecodeTransport:
                                                 strict=True):
                 remote.append(np.stack([p_base + runs[:, 0] * bb, lengths, 0 * lengths], 1))
                 local.append(np.stack([d_base + runs[:, 1] * bb, lengths, 0 * lengths], 1))
+            row = ours.prints.strides[0]  # the fingerprints of the same slots
+            lengths = runs[:, 2] * row
+            remote.append(np.stack([theirs.prints[0] + runs[:, 0] * row, lengths, 0 * lengths], 1))
+            local.append(np.stack([ours.prints_address()[0] + runs[:, 1] * row, lengths,
+                                   0 * lengths], 1))
         handle = self.agent.initialize_xfer(
             "READ",
             self.agent.get_xfer_descs(np.concatenate(local), "DRAM"),
