@@ -194,3 +194,18 @@ def test_import_kvxfer_pulls_in_neither_vllm_nor_torch():
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_d_reads_under_its_own_request_id_and_names_p_s_id_to_p(pair):
+    # vLLM's request ids differ between P and D (a random suffix): D's done and heartbeats must
+    # name P's id from the params, or P never frees the request and D never gets its ack.
+    pr = pair()
+    pr.p.add_request("p-side", 32)
+    pr.save(ScheduledRequest("p-side", 0, 32, ([2, 3],), full_table=True))
+    params = pr.p.request_finished("p-side")
+    pr.serve()
+    assert pr.load("d-side", params, [10, 11]) == (["d-side"], [])
+    deadline = time.monotonic() + 10
+    while "p-side" not in pr.freed:
+        assert time.monotonic() < deadline, "P never freed its request"
+        time.sleep(0.01)

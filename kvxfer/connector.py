@@ -681,7 +681,9 @@ class DecodeConnector:
         bad: dict[str, str] = {}
         try:
             for g in range(len(self.layouts)):
-                per_group[g] = self._write_group(g, per_group[g], loads, bad)
+                old = per_group[g]
+                per_group[g] = self._write_group(g, old, loads, bad)
+                _follow_donations(per_group[g + 1:], old, per_group[g])
         finally:
             for req_id in loads:
                 self.transport.free(req_id)
@@ -749,6 +751,17 @@ class DecodeConnector:
 
     def close(self) -> None:
         self.transport.close()
+
+
+def _follow_donations(later: list[list[jax.Array]], old: Sequence[jax.Array],
+                      new: Sequence[jax.Array]) -> None:
+    """Groups may share arrays (vLLM's hybrid allocator gives layer j of every group one
+    tensor, their blocks disjoint): where a later group holds an array just donated by
+    a scatter, it now holds the array that replaced it."""
+    replaced = {id(a): b for a, b in zip(old, new) if a is not b}
+    if replaced:
+        for caches in later:
+            caches[:] = [replaced.get(id(a), a) for a in caches]
 
 
 def _is_id_list(value: object) -> bool:

@@ -615,7 +615,8 @@ class _Peer:
 
 @dataclass
 class _Read:
-    req_id: str
+    req_id: str  # D's id (the caller's)
+    p_req_id: str  # P's id, from the params: what every message to P names
     peer: str
     instance: str
     generation: int
@@ -832,7 +833,7 @@ class DecodeTransport:
             else:
                 self._drop_peer(p.peer, f"params name instance {p.instance}, the connected "
                                         f"instance {connected.instance} does not answer")
-        read = _Read(req_id, p.peer, p.instance, p.generation, list(logical_ids),
+        read = _Read(req_id, p.req_id, p.peer, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s)
         self._reads[req_id] = read
         try:
@@ -918,7 +919,7 @@ class DecodeTransport:
                     self._release(read.handle)
                     read.handle = None
                     try:
-                        _send(self.agent, read.peer, "done", req_id=read.req_id,
+                        _send(self.agent, read.peer, "done", req_id=read.p_req_id,
                               instance=read.instance, generation=read.generation)
                         read.state = "ack"
                     except TransferError as e:
@@ -961,9 +962,9 @@ class DecodeTransport:
         req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
         generation = _field(msg, "generation", _is_generation, "a positive int", sender)
         ok = _field(msg, "ok", lambda v: isinstance(v, bool), "a bool", sender)
-        read = self._reads.get(req_id)
-        if (read is None or read.peer != sender or read.state != "ack"
-                or read.generation != generation):
+        read = next((r for r in self._reads.values() if r.p_req_id == req_id
+                     and r.peer == sender and r.generation == generation), None)
+        if read is None or read.state != "ack":
             return
         if ok:
             del self._reads[read.req_id]
@@ -979,7 +980,7 @@ class DecodeTransport:
         wanted: dict[str, list[list[Any]]] = {}
         instances: dict[str, str] = {}
         for read in self._reads.values():
-            wanted.setdefault(read.peer, []).append([read.req_id, read.generation])
+            wanted.setdefault(read.peer, []).append([read.p_req_id, read.generation])
             instances[read.peer] = read.instance
         for req_id, (peer, instance, generation) in self._expected.items():
             wanted.setdefault(peer, []).append([req_id, generation])

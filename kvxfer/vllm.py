@@ -1,0 +1,453 @@
+"""kvxfer as a vLLM KV connector: `kvxfer.vllm.TPUConnector`.
+
+Configure P and D with (tpu-inference accepts only the connector *names* it
+knows, so the class is named `TPUConnector`; the module path is ours):
+
+    --kv-transfer-config '{"kv_connector": "TPUConnector",
+        "kv_connector_module_path": "kvxfer.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"host": "10.0.0.5", "port": 5610}}'
+    --kv-transfer-config '{"kv_connector": "TPUConnector",
+        "kv_connector_module_path": "kvxfer.vllm", "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute"}'
+
+`kv_connector_extra_config` takes the keys of `Settings` (unknown keys are
+refused, naming them). The proxy in front forwards P's `kv_transfer_params`
+to D, as for vLLM's NIXL connector; P's request carries
+`{"do_remote_decode": true}`.
+
+A thin adapter: vLLM's calls are mapped onto `kvxfer.connector`, split by
+role the way vLLM splits a connector.
+
+- Scheduler side (vLLM's scheduler process; no caches, no device): on P,
+  `PrefillScheduler` turns each `SchedulerOutput` into save plans, staging
+  slots and, for a request whose prefill completes, its generation and
+  params, so `request_finished` (which vLLM calls before it has processed the
+  worker's output for that step) can return them. On D it answers
+  `get_num_new_matched_tokens` with the prompt tokens D does not hold locally
+  and, after allocation, hands the worker D's block table and how many of its
+  entries D already holds (those are not read).
+- Worker side (tpu-inference's runner, `register_runner`): P's
+  `PrefillWorker` gathers into the registered staging in `wait_for_save` and
+  answers D's notifications whenever the engine steps; D's
+  `DecodeConnector` posts reads in `start_load_kv` and, in `get_finished`
+  (after the forward pass, before the request is reported received, so no
+  forward reads an unfilled block), scatters into `runner.kv_caches` in place
+  and verifies. A failed request is reported received *and* failed, its
+  logical block ids in `get_block_ids_with_load_errors`, which vLLM
+  recomputes under `kv_load_failure_policy="recompute"`.
+
+P frees its device blocks at once (`request_finished` returns
+`delay_free=False`): its blocks are in host staging once saved, and only the
+staging waits for D. The worker reports the requests D has read (or whose
+lease expired) as worker metadata, so the scheduler side reuses their slots;
+`has_pending_push_work` keeps the engine stepping while any request is held,
+so P keeps answering D while it has nothing else to do.
+
+This module is imported by vLLM's API process too: it imports only vLLM's
+connector base classes at import time; JAX and NIXL load with the role.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+
+from kvxfer.blocks import is_int
+from kvxfer.errors import InvalidInputError
+from kvxfer.scheduler import GroupSpec, ScheduledRequest
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from kvxfer.connector import SaveMeta
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Settings", "TPUConnector", "group_specs", "scheduled_requests"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """`kv_connector_extra_config`, checked.
+
+    - `host`, `port`: where D reaches P's worker (P's NIXL listener). P's
+      scheduler names them in params before its worker listens, so P's port
+      is fixed (default 5610); D listens on any free port.
+    - `name`: the NIXL agent name; default `kvxfer-P-{host}-{port}` on P (D
+      tells P instances apart by it) and `kvxfer-D-{random}` on D.
+    - `staging_blocks`: kernel blocks per layer of each group's host staging.
+    - `kernel_ratio`: kernel blocks per logical block (1 for tpu-inference).
+    - `verify_fingerprints`: D checks every block against P's fingerprints.
+    - `handshake_timeout_s`, `transfer_timeout_s`, `lease_s`,
+      `heartbeat_interval_s`, `ucx_tls`: `kvxfer.transport.TransportConfig`.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 5610
+    name: str | None = None
+    staging_blocks: int = 4096
+    kernel_ratio: int = 1
+    verify_fingerprints: bool = True
+    handshake_timeout_s: float = 10.0
+    transfer_timeout_s: float = 10.0
+    lease_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    ucx_tls: str | None = "cma,tcp,self"
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise InvalidInputError(f"kv_connector_extra_config has unknown keys {unknown}; "
+                                    f"kvxfer reads {sorted(known)}")
+        settings = cls(**extra)
+        if not is_int(settings.port) or not 0 < settings.port <= 65535:
+            raise InvalidInputError(
+                f"kv_connector_extra_config 'port' must be an int in [1, 65535], got "
+                f"{settings.port!r}")
+        return settings
+
+    def transport(self, producer: bool) -> Any:
+        from kvxfer.transport import TransportConfig, new_instance
+
+        if producer:
+            name = self.name or f"kvxfer-P-{self.host}-{self.port}"
+            port = self.port
+        else:
+            name = self.name or f"kvxfer-D-{new_instance()}"
+            port = 0
+        return TransportConfig(
+            name=name, host=self.host, listen_port=port,
+            handshake_timeout_s=self.handshake_timeout_s,
+            transfer_timeout_s=self.transfer_timeout_s, lease_s=self.lease_s,
+            heartbeat_interval_s=self.heartbeat_interval_s, ucx_tls=self.ucx_tls)
+
+
+def group_specs(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
+    """kvxfer's `GroupSpec` of each of vLLM's KV cache groups, in order."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    specs = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            specs.append(GroupSpec(spec.block_size, "sliding_window", dcp, spec.sliding_window))
+        elif isinstance(spec, MambaSpec):
+            specs.append(GroupSpec(spec.block_size, "mamba"))
+        elif isinstance(spec, FullAttentionSpec) and not isinstance(spec, ChunkedLocalAttentionSpec):
+            specs.append(GroupSpec(spec.block_size, "attention", dcp))
+        else:
+            raise InvalidInputError(f"KV cache group {g} has a {type(spec).__name__}, which "
+                                    f"kvxfer does not transfer")
+    return specs
+
+
+def scheduled_requests(so: SchedulerOutput) -> list[ScheduledRequest]:
+    """Each request of a `SchedulerOutput`, as the save planner reads it (pre-step counts).
+
+    New requests and resumed ones carry their whole table; running ones the
+    blocks added this step (None when no group got one).
+    """
+    out = [ScheduledRequest(r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id],
+                            tuple(map(list, r.block_ids)), full_table=True)
+           for r in so.scheduled_new_reqs]
+    cached = so.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[i]
+        out.append(ScheduledRequest(
+            req_id, cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id],
+            None if new_ids is None else tuple(map(list, new_ids)),
+            full_table=req_id in cached.resumed_req_ids))
+    return out
+
+
+@dataclass
+class KvxferMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, each step: P's saves; D's loads `{req: (params, table, have)}`."""
+
+    save: SaveMeta | None = None
+    loads: dict[str, tuple[dict[str, Any], list[list[int]], list[int]]] = field(
+        default_factory=dict)
+
+
+@dataclass
+class FreedMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: P requests whose staging D has read (or whose lease expired)."""
+
+    freed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return FreedMetadata(self.freed | getattr(other, "freed", set()))
+
+
+class TPUConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvxfer's P/D transfer for vLLM-TPU; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise InvalidInputError("TPUConnector needs the KVCacheConfig (vLLM >= 0.11 passes it)")
+        ktc = vllm_config.kv_transfer_config
+        self.settings = Settings.from_extra(ktc.kv_connector_extra_config)
+        self.groups = group_specs(vllm_config, kv_cache_config)
+        self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self.settings, self.groups, self.producer,
+                                             self.consumer)
+        else:
+            self._worker = _WorkerSide(self.settings, kv_cache_config, self.producer,
+                                       self.consumer)
+
+    # -- worker side
+
+    def register_runner(self, runner: Any) -> None:
+        """tpu-inference hands its runner over: `runner.kv_caches`, `layer_name_to_kvcache_index`."""
+        self._worker.register_runner(runner)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete between steps (asynchronous), never within a forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # saved as a whole in wait_for_save, from runner.kv_caches
+
+    def wait_for_save(self) -> None:
+        self._worker.save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        received, failed = self._worker.poll()
+        return KVConnectorTransferResults(finished_recving=received | failed,
+                                          failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        freed = self._worker.take_freed()
+        return FreedMetadata(freed) if freed else None
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            self._worker.close()
+
+    # -- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(len(self.groups)))  # P sends every group of the request
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, FreedMetadata):
+            self._scheduler.release(meta.freed)
+
+    def request_finished(self, request: Request,
+                         block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler.finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler.finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.holding()
+
+
+class _SchedulerSide:
+    def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
+                 consumer: bool):
+        from kvxfer.connector import PeerAddress, PrefillScheduler
+
+        self.groups = list(groups)
+        self.consumer = consumer
+        self.prefill = PrefillScheduler(
+            groups, staging_blocks=settings.staging_blocks, kernel_ratio=settings.kernel_ratio,
+            address=PeerAddress(settings.transport(True).name, settings.host, settings.port),
+        ) if producer else None
+        self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
+        self._loads: dict[str, tuple[dict[str, Any], list[list[int]], list[int]]] = {}
+
+    # D
+    def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not self.consumer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        sent = params.get("num_prompt_tokens")
+        if sent != request.num_prompt_tokens:
+            logger.warning("D request %s: P prefilled %r prompt tokens, D's prompt has %s; "
+                           "D computes the prompt itself", request.request_id, sent,
+                           request.num_prompt_tokens)
+            params["do_remote_prefill"] = False
+            return 0, False
+        count = request.num_prompt_tokens - num_computed
+        if count <= 0:
+            return 0, False
+        self._local[request.request_id] = num_computed
+        return count, True
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if self.prefill is not None and params.get("do_remote_decode"):
+            req_id = request.request_id
+            if req_id not in self.prefill.tracker and not params.get("_kvxfer_planned"):
+                self.prefill.add_request(req_id, request.num_prompt_tokens)
+                params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
+        if self.consumer and params.get("do_remote_prefill"):
+            local = self._local.pop(request.request_id, 0)
+            if num_external > 0:
+                have = [0 if g.kind == "mamba" else local // g.tokens_per_block
+                        for g in self.groups]
+                self._loads[request.request_id] = (
+                    dict(params), [list(ids) for ids in blocks.get_block_ids()], have)
+            params["do_remote_prefill"] = False  # one transfer per request
+
+    def build(self, so: SchedulerOutput) -> KvxferMetadata:
+        meta = KvxferMetadata()
+        if self.prefill is not None:
+            meta.save = self.prefill.build_connector_meta(scheduled_requests(so))
+        meta.loads, self._loads = self._loads, {}
+        return meta
+
+    def release(self, freed: set[str]) -> None:
+        if self.prefill is not None:
+            self.prefill.release(freed)
+
+    def finished(self, request: Request) -> dict[str, Any] | None:
+        self._local.pop(request.request_id, None)
+        if self.prefill is None:
+            return None
+        params = self.prefill.request_finished(request.request_id)
+        if params is None:
+            return None
+        return {**params, "do_remote_prefill": True, "do_remote_decode": False,
+                "num_prompt_tokens": request.num_prompt_tokens}
+
+    def holding(self) -> bool:
+        return self.prefill is not None and bool(self.prefill.held())
+
+
+class _WorkerSide:
+    def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig, producer: bool,
+                 consumer: bool):
+        self.settings = settings
+        self.kv_cache_config = kv_cache_config
+        self.producer, self.consumer = producer, consumer
+        self.runner: Any = None
+        self._indices: list[list[int]] = []
+        self._prefill: Any = None  # PrefillWorker, started by the first metadata
+        self._decode: Any = None  # DecodeConnector
+        self._freed: set[str] = set()
+
+    def _config(self, producer: bool) -> Any:
+        from kvxfer.connector import ConnectorConfig
+
+        return ConnectorConfig(self.settings.transport(producer),
+                               staging_blocks=self.settings.staging_blocks,
+                               kernel_ratio=self.settings.kernel_ratio,
+                               verify_fingerprints=self.settings.verify_fingerprints)
+
+    def register_runner(self, runner: Any) -> None:
+        index = runner.layer_name_to_kvcache_index
+        self._indices = []
+        for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            missing = [n for n in group.layer_names if n not in index]
+            if missing:
+                raise InvalidInputError(f"KV cache group {g} layers {missing[:4]} are not in the "
+                                        f"runner's layer_name_to_kvcache_index")
+            self._indices.append(list(dict.fromkeys(index[n] for n in group.layer_names)))
+        self.runner = runner
+        if self.consumer:
+            from kvxfer.connector import DecodeConnector
+
+            self._decode = DecodeConnector(self._config(False), self._caches())
+
+    def _caches(self) -> list[list[Any]]:
+        caches = self.runner.kv_caches  # donated by every forward: read afresh at each use
+        return [[caches[i] for i in indices] for indices in self._indices]
+
+    def _store(self, per_group: list[list[Any]]) -> None:
+        caches = list(self.runner.kv_caches)
+        for indices, arrays in zip(self._indices, per_group):
+            for i, array in zip(indices, arrays):
+                caches[i] = array
+        self.runner.kv_caches = caches
+
+    def start_load(self, meta: KvxferMetadata) -> None:
+        if meta.loads:
+            self._decode.start_load_kv(meta.loads)
+
+    def save(self, meta: KvxferMetadata) -> None:
+        save = meta.save
+        if save is None:
+            return
+        if self._prefill is None:
+            from kvxfer.connector import PrefillWorker
+
+            self._prefill = PrefillWorker(self._config(True), self._caches(), save.instance)
+        if save.blocks or save.holds:
+            self._prefill.save(self._caches(), save)
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        if self._prefill is not None:
+            self._freed.update(self._prefill.poll())
+        if self._decode is None:
+            return set(), set()
+        caches, finished, failed = self._decode.get_finished(self._caches())
+        self._store(caches)  # the old arrays are donated once anything was scattered
+        return set(finished), set(failed)
+
+    def load_errors(self) -> set[int]:
+        return self._decode.get_block_ids_with_load_errors() if self._decode else set()
+
+    def take_freed(self) -> set[str]:
+        freed, self._freed = self._freed, set()
+        return freed
+
+    def close(self) -> None:
+        for side in (self._prefill, self._decode):
+            if side is not None:
+                side.close()

@@ -1,0 +1,268 @@
+"""`kvxfer.vllm.TPUConnector` between two real vLLM schedulers: P (kv_producer) and D (kv_consumer).
+
+Each engine loads the connector through vLLM's factory, on both roles, over
+JAX caches on CPU devices (tpu-inference's layout and sharding). P is stepped
+from a thread (as its engine loop would run), so it answers D's handshake
+and reads while the test steps D. The simulated forward writes a stamp of
+(layer, position, token) into every token's KV, so D's caches can be checked
+byte for byte at D's own block ids.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from engine import Engine
+
+from kvxfer.errors import InvalidInputError
+from kvxfer.transport import DecodeTransport, free_port
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 1000, size=n)]
+
+
+class ServedP:
+    """P's engine stepped from a thread; requests go in under a lock."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.finished, self.steps = engine, {}, []
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                res = self.engine.step()
+            if res.scheduler_output is not None:
+                self.steps.append(res)
+                self.finished.update(res.finished)
+            else:
+                time.sleep(0.002)
+
+    def call(self, fn, *args, **kw):
+        with self._lock:
+            return fn(*args, **kw)
+
+    def prefill(self, req_id: str, prompt: list[int], timeout: float = 60.0) -> dict | None:
+        """Adds a remote-decode request and waits for its params (None when P sends nothing)."""
+        self.call(self.engine.add_request, req_id, prompt, max_tokens=1,
+                  kv_transfer_params={"do_remote_decode": True})
+        deadline = time.monotonic() + timeout
+        while req_id not in self.finished:
+            assert time.monotonic() < deadline, f"P never finished {req_id}"
+            time.sleep(0.005)
+        return self.finished[req_id]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def pd(model_dir, engines):
+    """`make(**p_kw, d=dict(**d_kw)) -> (ServedP, D engine)`: P on devices 0-3, D on 4-7 by default."""
+    served = []
+
+    def make(p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), d=None, model=None, **p_kw):
+        devices = jax.devices()
+        p_extra = {"port": free_port(), "staging_blocks": 64, "lease_s": 30.0}
+        p_extra.update(p_kw.pop("extra", {}))
+        p = engines(model or model_dir, kv_role="kv_producer", extra_config=p_extra,
+                    devices=[devices[i] for i in p_devices], **p_kw)
+        d_kw = dict(d or {})
+        d_extra = {"staging_blocks": 64, "transfer_timeout_s": 10.0, "handshake_timeout_s": 3.0}
+        d_extra.update(d_kw.pop("extra", {}))
+        dec = engines(model or model_dir, kv_role="kv_consumer", extra_config=d_extra,
+                      devices=[devices[i] for i in d_devices], **d_kw)
+        served.append(ServedP(p))
+        return served[-1], dec
+
+    yield make
+    for s in served:
+        s.stop()
+
+
+def decode(d: Engine, req_id: str, prompt: list[int], params: dict, max_tokens: int = 2):
+    """Adds the request on D with P's params; steps D until it finishes. Returns every step."""
+    d.add_request(req_id, prompt, max_tokens=max_tokens, kv_transfer_params=params)
+    return d.run_until(lambda r: req_id in r.finished, max_steps=400)
+
+
+def assert_prompt_kv(d: Engine, req_id: str, prompt: list[int], window: int | None = None):
+    """Every prompt token's KV (for sliding-window layers, the last `window`) is P's stamp."""
+    for layer in range(d.num_layers):
+        lo = 0
+        if window is not None and d.layer_group[f"model.layers.{layer}.self_attn.attn"] == 1:
+            lo = len(prompt) - window
+        for pos in range(lo, len(prompt)):
+            block, row = d.slot_of(req_id, layer, pos)
+            np.testing.assert_array_equal(d.read_token_kv(layer, block, row),
+                                          d.stamp(layer, pos, prompt[pos]),
+                                          err_msg=f"layer {layer} position {pos}")
+
+
+def scheduled_tokens(steps, req_id):
+    """(num_computed_tokens at the first scheduling, tokens D computed for `req_id` in all)."""
+    first, total = None, 0
+    for r in steps:
+        so = r.scheduler_output
+        if so is None or req_id not in so.num_scheduled_tokens:
+            continue
+        if first is None:
+            new = {n.req_id: n for n in so.scheduled_new_reqs}
+            first = new[req_id].num_computed_tokens if req_id in new else None
+        total += so.num_scheduled_tokens[req_id]
+    return first, total
+
+
+def test_chunked_prefill_moves_every_prompt_token_byte_exact_tp4_to_tp2(pd):
+    p, d = pd(d_devices=(4, 5), max_num_batched_tokens=24)  # chunks of 24 straddle 16-token blocks
+    prompt = _prompt(1, 70)
+    params = p.prefill("r", prompt)
+    assert params["do_remote_prefill"] and params["num_prompt_tokens"] == 70
+    steps = decode(d, "r-d", prompt, params)
+    # D's forward computed only the last prompt token and the decode: the rest came from P.
+    first, total = scheduled_tokens(steps, "r-d")
+    assert first == 69
+    # The request was not scheduled before the step that reported its KV received.
+    received = next(i for i, r in enumerate(steps)
+                    if r.connector_output and "r-d" in (r.connector_output.finished_recving or ()))
+    assert all("r-d" not in (r.scheduler_output.num_scheduled_tokens if r.scheduler_output else {})
+               for r in steps[: received + 1])
+    assert_prompt_kv(d, "r-d", prompt)
+
+
+def test_p_frees_device_blocks_at_once_and_staging_once_d_has_read(pd):
+    p, d = pd()
+    pool = p.engine.scheduler.kv_cache_manager.block_pool
+    free_before = p.call(pool.get_num_free_blocks)
+    params = p.prefill("r", _prompt(2, 50))
+    # Finished on P: its device blocks are back in the pool although D has not read yet.
+    assert p.call(pool.get_num_free_blocks) == free_before
+    assert p.call(p.engine.connector.has_pending_push_work)
+    decode(d, "r-d", _prompt(2, 50), params)
+    deadline = time.monotonic() + 10
+    while p.call(p.engine.connector.has_pending_push_work):
+        assert time.monotonic() < deadline, "P never learned that D read its staging"
+        time.sleep(0.01)
+    slot_map = p.engine.connector._scheduler.prefill.slot_maps[0]
+    assert slot_map.num_free_slots == slot_map.num_slots
+    assert_prompt_kv(d, "r-d", _prompt(2, 50))
+
+
+def test_speculative_lookahead_on_p_and_d(pd):
+    p, d = pd(num_speculative_lookahead=2, d=dict(num_speculative_lookahead=2))
+    prompt = _prompt(3, 45)
+    params = p.prefill("r", prompt)
+    decode(d, "r-d", prompt, params, max_tokens=5)
+    assert_prompt_kv(d, "r-d", prompt)
+
+
+def test_prefix_cache_hit_on_p_still_sends_the_whole_prompt(pd):
+    p, d = pd()
+    shared = _prompt(4, 32)
+    first, second = shared + _prompt(5, 10), shared + _prompt(6, 20)
+    decode(d, "a-d", first, p.prefill("a", first))
+    params = p.prefill("b", second)  # P computes only 20 of its tokens
+    b_steps = [r for r in p.steps if r.scheduler_output and "b" in r.scheduler_output.num_scheduled_tokens]
+    assert sum(r.scheduler_output.num_scheduled_tokens["b"] for r in b_steps) == 20
+    assert params["groups"][0]["keys"] == [0, 1, 2, 3]
+    # D's own prefix cache holds "a"'s blocks too, so here start a fresh D request of another id
+    # on a prompt D has not seen: use a D without the hit (a new engine would also do).
+    decode(d, "b-d", second, params)
+    assert_prompt_kv(d, "b-d", second)
+
+
+def test_prefix_cache_hit_on_d_reads_only_what_d_lacks(pd, monkeypatch):
+    p, d = pd()
+    shared = _prompt(7, 32)
+    first, second = shared + _prompt(8, 10), shared + _prompt(9, 20)
+    decode(d, "a-d", first, p.prefill("a", first))
+    read = {}
+    real = DecodeTransport.start_read
+
+    def spy(self, req_id, params, logical_ids):
+        read[req_id] = [g["keys"] for g in params["groups"]]
+        return real(self, req_id, params, logical_ids)
+
+    monkeypatch.setattr(DecodeTransport, "start_read", spy)
+    steps = decode(d, "b-d", second, p.prefill("b", second))
+    assert read["b-d"] == [[2, 3]]  # entries 0 and 1 are D's local hit
+    first_computed, _ = scheduled_tokens(steps, "b-d")
+    assert first_computed == len(second) - 1
+    assert_prompt_kv(d, "b-d", second)
+
+
+def test_preemption_and_resume_on_p(pd):
+    # A local request decodes while "a" prefills in chunks; when the 11 usable blocks run out,
+    # vLLM preempts the newest running request ("a", mid-prefill) and resumes it later.
+    p, d = pd(num_blocks=12, max_num_batched_tokens=32)
+    p.call(p.engine.add_request, "x", _prompt(10, 16), max_tokens=40)
+    prompt = _prompt(11, 150)
+    params = p.prefill("a", prompt)
+    assert any("a" in r.scheduler_output.scheduled_cached_reqs.resumed_req_ids for r in p.steps), \
+        "no preemption happened; the test no longer covers resume"
+    decode(d, "a-d", prompt, params)
+    assert_prompt_kv(d, "a-d", prompt)
+
+
+def test_abort_on_p_mid_prefill_sends_nothing_and_frees_staging(pd):
+    p, d = pd(max_num_batched_tokens=16)
+    p.call(p.engine.add_request, "r", _prompt(12, 100), max_tokens=1,
+           kv_transfer_params={"do_remote_decode": True})
+    deadline = time.monotonic() + 30
+    while not any(r.scheduler_output.num_scheduled_tokens.get("r") for r in p.steps):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    p.call(p.engine.abort, "r")
+    prefill = p.engine.connector._scheduler.prefill
+    assert p.call(lambda: "r" not in prefill.tracker and not prefill.held())
+    assert p.call(lambda: all(m.num_free_slots == m.num_slots for m in prefill.slot_maps))
+    # The id is free for a new prefill, which goes through.
+    prompt = _prompt(13, 40)
+    params = p.prefill("r", prompt)
+    decode(d, "r-d", prompt, params)
+    assert_prompt_kv(d, "r-d", prompt)
+
+
+def test_p_gone_before_d_reads_is_recomputed_by_vllm(pd):
+    p, d = pd()
+    prompt = _prompt(14, 60)
+    params = p.prefill("r", prompt)
+    p.stop()
+    p.engine.close()  # P's worker goes away with its NIXL agent and staging
+    steps = decode(d, "r-d", prompt, params)
+    outs = [r.connector_output for r in steps if r.connector_output]
+    assert any("r-d" in o.failed_recving for o in outs)
+    invalid = set().union(*(o.invalid_block_ids for o in outs))
+    assert invalid == set(d.table("r-d")[0][: -(-len(prompt) // d.block_size)])
+    # vLLM recomputed the prompt on D: every prompt token was scheduled on D.
+    _, total = scheduled_tokens(steps, "r-d")
+    assert total >= len(prompt)
+    assert_prompt_kv(d, "r-d", prompt)
+
+
+def test_hybrid_full_and_sliding_window_groups(pd, hybrid_model_dir):
+    from engine import SLIDING_WINDOW
+
+    p, d = pd(model=hybrid_model_dir, hybrid=True, max_num_batched_tokens=32,
+              d=dict(hybrid=True))
+    prompt = _prompt(15, 100)
+    params = p.prefill("h", prompt)
+    assert len(params["groups"]) == 2
+    # The sliding-window group sends only the blocks its window reaches from the last token.
+    assert len(params["groups"][1]["keys"]) < len(params["groups"][0]["keys"]) == 7
+    decode(d, "h-d", prompt, params)
+    assert_prompt_kv(d, "h-d", prompt, window=SLIDING_WINDOW)
+
+
+def test_unknown_extra_config_key_is_refused_by_name(model_dir, engines):
+    with pytest.raises(InvalidInputError, match="stagign_blocks"):
+        engines(model_dir, kv_role="kv_producer", extra_config={"stagign_blocks": 8},
+                devices=jax.devices()[:1])
