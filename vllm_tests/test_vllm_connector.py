@@ -231,18 +231,32 @@ def test_abort_on_p_mid_prefill_sends_nothing_and_frees_staging(pd):
     assert_prompt_kv(d, "r-d", prompt)
 
 
-def test_p_gone_before_d_reads_is_recomputed_by_vllm(pd):
-    p, d = pd()
+@pytest.mark.parametrize("when", ["before_the_read", "mid_read"])
+def test_p_gone_is_recomputed_by_vllm(pd, monkeypatch, when):
+    p, d = pd(d=dict(extra={"transfer_timeout_s": 3.0}))
     prompt = _prompt(14, 60)
     params = p.prefill("r", prompt)
-    p.stop()
-    p.engine.close()  # P's worker goes away with its NIXL agent and staging
+
+    def kill_p():
+        p.stop()
+        p.engine.close()  # P's worker goes away with its NIXL agent and staging
+
+    if when == "before_the_read":
+        kill_p()
+    else:  # D has handshaken and posted its READ; P dies before it can ack
+        real = DecodeTransport.start_read
+
+        def start_then_kill(self, *args):
+            real(self, *args)
+            kill_p()
+
+        monkeypatch.setattr(DecodeTransport, "start_read", start_then_kill)
     steps = decode(d, "r-d", prompt, params)
     outs = [r.connector_output for r in steps if r.connector_output]
     assert any("r-d" in o.failed_recving for o in outs)
     invalid = set().union(*(o.invalid_block_ids for o in outs))
     assert invalid == set(d.table("r-d")[0][: -(-len(prompt) // d.block_size)])
-    # vLLM recomputed the prompt on D: every prompt token was scheduled on D.
+    # vLLM recomputed exactly those blocks on D: every prompt token was scheduled on D.
     _, total = scheduled_tokens(steps, "r-d")
     assert total >= len(prompt)
     assert_prompt_kv(d, "r-d", prompt)
