@@ -280,3 +280,14 @@ def test_unknown_extra_config_key_is_refused_by_name(model_dir, engines):
     with pytest.raises(InvalidInputError, match="stagign_blocks"):
         engines(model_dir, kv_role="kv_producer", extra_config={"stagign_blocks": 8},
                 devices=jax.devices()[:1])
+
+
+def test_importing_the_connector_module_loads_neither_jax_nor_nixl():
+    # vLLM's API process imports the module too: it must stay light.
+    import subprocess
+    import sys
+
+    code = ("import sys, kvxfer.vllm; "
+            "print(sorted(m for m in ('jax', 'nixl_cu12', 'kvxfer.connector') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
