@@ -57,3 +57,52 @@ def test_peer_with_different_block_bytes_is_rejected():
 def test_demo_rejects_unknown_layout_before_starting_processes():
     with pytest.raises(KvxferError, match="'paged'"):
         run_demo(DemoConfig(layout="paged"))
+
+
+def _prefill_scheduler(**kw):
+    from kvxfer.connector import PeerAddress, PrefillScheduler
+    from kvxfer.scheduler import GroupSpec
+
+    args = dict(staging_blocks=8, kernel_ratio=1, address=PeerAddress("P", "127.0.0.1", 5610))
+    args.update(kw)
+    return PrefillScheduler([GroupSpec(16)], **args)
+
+
+@pytest.mark.parametrize("kw, named", [
+    (dict(staging_blocks=0), "staging_blocks must be a positive int, got 0"),
+    (dict(kernel_ratio="2"), "kernel_ratio must be a positive int, got '2'"),
+    (dict(address=("P", "h", 1)), "address must be a PeerAddress"),
+])
+def test_prefill_scheduler_names_a_bad_argument(kw, named):
+    from kvxfer.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=named):
+        _prefill_scheduler(**kw)
+
+
+@pytest.mark.parametrize("port", [0, 70000, "5610"])
+def test_peer_address_refuses_a_bad_port(port):
+    from kvxfer.connector import PeerAddress
+    from kvxfer.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=f"port must be an int in \\[1, 65535\\], got {port!r}"):
+        PeerAddress("P", "127.0.0.1", port)
+
+
+def test_prefill_scheduler_generations_are_fresh_and_slots_come_back_on_release():
+    from kvxfer.scheduler import ScheduledRequest
+
+    s = _prefill_scheduler()
+    gens = []
+    for req_id in ("a", "b"):
+        s.add_request(req_id, 32)
+        meta = s.build_connector_meta([ScheduledRequest(req_id, 0, 32, ([1, 2],), full_table=True)])
+        gens.append(meta.holds[req_id])
+        assert s.request_finished(req_id)["generation"] == gens[-1]
+    assert gens == sorted(set(gens)) and s.held() == ["a", "b"]
+    assert s.slot_maps[0].num_free_slots == 4
+    with pytest.raises(KvxferError, match="still held on P"):
+        s.add_request("a", 32)
+    s.release(["a"])
+    assert s.held() == ["b"] and s.slot_maps[0].num_free_slots == 6
+    s.add_request("a", 32)  # the id is free again

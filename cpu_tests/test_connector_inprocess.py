@@ -209,3 +209,13 @@ def test_d_reads_under_its_own_request_id_and_names_p_s_id_to_p(pair):
     while "p-side" not in pr.freed:
         assert time.monotonic() < deadline, "P never freed its request"
         time.sleep(0.01)
+
+
+def test_lease_refuses_a_generation_that_is_not_fresh(pair):
+    pr = pair()
+    pr.p.transport.lease("a", 5)
+    for stale in (5, 3, 0, "6"):
+        with pytest.raises(InvalidInputError, match=f"generation {stale!r} is not fresh"):
+            pr.p.transport.lease("b", stale)
+    pr.p.transport.lease("b", 6)
+    assert sorted(pr.p.transport.held()) == ["a", "b"]

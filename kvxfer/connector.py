@@ -170,6 +170,16 @@ def _staging_for(layout: CacheLayout, config: ConnectorConfig) -> Staging:
     return Staging(layout.num_layers, config.staging_blocks, layout.block_shape, layout.np_dtype)
 
 
+def _worker_state(config: object, caches: object
+                  ) -> tuple[ConnectorConfig, list[CacheLayout], list[Staging]]:
+    """A worker side's config (checked), its caches' layouts and one staging per group."""
+    if not isinstance(config, ConnectorConfig):
+        raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
+    per_group, _ = _per_group(caches)
+    layouts = _layouts(per_group, config.kernel_ratio)
+    return config, layouts, [_staging_for(layout, config) for layout in layouts]
+
+
 Placed = list[tuple[int, int]]
 """`(kernel position, kernel block id)` pairs of one group."""
 
@@ -368,12 +378,7 @@ class PrefillWorker:
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                  instance: str | None = None):
-        if not isinstance(config, ConnectorConfig):
-            raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
-        self.config = config
-        per_group, _ = _per_group(caches)
-        self.layouts = _layouts(per_group, config.kernel_ratio)
-        self.stagings = [_staging_for(layout, config) for layout in self.layouts]
+        self.config, self.layouts, self.stagings = _worker_state(config, caches)
         self.transport = PrefillTransport(config.transport, self.stagings,
                                           _advertised(self.layouts), instance=instance)
 
@@ -538,12 +543,7 @@ class DecodeConnector:
 
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
-        if not isinstance(config, ConnectorConfig):
-            raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
-        self.config = config
-        per_group, _ = _per_group(caches)
-        self.layouts = _layouts(per_group, config.kernel_ratio)
-        self.stagings = [_staging_for(layout, config) for layout in self.layouts]
+        self.config, self.layouts, self.stagings = _worker_state(config, caches)
         self.transport = DecodeTransport(
             config.transport, self.stagings, _advertised(self.layouts),
             layout_check=check_block_compatible,
