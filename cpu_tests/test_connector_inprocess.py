@@ -139,7 +139,7 @@ def test_request_that_does_not_fit_staging_is_dropped_not_raised(pair, caplog):
     meta = pr.save(ScheduledRequest("big", 0, 16 * 40, (list(range(1, 41)),), full_table=True),
                    ScheduledRequest("small", 0, 32, ([3, 4],), full_table=True))
     assert "big" not in meta.blocks and "big" not in pr.p.tracker
-    assert "P drops request 'big'" in caplog.text or "P drops request big" in caplog.text
+    assert "P drops request big: " in caplog.text
     assert pr.p.request_finished("big") is None  # D computes its prompt itself
     assert pr.p.request_finished("small")["groups"][0]["keys"] == [0, 1]
     assert pr.p.slot_map.num_free_slots == 30

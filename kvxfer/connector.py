@@ -273,7 +273,6 @@ class PrefillScheduler:
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
         self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
-        self._dropped: set[str] = set()  # did not fit the staging
 
     def add_request(self, req_id: str, num_prompt_tokens: int) -> None:
         """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
@@ -288,7 +287,6 @@ class PrefillScheduler:
             raise InvalidInputError(
                 f"request {req_id!r} is still held on P for D; it cannot be added again until "
                 f"D has read it or its lease expired (get_finished reports it)")
-        self._dropped.discard(req_id)
         self.tracker.add(req_id, num_prompt_tokens)
 
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
@@ -306,7 +304,6 @@ class PrefillScheduler:
             except StagingFullError as e:
                 logger.warning("P drops request %s: %s; D will compute its prompt", req_id, e)
                 self.abort(req_id)
-                self._dropped.add(req_id)
                 continue
             meta.blocks[req_id], meta.slots[req_id] = placed, slots
             if req_id not in self.tracker:  # its prefill completes this step
@@ -314,20 +311,16 @@ class PrefillScheduler:
         return meta
 
     def _complete(self, req_id: str, meta: SaveMeta) -> None:
-        keys = [m.blocks(req_id) if req_id in m else [] for m in self.slot_maps]
-        if not any(keys):
+        a = self.address
+        params = ReadParams.staged(self.slot_maps, req_id, peer=a.name, instance=self.instance,
+                                   host=a.host, port=a.port, generation=self._next_generation)
+        if params is None:
             logger.warning("P request %s completed with nothing staged", req_id)
             return
-        generation = self._next_generation
         self._next_generation += 1
-        meta.holds[req_id] = generation
+        meta.holds[req_id] = params.generation
         self._held.add(req_id)
-        self._params[req_id] = ReadParams(
-            peer=self.address.name, instance=self.instance, host=self.address.host,
-            port=self.address.port, req_id=req_id, generation=generation,
-            keys=tuple(map(tuple, keys)),
-            slots=tuple(tuple(m.slots(req_id, k)) if k else () for m, k in zip(self.slot_maps, keys)),
-        ).to_dict()
+        self._params[req_id] = params.to_dict()
 
     def request_finished(self, req_id: str) -> dict[str, Any] | None:
         """The `kv_transfer_params` D needs, once the request's prefill is planned to completion.
@@ -339,7 +332,6 @@ class PrefillScheduler:
         if req_id in self.tracker:
             self.abort(req_id)
             return None
-        self._dropped.discard(req_id)
         return self._params.pop(req_id, None)
 
     def abort(self, req_id: str) -> None:

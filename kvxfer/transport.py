@@ -93,7 +93,7 @@ import numpy as np
 
 from kvxfer.blocks import coalesce_pairs, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
-from kvxfer.staging import Staging
+from kvxfer.staging import SlotMap, Staging
 
 logger = logging.getLogger(__name__)
 
@@ -412,6 +412,18 @@ class ReadParams:
             slots=tuple(slots),
         )
 
+    @classmethod
+    def staged(cls, slot_maps: Sequence[SlotMap], req_id: str, *, peer: str, instance: str,
+               host: str, port: int, generation: int) -> ReadParams | None:
+        """The params of everything `req_id` has staged, one slot map per group (None if nothing)."""
+        keys = [m.blocks(req_id) if req_id in m else [] for m in slot_maps]
+        if not any(keys):
+            return None
+        return cls(peer=peer, instance=instance, host=host, port=port, req_id=req_id,
+                   generation=generation, keys=tuple(map(tuple, keys)),
+                   slots=tuple(tuple(m.slots(req_id, k)) if k else ()
+                               for m, k in zip(slot_maps, keys)))
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able params (what `parse` reads back)."""
         return {
@@ -481,17 +493,13 @@ class PrefillTransport:
         """
         if req_id in self._leases:
             raise InvalidInputError(f"request {req_id!r} is already held for D")
-        staged = [s.blocks(req_id) if req_id in s else [] for s in self.stagings]
-        if not any(staged):
+        params = ReadParams.staged(self.stagings, req_id, peer=self.config.name,
+                                   instance=self.instance, host=self.config.host,
+                                   port=self.port, generation=self._next_generation)
+        if params is None:
             raise InvalidInputError(f"request {req_id!r} has nothing staged to hold")
-        generation = self._next_generation
-        self.lease(req_id, generation, now)
-        return ReadParams(
-            peer=self.config.name, instance=self.instance, host=self.config.host,
-            port=self.port, req_id=req_id, generation=generation, keys=tuple(map(tuple, staged)),
-            slots=tuple(tuple(s.slots(req_id, keys)) if keys else ()
-                        for s, keys in zip(self.stagings, staged)),
-        ).to_dict()
+        self.lease(req_id, params.generation, now)
+        return params.to_dict()
 
     def lease(self, req_id: str, generation: int, now: float | None = None) -> None:
         """Start `req_id`'s lease under a `generation` its params already name.

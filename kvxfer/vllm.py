@@ -122,14 +122,27 @@ class Settings:
             raise InvalidInputError(
                 f"kv_connector_extra_config 'port' must be an int in [1, 65535], got "
                 f"{settings.port!r}")
+        settings.connector_config(True)  # every value checked now, on both roles
         return settings
+
+    def connector_config(self, producer: bool) -> Any:
+        """The worker's `kvxfer.connector.ConnectorConfig` (raises naming a bad value)."""
+        from kvxfer.connector import ConnectorConfig
+
+        return ConnectorConfig(self.transport(producer), staging_blocks=self.staging_blocks,
+                               kernel_ratio=self.kernel_ratio,
+                               verify_fingerprints=self.verify_fingerprints)
+
+    @property
+    def p_name(self) -> str:
+        """P's NIXL agent name: what its scheduler side names in params."""
+        return self.name or f"kvxfer-P-{self.host}-{self.port}"
 
     def transport(self, producer: bool) -> Any:
         from kvxfer.transport import TransportConfig, new_instance
 
         if producer:
-            name = self.name or f"kvxfer-P-{self.host}-{self.port}"
-            port = self.port
+            name, port = self.p_name, self.port
         else:
             name = self.name or f"kvxfer-D-{new_instance()}"
             port = 0
@@ -304,7 +317,7 @@ class _SchedulerSide:
         self.consumer = consumer
         self.prefill = PrefillScheduler(
             groups, staging_blocks=settings.staging_blocks, kernel_ratio=settings.kernel_ratio,
-            address=PeerAddress(settings.transport(True).name, settings.host, settings.port),
+            address=PeerAddress(settings.p_name, settings.host, settings.port),
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
         self._loads: dict[str, tuple[dict[str, Any], list[list[int]], list[int]]] = {}
@@ -382,14 +395,6 @@ class _WorkerSide:
         self._decode: Any = None  # DecodeConnector
         self._freed: set[str] = set()
 
-    def _config(self, producer: bool) -> Any:
-        from kvxfer.connector import ConnectorConfig
-
-        return ConnectorConfig(self.settings.transport(producer),
-                               staging_blocks=self.settings.staging_blocks,
-                               kernel_ratio=self.settings.kernel_ratio,
-                               verify_fingerprints=self.settings.verify_fingerprints)
-
     def register_runner(self, runner: Any) -> None:
         index = runner.layer_name_to_kvcache_index
         self._indices = []
@@ -403,7 +408,7 @@ class _WorkerSide:
         if self.consumer:
             from kvxfer.connector import DecodeConnector
 
-            self._decode = DecodeConnector(self._config(False), self._caches())
+            self._decode = DecodeConnector(self.settings.connector_config(False), self._caches())
 
     def _caches(self) -> list[list[Any]]:
         caches = self.runner.kv_caches  # donated by every forward: read afresh at each use
@@ -427,7 +432,7 @@ class _WorkerSide:
         if self._prefill is None:
             from kvxfer.connector import PrefillWorker
 
-            self._prefill = PrefillWorker(self._config(True), self._caches(), save.instance)
+            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(), save.instance)
         if save.blocks or save.holds:
             self._prefill.save(self._caches(), save)
 

@@ -173,8 +173,7 @@ def test_prefix_cache_hit_on_p_still_sends_the_whole_prompt(pd):
     b_steps = [r for r in p.steps if r.scheduler_output and "b" in r.scheduler_output.num_scheduled_tokens]
     assert sum(r.scheduler_output.num_scheduled_tokens["b"] for r in b_steps) == 20
     assert params["groups"][0]["keys"] == [0, 1, 2, 3]
-    # D's own prefix cache holds "a"'s blocks too, so here start a fresh D request of another id
-    # on a prompt D has not seen: use a D without the hit (a new engine would also do).
+    # (D holds "a"'s first two blocks too and reads only the rest: the next test checks that.)
     decode(d, "b-d", second, params)
     assert_prompt_kv(d, "b-d", second)
 
@@ -214,13 +213,14 @@ def test_preemption_and_resume_on_p(pd):
 
 def test_abort_on_p_mid_prefill_sends_nothing_and_frees_staging(pd):
     p, d = pd(max_num_batched_tokens=16)
-    p.call(p.engine.add_request, "r", _prompt(12, 100), max_tokens=1,
-           kv_transfer_params={"do_remote_decode": True})
-    deadline = time.monotonic() + 30
-    while not any(r.scheduler_output.num_scheduled_tokens.get("r") for r in p.steps):
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    p.call(p.engine.abort, "r")
+
+    def one_chunk_then_abort():  # under P's lock: its thread cannot step in between
+        p.engine.add_request("r", _prompt(12, 100), max_tokens=1,
+                             kv_transfer_params={"do_remote_decode": True})
+        assert p.engine.step().scheduler_output.num_scheduled_tokens["r"] == 16
+        p.engine.abort("r")
+
+    p.call(one_chunk_then_abort)
     prefill = p.engine.connector._scheduler.prefill
     assert p.call(lambda: "r" not in prefill.tracker and not prefill.held())
     assert p.call(lambda: all(m.num_free_slots == m.num_slots for m in prefill.slot_maps))
@@ -276,10 +276,17 @@ def test_hybrid_full_and_sliding_window_groups(pd, hybrid_model_dir):
     assert_prompt_kv(d, "h-d", prompt, window=SLIDING_WINDOW)
 
 
-def test_unknown_extra_config_key_is_refused_by_name(model_dir, engines):
-    with pytest.raises(InvalidInputError, match="stagign_blocks"):
-        engines(model_dir, kv_role="kv_producer", extra_config={"stagign_blocks": 8},
-                devices=jax.devices()[:1])
+@pytest.mark.parametrize("extra, named", [
+    ({"stagign_blocks": 8}, r"unknown keys \['stagign_blocks'\]"),
+    ({"port": 0}, r"'port' must be an int in \[1, 65535\], got 0"),
+    ({"staging_blocks": -1}, "staging_blocks must be a positive int, got -1"),
+    ({"lease_s": "x"}, "lease_s must be a positive finite number of seconds, got 'x'"),
+    ({"verify_fingerprints": "yes"}, "verify_fingerprints must be a bool, got 'yes'"),
+])
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_bad_extra_config_is_refused_by_name_on_both_roles(model_dir, engines, extra, named, role):
+    with pytest.raises(InvalidInputError, match=named):
+        engines(model_dir, kv_role=role, extra_config=extra, devices=jax.devices()[:1])
 
 
 def test_importing_the_connector_module_loads_neither_jax_nor_nixl():
