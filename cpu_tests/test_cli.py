@@ -61,13 +61,13 @@ def test_bench_plan_prints_its_figures_as_json():
 
 @pytest.fixture
 def no_processes(monkeypatch):
-    """Fail the test if `kvxfer demo` starts P or D."""
-    import kvxfer.demo
+    """Fail the test if `kvxfer demo` or `kvxfer kvbytes` starts P or D."""
+    import kvxfer.demo.kvbytes
 
     def refuse(*args, **kwargs):
-        raise AssertionError("kvxfer demo started a process for a bad flag")
+        raise AssertionError("a process was started for a bad flag")
 
-    monkeypatch.setattr(kvxfer.demo, "_Proc", refuse)
+    monkeypatch.setattr(kvxfer.demo.kvbytes, "Proc", refuse)
 
 
 def _one_error_line(capsys, *names):
@@ -94,9 +94,9 @@ def _one_error_line(capsys, *names):
     (["--num-blocks", "10"], ["--num-blocks 10", "raise --num-blocks"]),
     (["--layout", "mla", "--dtype", "int8", "--block-size", "2"], ["--block-size 2"]),
 ])
-def test_demo_bad_flag_is_one_error_line_before_any_process_starts(
+def test_kvbytes_bad_flag_is_one_error_line_before_any_process_starts(
         no_processes, capsys, flags, names):
-    assert main(["demo", *flags]) == 2
+    assert main(["kvbytes", *flags]) == 2
     _one_error_line(capsys, *names)
 
 
@@ -132,9 +132,9 @@ def test_plan_huge_lookahead_through_the_real_entry_point_has_no_traceback():
     assert out.stderr.startswith("kvxfer: error: --prompt 40 plus --lookahead 100000 need 6253")
 
 
-def test_demo_non_integer_flag_is_argparse_usage_error(capsys):
+def test_kvbytes_non_integer_flag_is_argparse_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["demo", "--layers", "two"])
+        main(["kvbytes", "--layers", "two"])
     assert e.value.code == 2
     assert "invalid int value: 'two'" in capsys.readouterr().err
 

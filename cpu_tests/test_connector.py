@@ -10,7 +10,7 @@ import pytest
 
 from kvxfer import KvxferError
 from kvxfer.connector import check_block_compatible
-from kvxfer.demo import DemoConfig, run_demo
+from kvxfer.demo.kvbytes import BytesConfig, run_bytes
 from kvxfer.errors import LayoutMismatchError
 
 SMALL = dict(layers=2, heads=8, head_dim=64, num_blocks=128, prompts=[40, 300, 133],
@@ -28,14 +28,14 @@ def assert_all_tokens_equal(result, cfg):
 @pytest.mark.parametrize("tp_p, tp_d, dtype", [(4, 8, "bfloat16"), (4, 2, "float8_e4m3fn"),
                                                (2, 4, "int8")])
 def test_every_prompt_token_reaches_d_byte_exact_across_tp(tp_p, tp_d, dtype):
-    cfg = DemoConfig(layout="attention", dtype=dtype, tp_p=tp_p, tp_d=tp_d, **SMALL)
-    assert_all_tokens_equal(run_demo(cfg), cfg)
+    cfg = BytesConfig(layout="attention", dtype=dtype, tp_p=tp_p, tp_d=tp_d, **SMALL)
+    assert_all_tokens_equal(run_bytes(cfg), cfg)
 
 
 @pytest.mark.parametrize("layout, tp_d", [("mla", 2), ("attention4d", 8)])
 def test_mla_and_4d_layouts_reach_d_byte_exact(layout, tp_d):
-    cfg = DemoConfig(layout=layout, dtype="bfloat16", tp_p=4, tp_d=tp_d, **SMALL)
-    assert_all_tokens_equal(run_demo(cfg), cfg)
+    cfg = BytesConfig(layout=layout, dtype="bfloat16", tp_p=4, tp_d=tp_d, **SMALL)
+    assert_all_tokens_equal(run_bytes(cfg), cfg)
 
 
 def test_peer_with_different_block_bytes_is_rejected():
@@ -56,7 +56,7 @@ def test_peer_with_different_block_bytes_is_rejected():
 
 def test_demo_rejects_unknown_layout_before_starting_processes():
     with pytest.raises(KvxferError, match="'paged'"):
-        run_demo(DemoConfig(layout="paged"))
+        run_bytes(BytesConfig(layout="paged"))
 
 
 def _prefill_scheduler(**kw):

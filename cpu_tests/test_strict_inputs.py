@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvxfer.blocks import cdiv
-from kvxfer.demo import DemoConfig
+from kvxfer.demo.kvbytes import BytesConfig
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.gather import block_fingerprints, check_fingerprints, gather_blocks, scatter_blocks
 from kvxfer.layout import CacheLayout
@@ -223,7 +223,7 @@ def test_scatter_refuses_deleted_host_blocks():
     assert not any(c.is_deleted() for c in caches)
 
 
-# DemoConfig.validate (the CLI's view of it is in test_cli.py).
+# BytesConfig.validate (the CLI's view of it is in test_cli.py).
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -236,22 +236,22 @@ def test_scatter_refuses_deleted_host_blocks():
     (dict(tp_p=0), "--tp-p must be a positive int, got 0"),
     (dict(layout="attention4d", heads=3, tp_p=3, tp_d=4), "--tp-d 4 does not divide the 6 head rows"),
     (dict(layout="mla", dtype="int8", block_size=2), "--block-size 2 must be a multiple of 4"),
-    (dict(heads=1.5), "DemoConfig.heads must be a positive int, got 1.5"),
-    (dict(lookahead=-1), "DemoConfig.lookahead must be a non-negative int, got -1"),
-    (dict(seed=-3), "DemoConfig.seed must be a non-negative int, got -3"),
-    (dict(timeout_s=0), "DemoConfig.timeout_s must be a positive number, got 0"),
-    (dict(timeout_s=float("nan")), "DemoConfig.timeout_s must be a positive number, got nan"),
-    (dict(prompts=[], cached=[]), r"DemoConfig.prompts must be a non-empty list .* got \[\]"),
-    (dict(prompts=[40, 0], cached=[0, 0]), r"DemoConfig.prompts .* got \[40, 0\]"),
-    (dict(prompts=[40], cached=[0, 0]), r"DemoConfig.cached \[0, 0\] must give one prefix hit"),
-    (dict(prompts=[40], cached=[8]), r"DemoConfig.cached\[0\] 8 must be a multiple of --block-size 16"),
-    (dict(prompts=[32], cached=[32]), r"DemoConfig.cached\[0\] 32 .* in \[0, prompt 32\)"),
+    (dict(heads=1.5), "BytesConfig.heads must be a positive int, got 1.5"),
+    (dict(lookahead=-1), "BytesConfig.lookahead must be a non-negative int, got -1"),
+    (dict(seed=-3), "BytesConfig.seed must be a non-negative int, got -3"),
+    (dict(timeout_s=0), "BytesConfig.timeout_s must be a positive number, got 0"),
+    (dict(timeout_s=float("nan")), "BytesConfig.timeout_s must be a positive number, got nan"),
+    (dict(prompts=[], cached=[]), r"BytesConfig.prompts must be a non-empty list .* got \[\]"),
+    (dict(prompts=[40, 0], cached=[0, 0]), r"BytesConfig.prompts .* got \[40, 0\]"),
+    (dict(prompts=[40], cached=[0, 0]), r"BytesConfig.cached \[0, 0\] must give one prefix hit"),
+    (dict(prompts=[40], cached=[8]), r"BytesConfig.cached\[0\] 8 must be a multiple of --block-size 16"),
+    (dict(prompts=[32], cached=[32]), r"BytesConfig.cached\[0\] 32 .* in \[0, prompt 32\)"),
     (dict(num_blocks=10), "need 64 blocks of 16 tokens, more than the 9 usable of --num-blocks 10; "
                           "raise --num-blocks"),
 ])
 def test_demo_config_validate_names_the_bad_field_and_value(fields, message):
     with pytest.raises(InvalidInputError, match=message):
-        DemoConfig(**fields).validate()
+        BytesConfig(**fields).validate()
 
 
 @pytest.mark.parametrize("fields", [
@@ -260,7 +260,7 @@ def test_demo_config_validate_names_the_bad_field_and_value(fields, message):
     dict(dtype="float8_e5m2", tp_p=4, tp_d=2),
 ])
 def test_demo_config_validate_accepts_working_configs(fields):
-    DemoConfig(**fields).validate()
+    BytesConfig(**fields).validate()
 
 
 def _p_engine_runs_out_of_blocks(cfg):
@@ -278,10 +278,10 @@ def _p_engine_runs_out_of_blocks(cfg):
 
 def test_demo_block_check_matches_what_p_engine_allocates():
     # prompts 40 and 300 with lookahead 3 need cdiv(43, 16) + cdiv(303, 16) = 3 + 19 = 22 blocks.
-    fits = DemoConfig(prompts=[40, 300], cached=[0, 64], lookahead=3, num_blocks=23)
+    fits = BytesConfig(prompts=[40, 300], cached=[0, 64], lookahead=3, num_blocks=23)
     fits.validate()
     assert not _p_engine_runs_out_of_blocks(fits)
-    short = DemoConfig(prompts=[40, 300], cached=[0, 64], lookahead=3, num_blocks=22)
+    short = BytesConfig(prompts=[40, 300], cached=[0, 64], lookahead=3, num_blocks=22)
     with pytest.raises(InvalidInputError, match="need 22 blocks of 16 tokens, more than the 21"):
         short.validate()
     assert _p_engine_runs_out_of_blocks(short)

@@ -125,16 +125,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvxfer.demo import DemoConfig, report, run_demo
+def _cmd_kvbytes(args: argparse.Namespace) -> int:
+    from kvxfer.demo.kvbytes import BytesConfig, report_bytes, run_bytes
 
     fields = dict(layout=args.layout, dtype=args.dtype, tp_p=args.tp_p, tp_d=args.tp_d,
                   layers=args.layers, budget=args.budget, block_size=args.block_size)
     if args.num_blocks is not None:
         fields["num_blocks"] = args.num_blocks
-    cfg = DemoConfig(**fields)
-    result = run_demo(cfg)
-    print(json.dumps(result) if args.json else "\n".join(report(result, cfg)))
+    cfg = BytesConfig(**fields)
+    result = run_bytes(cfg)
+    print(json.dumps(result) if args.json else "\n".join(report_bytes(result, cfg)))
     return 0 if result["ok"] else 1
 
 
@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="P and D as two processes: chunked prefill, NIXL, verify")
+    demo = sub.add_parser("kvbytes", help="random KV bytes in any cache layout, P to D over NIXL, "
+                          "compared byte for byte")
     demo.add_argument("--layout", default="attention", choices=["attention", "mla", "attention4d"])
     demo.add_argument("--dtype", default="bfloat16",
                       help="bfloat16, float8_e4m3fn, float8_e5m2, int8, ...")
@@ -186,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-blocks", type=int,
                       help="blocks in each side's KV cache and staging (default 256)")
     demo.add_argument("--json", action="store_true", help="print one JSON object")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_kvbytes)
 
     plan = sub.add_parser("plan", help="simulate one chunked prefill and show the save plan")
     plan.add_argument("--prompt", type=int, required=True, help="prompt length in tokens")

@@ -31,8 +31,6 @@ process before and after the stream (median); `*_over_memcpy` divide by it.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import statistics
 import sys
 import time
@@ -43,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.blocks import cdiv
-from kvxfer.demo import _Lines, _Proc, _say
+from kvxfer.demo.procs import Lines, Proc, child_output, say
 
 _MEMCPY_BYTES = 256 << 20
 
@@ -165,7 +163,7 @@ class _Prefill:
             self.save_s += done - t1
             for req_id in sorted(meta.completed):
                 params = self.conn.request_finished(req_id)
-                _say(self.out, params=params, done=done, blocks=len(self.tables[req_id]))
+                say(self.out, params=params, done=done, blocks=len(self.tables[req_id]))
         for req_id in self.conn.get_finished():
             table = self.tables.pop(req_id)
             self.free.extend(table)
@@ -179,8 +177,8 @@ class _Prefill:
 
 def _serve_p(cfg: E2EConfig, out: Any) -> None:
     p = _Prefill(cfg, out)
-    _say(out, port=p.conn.transport.port)
-    inbox = _Lines(sys.stdin.fileno())
+    say(out, port=p.conn.transport.port)
+    inbox = Lines(sys.stdin.fileno())
     stopping = False
     while not (stopping or inbox.closed):
         for msg in inbox.ready():
@@ -190,7 +188,7 @@ def _serve_p(cfg: E2EConfig, out: Any) -> None:
                 for i, prompt in enumerate(msg["stream"]):
                     p.add(f"{msg['name']}{i}", prompt)
             elif "report" in msg:
-                _say(out, forward_s=p.forward_s, save_s=p.save_s)
+                say(out, forward_s=p.forward_s, save_s=p.save_s)
         p.step()
         if not p.busy:
             time.sleep(0.0005)
@@ -212,8 +210,8 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
     free = deque(range(cfg.num_blocks - 1, 0, -1))  # D's ids differ from P's
     loads: dict[str, list[int]] = {}
     waiting: deque[dict[str, Any]] = deque()
-    _say(out, ready=True)
-    inbox = _Lines(sys.stdin.fileno())
+    say(out, ready=True)
+    inbox = Lines(sys.stdin.fileno())
     while True:
         msgs = inbox.ready()
         if any("stop" in m for m in msgs) or inbox.closed:
@@ -223,7 +221,7 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
                 waiting.append(msg)
             elif "scatter" in msg:
                 memcpy.append(_memcpy_gbps())
-                _say(out, memcpy_gbps=statistics.median(memcpy), **_scatter_figures(cfg))
+                say(out, memcpy_gbps=statistics.median(memcpy), **_scatter_figures(cfg))
         while waiting and waiting[0]["blocks"] <= len(free):
             msg = waiting.popleft()
             table = [free.popleft() for _ in range(msg["blocks"])]
@@ -242,11 +240,11 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
             fingerprint_blocks(caches, table)
             verify_s = time.perf_counter() - start
             free.extend(table)
-            _say(out, req_id=req_id, ok=True, at=now, bytes=len(table) * cfg.block_bytes * cfg.layers,
+            say(out, req_id=req_id, ok=True, at=now, bytes=len(table) * cfg.block_bytes * cfg.layers,
                  verify_s=verify_s)
         for req_id in failed:
             free.extend(loads.pop(req_id))
-            _say(out, req_id=req_id, ok=False, at=now)
+            say(out, req_id=req_id, ok=False, at=now)
     conn.close()
 
 
@@ -274,9 +272,7 @@ def _scatter_figures(cfg: E2EConfig) -> dict[str, float]:
 
 
 def _child(role: str, cfg_json: str) -> None:
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # NIXL and UCX log to stdout
-    logging.basicConfig(level=os.environ.get("KVXFER_LOG", "WARNING"), stream=sys.stderr)
+    out = child_output()
     fields = json.loads(cfg_json)
     fields["scatter_caches"] = tuple(fields["scatter_caches"])
     cfg = E2EConfig(**fields)
@@ -286,7 +282,7 @@ def _child(role: str, cfg_json: str) -> None:
 # -- the parent ------------------------------------------------------------------------
 
 
-def _relay(p: _Proc, d: _Proc, count: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def _relay(p: Proc, d: Proc, count: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Forward `count` finished requests from P to D; returns (P's, D's) message pairs."""
     sent: dict[str, dict[str, Any]] = {}
     results = []
@@ -311,11 +307,11 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
     """Run the three parts; returns the figures as a JSON-able dict."""
     cfg = cfg or E2EConfig()
     cfg_json = json.dumps(asdict(cfg))
-    p = _Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module="kvxfer.bench.e2e")
+    p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module="kvxfer.bench.e2e")
     d = None
     try:
         p.read()
-        d = _Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module="kvxfer.bench.e2e")
+        d = Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module="kvxfer.bench.e2e")
         d.read()
         # Warm up: compile every bucket the stream can use, on both sides.
         warm = [cfg.block_size * (1 << k) for k in range(3, 10)]

@@ -1,8 +1,9 @@
-"""`kvxfer demo`: a prefill instance and a decode instance as two real processes.
+"""`kvxfer kvbytes`: random KV bytes in any cache layout, P to D in two processes.
 
-P shards its KV caches over its own CPU (or TPU) devices, prefills several
-prompts in chunks (with a straddling block, speculative lookahead blocks and
-a prefix-cache hit), writing random KV for each token, and saves what
+The layout check beside `kvxfer demo` (which runs a real model). P shards its
+KV caches over its own CPU (or TPU) devices, prefills several prompts in
+chunks (with a straddling block, speculative lookahead blocks and a
+prefix-cache hit), writing random KV for each token, and saves what
 `SaveTracker` plans through `PrefillConnector`. D, in its own process with its
 own mesh, reads each finished request over NIXL into its own block ids,
 checks P's fingerprints, scatters into its caches, and compares every prompt
@@ -15,10 +16,8 @@ Processes talk JSON lines over pipes; every wait has a deadline.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import select
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,13 +26,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvxfer.blocks import cdiv, is_int
-from kvxfer.errors import InvalidInputError, KvxferError, TransferError
+from kvxfer.demo.procs import Lines, Proc, child_output, say
+from kvxfer.errors import InvalidInputError, KvxferError
 
 LAYOUTS = ("attention", "mla", "attention4d")
 
 
 @dataclass
-class DemoConfig:
+class BytesConfig:
     """One demo run. Layouts: tpu-inference attention (5-D), MLA, the older 4-D."""
 
     layout: str = "attention"
@@ -64,7 +64,7 @@ class DemoConfig:
         max_tp = 8  # the CPU devices a child emulates; kept for TPU runs too, for simplicity
 
         def name(f: str) -> str:
-            return "--" + f.replace("_", "-") if f in flags else f"DemoConfig.{f}"
+            return "--" + f.replace("_", "-") if f in flags else f"BytesConfig.{f}"
 
         if self.layout not in LAYOUTS:
             raise InvalidInputError(
@@ -120,7 +120,7 @@ class DemoConfig:
                 f"the prompts")
 
 
-def cache_shape(cfg: DemoConfig) -> tuple[int, ...]:
+def cache_shape(cfg: BytesConfig) -> tuple[int, ...]:
     """Per-layer global cache shape of the chosen layout."""
     p = 32 // (8 * _itemsize(cfg.dtype))
     if cfg.layout == "attention":
@@ -144,7 +144,7 @@ def _itemsize(dtype: str) -> int:
 # -- the two sides, each in its own process ------------------------------------------
 
 
-def _caches(cfg: DemoConfig, tp: int):
+def _caches(cfg: BytesConfig, tp: int):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -172,7 +172,7 @@ def _token_rows(cache, table, n_tokens: int, block_size: int):
     return per_block.reshape(len(table) * block_size, -1)[:n_tokens]
 
 
-def _writer(cfg: DemoConfig, caches):
+def _writer(cfg: BytesConfig, caches):
     """A jitted 'forward pass': writes given rows at (block, offset) token positions."""
     import jax
 
@@ -192,7 +192,7 @@ def _writer(cfg: DemoConfig, caches):
     return jax.jit(write, out_shardings=shardings, donate_argnums=0)
 
 
-def _serve_p(cfg: DemoConfig, out) -> None:
+def _serve_p(cfg: BytesConfig, out) -> None:
     import jax
     import numpy as np
 
@@ -206,7 +206,7 @@ def _serve_p(cfg: DemoConfig, out) -> None:
     group = GroupSpec(cfg.block_size)
     conn = PrefillConnector(
         ConnectorConfig(TransportConfig("P"), staging_blocks=cfg.num_blocks), [group], caches)
-    _say(out, port=conn.transport.port)
+    say(out, port=conn.transport.port)
     engine = SimEngine([group], num_blocks=cfg.num_blocks, lookahead=cfg.lookahead)
     rng = np.random.default_rng(cfg.seed)
     row_bytes = int(np.prod(caches[0].shape[1:])) // cfg.block_size * caches[0].dtype.itemsize
@@ -249,7 +249,7 @@ def _serve_p(cfg: DemoConfig, out) -> None:
             np.save(expected, np.stack([
                 _token_rows(c, req.tables[0], req.num_prompt_tokens, cfg.block_size).view(np.uint8)
                 for c in caches]))
-            _say(out, params=conn.request_finished(req_id), expected=expected,
+            say(out, params=conn.request_finished(req_id), expected=expected,
                  prompt=req.num_prompt_tokens)
             pending.discard(req_id)
         freed += conn.get_finished()
@@ -257,7 +257,7 @@ def _serve_p(cfg: DemoConfig, out) -> None:
     while len(freed) < len(cfg.prompts) and time.monotonic() < deadline:
         freed += conn.get_finished()
         time.sleep(0.002)
-    _say(out, freed=sorted(freed), steps=steps, copied=sum(copies.values()),
+    say(out, freed=sorted(freed), steps=steps, copied=sum(copies.values()),
          recopied=sum(1 for n in copies.values() if n > 1))
     # Serve until the parent says stop (D may still be finishing its checks).
     while not select.select([sys.stdin], [], [], 0.01)[0]:
@@ -265,7 +265,7 @@ def _serve_p(cfg: DemoConfig, out) -> None:
     conn.close()
 
 
-def _serve_d(cfg: DemoConfig, out) -> None:
+def _serve_d(cfg: BytesConfig, out) -> None:
     import numpy as np
 
     from kvxfer.connector import ConnectorConfig, DecodeConnector
@@ -273,11 +273,11 @@ def _serve_d(cfg: DemoConfig, out) -> None:
 
     caches = _caches(cfg, cfg.tp_d)
     conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks), caches)
-    _say(out, ready=True)
+    say(out, ready=True)
     # D's own block ids: reversed, so they differ from P's.
     free = list(range(cfg.num_blocks - 1, 0, -1))
     loads: dict[str, tuple[list[int], str, int, float]] = {}
-    stopping, inbox = False, _Lines(sys.stdin.fileno())
+    stopping, inbox = False, Lines(sys.stdin.fileno())
     while not (stopping or inbox.closed) or loads:
         # Start every request the router has forwarded, as soon as it arrives.
         for msg in inbox.ready():
@@ -293,110 +293,31 @@ def _serve_d(cfg: DemoConfig, out) -> None:
             errors = sorted(conn.get_block_ids_with_load_errors())
         for req_id in failed:
             loads.pop(req_id)
-            _say(out, req_id=req_id, ok=False, error="load failed", logical_blocks=errors)
+            say(out, req_id=req_id, ok=False, error="load failed", logical_blocks=errors)
         for req_id in finished:
             table, expected, prompt, t0 = loads.pop(req_id)
             want = np.load(expected)
             got = np.stack([_token_rows(c, table, prompt, cfg.block_size).view(np.uint8)
                             for c in caches])
             bad = int((got != want).any(axis=(0, 2)).sum())
-            _say(out, req_id=req_id, ok=bad == 0, stale_tokens=bad, tokens=prompt,
+            say(out, req_id=req_id, ok=bad == 0, stale_tokens=bad, tokens=prompt,
                  mb=want.nbytes / 1e6, seconds=time.perf_counter() - t0)
             os.unlink(expected)
     conn.close()
 
 
-class _Lines:
-    """JSON lines from a pipe, without blocking and without stdio's read-ahead buffer
-    (which would hide lines from `select`)."""
-
-    def __init__(self, fd: int):
-        self.fd, self.buf, self.closed = fd, b"", False
-
-    def ready(self) -> list[dict[str, Any]]:
-        while not self.closed and select.select([self.fd], [], [], 0.001)[0]:
-            chunk = os.read(self.fd, 1 << 16)
-            self.closed = not chunk
-            self.buf += chunk
-        *lines, self.buf = self.buf.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
-
-
-def _say(out, **fields: Any) -> None:
-    out.write(json.dumps(fields) + "\n")
-    out.flush()
-
-
-def _child(role: str, cfg_json: str) -> None:
-    # NIXL and UCX log to stdout: answers go to a private copy of it, the rest to stderr.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    logging.basicConfig(level=os.environ.get("KVXFER_LOG", "WARNING"), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(message)s")
-    cfg = DemoConfig(**json.loads(cfg_json))
-    (_serve_p if role == "P" else _serve_d)(cfg, out)
-
-
 # -- the parent: start both, relay params, collect results ----------------------------
 
 
-class _Proc:
-    """A child process `python -m module role cfg_json` that answers in JSON lines."""
-
-    def __init__(self, role: str, cfg_json: str, devices: int, timeout_s: float,
-                 module: str = "kvxfer.demo"):
-        env = dict(os.environ)
-        env.setdefault("JAX_PLATFORMS", "cpu")
-        if env["JAX_PLATFORMS"] == "cpu":
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-        self.role, self.timeout = role, timeout_s
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, role, cfg_json],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
-        self.lines, self.queue = _Lines(self.proc.stdout.fileno()), []
-
-    def read(self) -> dict[str, Any]:
-        deadline = time.monotonic() + self.timeout
-        while not self.queue:
-            if time.monotonic() > deadline:
-                raise TransferError(f"{self.role} said nothing within {self.timeout}s\n{self.tail()}")
-            if self.lines.closed:
-                raise TransferError(f"{self.role} exited with {self.proc.poll()}\n{self.tail()}")
-            self.queue.extend(self.lines.ready())
-        return self.queue.pop(0)
-
-    def ready(self) -> list[dict[str, Any]]:
-        """Every message that has arrived, without waiting."""
-        msgs, self.queue = self.queue + self.lines.ready(), []
-        return msgs
-
-    def send(self, **fields: Any) -> None:
-        self.proc.stdin.write((json.dumps(fields) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def tail(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        try:
-            self.send(stop=True)
-            self.proc.wait(timeout=10)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+def run_bytes(cfg: BytesConfig) -> dict[str, Any]:
     """Run P and D as two processes; returns per-request results and totals."""
     cfg.validate()  # reject a bad setting before starting anything
     cfg_json = json.dumps(asdict(cfg))
-    p = _Proc("P", cfg_json, max(cfg.tp_p, 1), cfg.timeout_s)
+    p = Proc("P", cfg_json, max(cfg.tp_p, 1), cfg.timeout_s, "kvxfer.demo.kvbytes")
     d = None
     try:
         p.read()  # P's listener is up
-        d = _Proc("D", cfg_json, max(cfg.tp_d, 1), cfg.timeout_s)
+        d = Proc("D", cfg_json, max(cfg.tp_d, 1), cfg.timeout_s, "kvxfer.demo.kvbytes")
         d.read()
         for _ in cfg.prompts:
             d.send(**p.read())  # relay each finished request's kv_transfer_params at once
@@ -411,7 +332,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 proc.stop()
 
 
-def report(result: dict[str, Any], cfg: DemoConfig) -> list[str]:
+def report_bytes(result: dict[str, Any], cfg: BytesConfig) -> list[str]:
     lines = [f"P: TP {cfg.tp_p}, D: TP {cfg.tp_d}, layout {cfg.layout} {cfg.dtype}, "
              f"{cfg.layers} layers, block {cfg.block_size}, budget {cfg.budget}, "
              f"lookahead {cfg.lookahead}",
@@ -430,4 +351,6 @@ def report(result: dict[str, Any], cfg: DemoConfig) -> list[str]:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+    out = child_output()
+    cfg = BytesConfig(**json.loads(sys.argv[2]))
+    (_serve_p if sys.argv[1] == "P" else _serve_d)(cfg, out)

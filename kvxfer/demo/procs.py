@@ -1,0 +1,103 @@
+"""Child processes that answer in JSON lines: how the demo and the benches run P and D.
+
+The parent starts each side with `python -m <module> <role> <config json>`,
+relays messages between them as a router would, and waits on each with a
+deadline. A child's answers go to a private copy of its stdout (NIXL and UCX
+log to stdout), everything else to a log file the parent shows on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, TextIO
+
+from kvxfer.errors import TransferError
+
+
+class Lines:
+    """JSON lines from a pipe, without blocking and without stdio's read-ahead buffer
+    (which would hide lines from `select`)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buf, self.closed = fd, b"", False
+
+    def ready(self) -> list[dict[str, Any]]:
+        while not self.closed and select.select([self.fd], [], [], 0.001)[0]:
+            chunk = os.read(self.fd, 1 << 16)
+            self.closed = not chunk
+            self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def say(out: TextIO, **fields: Any) -> None:
+    """Send one JSON line."""
+    out.write(json.dumps(fields) + "\n")
+    out.flush()
+
+
+def child_output() -> TextIO:
+    """In a child: the answer channel (a private copy of stdout); stdout itself goes to stderr."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    logging.basicConfig(level=os.environ.get("KVXFER_LOG", "WARNING"), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+    return out
+
+
+class Proc:
+    """A child process `python -m module role cfg_json` that answers in JSON lines.
+
+    On the CPU platform it gets `devices` emulated devices.
+    """
+
+    def __init__(self, role: str, cfg_json: str, devices: int, timeout_s: float, module: str):
+        env = dict(os.environ)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        if env["JAX_PLATFORMS"] == "cpu":
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        self.role, self.timeout = role, timeout_s
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, role, cfg_json],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env)
+        self.lines, self.queue = Lines(self.proc.stdout.fileno()), []
+
+    def read(self) -> dict[str, Any]:
+        """The next message; raises `TransferError` if none comes within the timeout."""
+        deadline = time.monotonic() + self.timeout
+        while not self.queue:
+            if time.monotonic() > deadline:
+                raise TransferError(f"{self.role} said nothing within {self.timeout}s\n{self.tail()}")
+            if self.lines.closed:
+                raise TransferError(f"{self.role} exited with {self.proc.poll()}\n{self.tail()}")
+            self.queue.extend(self.lines.ready())
+        return self.queue.pop(0)
+
+    def ready(self) -> list[dict[str, Any]]:
+        """Every message that has arrived, without waiting."""
+        msgs, self.queue = self.queue + self.lines.ready(), []
+        return msgs
+
+    def send(self, **fields: Any) -> None:
+        self.proc.stdin.write((json.dumps(fields) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        try:
+            self.send(stop=True)
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
