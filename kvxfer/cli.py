@@ -125,6 +125,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InvalidInputError(f"{flag} {text!r} must be comma-separated ints, e.g. 40,300,517") from None
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvxfer.demo.disagg import DemoConfig, report, run_demo
+
+    cfg = DemoConfig(prompts=_int_list("--prompts", args.prompts), seed=args.seed, tp_p=args.tp_p,
+                     tp_d=args.tp_d, dtype=args.dtype, budget=args.budget, lookahead=args.lookahead,
+                     decode_tokens=args.decode_tokens)
+    result = run_demo(cfg)
+    print(json.dumps(result) if args.json else "\n".join(report(result, cfg)))
+    return 0 if result["ok"] else 1
+
+
 def _cmd_kvbytes(args: argparse.Namespace) -> int:
     from kvxfer.demo.kvbytes import BytesConfig, report_bytes, run_bytes
 
@@ -173,6 +191,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="a small model across P and D (two processes, NIXL): D's "
+                          "decode against colocated decode, and the old save rule's damage")
+    demo.add_argument("--prompts", default="40,300,517,130",
+                      help="comma-separated prompt lengths; the prompt bytes come from --seed")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and the weights")
+    demo.add_argument("--tp-p", type=int, default=4, help="P's devices on the model axis")
+    demo.add_argument("--tp-d", type=int, default=8, help="D's devices on the model axis")
+    demo.add_argument("--dtype", default="bfloat16", help="KV cache dtype (bfloat16, float32, ...)")
+    demo.add_argument("--budget", type=int, default=96, help="token budget per prefill step")
+    demo.add_argument("--lookahead", type=int, default=3, help="speculative lookahead tokens")
+    demo.add_argument("--decode-tokens", type=int, default=16, help="tokens D decodes per prompt")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.set_defaults(func=_cmd_demo)
 
     demo = sub.add_parser("kvbytes", help="random KV bytes in any cache layout, P to D over NIXL, "
                           "compared byte for byte")

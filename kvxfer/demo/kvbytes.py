@@ -158,7 +158,7 @@ def _caches(cfg: BytesConfig, tp: int):
     return [jax.device_put(jnp.zeros(shape, cfg.dtype), sharding) for _ in range(cfg.layers)]
 
 
-def _token_rows(cache, table, n_tokens: int, block_size: int):
+def token_rows(cache, table, n_tokens: int, block_size: int):
     """The KV of tokens `[0, n_tokens)` through a block table, as `[n_tokens, rest]` numpy.
 
     Every demo layout keeps a block's tokens on its leading inner axes
@@ -247,7 +247,7 @@ def _serve_p(cfg: BytesConfig, out) -> None:
             req = engine.requests[req_id]
             expected = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
             np.save(expected, np.stack([
-                _token_rows(c, req.tables[0], req.num_prompt_tokens, cfg.block_size).view(np.uint8)
+                token_rows(c, req.tables[0], req.num_prompt_tokens, cfg.block_size).view(np.uint8)
                 for c in caches]))
             say(out, params=conn.request_finished(req_id), expected=expected,
                  prompt=req.num_prompt_tokens)
@@ -297,7 +297,7 @@ def _serve_d(cfg: BytesConfig, out) -> None:
         for req_id in finished:
             table, expected, prompt, t0 = loads.pop(req_id)
             want = np.load(expected)
-            got = np.stack([_token_rows(c, table, prompt, cfg.block_size).view(np.uint8)
+            got = np.stack([token_rows(c, table, prompt, cfg.block_size).view(np.uint8)
                             for c in caches])
             bad = int((got != want).any(axis=(0, 2)).sum())
             say(out, req_id=req_id, ok=bad == 0, stale_tokens=bad, tokens=prompt,

@@ -1,0 +1,412 @@
+"""`kvxfer demo`: a real model decoding on D from KV that P prefilled, against colocated decode.
+
+Two processes, each with its own devices and its own copy of the demo decoder
+(`kvxfer.demo.model`, same seed, same weights):
+
+- **P** (TP `tp_p`) prefills the prompts in chunks under a token budget, with
+  lookahead blocks and a prefix-cache hit, and saves what `SaveTracker` plans
+  through `PrefillConnector` after each step. Then it prefills them again,
+  saving with the old "newly allocated blocks" rule (`NewBlocksTracker`), and
+  decodes its own first run: the colocated run at `tp_p`.
+- **D** (TP `tp_d`) reads each finished request over NIXL into its own block
+  ids, checks fingerprints, scatters, compares the prompt's KV with P's byte
+  for byte, and decodes greedily. Then it runs the colocated reference at
+  `tp_d`: prefill and decode in one instance, the same steps P ran.
+
+The parent relays `kv_transfer_params` from P to D as a router would, and
+compares: D's tokens and logits against the colocated run's (bit-identical
+at equal TP), the colocated runs at the two TPs against each other (the
+noise floor of a TP change), and the old rule's decode against the same
+reference. Processes talk JSON lines; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.blocks import cdiv, is_int
+from kvxfer.demo.procs import Lines, Proc, child_output, say
+from kvxfer.errors import InvalidInputError, TransferError
+
+BLOCK_SIZE = 16
+MAX_PROMPT = 4096  # keeps a run within a minute or two on two CPU cores
+MAX_TP = 8  # the devices a child emulates on CPU
+PHASES = ("kvxfer", "old")
+# D's logits (P's KV at TP p, decode at TP d) against colocated at TP d may exceed the noise
+# measured between whole runs at the two TPs by rounding luck: both come from the same
+# reordered float32 sums. Twice the noise is the bound; a stale token costs ~100x.
+NOISE_FACTOR = 2.0
+
+
+@dataclass
+class DemoConfig:
+    """One demo run. `cached[i]` is prompt `i`'s prefix-cache hit in tokens (on P and on the
+    colocated reference); `None` gives the third prompt, if any, a hit of up to 4 blocks."""
+
+    prompts: list[int] = field(default_factory=lambda: [40, 300, 517, 130])
+    cached: list[int] | None = None
+    seed: int = 0
+    tp_p: int = 4
+    tp_d: int = 8
+    dtype: str = "bfloat16"
+    budget: int = 96
+    lookahead: int = 3
+    decode_tokens: int = 16
+    timeout_s: float = 120.0
+
+    def hits(self) -> list[int]:
+        if self.cached is not None:
+            return list(self.cached)
+        hits = [0] * len(self.prompts)
+        if len(self.prompts) >= 3:
+            shared = min(self.prompts[2] - 1, max(self.prompts[:2]), 4 * BLOCK_SIZE)
+            hits[2] = shared // BLOCK_SIZE * BLOCK_SIZE
+        return hits
+
+    def model_config(self):
+        from kvxfer.demo.model import ModelConfig
+
+        return ModelConfig(block_size=BLOCK_SIZE, cache_dtype=self.dtype, seed=self.seed)
+
+    def validate(self) -> None:
+        """Raise `InvalidInputError` naming the flag and value, before any process starts."""
+        from kvxfer.demo.model import CACHE_DTYPES
+
+        prompts = self.prompts
+        if (not isinstance(prompts, (list, tuple)) or not prompts
+                or not all(is_int(n) and 0 < n <= MAX_PROMPT for n in prompts)):
+            raise InvalidInputError(f"--prompts must be a non-empty list of ints in [1, {MAX_PROMPT}], "
+                                    f"got {prompts!r}")
+        if self.dtype not in CACHE_DTYPES:
+            raise InvalidInputError(f"--dtype {self.dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
+        for flag, value, low in (("--seed", self.seed, 0), ("--budget", self.budget, 1),
+                                 ("--lookahead", self.lookahead, 0),
+                                 ("--decode-tokens", self.decode_tokens, 1)):
+            if not is_int(value) or value < low:
+                raise InvalidInputError(f"{flag} must be an int >= {low}, got {value!r}")
+        if self.budget > 1024:
+            raise InvalidInputError(f"--budget {self.budget} is more than the demo's 1024 tokens a step")
+        if self.lookahead > 64 or self.decode_tokens > 256:
+            raise InvalidInputError(f"--lookahead {self.lookahead} / --decode-tokens "
+                                    f"{self.decode_tokens}: the demo allows at most 64 / 256")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise InvalidInputError(f"DemoConfig.timeout_s must be a positive number, got {t!r}")
+        hits = self.hits()
+        if len(hits) != len(prompts):
+            raise InvalidInputError(f"DemoConfig.cached {hits!r} must give one hit per prompt of "
+                                    f"{list(prompts)}")
+        for i, (hit, n) in enumerate(zip(hits, prompts)):
+            if not is_int(hit) or not 0 <= hit < n or hit % BLOCK_SIZE:
+                raise InvalidInputError(f"DemoConfig.cached[{i}] {hit!r} must be a multiple of "
+                                        f"{BLOCK_SIZE} in [0, prompt {n})")
+        model = self.model_config()
+        for flag, tp in (("--tp-p", self.tp_p), ("--tp-d", self.tp_d)):
+            model.check_tp(tp, flag)
+            if tp > MAX_TP:
+                raise InvalidInputError(f"{flag} {tp} is more than the {MAX_TP} devices a side gets")
+
+
+# -- P -------------------------------------------------------------------------------
+
+
+def _serve_p(cfg: DemoConfig, out) -> None:
+    from kvxfer.connector import ConnectorConfig, PrefillConnector
+    from kvxfer.demo.engine import NewBlocksTracker, Shapes, decode_each, demo_prompts, pool_blocks, prefill
+    from kvxfer.demo.kvbytes import token_rows
+    from kvxfer.demo.model import ShardedDecoder, make_mesh
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.transport import TransportConfig
+
+    model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_p))
+    shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead, cfg.decode_tokens)
+    tokens = demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
+    group = GroupSpec(BLOCK_SIZE)
+    pool = pool_blocks(dict(enumerate(tokens)), BLOCK_SIZE, cfg.lookahead)
+    extra = shapes.decode_blocks * len(tokens)
+    caches = model.new_caches(pool + extra)
+    conn = PrefillConnector(ConnectorConfig(TransportConfig("P"), staging_blocks=2 * pool), [group],
+                            caches)
+    say(out, port=conn.transport.port)
+    freed: list[str] = []
+    first_run = None
+    for phase in PHASES:
+        if phase == "old":
+            conn.scheduler.tracker = NewBlocksTracker([group])
+            # Fresh zeros: blocks still holding the first run's KV would hide stale tokens.
+            caches = model.new_caches(pool + extra)
+        prompts = {f"{phase}-{i}": t for i, t in enumerate(tokens)}
+        cached = {f"{phase}-{i}": hit for i, hit in enumerate(cfg.hits())}
+        for req_id, prompt in prompts.items():
+            conn.add_request(req_id, len(prompt))
+        copies: Counter[tuple[str, int]] = Counter()
+        chunks: Counter[str] = Counter()
+
+        def save(scheduled, caches, engine, phase=phase, copies=copies, chunks=chunks):
+            meta = conn.build_connector_meta(scheduled)
+            conn.wait_for_save(caches, meta)
+            chunks.update(s.req_id for s in scheduled)
+            for req_id, ids in meta.kernel_ids.items():
+                copies.update((req_id, k) for k in ids)
+            for req_id in sorted(meta.completed):
+                req = engine.requests[req_id]
+                expected = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
+                np.save(expected, np.stack([token_rows(c, req.tables[0], req.num_prompt_tokens,
+                                                       BLOCK_SIZE).view(np.uint8) for c in caches]))
+                mine = [n for (r, _), n in copies.items() if r == req_id]
+                say(out, params=conn.request_finished(req_id), phase=phase,
+                    index=int(req_id.split("-")[1]), expected=expected, chunks=chunks[req_id],
+                    copied=sum(mine), recopied=sum(1 for n in mine if n > 1))
+            freed.extend(conn.get_finished())
+            return caches
+
+        caches, done = prefill(model, caches, prompts, cached, shapes,
+                               lookahead=cfg.lookahead, num_blocks=pool, after_step=save)
+        if phase == "kvxfer":
+            first_run = (caches, {r: p.table for r, p in done.items()}, prompts)
+    # P's own decode of the first run: the colocated run at P's TP.
+    caches, tables, prompts = first_run
+    _, decoded = decode_each(model, caches, prompts, tables, cfg.decode_tokens, shapes,
+                             iter(range(pool, pool + extra)),
+                             between=lambda: freed.extend(conn.get_finished()))
+    for req_id, d in decoded.items():
+        say(out, reference=int(req_id.split("-")[1]), tp=cfg.tp_p, tokens=d.tokens,
+            logits=_save_logits(d.logits))
+    deadline = time.monotonic() + cfg.timeout_s
+    while len(freed) < 2 * len(tokens) and time.monotonic() < deadline:
+        freed += conn.get_finished()
+        time.sleep(0.002)
+    say(out, freed=sorted(freed))
+    while not select.select([sys.stdin], [], [], 0.01)[0]:  # serve until the parent says stop
+        conn.get_finished()
+    conn.close()
+
+
+def _save_logits(logits: list[np.ndarray]) -> str:
+    path = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
+    np.save(path, np.stack(logits))
+    return path
+
+
+# -- D -------------------------------------------------------------------------------
+
+
+def _serve_d(cfg: DemoConfig, out) -> None:
+    from kvxfer.connector import ConnectorConfig, DecodeConnector
+    from kvxfer.demo.engine import Shapes, colocated, decode, demo_prompts
+    from kvxfer.demo.kvbytes import token_rows
+    from kvxfer.demo.model import ShardedDecoder, make_mesh
+    from kvxfer.transport import TransportConfig
+
+    model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_d))
+    shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead, cfg.decode_tokens)
+    tokens = demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
+    need = [cdiv(len(t) + cfg.decode_tokens - 1, BLOCK_SIZE) for t in tokens]
+    num_blocks = 1 + len(PHASES) * sum(need)
+    caches = model.new_caches(num_blocks)
+    conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=num_blocks), caches)
+    # Compile the decode step now (through the null block), not inside the first transfer's time.
+    caches, _ = decode(model, caches, tokens[0][:1], [0], 1, shapes)
+    say(out, ready=True)
+    free = list(range(num_blocks - 1, 0, -1))  # D's own ids: reversed, unlike P's
+    loads: dict[str, tuple[dict[str, Any], list[int], float]] = {}
+    inbox, stopping, results = Lines(sys.stdin.fileno()), False, 0
+    while results < len(PHASES) * len(tokens):
+        for msg in inbox.ready():
+            stopping |= "stop" in msg
+            if "params" in msg:
+                i = msg["index"]
+                table = [free.pop() for _ in range(need[i])]
+                loads[msg["params"]["req_id"]] = (msg, table, time.perf_counter())
+                conn.start_load_kv({msg["params"]["req_id"]: (msg["params"],
+                                                              table[: cdiv(len(tokens[i]), BLOCK_SIZE)])})
+        if stopping or inbox.closed:
+            return conn.close()
+        caches, finished, failed = conn.get_finished(caches)
+        for req_id in failed:
+            msg, _, _ = loads.pop(req_id)
+            say(out, phase=msg["phase"], index=msg["index"], ok=False,
+                error=f"load failed; logical blocks {sorted(conn.get_block_ids_with_load_errors())}")
+            results += 1
+        for req_id in finished:
+            msg, table, t0 = loads.pop(req_id)
+            seconds = time.perf_counter() - t0
+            prompt = tokens[msg["index"]]
+            want = np.load(msg["expected"])
+            got = np.stack([token_rows(c, table, len(prompt), BLOCK_SIZE).view(np.uint8)
+                            for c in caches])
+            caches, d = decode(model, caches, prompt, table, cfg.decode_tokens, shapes)
+            say(out, phase=msg["phase"], index=msg["index"], ok=True,
+                stale_tokens=int((got != want).any(axis=(0, 2)).sum()), mb=want.nbytes / 1e6,
+                seconds=seconds, tokens=d.tokens, logits=_save_logits(d.logits))
+            results += 1
+    prompts = {f"ref-{i}": t for i, t in enumerate(tokens)}
+    cached = {f"ref-{i}": hit for i, hit in enumerate(cfg.hits())}
+    reference = colocated(model, prompts, cached, shapes, lookahead=cfg.lookahead,
+                          decode_tokens=cfg.decode_tokens)
+    for req_id, d in reference.items():
+        say(out, reference=int(req_id.split("-")[1]), tp=cfg.tp_d, tokens=d.tokens,
+            logits=_save_logits(d.logits))
+    while not (stopping or inbox.closed):
+        stopping = any("stop" in m for m in inbox.ready())
+        time.sleep(0.01)
+    conn.close()
+
+
+# -- the parent ----------------------------------------------------------------------
+
+
+def compare(tokens: list[int], logits: np.ndarray, ref_tokens: list[int],
+            ref_logits: np.ndarray) -> dict[str, Any]:
+    """Greedy decodes compared step by step, up to and including the first differing token
+    (after it the inputs differ and logits no longer compare)."""
+    diverged = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
+    upto = len(tokens) if diverged is None else diverged + 1
+    diffs = np.abs(logits[:upto] - ref_logits[:upto]).max(axis=-1)
+    return {"tokens_equal": diverged is None, "diverged_at": diverged,
+            "max_logit_diff": float(diffs.max()), "logit_diffs": [float(x) for x in diffs]}
+
+
+def _collect(p: Proc, d: Proc, cfg: DemoConfig) -> tuple[dict, dict, dict, list[str]]:
+    """Relay P's params to D and gather everyone's messages until all have come."""
+    n = len(cfg.prompts)
+    sent: dict[tuple[str, int], dict] = {}
+    got: dict[tuple[str, int], dict] = {}
+    refs: dict[tuple[int, int], dict] = {}
+    freed = None
+    deadline = time.monotonic() + cfg.timeout_s
+    while len(got) < len(PHASES) * n or len(refs) < (1 if cfg.tp_p == cfg.tp_d else 2) * n \
+            or freed is None:
+        if time.monotonic() > deadline:
+            raise TransferError(f"the demo did not finish within {cfg.timeout_s}s\nP: {p.tail()}\n"
+                                f"D: {d.tail()}")
+        for proc in (p, d):
+            if proc.lines.closed:
+                raise TransferError(f"{proc.role} exited with {proc.proc.poll()}\n{proc.tail()}")
+        for msg in p.ready():
+            if "params" in msg:
+                sent[msg["phase"], msg["index"]] = msg
+                d.send(**msg)
+            elif "reference" in msg:
+                refs[msg["tp"], msg["reference"]] = msg
+            elif "freed" in msg:
+                freed = msg["freed"]
+        for msg in d.ready():
+            if "reference" in msg:
+                refs[msg["tp"], msg["reference"]] = msg
+            else:
+                got[msg["phase"], msg["index"]] = msg
+        time.sleep(0.005)
+    return sent, got, refs, freed
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run P and D as two processes; returns per-prompt results, the TP noise and the old rule's."""
+    cfg.validate()
+    cfg_json = json.dumps(asdict(cfg))
+    module = "kvxfer.demo.disagg"
+    t0 = time.perf_counter()
+    p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module)
+    d = None
+    try:
+        p.read()
+        d = Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module)
+        d.read()
+        sent, got, refs, freed = _collect(p, d, cfg)
+    finally:
+        for proc in (d, p):
+            if proc is not None:
+                proc.stop()
+    result = _judge(cfg, sent, got, refs)
+    result.update(p_freed=freed, seconds=time.perf_counter() - t0)
+    return result
+
+
+def _load(msg: dict) -> tuple[list[int], np.ndarray]:
+    return msg["tokens"], np.load(msg["logits"])
+
+
+def _judge(cfg: DemoConfig, sent: dict, got: dict, refs: dict) -> dict[str, Any]:
+    hits = cfg.hits()
+    reference = {i: _load(refs[cfg.tp_d, i]) for i in range(len(cfg.prompts))}
+    if cfg.tp_p == cfg.tp_d:
+        noise = 0.0  # one program on the same inputs: nothing to measure
+    else:
+        noise = max(compare(*_load(refs[cfg.tp_p, i]), *reference[i])["max_logit_diff"]
+                    for i in reference)
+    out: dict[str, Any] = {"tp_p": cfg.tp_p, "tp_d": cfg.tp_d, "dtype": cfg.dtype,
+                           "tp_noise": noise, "prompts": [], "old_rule": {"prompts": []}}
+    for phase in PHASES:
+        for i, n in enumerate(cfg.prompts):
+            d, p = got[phase, i], sent.get((phase, i), {})
+            row = {"index": i, "prompt_tokens": n, "cached_tokens": hits[i], "loaded": d["ok"]}
+            if d["ok"]:
+                row.update(compare(*_load(d), *reference[i]), stale_tokens=d["stale_tokens"],
+                           d_tokens=d["tokens"], colocated_tokens=reference[i][0])
+            else:
+                row.update(tokens_equal=False, error=d["error"])
+            if phase == "kvxfer":
+                row.update(chunks=p["chunks"], blocks_copied=p["copied"],
+                           blocks_recopied=p["recopied"], mb=d.get("mb"),
+                           transfer_s=d.get("seconds"))
+                exact = row.get("max_logit_diff") == 0.0 if cfg.tp_p == cfg.tp_d else \
+                    row.get("max_logit_diff", np.inf) <= NOISE_FACTOR * noise
+                row["ok"] = bool(d["ok"] and row["stale_tokens"] == 0 and row["tokens_equal"] and exact)
+                out["prompts"].append(row)
+            else:
+                out["old_rule"]["prompts"].append(row)
+    old = out["old_rule"]["prompts"]
+    out["old_rule"]["decoded_differently"] = sum(not r["tokens_equal"] for r in old)
+    out["old_rule"]["max_logit_diff"] = max(r.get("max_logit_diff", 0.0) for r in old)
+    out["ok"] = all(r["ok"] for r in out["prompts"])
+    return out
+
+
+def _toks(tokens: list[int], k: int = 6) -> str:
+    return " ".join(f"{t:3d}" for t in tokens[:k])
+
+
+def report(result: dict[str, Any], cfg: DemoConfig) -> list[str]:
+    same = cfg.tp_p == cfg.tp_d
+    lines = [f"P: TP {cfg.tp_p}, D: TP {cfg.tp_d}; cache {cfg.dtype}, block {BLOCK_SIZE}, "
+             f"budget {cfg.budget}, lookahead {cfg.lookahead}; {cfg.decode_tokens} tokens decoded",
+             "noise of a TP change (colocated TP {} vs TP {}): max logit diff {:.3g}".format(
+                 cfg.tp_p, cfg.tp_d, result["tp_noise"]) if not same else
+             "same TP on P and D: D's logits must equal colocated bit for bit"]
+    for r in result["prompts"]:
+        head = (f"prompt {r['index']}: {r['prompt_tokens']} tokens"
+                + (f" ({r['cached_tokens']} prefix-cached)" if r["cached_tokens"] else "")
+                + f", {r['chunks']} chunks, {r['blocks_recopied']} blocks re-copied")
+        if not r["loaded"]:
+            lines.append(f"{head}: LOAD FAILED: {r['error']}")
+            continue
+        lines.append(f"{head}, {r['mb']:.2f} MB in {1e3 * r['transfer_s']:.1f} ms")
+        lines.append(f"  D         {_toks(r['d_tokens'])} ...")
+        lines.append(f"  colocated {_toks(r['colocated_tokens'])} ...  "
+                     f"{'equal' if r['tokens_equal'] else 'DIFFERENT'}, max logit diff "
+                     f"{r['max_logit_diff']:.3g}{'' if r['ok'] else '  FAILED'}")
+    if not same:
+        lines.append(f"(with different TP, D's logits must be within {NOISE_FACTOR:g}x the TP noise)")
+    old = result["old_rule"]
+    stale = sum(r.get("stale_tokens", 0) for r in old["prompts"])
+    lines.append(f"old rule (copy newly allocated blocks): {stale} prompt tokens stale on D; "
+                 f"{old['decoded_differently']} of {len(old['prompts'])} prompts decode differently; "
+                 f"max logit diff {old['max_logit_diff']:.3g}"
+                 + (f" ({old['max_logit_diff'] / result['tp_noise']:.0f}x the TP noise)"
+                    if result["tp_noise"] else ""))
+    lines.append("D decodes exactly as colocated" if result["ok"] else "SOME PROMPTS FAILED")
+    return lines
+
+
+if __name__ == "__main__":
+    cfg = DemoConfig(**json.loads(sys.argv[2]))
+    (_serve_p if sys.argv[1] == "P" else _serve_d)(cfg, child_output())
