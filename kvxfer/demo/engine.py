@@ -145,8 +145,11 @@ def decode(model: ShardedDecoder, caches: list[jax.Array], prompt: np.ndarray,
     """Greedy decode of `steps` tokens after `prompt`, whose KV (but for the last token's,
     which the first step rewrites) is in `table`'s blocks. The table must cover
     `len(prompt) + steps - 1` tokens."""
-    if len(table) * model.cfg.block_size < len(prompt) + steps - 1:
-        raise InvalidInputError(f"table of {len(table)} blocks is too short for {len(prompt)} + {steps}")
+    if not len(prompt) + steps - 1 <= len(table) * model.cfg.block_size <= \
+            shapes.decode_blocks * model.cfg.block_size:
+        raise InvalidInputError(
+            f"a table of {len(table)} blocks does not fit {len(prompt)} prompt tokens + {steps} "
+            f"decoded in at most {shapes.decode_blocks} blocks")
     out = Decoded()
     token, position = int(prompt[-1]), len(prompt) - 1
     for _ in range(steps):
