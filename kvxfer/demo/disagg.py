@@ -220,6 +220,7 @@ def _serve_d(cfg: DemoConfig, out) -> None:
     free = list(range(num_blocks - 1, 0, -1))  # D's own ids: reversed, unlike P's
     loads: dict[str, tuple[dict[str, Any], list[int], float]] = {}
     inbox, stopping, results = Lines(sys.stdin.fileno()), False, 0
+    arrived: list[tuple[dict[str, Any], list[int], float]] = []  # loaded, not yet decoded
     while results < len(PHASES) * len(tokens):
         for msg in inbox.ready():
             stopping |= "stop" in msg
@@ -239,7 +240,9 @@ def _serve_d(cfg: DemoConfig, out) -> None:
             results += 1
         for req_id in finished:
             msg, table, t0 = loads.pop(req_id)
-            seconds = time.perf_counter() - t0
+            arrived.append((msg, table, time.perf_counter() - t0))
+        if arrived and not loads:  # decoding never stalls a read in flight
+            msg, table, seconds = arrived.pop(0)
             prompt = tokens[msg["index"]]
             want = np.load(msg["expected"])
             got = np.stack([token_rows(c, table, len(prompt), BLOCK_SIZE).view(np.uint8)
