@@ -26,7 +26,8 @@ def test_first_code_cell_installs_kvxfer_only_where_missing(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_and_its_stored_outputs_are_fresh(path, tmp_path):
     found = problems(path, tmp_path)
-    assert not found, "\n\n".join(found)
+    if found:
+        pytest.fail("\n\n".join(found), pytrace=False)
 
 
 def _notebook(tmp_path, *cells):

@@ -119,7 +119,7 @@ class DemoConfig:
 # -- P -------------------------------------------------------------------------------
 
 
-def _serve_p(cfg: DemoConfig, out) -> None:
+def _serve_p(cfg: DemoConfig, out, workdir: str) -> None:
     from kvxfer.connector import ConnectorConfig, PrefillConnector
     from kvxfer.demo.engine import NewBlocksTracker, Shapes, decode_each, demo_prompts, pool_blocks, prefill
     from kvxfer.demo.kvbytes import token_rows
@@ -159,7 +159,7 @@ def _serve_p(cfg: DemoConfig, out) -> None:
                 copies.update((req_id, k) for k in ids)
             for req_id in sorted(meta.completed):
                 req = engine.requests[req_id]
-                expected = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
+                expected = f"{workdir}/{req_id}-kv.npy"
                 np.save(expected, np.stack([token_rows(c, req.tables[0], req.num_prompt_tokens,
                                                        BLOCK_SIZE).view(np.uint8) for c in caches]))
                 mine = [n for (r, _), n in copies.items() if r == req_id]
@@ -180,7 +180,7 @@ def _serve_p(cfg: DemoConfig, out) -> None:
                              between=lambda: freed.extend(conn.get_finished()))
     for req_id, d in decoded.items():
         say(out, reference=int(req_id.split("-")[1]), tp=cfg.tp_p, tokens=d.tokens,
-            logits=_save_logits(d.logits))
+            logits=_save_logits(d.logits, workdir, "P", req_id))
     deadline = time.monotonic() + cfg.timeout_s
     while len(freed) < 2 * len(tokens) and time.monotonic() < deadline:
         freed += conn.get_finished()
@@ -191,8 +191,8 @@ def _serve_p(cfg: DemoConfig, out) -> None:
     conn.close()
 
 
-def _save_logits(logits: list[np.ndarray]) -> str:
-    path = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
+def _save_logits(logits: list[np.ndarray], workdir: str, role: str, name: str) -> str:
+    path = f"{workdir}/{role}-{name}-logits.npy"
     np.save(path, np.stack(logits))
     return path
 
@@ -200,7 +200,7 @@ def _save_logits(logits: list[np.ndarray]) -> str:
 # -- D -------------------------------------------------------------------------------
 
 
-def _serve_d(cfg: DemoConfig, out) -> None:
+def _serve_d(cfg: DemoConfig, out, workdir: str) -> None:
     from kvxfer.connector import ConnectorConfig, DecodeConnector
     from kvxfer.demo.engine import Shapes, colocated, decode, demo_prompts
     from kvxfer.demo.kvbytes import token_rows
@@ -250,7 +250,8 @@ def _serve_d(cfg: DemoConfig, out) -> None:
             caches, d = decode(model, caches, prompt, table, cfg.decode_tokens, shapes)
             say(out, phase=msg["phase"], index=msg["index"], ok=True,
                 stale_tokens=int((got != want).any(axis=(0, 2)).sum()), mb=want.nbytes / 1e6,
-                seconds=seconds, tokens=d.tokens, logits=_save_logits(d.logits))
+                seconds=seconds, tokens=d.tokens,
+                logits=_save_logits(d.logits, workdir, "D", f"{msg['phase']}-{msg['index']}"))
             results += 1
     prompts = {f"ref-{i}": t for i, t in enumerate(tokens)}
     cached = {f"ref-{i}": hit for i, hit in enumerate(cfg.hits())}
@@ -258,7 +259,7 @@ def _serve_d(cfg: DemoConfig, out) -> None:
                           decode_tokens=cfg.decode_tokens)
     for req_id, d in reference.items():
         say(out, reference=int(req_id.split("-")[1]), tp=cfg.tp_d, tokens=d.tokens,
-            logits=_save_logits(d.logits))
+            logits=_save_logits(d.logits, workdir, "D", req_id))
     while not (stopping or inbox.closed):
         stopping = any("stop" in m for m in inbox.ready())
         time.sleep(0.01)
@@ -315,21 +316,23 @@ def _collect(p: Proc, d: Proc, cfg: DemoConfig) -> tuple[dict, dict, dict, list[
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run P and D as two processes; returns per-prompt results, the TP noise and the old rule's."""
     cfg.validate()
-    cfg_json = json.dumps(asdict(cfg))
     module = "kvxfer.demo.disagg"
     t0 = time.perf_counter()
-    p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module)
-    d = None
-    try:
-        p.read()
-        d = Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module)
-        d.read()
-        sent, got, refs, freed = _collect(p, d, cfg)
-    finally:
-        for proc in (d, p):
-            if proc is not None:
-                proc.stop()
-    result = _judge(cfg, sent, got, refs)
+    # The children's arrays (P's KV for D's byte check, logits for the parent) live here.
+    with tempfile.TemporaryDirectory(prefix="kvxfer-demo-") as workdir:
+        cfg_json = json.dumps({**asdict(cfg), "workdir": workdir})
+        p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module)
+        d = None
+        try:
+            p.read()
+            d = Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module)
+            d.read()
+            sent, got, refs, freed = _collect(p, d, cfg)
+        finally:
+            for proc in (d, p):
+                if proc is not None:
+                    proc.stop()
+        result = _judge(cfg, sent, got, refs)
     result.update(p_freed=freed, seconds=time.perf_counter() - t0)
     return result
 
@@ -411,5 +414,6 @@ def report(result: dict[str, Any], cfg: DemoConfig) -> list[str]:
 
 
 if __name__ == "__main__":
-    cfg = DemoConfig(**json.loads(sys.argv[2]))
-    (_serve_p if sys.argv[1] == "P" else _serve_d)(cfg, child_output())
+    fields = json.loads(sys.argv[2])
+    workdir = fields.pop("workdir")
+    (_serve_p if sys.argv[1] == "P" else _serve_d)(DemoConfig(**fields), child_output(), workdir)
