@@ -44,7 +44,7 @@ def test_a_raising_cell_is_reported(tmp_path):
 
 def test_stale_text_is_reported_but_not_a_nondeterministic_cell_or_image_bytes(tmp_path):
     png = {"image/png": "aGVsbG8=", "text/plain": "<Figure size 640x480 with 1 Axes>"}
-    stale = new_code_cell('print("fresh")  ', outputs=[new_output("stream", text="stale\n")])
+    stale = new_code_cell('print("fresh")', outputs=[new_output("stream", text="stale\n")])
     timing = new_code_cell("import time; print(time.time())", metadata={"tags": [NONDETERMINISTIC]},
                            outputs=[new_output("stream", text="0.0\n")])
     figure = new_code_cell(
