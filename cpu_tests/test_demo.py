@@ -16,7 +16,7 @@ def assert_d_equals_colocated(result, exact):
     assert result["ok"], result
     for r in result["prompts"]:
         assert r["loaded"] and r["stale_tokens"] == 0 and r["tokens_equal"], r
-        assert r["d_tokens"] == r["colocated_tokens"]
+        assert len(r["d_tokens"]) == len(r["logit_diffs"]) > 0
         if exact:
             assert r["max_logit_diff"] == 0.0, r
     assert sorted(result["p_freed"]) == sorted(f"{phase}-{i}" for phase in ("kvxfer", "old")
@@ -41,7 +41,7 @@ def test_equal_tp_d_logits_bit_identical_to_colocated_and_old_rule_damage_shows(
                      decode_tokens=8)
     result = run_demo(cfg)
     assert_d_equals_colocated(result, exact=True)
-    assert result["tp_noise"] == 0.0
+    assert result["tp_noise"] == 0.0  # measured: colocated in P's process against D's
     assert [r["cached_tokens"] for r in result["prompts"]] == [0, 0, 32, 0]
     assert_old_rule_damage_detected(result, floor=1e-3)
 
@@ -64,7 +64,7 @@ def test_kvxfer_demo_json_p_tp4_d_tp2(capsys):
     assert_d_equals_colocated(result, exact=False)
     for part in (result["prompts"], result["old_rule"]["prompts"]):
         assert [r["index"] for r in part] == [0, 1, 2]
-        assert all(isinstance(r["tokens_equal"], bool) and r["max_logit_diff"] >= 0 for r in part)
+        assert {"tokens_equal", "max_logit_diff", "stale_tokens"} <= set(part[0])
     assert [len(r["d_tokens"]) for r in result["prompts"]] == [6, 6, 6]
     assert result["tp_noise"] > 0
 
@@ -81,6 +81,8 @@ def test_kvxfer_demo_json_p_tp4_d_tp2(capsys):
     (["--lookahead", "-1"], ["--lookahead", "got -1"]),
     (["--decode-tokens", "0"], ["--decode-tokens", "got 0"]),
     (["--seed", "-2"], ["--seed", "got -2"]),
+    (["--seed", str(2**64)], ["--seed", str(2**64)]),
+    (["--prompts", ",".join(["20"] * 17)], ["--prompts lists 17 prompts"]),
 ])
 def test_demo_bad_flag_is_one_error_line_before_any_process_starts(monkeypatch, capsys, flags, names):
     import kvxfer.demo.disagg

@@ -15,10 +15,14 @@ SMALL = dict(hidden=64, layers=2, q_heads=8, kv_heads=4, head_dim=16, mlp=128)
 def paged_logits(model, tokens, chunk, decode_from):
     """Prefill `tokens[:decode_from]` in chunks of `chunk`, then one token per step; the
     logits of every position."""
-    cfg, n = model.cfg, len(tokens)
-    blocks = -(-n // cfg.block_size)
+    blocks = -(-len(tokens) // model.cfg.block_size)
     table = list(range(3, 3 + blocks))[::-1]  # scattered, out of order
-    caches = model.new_caches(blocks + 4)
+    return paged_logits_with_table(model, tokens, chunk, decode_from, table,
+                                   model.new_caches(blocks + 4))
+
+
+def paged_logits_with_table(model, tokens, chunk, decode_from, table, caches):
+    n = len(tokens)
     out = []
     for start, stop in [(s, min(s + chunk, decode_from)) for s in range(0, decode_from, chunk)] + \
             [(s, s + 1) for s in range(decode_from, n)]:
@@ -52,29 +56,41 @@ def test_paged_attention_equals_dense_for_chunked_prefill_and_decode(dtype, tol,
     assert np.abs(model.dense_logits(wrong[None])[0][21:] - dense[21:]).max() > 10 * tol * scale
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
-def test_cache_holds_k_and_v_interleaved_and_packed_as_tpu_inference_does(dtype):
-    cfg = ModelConfig(cache_dtype=dtype, **SMALL)
-    k = np.arange(4 * 16, dtype=np.float32).reshape(4, 16) / 8
+@pytest.mark.parametrize("dtype, kv_heads", [("bfloat16", 4), ("float8_e4m3fn", 4),
+                                             ("float32", 4), ("float8_e4m3fn", 1)])
+def test_cache_holds_k_and_v_interleaved_and_packed_as_tpu_inference_does(dtype, kv_heads):
+    cfg = ModelConfig(cache_dtype=dtype, **dict(SMALL, kv_heads=kv_heads, q_heads=2 * kv_heads))
+    k = np.arange(kv_heads * 16, dtype=np.float32).reshape(kv_heads, 16) / 8
     v = -k - 1
     packed = pack_kv(jnp.asarray(k), jnp.asarray(v), cfg)
-    assert packed.shape == (cfg.cache_rows, cfg.packing, cfg.head_dim) == \
-        cfg.cache_shape(1)[2:]
-    flat = np.asarray(packed.astype(jnp.float32)).reshape(-1, cfg.head_dim)
-    cast = np.asarray(jnp.asarray(np.stack([k, v], 1).reshape(8, 16)).astype(dtype).astype(jnp.float32))
-    assert (flat[0::2][:4] == cast[0::2]).all() and (flat[1::2][:4] == cast[1::2]).all()
+    assert packed.shape == cfg.cache_shape(1)[2:] == (-(-2 * kv_heads // cfg.packing), cfg.packing, 16)
+    rows = np.asarray(packed.astype(jnp.float32)).reshape(-1, 16)  # row r = word r // p, lane r % p
+
+    def stored(x):
+        return np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
+
+    for h in range(kv_heads):
+        assert (rows[2 * h] == stored(k[h])).all() and (rows[2 * h + 1] == stored(v[h])).all()
+    assert (rows[2 * kv_heads:] == 0).all()  # fp8 with one KV head: 2 rows padded to 4
     k2, v2 = unpack_kv(packed, cfg)
-    assert (np.asarray(k2) == cast[0::2]).all() and (np.asarray(v2) == cast[1::2]).all()
+    assert (np.asarray(k2) == stored(k)).all() and (np.asarray(v2) == stored(v)).all()
 
 
-def test_decode_after_chunked_prefill_writes_each_token_kv_where_its_table_says():
+def test_each_token_kv_lands_where_its_table_says_in_prefill_and_decode():
     model = ShardedDecoder(ModelConfig(**SMALL), make_mesh(2))
-    tokens = np.random.default_rng(0).integers(0, 256, 40)
-    _, caches, table = paged_logits(model, tokens, 16, decode_from=40)
-    # Token 17 sits in the table's second block at offset 1; the null block 0 is untouched.
-    host = np.asarray(caches[0].astype(jnp.float32))
-    assert np.abs(host[table[1], 1]).sum() > 0
-    assert (host[0] == 0).all() and (host[table[2], 8:] == 0).all()  # past token 39: unwritten
+    tokens = np.random.default_rng(0).integers(0, 256, 45)
+    logits_a, caches_a, table_a = paged_logits(model, tokens, 16, decode_from=35)
+    table_b = [9, 4, 7]
+    # The same tokens through another table: the same KV, in the blocks that table names.
+    _, caches_b, _ = paged_logits_with_table(model, tokens, 16, 35, table_b, model.new_caches(12))
+    for ca, cb in zip(caches_a, caches_b):
+        a, b = np.asarray(ca).view(np.uint16), np.asarray(cb).view(np.uint16)
+        assert (a[table_a] == b[table_b]).all()
+        for pos in (0, 17, 34, 35, 44):  # prefill, a chunk boundary, decode steps
+            assert a[table_a[pos // 16], pos % 16].any()
+        assert not a[table_a[2], 45 - 32:].any()  # past the last token: unwritten
+        others = np.setdiff1d(np.arange(len(a)), table_a)
+        assert not a[others].any()  # the null block 0 and every other block untouched
 
 
 def test_two_tp_sizes_give_the_same_model_up_to_rounding():
@@ -104,9 +120,26 @@ def test_engine_prefill_then_decode_matches_dense_greedy_decode():
     assert out.tokens == seq[37:]
 
 
+def test_a_step_past_its_table_or_outside_the_cache_is_refused_not_dropped():
+    model = ShardedDecoder(ModelConfig(**SMALL), make_mesh(1))
+    shapes = Shapes.of([20], 16, budget=8, lookahead=0, decode_tokens=4)
+    caches = model.new_caches(8)
+    prompt = np.arange(20, dtype=np.int32)
+    with pytest.raises(InvalidInputError, match=r"does not fit 20 prompt tokens \+ 4 decoded"):
+        decode(model, caches, prompt, [3], 4, shapes)  # 23 tokens in one 16-token block
+    with pytest.raises(InvalidInputError, match=r"block ids \[8\] are outside \[1, 8\)"):
+        decode(model, caches, prompt, [3, 8], 4, shapes)
+    with pytest.raises(InvalidInputError, match=r"block ids \[0\] are outside"):
+        decode(model, caches, prompt, [0, 2], 4, shapes)  # the null block
+
+
 def test_model_config_and_tp_reject_bad_values_by_name():
     with pytest.raises(InvalidInputError, match="q_heads 6 is not a multiple of kv_heads 4"):
         ModelConfig(**dict(SMALL, q_heads=6))
+    with pytest.raises(InvalidInputError, match="head_dim 15 must be even"):
+        ModelConfig(head_dim=15)
+    with pytest.raises(InvalidInputError, match=r"seed must be an int in \[0, 2\*\*32\), got -1"):
+        ModelConfig(seed=-1)
     with pytest.raises(InvalidInputError, match="cache dtype 'int4'"):
         ModelConfig(cache_dtype="int4")
     with pytest.raises(InvalidInputError, match=r"--tp-d 3 does not split .* use one of \[1, 2, 4, 8\]"):

@@ -10,8 +10,9 @@ loop without one, so at equal TP the two write the same KV bytes.
 Decode follows vLLM's decode instance: with the prompt's KV in place it runs
 the last prompt token again (rewriting that token's KV) and samples
 greedily, one sequence per step. D and the colocated reference decode with
-the same program and the same table length, so at equal TP and equal KV
-their logits are bit-identical.
+the same step shapes and the same table length (their caches differ in size,
+which changes only which blocks the gather reads), so at equal TP and equal
+KV their logits are bit-identical.
 
 Every step has one shape (`[max_seqs, budget]` tokens for prefill, `[1, 1]`
 for decode, tables padded to a fixed length): one compile each per mesh.
@@ -75,9 +76,31 @@ class Prefilled:
     chunks: int  # prefill steps it was scheduled in
 
 
+def decode_blocks(prompt_tokens: int, steps: int, block_size: int) -> int:
+    """Blocks a request's table needs to decode `steps` tokens after its prompt: the first
+    step rewrites the last prompt token, so the last decoded token's KV is never written."""
+    return cdiv(prompt_tokens + steps - 1, block_size)
+
+
 def _rows(rows: Sequence[tuple[np.ndarray, int, Sequence[int]]], seqs: int, width: int,
-          blocks: int) -> tuple[np.ndarray, ...]:
-    """Pad `(tokens, start position, table)` rows to one `[seqs, width]` step."""
+          blocks: int, block_size: int, num_blocks: int) -> tuple[np.ndarray, ...]:
+    """Pad `(tokens, start position, table)` rows to one `[seqs, width]` step.
+
+    Every token's position must fall inside its table, and the table's ids
+    inside the cache, not on the null block 0: a position past the table
+    would read and write block 0 (the padding), and an id past the cache
+    would drop the write; neither may pass silently.
+    """
+    for toks, start, table in rows:
+        if len(toks) > width or len(table) > blocks:
+            raise InvalidInputError(f"a row of {len(toks)} tokens and {len(table)} blocks does not "
+                                    f"fit a step of {width} tokens and {blocks} blocks")
+        if cdiv(start + len(toks), block_size) > len(table):
+            raise InvalidInputError(f"tokens [{start}, {start + len(toks)}) run past a table of "
+                                    f"{len(table)} blocks of {block_size}")
+        bad = [b for b in table if not 0 < b < num_blocks]
+        if bad:
+            raise InvalidInputError(f"block ids {bad[:4]} are outside [1, {num_blocks})")
     tokens = np.zeros((seqs, width), np.int32)
     positions = np.zeros((seqs, width), np.int32)
     valid = np.zeros((seqs, width), bool)
@@ -113,7 +136,7 @@ def prefill(model: ShardedDecoder, caches: list[jax.Array], prompts: Mapping[str
             rows.append((prompts[s.req_id][s.num_computed_tokens:end], s.num_computed_tokens, table))
             chunks[s.req_id] += 1
         _, caches = model.step(caches, *_rows(rows, shapes.max_seqs, shapes.budget,
-                                               shapes.prefill_blocks))
+                                               shapes.prefill_blocks, block_size, cache_blocks(caches)))
         engine.forward(scheduled)
         if after_step is not None:
             caches = after_step(scheduled, caches, engine)
@@ -130,8 +153,14 @@ def _fill_prefix(model: ShardedDecoder, caches: list[jax.Array], prefix: np.ndar
     for start in range(0, len(prefix), shapes.budget):
         row = (prefix[start:start + shapes.budget], start, table)
         _, caches = model.step(caches, *_rows([row], shapes.max_seqs, shapes.budget,
-                                               shapes.prefill_blocks))
+                                               shapes.prefill_blocks, model.cfg.block_size,
+                                               cache_blocks(caches)))
     return caches
+
+
+def cache_blocks(caches: Sequence[jax.Array]) -> int:
+    """Blocks in each cache."""
+    return caches[0].shape[0]
 
 
 @dataclass
@@ -154,7 +183,8 @@ def decode(model: ShardedDecoder, caches: list[jax.Array], prompt: np.ndarray,
     token, position = int(prompt[-1]), len(prompt) - 1
     for _ in range(steps):
         logits, caches = model.step(caches, *_rows([(np.array([token]), position, table)], 1, 1,
-                                                    shapes.decode_blocks))
+                                                    shapes.decode_blocks, model.cfg.block_size,
+                                                    cache_blocks(caches)))
         out.logits.append(logits[0, 0])
         token = int(np.argmax(logits[0, 0]))
         out.tokens.append(token)
@@ -170,7 +200,7 @@ def decode_each(model: ShardedDecoder, caches: list[jax.Array], prompts: Mapping
     `between()` runs after each request (P answers D there)."""
     out = {}
     for req_id, prompt in prompts.items():
-        need = cdiv(len(prompt) + steps - 1, model.cfg.block_size)
+        need = decode_blocks(len(prompt), steps, model.cfg.block_size)
         table = list(tables[req_id][:need])
         table += [next(spare) for _ in range(need - len(table))]
         caches, out[req_id] = decode(model, caches, prompt, table, steps, shapes)

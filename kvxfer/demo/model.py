@@ -69,14 +69,21 @@ class ModelConfig:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise InvalidInputError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.head_dim % 2:
+            raise InvalidInputError(f"ModelConfig.head_dim {self.head_dim} must be even (RoPE rotates "
+                                    f"halves)")
         if self.q_heads % self.kv_heads:
             raise InvalidInputError(f"ModelConfig.q_heads {self.q_heads} is not a multiple of "
                                     f"kv_heads {self.kv_heads}")
         if self.cache_dtype not in CACHE_DTYPES:
             raise InvalidInputError(f"cache dtype {self.cache_dtype!r} is not one of "
                                     f"{', '.join(CACHE_DTYPES)}")
-        if not is_int(self.seed) or self.seed < 0:
-            raise InvalidInputError(f"ModelConfig.seed must be a non-negative int, got {self.seed!r}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise InvalidInputError(f"ModelConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
+                raise InvalidInputError(f"ModelConfig.{name} must be a positive number, got {value!r}")
 
     @property
     def packing(self) -> int:
@@ -148,11 +155,14 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
     """Causal GQA: `q [S, Q, H, d]` over `k, v [S, L, KV, d]` at key positions `0..L-1`.
 
-    Query `i` sees keys at positions `<= q_pos[s, i]`; whatever lies past
-    them in a gathered page is never read.
+    Query `i` sees keys at positions `<= q_pos[s, i]`. Whatever lies past a
+    sequence's last query in its gathered pages (another request's KV, junk)
+    gets probability 0 and is zeroed, so even an inf or NaN there cannot leak.
     """
     s, nq, h, d = q.shape
     kvh = k.shape[2]
+    seen = jnp.arange(k.shape[1])[None, :] <= q_pos.max(axis=1)[:, None]  # [S, L]
+    v = jnp.where(seen[:, :, None, None], v, 0.0)
     q = q.reshape(s, nq, kvh, h // kvh, d) * (d ** -0.5)
     scores = jnp.einsum("sqkgd,slkd->skgql", q, k)
     visible = jnp.arange(k.shape[1])[None, None, None, None, :] <= q_pos[:, None, None, :, None]

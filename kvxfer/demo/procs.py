@@ -87,8 +87,11 @@ class Proc:
         return msgs
 
     def send(self, **fields: Any) -> None:
-        self.proc.stdin.write((json.dumps(fields) + "\n").encode())
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write((json.dumps(fields) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: our end already closed
+            raise TransferError(f"{self.role} is gone (exit {self.proc.poll()})\n{self.tail()}") from None
 
     def tail(self) -> str:
         self.log.seek(0)
@@ -101,3 +104,7 @@ class Proc:
         except Exception:
             self.proc.kill()
             self.proc.wait(timeout=10)
+        finally:
+            self.proc.stdin.close()
+            self.proc.stdout.close()
+            self.log.close()
