@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.blocks import cdiv
-from kvxfer.demo.procs import Lines, Proc, child_output, say
+from kvxfer.demo.procs import Lines, Proc, child_output, profiled, say
 
 _MEMCPY_BYTES = 256 << 20
 
@@ -276,7 +276,7 @@ def _child(role: str, cfg_json: str) -> None:
     fields = json.loads(cfg_json)
     fields["scatter_caches"] = tuple(fields["scatter_caches"])
     cfg = E2EConfig(**fields)
-    (_serve_p if role == "P" else _serve_d)(cfg, out)
+    profiled(role, lambda: (_serve_p if role == "P" else _serve_d)(cfg, out))
 
 
 # -- the parent ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from kvxfer.errors import TransferError
@@ -50,6 +51,22 @@ def child_output() -> TextIO:
     logging.basicConfig(level=os.environ.get("KVXFER_LOG", "WARNING"), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
     return out
+
+
+def profiled(role: str, serve: Callable[[], None]) -> None:
+    """Run `serve()`; with `KVXFER_PROFILE=dir` set, under cProfile, its stats in `dir/role.prof`
+    (read them with `python -m pstats`): where a child's time goes, not a guess."""
+    target = os.environ.get("KVXFER_PROFILE")
+    if not target:
+        return serve()
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        profile.runcall(serve)
+    finally:
+        os.makedirs(target, exist_ok=True)
+        profile.dump_stats(os.path.join(target, f"{role}.prof"))
 
 
 class Proc:
