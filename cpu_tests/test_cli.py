@@ -62,12 +62,14 @@ def test_bench_plan_prints_its_figures_as_json():
 @pytest.fixture
 def no_processes(monkeypatch):
     """Fail the test if `kvxfer demo` or `kvxfer kvbytes` starts P or D."""
+    import kvxfer.demo.disagg
     import kvxfer.demo.kvbytes
 
     def refuse(*args, **kwargs):
         raise AssertionError("a process was started for a bad flag")
 
     monkeypatch.setattr(kvxfer.demo.kvbytes, "Proc", refuse)
+    monkeypatch.setattr(kvxfer.demo.disagg, "Proc", refuse)
 
 
 def _one_error_line(capsys, *names):
@@ -97,6 +99,27 @@ def _one_error_line(capsys, *names):
 def test_kvbytes_bad_flag_is_one_error_line_before_any_process_starts(
         no_processes, capsys, flags, names):
     assert main(["kvbytes", *flags]) == 2
+    _one_error_line(capsys, *names)
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--prompts", "40,x"], ["--prompts '40,x'"]),
+    (["--prompts", "40,0"], ["--prompts", "[40, 0]"]),
+    (["--prompts", "5000"], ["--prompts", "[5000]"]),
+    (["--tp-d", "3"], ["--tp-d 3", "use one of [1, 2, 4, 8]"]),
+    (["--tp-p", "0"], ["--tp-p 0"]),
+    (["--dtype", "float8_e4m3fn"], ["--tp-d 8", "float8_e4m3fn", "use one of [1, 2, 4]"]),
+    (["--dtype", "int8"], ["--dtype 'int8'"]),
+    (["--budget", "0"], ["--budget", "got 0"]),
+    (["--lookahead", "-1"], ["--lookahead", "got -1"]),
+    (["--decode-tokens", "0"], ["--decode-tokens", "got 0"]),
+    (["--seed", "-2"], ["--seed", "got -2"]),
+    (["--seed", str(2**64)], ["--seed", str(2**64)]),
+    (["--prompts", ",".join(["20"] * 17)], ["--prompts lists 17 prompts"]),
+])
+def test_demo_bad_flag_is_one_error_line_before_any_process_starts(
+        no_processes, capsys, flags, names):
+    assert main(["demo", *flags]) == 2
     _one_error_line(capsys, *names)
 
 
