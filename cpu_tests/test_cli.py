@@ -113,6 +113,8 @@ def test_kvbytes_bad_flag_is_one_error_line_before_any_process_starts(
     (["--budget", "0"], ["--budget", "got 0"]),
     (["--lookahead", "-1"], ["--lookahead", "got -1"]),
     (["--decode-tokens", "0"], ["--decode-tokens", "got 0"]),
+    (["--decode-tokens", "300"], ["--decode-tokens 300", "256"]),
+    (["--lookahead", "65"], ["--lookahead 65", "64"]),
     (["--seed", "-2"], ["--seed", "got -2"]),
     (["--seed", str(2**64)], ["--seed", str(2**64)]),
     (["--prompts", ",".join(["20"] * 17)], ["--prompts lists 17 prompts"]),

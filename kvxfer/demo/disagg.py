@@ -100,9 +100,10 @@ class DemoConfig:
                 raise InvalidInputError(f"{flag} must be an int >= {low}, got {value!r}")
         if self.budget > 1024:
             raise InvalidInputError(f"--budget {self.budget} is more than the demo's 1024 tokens a step")
-        if self.lookahead > 64 or self.decode_tokens > 256:
-            raise InvalidInputError(f"--lookahead {self.lookahead} / --decode-tokens "
-                                    f"{self.decode_tokens}: the demo allows at most 64 / 256")
+        for flag, value, most in (("--lookahead", self.lookahead, 64),
+                                  ("--decode-tokens", self.decode_tokens, 256)):
+            if value > most:
+                raise InvalidInputError(f"{flag} {value} is more than the demo's {most}")
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise InvalidInputError(f"DemoConfig.timeout_s must be a positive number, got {t!r}")
