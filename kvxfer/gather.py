@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -77,7 +78,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer.blocks import cdiv, coalesce_pairs
+from kvxfer.blocks import cdiv
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.layout import CacheLayout
 
@@ -228,15 +229,20 @@ def gather_into(
         return np.zeros((layout.num_layers, 0), np.uint32)
     mesh = caches[0].sharding.mesh
     if _writes_in_place(mesh):
-        # Dispatched first: the hash runs on device while numpy copies.
-        prints = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
         jax.block_until_ready(list(caches))
+        hashes = _BufferHashes.of(layout, ids)
+        if hashes is None:  # pieces that are not whole words: hash on device meanwhile
+            prints = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
         copies = _RowCopies(ids, dst, ids_are_dst=False)
-        for cache, region in zip(caches, regions):
+        for layer, (cache, region) in enumerate(zip(caches, regions)):
             for shard in cache.addressable_shards:
                 if shard.replica_id == 0:
-                    copies.copy(shard, region[(slice(None), *shard.index[1:])],
-                                _buffer_view(shard.data))
+                    view = _buffer_view(shard.data)
+                    copies.copy(shard, region[(slice(None), *shard.index[1:])], view)
+                    if hashes is not None:  # the rows just copied, while they are in cache
+                        hashes.add(layer, shard, view)
+        if hashes is not None:
+            return hashes.result()
         return np.asarray(prints)[:, : len(ids)]
     gathered = gather_blocks(caches, ids, fingerprints=True)
     copies = _RowCopies(np.arange(len(ids)), dst, ids_are_dst=False)  # row i -> slot dst[i]
@@ -260,8 +266,16 @@ def fingerprint_blocks(
     layout = CacheLayout.from_caches(caches)
     ids = _check_block_ids(block_ids, layout)
     mesh = caches[0].sharding.mesh
-    out = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
-    return np.asarray(out)[:, : len(ids)]
+    hashes = _BufferHashes.of(layout, ids) if _writes_in_place(mesh) else None
+    if hashes is None:
+        out = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
+        return np.asarray(out)[:, : len(ids)]
+    jax.block_until_ready(list(caches))
+    for layer, cache in enumerate(caches):
+        for shard in cache.addressable_shards:
+            if shard.replica_id == 0:
+                hashes.add(layer, shard, _buffer_view(shard.data))
+    return hashes.result()
 
 
 def block_fingerprints(
@@ -473,7 +487,7 @@ class _RowCopies:
             inside = (local >= 0) & (local < size)
             held, rows = local[inside], self.rows[inside]
             to, frm = (held, rows) if self.ids_are_dst else (rows, held)
-            runs = coalesce_pairs(frm.tolist(), to.tolist())
+            runs = _slice_runs(frm, to)
             plan = self._plans[(first, size)] = (to, frm, runs if 2 * len(runs) <= len(to)
                                                  else None)
         to, frm, runs = plan
@@ -481,9 +495,112 @@ class _RowCopies:
             return
         if runs is not None:  # mostly contiguous: no temporary
             for s, d, n in runs:
-                dst[d : d + n] = src[s : s + n]
+                if n > 0:
+                    dst[d : d + n] = src[s : s + n]
+                else:
+                    dst[d : d - n] = src[s + n + 1 : s + 1][::-1]
         else:
             dst[to] = src[frm]
+
+
+def _slice_runs(frm: np.ndarray, to: np.ndarray) -> list[tuple[int, int, int]]:
+    """`dst[to[i]] = src[frm[i]]` (`to` distinct) as runs `(s, d, n)`: `dst[d:d+|n|]`
+    gets rows `s, s+1, ...` of `src` for `n > 0`, rows `s, s-1, ...` for `n < 0`.
+
+    In destination order, so a table allocated from a free list that hands out
+    blocks in descending order (vLLM frees a request's blocks tail first) still
+    copies in runs.
+    """
+    order = np.argsort(to, kind="stable")
+    runs: list[tuple[int, int, int]] = []
+    for d, s in zip(to[order].tolist(), frm[order].tolist()):
+        if runs:
+            s0, d0, n = runs[-1]
+            if d == d0 + abs(n):
+                if s == s0 + n and n > 0:
+                    runs[-1] = (s0, d0, n + 1)
+                    continue
+                if s == s0 - abs(n) and (n < 0 or n == 1):
+                    runs[-1] = (s0, d0, -abs(n) - 1)
+                    continue
+        runs.append((s, d, 1))
+    return runs
+
+
+class _BufferHashes:
+    """Fingerprints summed with numpy from the caches' own buffers (XLA:CPU).
+
+    The same values as `_device_fingerprint`: each shard's piece of a block is
+    a run of whole 32-bit words, and `np.einsum` sums them against the
+    weights of their indices in the whole block, at about memory speed (an
+    XLA:CPU reduction runs at a fraction of it and materializes the gathered
+    rows). Replicas are skipped: `add` is given each `replica_id == 0` shard
+    of each layer once, and the shards' sums add up as the device's `psum`
+    does. Only for layouts whose pieces are whole words (`of` returns None
+    otherwise).
+    """
+
+    _CHUNK = 64  # rows gathered at a time where ids do not run together
+
+    def __init__(self, layout: CacheLayout, ids: np.ndarray):
+        self.layout, self.ids = layout, ids
+        self.sums = np.zeros((layout.num_layers, len(ids)), np.uint32)
+        self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list | None]] = {}
+
+    @classmethod
+    def of(cls, layout: CacheLayout, ids: np.ndarray) -> _BufferHashes | None:
+        piece = layout.shard_block_shape[-1] * layout.np_dtype.itemsize
+        whole = layout.block_shape[-1] * layout.np_dtype.itemsize
+        return cls(layout, ids) if piece % 4 == 0 and whole % 4 == 0 else None
+
+    def add(self, layer: int, shard: jax.Shard, view: np.ndarray) -> None:
+        """Add the words `view` (the shard's buffer) holds of the blocks in `ids`."""
+        first, size = shard.index[0].start or 0, view.shape[0]
+        plan = self._plans.get((first, size))
+        if plan is None:
+            local = self.ids.astype(np.int64) - first
+            at = np.flatnonzero((local >= 0) & (local < size))
+            # In block order, whatever order the ids came in: rows that run together
+            # in the buffer are summed as one slice.
+            at = at[np.argsort(local[at], kind="stable")]
+            held = local[at]
+            starts = np.flatnonzero(np.diff(held, prepend=-2) != 1)
+            runs = list(zip(starts.tolist(), np.diff(starts, append=len(held)).tolist()))
+            plan = self._plans[(first, size)] = (held, at,
+                                                 runs if 2 * len(runs) <= len(at) else None)
+        held, at, runs = plan
+        if not len(at):
+            return
+        words = view.reshape(size, -1).view(np.uint32)
+        weights = _piece_weights(self.layout, _index_key(shard.index[1:]))
+        sums = self.sums[layer]
+        if runs is not None:
+            for i, n in runs:
+                h = int(held[i])
+                sums[at[i : i + n]] += np.einsum("ij,j->i", words[h : h + n], weights)
+        else:
+            for c in range(0, len(at), self._CHUNK):
+                part = slice(c, c + self._CHUNK)
+                sums[at[part]] += np.einsum("ij,j->i", words[held[part]], weights)
+
+    def result(self) -> np.ndarray:
+        """`uint32[num_layers, n]`: the fingerprints."""
+        return _fmix32(self.sums)
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple[tuple[int | None, int | None], ...]:
+    return tuple((s.start, s.stop) for s in index)  # slices are not hashable before 3.12
+
+
+@functools.lru_cache(maxsize=256)
+def _piece_weights(layout: CacheLayout, key: tuple[tuple[int | None, int | None], ...]
+                   ) -> np.ndarray:
+    """The weight of each 32-bit word of one shard's piece of a block, in its buffer's order."""
+    per_word = 4 // layout.np_dtype.itemsize
+    flat = np.arange(math.prod(layout.block_shape), dtype=np.int64).reshape(layout.block_shape)
+    first = flat[tuple(slice(a, b) for a, b in key)][..., ::per_word].reshape(-1)
+    word = first // per_word
+    return ((word * 2 + 1) * int(_K) % (1 << 32)).astype(np.uint32)
 
 
 def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
