@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,6 +29,7 @@ from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchErro
 from kvxfer.gather import (
     _scatter_fn,
     _scatter_xla,
+    _slice_runs,
     block_fingerprints,
     bucket_size,
     compare_fingerprints,
@@ -405,10 +408,11 @@ def test_a_bit_flipped_before_the_scatter_is_caught_by_device_fingerprints(
     sent = gather_into(source, src_ids, staging, staging_rows)  # P's fingerprints
     block = staging[layer][staging_rows[row]].reshape(-1).view(np.uint8)
     block[byte_index % block.size] ^= np.uint8(1 << bit)  # corrupted on the wire
-    out = scatter_blocks(target, staging, dst_ids, rows=staging_rows)
-    with pytest.raises(CorruptionError, match=f"layer {layer}, block row {row}:") as caught:
-        compare_fingerprints(fingerprint_blocks(out, dst_ids), sent)
-    assert "(1 mismatching blocks in all)" in str(caught.value)
+    out, landed = scatter_blocks(target, staging, dst_ids, rows=staging_rows, fingerprints=True)
+    for got in (landed, fingerprint_blocks(out, dst_ids)):  # D's check, and a separate one
+        with pytest.raises(CorruptionError, match=f"layer {layer}, block row {row}:") as caught:
+            compare_fingerprints(got, sent)
+        assert "(1 mismatching blocks in all)" in str(caught.value)
 
 
 @pytest.mark.parametrize("config", ["attention_fp8_blocks_sharded_2x4", "mla_bf16_replicated_1x8"])
@@ -424,3 +428,79 @@ def test_an_intact_scatter_matches_the_senders_fingerprints(config, path):
 def test_compare_fingerprints_refuses_arrays_of_different_shape():
     with pytest.raises(InvalidInputError, match=r"\(2, 3\) cannot be checked against \(2, 4\)"):
         compare_fingerprints(np.zeros((2, 3), np.uint32), np.zeros((2, 4), np.uint32))
+
+
+# 7. D's scatter fingerprints the blocks as they landed; tables in any order copy in runs.
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_scatter_with_fingerprints_gives_those_of_the_blocks_as_they_landed(config, path):
+    caches, hosts = _make(config, seed=28)
+    region = _staging(config, seed=29)
+    ids = [9, 8, 7, 6, 15, 0, 3]  # a descending run (a tail-first free list), then scattered
+    rows = [4, 5, 6, 7, 31, 0, 20]
+    out, prints = scatter_blocks(caches, region, ids, rows=rows, fingerprints=True)
+    for o, h, r in zip(out, hosts, region):
+        expected = _bytes(h).copy()
+        expected[ids] = _bytes(r)[rows]
+        np.testing.assert_array_equal(_bytes(o), expected)
+    layout = CacheLayout.from_caches(out)
+    assert prints.shape == (LAYERS, len(ids)) and prints.dtype == np.uint32
+    np.testing.assert_array_equal(
+        prints, block_fingerprints(layout, [r[rows] for r in region], len(ids)))
+    np.testing.assert_array_equal(prints, fingerprint_blocks(out, ids))
+    out, none = scatter_blocks(out, region, [], rows=[], fingerprints=True)
+    assert none.shape == (LAYERS, 0)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_gather_into_from_a_descending_table_is_byte_exact(config, path):
+    caches, hosts = _make(config, seed=30)
+    regions = _staging(config, seed=31)
+    ids = [14, 13, 12, 11, 10, 2, 1]  # blocks handed out tail first
+    rows = [0, 1, 2, 3, 4, 9, 8]
+    prints = gather_into(caches, ids, regions, rows)
+    for r, h in zip(regions, hosts):
+        np.testing.assert_array_equal(_bytes(r)[rows], _bytes(h)[ids])
+    layout = CacheLayout.from_caches(caches)
+    np.testing.assert_array_equal(
+        prints, block_fingerprints(layout, [h[ids] for h in hosts], len(ids)))
+
+
+@pytest.mark.parametrize("config", ["attention_bf16_mesh_1x8", "attention_fp8_blocks_sharded_2x4",
+                                    "mla_bf16_replicated_1x8", "mla_bf16_data_2x4"])
+def test_on_the_cpu_fingerprints_are_summed_from_the_buffers_without_an_xla_dispatch(
+        config, monkeypatch):
+    caches, hosts = _make(config, seed=32)
+    regions = _staging(config, seed=33)
+    ids = [3, 4, 5, 12, 0]
+    expected = np.asarray(gather_blocks(caches, ids, fingerprints=True).fingerprints)[:, :5]
+
+    def no_xla(*args):
+        raise AssertionError("fingerprints went through XLA")
+
+    monkeypatch.setattr(gather_mod, "_fingerprint_fn", no_xla)
+    np.testing.assert_array_equal(fingerprint_blocks(caches, ids), expected)
+    np.testing.assert_array_equal(gather_into(caches, ids, regions, [0, 1, 2, 3, 4]), expected)
+    _, landed = scatter_blocks(caches, regions, [9, 8, 7, 6, 2], rows=[0, 1, 2, 3, 4],
+                               fingerprints=True)
+    np.testing.assert_array_equal(landed, expected)
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=40, unique=True),
+       st.lists(st.integers(0, 40), min_size=40, max_size=40), st.sampled_from([0, 1, -1]))
+def test_row_copies_by_runs_equal_fancy_assignment(to, frm, order):
+    to = np.asarray(to)
+    if order:  # sources that run with the destinations, one way or the other
+        frm = np.argsort(np.argsort(to)) * order + (40 if order < 0 else 0)
+    else:
+        frm = np.asarray(frm[: len(to)])
+    src = np.arange(41 * 3).reshape(41, 3)
+    want, got = np.full((41, 3), -1), np.full((41, 3), -1)
+    want[to] = src[frm]
+    runs = _slice_runs(frm, to)
+    for s, d, n in runs:
+        got[d : d + abs(n)] = src[s : s + n] if n > 0 else src[s + n + 1 : s + 1][::-1]
+    np.testing.assert_array_equal(got, want)
+    if order and np.array_equal(np.sort(to), np.arange(to.min(), to.max() + 1)):
+        assert len(runs) == 1  # contiguous blocks, either order: one copy

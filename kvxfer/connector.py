@@ -72,7 +72,7 @@ import numpy as np
 
 from kvxfer.blocks import NULL_BLOCK, is_int
 from kvxfer.errors import CorruptionError, InvalidInputError, KvxferError, LayoutMismatchError
-from kvxfer.gather import compare_fingerprints, fingerprint_blocks, gather_into, scatter_blocks
+from kvxfer.gather import compare_fingerprints, gather_into, scatter_blocks
 from kvxfer.layout import CacheLayout
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.staging import SlotMap, Staging, StagingFullError
@@ -693,8 +693,8 @@ class DecodeConnector:
                      bad: dict[str, str]) -> list[jax.Array]:
         """Scatter group `g` of every read request from staging into `caches`, then verify.
 
-        One scatter straight out of the staging regions, then one on-device
-        fingerprint of the blocks as they landed, checked per request against
+        One scatter straight out of the staging regions, which also fingerprints
+        the blocks as they landed in the caches, checked per request against
         P's: a flipped bit anywhere from P's gather to here fails the request
         (its blocks are its own, and the engine recomputes them). A request's
         problem goes into `bad` (request id -> reason).
@@ -720,17 +720,18 @@ class DecodeConnector:
             ids += load.kernel_ids[g]
         if not ids:
             return caches
-        ids_array = np.asarray(ids, np.int64)
-        caches = scatter_blocks(caches, staging.regions, ids_array, rows=np.asarray(slots, np.int64))
-        if self.config.verify_fingerprints:
-            got = fingerprint_blocks(caches, ids_array)
-            expected = staging.prints[slots].T  # P's, read with the blocks
-            for req_id, start, count in spans:
-                try:
-                    compare_fingerprints(got[:, start : start + count],
-                                         expected[:, start : start + count])
-                except CorruptionError as e:
-                    bad[req_id] = f"group {g}: {e}"
+        ids_array, rows = np.asarray(ids, np.int64), np.asarray(slots, np.int64)
+        if not self.config.verify_fingerprints:
+            return scatter_blocks(caches, staging.regions, ids_array, rows=rows)
+        caches, got = scatter_blocks(caches, staging.regions, ids_array, rows=rows,
+                                     fingerprints=True)
+        expected = staging.prints[slots].T  # P's, read with the blocks
+        for req_id, start, count in spans:
+            try:
+                compare_fingerprints(got[:, start : start + count],
+                                     expected[:, start : start + count])
+            except CorruptionError as e:
+                bad[req_id] = f"group {g}: {e}"
         return caches
 
     def get_block_ids_with_load_errors(self) -> set[int]:
