@@ -180,5 +180,7 @@ def test_bench_e2e_small_run_delivers_every_request_and_reports_every_figure():
     prompts = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, cfg.requests)
     blocks = sum(-(-int(p) // cfg.block_size) for p in prompts)
     assert out["stream_gb"] == round(blocks * cfg.layers * 65536 / 1e9, 3)
-    assert 0 < out["e2e_over_memcpy"] and 0 < out["verify_overhead"]
+    assert 0 < out["e2e_over_memcpy"]
+    # What verifying adds to D's scatter, as a share of the path: measured, not all of it.
+    assert 0 <= out["verify_overhead"] < 1
     assert out["p50_ms_2k"] <= out["p99_ms_2k"]
