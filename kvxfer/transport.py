@@ -119,6 +119,12 @@ class TransportConfig:
       is created); `cma,tcp,self` reads host memory faster between processes
       on one machine than UCX's default choice. None keeps UCX's default.
     - `num_threads`: UCX backend worker threads (0: NIXL's default).
+    - `etcd_endpoints`: NIXL's central metadata service (`NIXL_ETCD_ENDPOINTS`,
+      for example `http://10.0.0.2:2379`). Every agent publishes its metadata
+      there under its name and fetches its peers' by name, so many P and D
+      agents need no pairwise listener handshake; no listener is started
+      (`listen_port` is unused, params still carry `host`). None: D fetches
+      from P's listener at `host:listen_port`, as between two processes.
 
     Per-slot prepared descriptor lists (`prep_xfer_dlist`) were measured and
     dropped: with runs placement they were no faster (0.79-0.89x memcpy vs
@@ -134,6 +140,7 @@ class TransportConfig:
     heartbeat_interval_s: float = 5.0
     ucx_tls: str | None = "cma,tcp,self"
     num_threads: int = 0
+    etcd_endpoints: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
@@ -161,6 +168,17 @@ class TransportConfig:
         if not is_int(self.num_threads) or self.num_threads < 0:
             raise InvalidInputError(
                 f"TransportConfig num_threads must be a non-negative int, got {self.num_threads!r}")
+        if self.etcd_endpoints is not None and not (
+                isinstance(self.etcd_endpoints, str) and self.etcd_endpoints.isprintable()
+                and all(e.startswith(("http://", "https://")) and len(e) > 8
+                        for e in self.etcd_endpoints.split(","))):
+            raise InvalidInputError(
+                f"TransportConfig etcd_endpoints must be None or comma-separated http(s):// "
+                f"URLs, got {self.etcd_endpoints!r}")
+
+    @property
+    def uses_etcd(self) -> bool:
+        return self.etcd_endpoints is not None
 
 
 def _nixl() -> tuple[Any, Any]:
@@ -208,16 +226,23 @@ def _release_name(name: str) -> None:
 
 
 def _create_agent(config: TransportConfig) -> tuple[Any, int]:
+    """`(agent, listen port)`; the port is 0 with etcd (no listener)."""
     nixl_agent, nixl_agent_config = _nixl()
-    tries = _MAX_BIND_TRIES if config.listen_port == 0 else 1
-    old_tls = os.environ.get("UCX_TLS")
+    tries = _MAX_BIND_TRIES if config.listen_port == 0 and not config.uses_etcd else 1
+    # Both are read when the agent is created, and only then.
+    env = {"UCX_TLS": config.ucx_tls, "NIXL_ETCD_ENDPOINTS": config.etcd_endpoints}
+    old = {key: os.environ.get(key) for key in env}
     try:
-        if config.ucx_tls is not None:
-            os.environ["UCX_TLS"] = config.ucx_tls
+        for key, value in env.items():
+            if value is not None:
+                os.environ[key] = value
+            elif key == "NIXL_ETCD_ENDPOINTS":
+                os.environ.pop(key, None)  # listener mode: never an inherited etcd
         for attempt in range(tries):
-            port = config.listen_port or free_port()
+            port = 0 if config.uses_etcd else config.listen_port or free_port()
             nixl_config = nixl_agent_config(
-                enable_listen_thread=True, listen_port=port, num_threads=config.num_threads
+                enable_listen_thread=not config.uses_etcd, listen_port=port,
+                num_threads=config.num_threads,
             )
             try:
                 return nixl_agent(config.name, nixl_config), port
@@ -228,11 +253,11 @@ def _create_agent(config: TransportConfig) -> tuple[Any, int]:
                     ) from e
         raise AssertionError("unreachable")
     finally:
-        if config.ucx_tls is not None:
-            if old_tls is None:
-                os.environ.pop("UCX_TLS", None)
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
             else:
-                os.environ["UCX_TLS"] = old_tls
+                os.environ[key] = value
 
 
 def encode_message(kind: str, /, **fields: Any) -> bytes:
@@ -318,16 +343,29 @@ def _start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[
         agent, port = _create_agent(config)
         regs = [(addr, n, 0, "") for s in stagings
                 for addr, n in [*s.region_addresses(), s.prints_address()]]
-        return agent, port, agent.register_memory(regs, "DRAM")
+        reg = agent.register_memory(regs, "DRAM")
+        if config.uses_etcd:
+            try:  # under our name, with the registered regions: peers fetch it by name
+                agent.send_local_metadata()
+            except Exception as e:
+                _close_agent(agent, reg, config.name, etcd=False)
+                raise TransferError(f"NIXL agent {config.name!r} cannot publish its metadata "
+                                    f"to etcd at {config.etcd_endpoints}: {e}") from e
+        return agent, port, reg
     except BaseException:
         _release_name(config.name)
         raise
 
 
-def _close_agent(agent: Any, reg: Any, who: str) -> None:
+def _close_agent(agent: Any, reg: Any, who: str, etcd: bool = False) -> None:
+    if etcd:
+        try:  # peers that fetch it now find nothing, not a dead agent
+            agent.invalidate_local_metadata()
+        except Exception as e:  # closing must not raise: the process may be going down
+            logger.warning("%s metadata invalidation failed: %s", who, e)
     try:
         agent.deregister_memory(reg)
-    except Exception as e:  # closing must not raise: the process may be going down
+    except Exception as e:
         logger.warning("%s deregister failed: %s", who, e)
 
 
@@ -405,7 +443,8 @@ class ReadParams:
             peer=get("peer", is_str, "a non-empty str"),
             instance=get("instance", is_str, "a non-empty str"),
             host=get("host", is_str, "a non-empty str"),
-            port=get("port", lambda v: is_int(v) and 0 < v <= 65535, "an int port"),
+            # 0: P has no listener; D finds it by name in etcd.
+            port=get("port", lambda v: is_int(v) and 0 <= v <= 65535, "an int port"),
             req_id=get("req_id", is_str, "a non-empty str"),
             generation=get("generation", _is_generation, "a positive int"),
             keys=tuple(keys),
@@ -546,6 +585,12 @@ class PrefillTransport:
         kind = msg["t"]
         if kind == "hello":
             self._hellos[sender] = now + self.config.handshake_timeout_s
+            if self.config.uses_etcd:  # D published it there before saying hello
+                try:
+                    self.agent.fetch_remote_metadata(sender)
+                except Exception as e:
+                    logger.warning("P %s cannot fetch %s's metadata: %s", self.config.name,
+                                   sender, e)
         elif kind == "done":
             req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
             generation = _field(msg, "generation", _is_generation, "a positive int", sender)
@@ -596,7 +641,7 @@ class PrefillTransport:
         """Deregister staging and drop the agent (its listener stops with it)."""
         if self.agent is None:
             return
-        _close_agent(self.agent, self._reg, f"P {self.config.name}")
+        _close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
         _release_name(self.config.name)
 
@@ -678,7 +723,9 @@ class DecodeTransport:
     def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
         """Handshake with P agent `peer` at `host:port`; returns its layout.
 
-        Raises `TransferError` if the peer does not answer within
+        With `etcd_endpoints`, `peer`'s metadata is fetched by name from etcd
+        (`host` and `port` are unused). Raises `TransferError` if the peer does
+        not answer within
         `handshake_timeout_s` or sends a bad advertisement, and
         `LayoutMismatchError` if its layout is incompatible.
         """
@@ -686,23 +733,33 @@ class DecodeTransport:
             return self._peers[peer].layout
         deadline = time.monotonic() + self.config.handshake_timeout_s
         self._adverts.pop(peer, None)
+        etcd = self.config.uses_etcd
+        where = f"in etcd at {self.config.etcd_endpoints}" if etcd else f"at {host}:{port}"
+        if not etcd and port == 0:
+            raise TransferError(f"peer {peer!r} has no listener (port 0: it publishes its "
+                                f"metadata in etcd); give this D etcd_endpoints")
+        # From P's listener, or by name from etcd (where D published its own at start).
+        source = () if etcd else (host, port)
         try:
-            self.agent.fetch_remote_metadata(peer, host, port)
+            self.agent.fetch_remote_metadata(peer, *source)
             refetch = time.monotonic() + _REFETCH_S
             while not self.agent.check_remote_metadata(peer):
                 now = time.monotonic()
                 if now > deadline:
                     raise TransferError(
-                        f"peer {peer!r} at {host}:{port} sent no NIXL metadata within "
-                        f"{self.config.handshake_timeout_s}s (unknown peer or not listening)"
+                        f"peer {peer!r} {where} sent no NIXL metadata within "
+                        f"{self.config.handshake_timeout_s}s (unknown peer or not "
+                        f"{'published' if etcd else 'listening'})"
                     )
                 if now > refetch:
                     # NIXL may first spend a fetch on a cached socket to a previous
-                    # listener at that address (a restarted P), which it then closes.
-                    self.agent.fetch_remote_metadata(peer, host, port)
+                    # listener at that address (a restarted P), which it then closes;
+                    # a P starting up may not have published yet.
+                    self.agent.fetch_remote_metadata(peer, *source)
                     refetch = now + _REFETCH_S
                 time.sleep(0.002)
-            self.agent.send_local_metadata(host, port)
+            if not etcd:
+                self.agent.send_local_metadata(host, port)
             _send(self.agent, peer, "hello", agent=self.config.name)
         except TransferError:
             self._forget(peer)
@@ -714,7 +771,7 @@ class DecodeTransport:
             if time.monotonic() > deadline:
                 self._forget(peer)
                 raise TransferError(
-                    f"peer {peer!r} at {host}:{port} sent no layout within "
+                    f"peer {peer!r} {where} sent no layout within "
                     f"{self.config.handshake_timeout_s}s"
                 )
             self._drain_notifs()
@@ -1040,6 +1097,6 @@ class DecodeTransport:
         """Deregister staging and drop the agent (its listener stops with it)."""
         if self.agent is None:
             return
-        _close_agent(self.agent, self._reg, f"D {self.config.name}")
+        _close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         _release_name(self.config.name)

@@ -1,0 +1,111 @@
+"""P and D agents that find each other by name in etcd, NIXL's metadata service.
+
+Every agent publishes its metadata to a real etcd server (started here, on
+loopback) and fetches its peers' from it; P starts no listener. The failures
+a deployment meets: a name nobody published, a P that went away cleanly
+(its record removed) or was killed (its record left behind, stale), and a P
+restarted under the same name.
+"""
+
+import os
+import sys
+import time
+
+import pytest
+
+from kvxfer.errors import InvalidInputError
+from kvxfer.transport import TransportConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.etcd import EtcdServer  # noqa: E402
+from procs.harness import Peer, PeerError  # noqa: E402
+from test_transport import TIMEOUT, assert_read_intact, read, spec, stage_and_hold  # noqa: E402
+
+pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    server = EtcdServer()
+    yield server.endpoint
+    server.stop()
+
+
+@pytest.fixture
+def peers(etcd):
+    started = []
+
+    def start(role, name, **config):
+        started.append(Peer(role, spec(name, etcd_endpoints=etcd, **config)))
+        return started[-1]
+    yield start
+    for peer in started:
+        peer.kill()
+
+
+def connect(d, name):
+    return d.call("connect", peer=name, host="127.0.0.1", port=0, timeout=TIMEOUT + 10)
+
+
+def test_d_reads_from_a_p_it_finds_by_name_with_no_listener(peers):
+    p, d = peers("P", "P_etcd"), peers("D", "D_etcd")
+    assert p.port == 0 and d.port == 0  # neither listens
+    params = stage_and_hold(p, "r", [3, 4, 9], seed=5)
+    assert params["port"] == 0
+    assert_read_intact(d, "r", params, [1, 2, 3], {3: 5, 4: 5, 9: 5})
+    assert p.call("freed")["held"] == []
+    # A second D finds the same P the same way, concurrently with the first.
+    d2 = peers("D", "D2_etcd")
+    params = stage_and_hold(p, "r2", [7], seed=6)
+    assert_read_intact(d2, "r2", params, [4], {7: 6})
+
+
+def test_a_name_nobody_published_is_a_clear_error_within_the_deadline(peers):
+    d = peers("D", "D_alone")
+    start = time.monotonic()
+    with pytest.raises(PeerError, match=r"'nobody' in etcd at http://127\.0\.0\.1:\d+ sent no "
+                                        r"NIXL metadata .*not published") as e:
+        connect(d, "nobody")
+    assert e.value.kind == "TransferError"
+    assert time.monotonic() - start < TIMEOUT + 5
+
+
+def test_a_p_that_closed_is_gone_from_etcd(peers):
+    p, d = peers("P", "P_closed"), peers("D", "D_closed")
+    p.port  # noqa: B018 - published
+    p.close()
+    with pytest.raises(PeerError, match="no NIXL metadata"):
+        connect(d, "P_closed")
+
+
+def test_a_killed_ps_stale_record_fails_its_requests_and_a_restart_serves_new_ones(peers):
+    p, d = peers("P", "P_stale"), peers("D", "D_stale")
+    old = stage_and_hold(p, "r", [1, 2], seed=7)
+    p.kill()  # its record stays in etcd: stale
+    start = time.monotonic()
+    assert read(d, "r", old, [5, 6]).get("failed") == [5, 6]  # in D's logical ids, no hang
+    assert time.monotonic() - start < 2 * TIMEOUT + 5
+    p = peers("P", "P_stale")  # restarted under the same name: a new record
+    new = stage_and_hold(p, "r", [1, 2], seed=8)
+    assert new["instance"] != old["instance"]
+    assert read(d, "r", old, [5, 6]).get("failed") == [5, 6]  # old params stay refused
+    assert_read_intact(d, "r", new, [5, 6], {1: 8, 2: 8})
+
+
+def test_a_listener_d_refuses_params_of_a_p_without_listener(peers, etcd):
+    p = peers("P", "P_for_listener")
+    params = stage_and_hold(p, "r", [1], seed=9)
+    d = Peer("D", spec("D_listener"))
+    try:
+        assert read(d, "r", params, [8]).get("failed") == [8]
+        with pytest.raises(PeerError, match="has no listener .*give this D etcd_endpoints"):
+            d.call("connect", peer="P_for_listener", host="127.0.0.1", port=0)
+    finally:
+        d.kill()
+
+
+@pytest.mark.parametrize("endpoints", ["", "127.0.0.1:2379", "http://", "http://a:1,tcp://b:2",
+                                       5, "http://a:1\n"])
+def test_bad_etcd_endpoints_are_refused_by_name(endpoints):
+    with pytest.raises(InvalidInputError, match="etcd_endpoints must be None or comma-separated"):
+        TransportConfig("P", etcd_endpoints=endpoints)
