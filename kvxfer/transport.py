@@ -22,6 +22,11 @@ D checks it against its own before any read and raises `LayoutMismatchError`
 naming the differing fields. Bytes that are not a kvxfer message, truncated
 JSON, or another version raise `TransferError` naming the peer.
 
+With `TransportConfig.etcd_endpoints` no listener runs: every agent
+publishes its metadata to etcd (NIXL's metadata service) under its name when
+it starts and withdraws it when it closes; D fetches P's by name, and P
+fetches D's by name when D's `hello` arrives. The rest is the same.
+
 Reads. P's `hold(req_id)` starts a lease and returns the transfer params
 (JSON-able; the engine forwards them to D as vLLM forwards
 `kv_transfer_params`): P's agent name, instance, address, a generation and,
