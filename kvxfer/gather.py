@@ -75,7 +75,7 @@ piece's words straight from the shard's buffer against their weights, right
 after the copy that read or wrote them (while they are in the processor's
 cache): measured on 2 cores, 64 MiB hashed in 3.2 ms from the buffers (21
 GB/s; about 2.6 ms more than the scatter alone when fused with it), against
-18 ms for the XLA:CPU program (3.5 GB/s: it materializes the gathered rows,
+19 ms for the XLA:CPU program (3.5 GB/s: it materializes the gathered rows,
 and XLA:CPU's integer reductions run at a fraction of memory speed). Pieces
 that are not whole words go to the XLA program.
 """
