@@ -92,7 +92,7 @@ def test_a_killed_ps_stale_record_fails_its_requests_and_a_restart_serves_new_on
     assert_read_intact(d, "r", new, [5, 6], {1: 8, 2: 8})
 
 
-def test_a_listener_d_refuses_params_of_a_p_without_listener(peers, etcd):
+def test_a_listener_d_refuses_params_of_a_p_without_listener(peers):
     p = peers("P", "P_for_listener")
     params = stage_and_hold(p, "r", [1], seed=9)
     d = Peer("D", spec("D_listener"))
@@ -109,3 +109,8 @@ def test_a_listener_d_refuses_params_of_a_p_without_listener(peers, etcd):
 def test_bad_etcd_endpoints_are_refused_by_name(endpoints):
     with pytest.raises(InvalidInputError, match="etcd_endpoints must be None or comma-separated"):
         TransportConfig("P", etcd_endpoints=endpoints)
+
+
+def test_a_listen_port_with_etcd_is_refused_naming_it():
+    with pytest.raises(InvalidInputError, match="listen_port 5610 is unused with etcd_endpoints"):
+        TransportConfig("P", etcd_endpoints="http://127.0.0.1:2379", listen_port=5610)

@@ -504,3 +504,14 @@ def test_row_copies_by_runs_equal_fancy_assignment(to, frm, order):
     np.testing.assert_array_equal(got, want)
     if order and np.array_equal(np.sort(to), np.arange(to.min(), to.max() + 1)):
         assert len(runs) == 1  # contiguous blocks, either order: one copy
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_a_fingerprints_flag_that_is_not_a_bool_is_refused_and_the_caches_kept(flag):
+    caches, hosts = _make("attention_bf16_mesh_1x8", seed=34)
+    with pytest.raises(InvalidInputError, match=f"fingerprints must be True or False, got {flag!r}"):
+        scatter_blocks(caches, _staging("attention_bf16_mesh_1x8", seed=35), [1], rows=[0],
+                       fingerprints=flag)
+    with pytest.raises(InvalidInputError, match="fingerprints must be True or False"):
+        gather_blocks(caches, [1], fingerprints=flag)
+    assert not any(c.is_deleted() for c in caches)

@@ -164,6 +164,7 @@ def gather_blocks(
     Raises `InvalidInputError` (or its subclass `LayoutMismatchError`) naming the
     offending value before anything is dispatched.
     """
+    _check_flag("fingerprints", fingerprints)
     layout = CacheLayout.from_caches(caches)
     ids = _check_block_ids(block_ids, layout)
     mesh = caches[0].sharding.mesh
@@ -212,6 +213,7 @@ def scatter_blocks(
     Raises `InvalidInputError` (or `LayoutMismatchError`) naming the offending value
     before anything is dispatched.
     """
+    _check_flag("fingerprints", fingerprints)
     layout = CacheLayout.from_caches(caches)
     ids = _check_block_ids(block_ids, layout)
     uniq, counts = np.unique(ids, return_counts=True)
@@ -412,6 +414,11 @@ def _check_block_ids(block_ids: object, layout: CacheLayout) -> np.ndarray:
             f"block ids {bad[:8].tolist()} out of range [0, {layout.num_blocks})"
         )
     return ids.astype(np.int32)
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be True or False, got {value!r:.80}")
 
 
 def _check_count(count: object) -> int:

@@ -180,6 +180,10 @@ class TransportConfig:
             raise InvalidInputError(
                 f"TransportConfig etcd_endpoints must be None or comma-separated http(s):// "
                 f"URLs, got {self.etcd_endpoints!r}")
+        if self.etcd_endpoints is not None and self.listen_port != 0:
+            raise InvalidInputError(
+                f"TransportConfig listen_port {self.listen_port} is unused with etcd_endpoints "
+                f"(no listener runs); leave it 0")
 
     @property
     def uses_etcd(self) -> bool:
