@@ -265,6 +265,8 @@ class Staging(SlotMap):
     each staged block's fingerprints, one row per slot: P writes them where it
     gathers, D reads them with the blocks (one more descriptor per run), so
     they travel with the bytes they vouch for and never through the engine.
+    With `prints_per_layer=k` it is `uint32[num_slots, k, num_layers]`: one
+    sum per unit of a block's piece (`kvxfer.pieces`).
     """
 
     def __init__(
@@ -274,16 +276,22 @@ class Staging(SlotMap):
         block_shape: Sequence[int],
         dtype: Any = np.uint8,
         placement: Placement = "runs",
+        prints_per_layer: int | None = None,
     ) -> None:
         if not is_int(num_layers) or num_layers <= 0:
             raise InvalidInputError(f"Staging num_layers must be a positive int, got {num_layers!r}")
+        if prints_per_layer is not None and (not is_int(prints_per_layer) or prints_per_layer <= 0):
+            raise InvalidInputError(
+                f"Staging prints_per_layer must be None or a positive int, got {prints_per_layer!r}")
         super().__init__(num_slots, placement)
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = np.dtype(dtype)
         self.regions: list[np.ndarray] = [
             _aligned_region((num_slots, *self.block_shape), self.dtype) for _ in range(num_layers)
         ]
-        self.prints = _aligned_region((num_slots, num_layers), np.dtype(np.uint32))
+        self.prints_per_layer = prints_per_layer
+        per_slot = (num_layers,) if prints_per_layer is None else (prints_per_layer, num_layers)
+        self.prints = _aligned_region((num_slots, *per_slot), np.dtype(np.uint32))
         self.block_bytes = self.regions[0][0].nbytes
 
     @property

@@ -1,0 +1,311 @@
+"""A process's piece of every block, for instances that span hosts.
+
+An instance on several hosts is several JAX processes sharing one mesh
+(`jax.distributed`); each process addresses only its own shards. So each
+stages, registers and moves only its piece of each block, and nothing
+crosses between the hosts of one instance:
+
+    piece = Piece.local(caches)                   # this process's units of each block
+    staging = piece_staging(layout, piece, slots)   # registered with this process's agent
+    gather_piece_into(caches, ids, staging, slots, piece)            # P
+    caches, sums = scatter_piece(caches, staging, ids, slots, piece)  # D
+
+Pieces. A block is split along one axis, its *split axis*: the one inner axis
+the caches shard over the mesh (heads, or tpu-inference's combined K/V heads
+axis), cut into its `units` (its length). A process holds units `[lo, hi)`,
+the union of its shards' ranges, which must be contiguous (they are for a
+mesh whose devices are listed process by process, as `jax.devices()` lists
+them). A cache replicated over the mesh (MLA's latent cache) has no split
+axis; then the block's first axis is the nominal one and every process holds
+the whole block. A block axis sharded over the mesh (data parallelism), or
+more than one split axis, is refused by name.
+
+Unit-major staging. Slot `s` of a piece's staging holds `[hi - lo, *rest]`:
+the split axis first, the other block axes in their order. So any range of
+units of a block is one run of contiguous bytes, in P's staging and in D's:
+a D process reads, from each P process that holds units it needs, exactly
+the units they share, as one NIXL descriptor per block (per run of slots
+where the ranges match whole). The copies between the caches' buffers and
+this order are strided numpy copies (runs of `prod(rest after the split
+axis)` elements), as D's copies already are at TP 8.
+
+Fingerprints per unit. P sums each unit's 32-bit words against the weights
+of their indices in the whole block (the weights `kvxfer.gather`'s
+fingerprints use), mod 2**32, without the final mix, into
+`staging.prints[slot, unit, layer]`; D reads the sums of its units with the
+blocks, adds them, and compares the total with the same sum over what landed
+in its own shards. Sums add across any split, so P and D may cut blocks
+differently (P 4 processes, D 2). A flipped bit changes its unit's sum by an
+odd multiple of a power of two below 2**32: always caught.
+
+Only the XLA:CPU path (numpy on the buffers, no dispatch) is built: other
+backends raise `InvalidInputError` naming the platform. On TPU the copies
+belong in the DMA kernels the module docstring of `kvxfer.gather` names.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvxfer.blocks import coalesce, is_int
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.gather import (
+    _K,
+    _BufferHashes,
+    _buffer_view,
+    _check_block_ids,
+    _own_fn,
+    _RowCopies,
+)
+from kvxfer.layout import CacheLayout
+from kvxfer.staging import Staging
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Units `[lo, hi)` of a block's split axis `axis` (an index into `block_shape`)."""
+
+    axis: int
+    units: int
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not (all(is_int(v) for v in (self.axis, self.units, self.lo, self.hi))
+                and self.axis >= 0 and 0 <= self.lo < self.hi <= self.units):
+            raise InvalidInputError(f"a piece needs 0 <= lo < hi <= units and an axis >= 0, "
+                                    f"got {self!r}")
+
+    @property
+    def count(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.units
+
+    def overlap(self, other: Piece) -> tuple[int, int] | None:
+        """The units both pieces hold, `(lo, hi)`, or None."""
+        lo, hi = max(self.lo, other.lo), min(self.hi, other.hi)
+        return (lo, hi) if lo < hi else None
+
+    def to_list(self) -> list[int]:
+        return [self.lo, self.hi]
+
+    @classmethod
+    def local(cls, caches: Sequence[jax.Array]) -> Piece:
+        """This process's piece of the caches' blocks."""
+        return process_pieces(caches)[jax.process_index()]
+
+
+def split_axis(layout: CacheLayout) -> int:
+    """The block axis (index into `block_shape`) a piece cuts: the one sharded inner axis.
+
+    0 for caches whose blocks are not split (replicated). Raises
+    `LayoutMismatchError` for a sharded block axis or several sharded inner axes.
+    """
+    if layout.spec[0]:
+        raise LayoutMismatchError(
+            f"caches shard the block axis over {layout.spec[0]}: pieces across hosts need "
+            f"every process to hold every block (spec {layout.spec})")
+    split = [a for a, grid in enumerate(layout.shard_grid) if grid > 1]
+    if len(split) > 1:
+        raise LayoutMismatchError(
+            f"caches split blocks along axes {split} of {layout.block_shape} (spec "
+            f"{layout.spec}): pieces across hosts cut blocks along one axis")
+    return split[0] if split else 0
+
+
+def process_pieces(caches: Sequence[jax.Array]) -> dict[int, Piece]:
+    """Every process's piece of the caches' blocks, by `process_index`.
+
+    From the sharding alone, so every process (and a scheduler on any of them)
+    computes the same map. Raises `LayoutMismatchError` where a process's
+    shards do not make one contiguous range of units.
+    """
+    layout = CacheLayout.from_caches(caches)
+    axis = split_axis(layout)
+    units = layout.block_shape[axis]
+    ranges: dict[int, set[tuple[int, int]]] = {}
+    for device, index in caches[0].sharding.devices_indices_map(layout.shape).items():
+        lo, hi, _ = index[1 + axis].indices(units)
+        ranges.setdefault(device.process_index, set()).add((lo, hi))
+    pieces = {}
+    for process, held in sorted(ranges.items()):
+        spans = sorted(held)
+        if any(a[1] != b[0] and a != b for a, b in zip(spans, spans[1:])):
+            raise LayoutMismatchError(
+                f"process {process} holds units {spans} of block axis {axis}, not one "
+                f"contiguous range: order the mesh's devices process by process")
+        pieces[process] = Piece(axis, units, spans[0][0], spans[-1][1])
+    return pieces
+
+
+def piece_shape(layout: CacheLayout, piece: Piece) -> tuple[int, ...]:
+    """One staged slot of `piece`: `[units held, *the other block axes]` (unit-major)."""
+    rest = [d for a, d in enumerate(layout.block_shape) if a != piece.axis]
+    return (piece.count, *rest)
+
+
+def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int) -> Staging:
+    """Host staging for `piece` of each block: unit-major slots, per-unit fingerprint sums."""
+    _check_words(layout, piece)
+    return Staging(layout.num_layers, num_slots, piece_shape(layout, piece), layout.np_dtype,
+                   prints_per_layer=piece.count)
+
+
+def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np.ndarray,
+                      staging: Staging, slots: Sequence[int] | np.ndarray, piece: Piece) -> None:
+    """Copy this process's piece of each block into its slot, with its per-unit sums.
+
+    `staging` is `piece_staging(...)`'s; `slots[i]` receives block `block_ids[i]`.
+    Reads only this process's shards (one replica of each unit range).
+    """
+    layout = CacheLayout.from_caches(caches)
+    ids, dst = _check_piece_call(layout, block_ids, staging, slots, piece)
+    if len(ids) == 0:
+        return
+    jax.block_until_ready(list(caches))
+    copies = _RowCopies(ids, dst, ids_are_dst=False)
+    for layer, (cache, region) in enumerate(zip(caches, staging.regions)):
+        view = _block_order(region, piece)
+        for shard in _one_replica(cache, piece):
+            copies.copy(shard, view[_local_index(shard, piece)], _buffer_view(shard.data))
+    _sum_units(layout, staging, np.unique(dst), piece)
+
+
+def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
+                  block_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
+                  piece: Piece) -> tuple[list[jax.Array], np.ndarray]:
+    """Write this process's piece of each block from its slot into the caches, in place.
+
+    The caches are donated (every process of the instance calls this, with the
+    same block ids: the donation is one program over the mesh). Returns the
+    new caches and `uint32[num_layers, n]`: the unmixed sums of what landed in
+    this process's shards (one replica of each unit range), to compare with
+    the sum of P's per-unit sums over `[piece.lo, piece.hi)` (`unit_sums`).
+    """
+    layout = CacheLayout.from_caches(caches)
+    ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
+    if len(ids) == 0:
+        return list(caches), np.zeros((layout.num_layers, 0), np.uint32)
+    new = _own_fn(layout, caches[0].sharding.mesh)(list(caches))
+    jax.block_until_ready(new)
+    copies = _RowCopies(ids, src, ids_are_dst=True)
+    hashes = _BufferHashes(layout, ids)
+    for layer, (cache, region) in enumerate(zip(new, staging.regions)):
+        view = _block_order(region, piece)
+        first = set(map(id, _one_replica(cache, piece)))
+        for shard in _held_shards(cache, piece):  # every replica has its own buffer
+            buffer = _buffer_view(shard.data)
+            copies.copy(shard, buffer, view[_local_index(shard, piece)])
+            if id(shard) in first:
+                hashes.add(layer, shard, buffer)  # the rows just written, while in cache
+    return new, hashes.sums
+
+
+def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+    """`uint32[num_layers, n]`: each slot's per-unit sums added up (mod 2**32)."""
+    prints = staging.prints[np.asarray(slots, np.int64)]  # [n, units, layers]
+    return prints.sum(axis=1, dtype=np.uint32).T
+
+
+# Internals.
+
+
+def _check_words(layout: CacheLayout, piece: Piece) -> None:
+    if split_axis(layout) != piece.axis or layout.block_shape[piece.axis] != piece.units:
+        raise LayoutMismatchError(f"piece {piece} does not cut blocks of {layout.block_shape} "
+                                  f"(spec {layout.spec}) along their split axis")
+    itemsize = layout.np_dtype.itemsize
+    if layout.block_shape[-1] * itemsize % 4 or (piece.axis == len(layout.block_shape) - 1):
+        raise LayoutMismatchError(
+            f"blocks of {layout.block_shape} {layout.dtype} split along axis {piece.axis}: a "
+            f"unit's innermost run must be whole 32-bit words, and not the split axis itself")
+    if not all(d.platform == "cpu" for d in jax.local_devices()):
+        raise InvalidInputError(
+            f"pieces across hosts are built for XLA:CPU only, this process runs on "
+            f"{jax.devices()[0].platform}")
+
+
+def _check_piece_call(layout: CacheLayout, block_ids: Any, staging: Staging, slots: Any,
+                      piece: Piece) -> tuple[np.ndarray, np.ndarray]:
+    _check_words(layout, piece)
+    ids = _check_block_ids(block_ids, layout)
+    want = (layout.num_layers, piece_shape(layout, piece), layout.np_dtype, piece.count)
+    got = (staging.num_layers, staging.block_shape, staging.dtype, staging.prints_per_layer)
+    if not isinstance(staging, Staging) or got != want:
+        raise LayoutMismatchError(f"staging holds (layers, slot shape, dtype, units) {got}, "
+                                  f"piece {piece} of these caches needs {want}")
+    rows = np.asarray(slots)
+    if (rows.ndim != 1 or len(rows) != len(ids) or not np.issubdtype(rows.dtype, np.integer)
+            or (rows < 0).any() or (rows >= staging.num_slots).any()):
+        raise InvalidInputError(f"slots must be {len(ids)} ints in [0, {staging.num_slots}), "
+                                f"got {np.asarray(slots).tolist()[:16]}")
+    if len(np.unique(rows)) != len(rows) or len(np.unique(ids)) != len(ids):
+        raise InvalidInputError("block ids and slots of one call must be distinct")
+    return ids, rows.astype(np.int64)
+
+
+def _block_order(region: np.ndarray, piece: Piece) -> np.ndarray:
+    """A unit-major region seen in block order, `[slots, *block_shape with the piece's units]`."""
+    return np.moveaxis(region, 1, 1 + piece.axis)
+
+
+def _local_index(shard: jax.Shard, piece: Piece) -> tuple[slice, ...]:
+    """Where `shard`'s part of a block sits in a block-order view of `piece`'s slots."""
+    lo, hi, _ = shard.index[1 + piece.axis].indices(piece.units)
+    index = [slice(None)] * len(shard.index)
+    index[1 + piece.axis] = slice(lo - piece.lo, hi - piece.lo)
+    return tuple(index)
+
+
+def _held_shards(cache: jax.Array, piece: Piece) -> list[jax.Shard]:
+    """This process's shards inside `piece` (all of them, in a multi-process instance)."""
+    out = []
+    for shard in cache.addressable_shards:
+        lo, hi, _ = shard.index[1 + piece.axis].indices(piece.units)
+        if piece.lo <= lo and hi <= piece.hi:
+            out.append(shard)
+        elif lo < piece.hi and piece.lo < hi:
+            raise LayoutMismatchError(f"a shard holds units [{lo}, {hi}), across the edge of "
+                                      f"piece {piece}")
+    return out
+
+
+def _one_replica(cache: jax.Array, piece: Piece) -> list[jax.Shard]:
+    """The shards inside `piece`, one per distinct range of units (replicas skipped)."""
+    seen, out = set(), []
+    for shard in _held_shards(cache, piece):
+        key = shard.index[1 + piece.axis].indices(piece.units)
+        if key not in seen:
+            seen.add(key)
+            out.append(shard)
+    return out
+
+
+def _sum_units(layout: CacheLayout, staging: Staging, slots: np.ndarray, piece: Piece) -> None:
+    """`staging.prints[slot, unit, layer]` = the unit's words against their block weights."""
+    weights = _unit_weights(layout, piece)  # [units held, words per unit]
+    for layer, region in enumerate(staging.regions):
+        words = region.reshape(region.shape[0], piece.count, -1).view(np.uint32)
+        for start, length in coalesce(np.sort(slots).tolist()):
+            staging.prints[start : start + length, :, layer] = np.einsum(
+                "suj,uj->su", words[start : start + length], weights)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_weights(layout: CacheLayout, piece: Piece) -> np.ndarray:
+    """`uint32[units held, words per unit]`: each word's weight by its index in the whole block."""
+    per_word = 4 // layout.np_dtype.itemsize
+    flat = np.arange(math.prod(layout.block_shape), dtype=np.int64).reshape(layout.block_shape)
+    held = np.moveaxis(flat, piece.axis, 0)[piece.lo : piece.hi]  # unit-major, as staged
+    word = held.reshape(piece.count, -1)[:, ::per_word] // per_word
+    return ((word * 2 + 1) * int(_K) % (1 << 32)).astype(np.uint32)
