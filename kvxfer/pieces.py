@@ -58,8 +58,8 @@ from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.gather import (
     _K,
-    _BufferHashes,
     _buffer_view,
+    _BufferHashes,
     _check_block_ids,
     _own_fn,
     _RowCopies,
@@ -174,7 +174,7 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
         return
     jax.block_until_ready(list(caches))
     copies = _RowCopies(ids, dst, ids_are_dst=False)
-    for layer, (cache, region) in enumerate(zip(caches, staging.regions)):
+    for cache, region in zip(caches, staging.regions):
         view = _block_order(region, piece)
         for shard in _one_replica(cache, piece):
             copies.copy(shard, view[_local_index(shard, piece)], _buffer_view(shard.data))

@@ -400,10 +400,22 @@ def new_instance() -> str:
 
 
 @dataclass(frozen=True)
+class Source:
+    """One P process of a multi-host P instance: its agent and the units `[lo, hi)` it stages."""
+
+    peer: str
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
 class ReadParams:
     """P's transfer params for one request, checked (`ReadParams.parse`).
 
     `keys[g]` are the staging keys of group `g`'s blocks, `slots[g]` their P slots.
+    `sources` (empty for a P of one process, which stages whole blocks) lists
+    every process of a multi-host P and the units of each block it stages
+    (`kvxfer.pieces`), of `units`; every one of them stages the same slots.
     """
 
     peer: str
@@ -414,6 +426,8 @@ class ReadParams:
     generation: int
     keys: tuple[tuple[int, ...], ...]
     slots: tuple[tuple[int, ...], ...]
+    sources: tuple[Source, ...] = ()
+    units: int = 0
 
     @classmethod
     def parse(cls, params: object, num_groups: int) -> ReadParams:
@@ -448,6 +462,7 @@ class ReadParams:
             slots.append(tuple(s))
         if not any(keys):
             raise InvalidInputError("transfer params name no block in any group")
+        sources, units = _parse_sources(params.get("sources"), params.get("units"))
         return cls(
             peer=get("peer", is_str, "a non-empty str"),
             instance=get("instance", is_str, "a non-empty str"),
@@ -458,11 +473,14 @@ class ReadParams:
             generation=get("generation", _is_generation, "a positive int"),
             keys=tuple(keys),
             slots=tuple(slots),
+            sources=sources,
+            units=units,
         )
 
     @classmethod
     def staged(cls, slot_maps: Sequence[SlotMap], req_id: str, *, peer: str, instance: str,
-               host: str, port: int, generation: int) -> ReadParams | None:
+               host: str, port: int, generation: int, sources: Sequence[Source] = (),
+               units: int = 0) -> ReadParams | None:
         """The params of everything `req_id` has staged, one slot map per group (None if nothing)."""
         keys = [m.blocks(req_id) if req_id in m else [] for m in slot_maps]
         if not any(keys):
@@ -470,15 +488,58 @@ class ReadParams:
         return cls(peer=peer, instance=instance, host=host, port=port, req_id=req_id,
                    generation=generation, keys=tuple(map(tuple, keys)),
                    slots=tuple(tuple(m.slots(req_id, k)) if k else ()
-                               for m, k in zip(slot_maps, keys)))
+                               for m, k in zip(slot_maps, keys)),
+                   sources=tuple(sources), units=units)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able params (what `parse` reads back)."""
-        return {
+        out = {
             "peer": self.peer, "instance": self.instance, "host": self.host, "port": self.port,
             "req_id": self.req_id, "generation": self.generation,
             "groups": [{"keys": list(k), "slots": list(s)} for k, s in zip(self.keys, self.slots)],
         }
+        if self.sources:
+            out["units"] = self.units
+            out["sources"] = [{"peer": s.peer, "units": [s.lo, s.hi]} for s in self.sources]
+        return out
+
+    @property
+    def peers(self) -> list[str]:
+        """Every P agent that stages a piece of the request (P's one agent for one process)."""
+        return [s.peer for s in self.sources] if self.sources else [self.peer]
+
+
+def _parse_sources(sources: object, units: object) -> tuple[tuple[Source, ...], int]:
+    """Multi-host P's `sources` and `units` (absent for one process), checked.
+
+    The distinct unit ranges must tile `[0, units)`; several sources with one
+    range are replicas (a cache replicated over the mesh).
+    """
+    if sources is None and units is None:
+        return (), 0
+    if not is_int(units) or units <= 0:
+        raise InvalidInputError(f"transfer params field 'units' must be a positive int, "
+                                f"got {units!r:.80}")
+    if not isinstance(sources, list) or not sources:
+        raise InvalidInputError(f"transfer params field 'sources' must be a non-empty list, "
+                                f"got {sources!r:.80}")
+    out = []
+    for entry in sources:
+        peer = entry.get("peer") if isinstance(entry, Mapping) else None
+        span = entry.get("units") if isinstance(entry, Mapping) else None
+        if not (isinstance(peer, str) and peer and isinstance(span, list) and len(span) == 2
+                and all(is_int(u) for u in span) and 0 <= span[0] < span[1] <= units):
+            raise InvalidInputError(f"transfer params source must be {{'peer': name, 'units': "
+                                    f"[lo, hi]}} within {units} units, got {entry!r:.80}")
+        out.append(Source(peer, span[0], span[1]))
+    if len({s.peer for s in out}) != len(out):
+        raise InvalidInputError(f"transfer params sources repeat a peer: {[s.peer for s in out]}")
+    ranges = sorted({(s.lo, s.hi) for s in out})
+    if ranges[0][0] != 0 or ranges[-1][1] != units or any(
+            a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise InvalidInputError(f"transfer params sources' unit ranges {ranges} do not tile "
+                                f"[0, {units})")
+    return tuple(out), units
 
 
 # ---------------------------------------------------------------------- P side
@@ -488,6 +549,17 @@ class ReadParams:
 class _Lease:
     generation: int
     expires: float
+    done_by: set[int] = field(default_factory=set)  # D processes (readers) that said done
+
+
+def _check_piece(piece: object) -> tuple[int, int, int] | None:
+    if piece is None:
+        return None
+    if not (isinstance(piece, (tuple, list)) and len(piece) == 3 and all(is_int(v) for v in piece)
+            and 0 <= piece[0] < piece[1] <= piece[2]):
+        raise InvalidInputError(f"piece must be None or (lo, hi, units) with 0 <= lo < hi <= "
+                                f"units, got {piece!r:.80}")
+    return (int(piece[0]), int(piece[1]), int(piece[2]))
 
 
 class PrefillTransport:
@@ -502,13 +574,22 @@ class PrefillTransport:
     - `instance`: this start's identity (`new_instance()` when None); a
       scheduler that hands out params in another process draws it and passes
       it here.
+    - `piece`: `(lo, hi, units)` for one process of a multi-host P, whose
+      staging holds units `[lo, hi)` of each block (`kvxfer.pieces`); None
+      for whole blocks.
+
+    With several D processes (readers), P frees a request's slots once every
+    one of them has said done (each names itself and their count), or when
+    its lease expires.
     """
 
     def __init__(self, config: TransportConfig, staging: Staging | Sequence[Staging],
-                 layout: Mapping[str, Any], instance: str | None = None):
+                 layout: Mapping[str, Any], instance: str | None = None,
+                 piece: tuple[int, int, int] | None = None):
         self.config, self.stagings, self.layout = config, _stagings(staging), dict(layout)
         if instance is not None and (not isinstance(instance, str) or not instance):
             raise InvalidInputError(f"instance must be a non-empty str, got {instance!r}")
+        self.piece = _check_piece(piece)
         self.instance = instance or new_instance()
         self.agent, self.port, self._reg = _start_agent(config, self.stagings)
         self._leases: dict[str, _Lease] = {}
@@ -526,6 +607,7 @@ class PrefillTransport:
         return {
             "agent": self.config.name,
             "instance": self.instance,
+            "piece": list(self.piece) if self.piece else None,
             "layout": self.layout,
             "groups": [{"regions": [list(r) for r in s.region_addresses()],
                         "prints": list(s.prints_address()),
@@ -604,11 +686,17 @@ class PrefillTransport:
             req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
             generation = _field(msg, "generation", _is_generation, "a positive int", sender)
             instance = _field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
+            readers = _field(msg, "readers", lambda v: v is None or (is_int(v) and v >= 1),
+                             "a positive int", sender) or 1
+            reader = _field(msg, "reader", lambda v: v is None or (is_int(v) and 0 <= v < readers),
+                            f"an int in [0, {readers})", sender) or 0
             lease = self._leases.get(req_id)
             ok = (instance == self.instance and lease is not None
                   and lease.generation == generation)
             if ok:
-                self._free(req_id)
+                lease.done_by.add(reader)
+                if len(lease.done_by) >= readers:  # every D process has read its units
+                    self._free(req_id)
             logger.debug("P %s done %s gen %s from %s ok=%s", self.config.name, req_id,
                          generation, sender, ok)
             try:
@@ -672,20 +760,30 @@ class _Peer:
     instance: str
     groups: list[_PeerGroup]
     layout: dict[str, Any]
+    piece: tuple[int, int, int] | None = None  # (lo, hi, units) of a multi-host P process
     last_heartbeat: float = 0.0
+
+
+@dataclass
+class _Leg:
+    """One P agent's part of a read: what D reads from it, and where its `done` stands."""
+
+    peer: str
+    handle: Any = None
+    # "xfer": READ posted; "read": nothing (more) to read, done not yet sent;
+    # "ack": done sent, waiting for P's ack; "ok": P acked.
+    state: str = "xfer"
 
 
 @dataclass
 class _Read:
     req_id: str  # D's id (the caller's)
     p_req_id: str  # P's id, from the params: what every message to P names
-    peer: str
     instance: str
     generation: int
     logical_ids: list[int]
     deadline: float
-    handle: Any = None
-    state: str = "xfer"  # "xfer": READ posted; "ack": waiting for P's ack
+    legs: dict[str, _Leg] = field(default_factory=dict)  # every P agent holding a piece
     started: float = field(default_factory=time.monotonic)
 
 
@@ -700,6 +798,19 @@ class DecodeTransport:
     - `layout`: this side's JSON-able cache layout, checked against each peer's.
     - `layout_check`: `(local, remote) -> None`, raising `LayoutMismatchError`;
       defaults to `check_layouts`.
+    - `piece`: `(lo, hi, units)` for one process of a multi-host D, whose
+      staging holds units `[lo, hi)` of each block (`kvxfer.pieces`); None
+      for whole blocks.
+    - `reader`: `(rank, count)`: this D process among its instance's. P frees a
+      request once all `count` have said done.
+
+    Multi-host reads. Params with `sources` name every P process and its
+    units. This D process reads from each process holding units it needs
+    exactly those units (one descriptor per block, or per run of slots where
+    the ranges match whole; of replicas, the one `rank` picks), and sends
+    `done` to every P process of the request, read from or not, so each frees
+    its slots; the read finishes once all of them have acked. Whether every D
+    process finished is the engine's to agree on (`kvxfer.connector`).
     """
 
     def __init__(
@@ -708,16 +819,24 @@ class DecodeTransport:
         staging: Staging | Sequence[Staging],
         layout: Mapping[str, Any],
         layout_check: LayoutCheck = check_layouts,
+        piece: tuple[int, int, int] | None = None,
+        reader: tuple[int, int] = (0, 1),
     ):
         self.config, self.stagings, self.layout = config, _stagings(staging), dict(layout)
         self.layout_check = layout_check
+        self.piece = _check_piece(piece)
+        if not (isinstance(reader, (tuple, list)) and len(reader) == 2
+                and all(is_int(v) for v in reader) and 0 <= reader[0] < reader[1]):
+            raise InvalidInputError(f"reader must be (rank, count) with 0 <= rank < count, "
+                                    f"got {reader!r:.80}")
+        self.reader = (int(reader[0]), int(reader[1]))
         self.agent, self.port, self._reg = _start_agent(config, self.stagings)
         self._peers: dict[str, _Peer] = {}
         self._instances: dict[str, str] = {}  # peer -> the instance last connected to
         self._past: dict[str, set[str]] = {}  # peer -> instances known to be gone
         self._adverts: dict[str, dict[str, Any] | TransferError] = {}
         self._reads: dict[str, _Read] = {}
-        self._expected: dict[str, tuple[str, str, int]] = {}  # req -> (peer, instance, gen)
+        self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
         self._zombies: list[tuple[str, Any]] = []  # (req, handle) failed but still in flight
         self._done: list[str] = []
         self._failed: dict[str, list[int]] = {}
@@ -811,25 +930,34 @@ class DecodeTransport:
                                  (int(g["prints"][0]), int(g["prints"][1])),
                                  int(g["block_bytes"]), int(g["num_slots"]))
                       for g in advert["groups"]]
+            piece = _check_piece(advert.get("piece"))
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"layout message from {peer!r} is malformed: {e!r}") from None
+        if (piece is None) != (self.piece is None) or (piece and piece[2] != self.piece[2]):
+            raise LayoutMismatchError(
+                f"peer {peer!r} stages {'units ' + str(piece) if piece else 'whole blocks'}, "
+                f"local staging {'units ' + str(self.piece) if self.piece else 'whole blocks'}")
+        theirs_n = piece[1] - piece[0] if piece else 1
+        ours_n = self.piece[1] - self.piece[0] if self.piece else 1
         self.layout_check(self.layout, layout)
         if len(groups) != len(self.stagings):
             raise LayoutMismatchError(
                 f"peer {peer!r} stages {len(groups)} KV cache groups, local staging has "
                 f"{len(self.stagings)}")
         for g, (theirs, ours) in enumerate(zip(groups, self.stagings)):
-            if theirs.block_bytes != ours.block_bytes or len(theirs.regions) != ours.num_layers:
+            # Per unit of a piece (the whole block when not in pieces).
+            if (theirs.block_bytes * ours_n != ours.block_bytes * theirs_n
+                    or len(theirs.regions) != ours.num_layers):
                 raise LayoutMismatchError(
                     f"peer {peer!r} group {g} stages {len(theirs.regions)} layers of "
                     f"{theirs.block_bytes}-byte blocks, local staging has {ours.num_layers} of "
                     f"{ours.block_bytes}"
                 )
-            if theirs.prints[1] != theirs.num_slots * ours.prints.strides[0]:
+            if theirs.prints[1] * ours_n != theirs.num_slots * ours.prints.strides[0] * theirs_n:
                 raise LayoutMismatchError(
                     f"peer {peer!r} group {g} advertises a {theirs.prints[1]}-byte fingerprint "
                     f"region for {theirs.num_slots} slots of {ours.num_layers} layers")
-        return _Peer(peer, instance, groups, layout)
+        return _Peer(peer, instance, groups, layout, piece)
 
     def _forget(self, peer: str) -> None:
         """Drop NIXL's metadata of `peer`, so the next connect fetches it afresh."""
@@ -844,7 +972,7 @@ class DecodeTransport:
         if state is None:
             return
         logger.warning("D %s drops peer %s: %s", self.config.name, peer, why)
-        for read in [r for r in self._reads.values() if r.peer == peer]:
+        for read in [r for r in self._reads.values() if peer in r.legs]:
             self._fail(read)
         self._forget(peer)
 
@@ -875,7 +1003,7 @@ class DecodeTransport:
     def expect(self, params: Mapping[str, Any]) -> None:
         """Keep P's lease on a request alive (heartbeats) until `start_read` takes it."""
         p = ReadParams.parse(params, len(self.stagings))
-        self._expected[p.req_id] = (p.peer, p.instance, p.generation)
+        self._expected[p.req_id] = (p.peers, p.instance, p.generation)
 
     def start_read(self, req_id: str, params: Mapping[str, Any],
                    logical_ids: Sequence[int]) -> None:
@@ -898,64 +1026,121 @@ class DecodeTransport:
             raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
                                     f"int block ids, got {logical_ids!r:.80}")
         self._expected.pop(p.req_id, None)
-        stale = p.instance in self._past.get(p.peer, ())
-        connected = self._peers.get(p.peer)
-        if not stale and connected is not None and connected.instance != p.instance:
-            # Params from a restarted P, or stale ones: ask the connected P who it is.
-            if self._probe(connected) == connected.instance:
-                stale = True  # the connected P is alive: these params are not its own
-            else:
-                self._drop_peer(p.peer, f"params name instance {p.instance}, the connected "
-                                        f"instance {connected.instance} does not answer")
-        read = _Read(req_id, p.req_id, p.peer, p.instance, p.generation, list(logical_ids),
+        stale = [peer for peer in p.peers if self._is_stale(peer, p.instance)]
+        read = _Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s)
         self._reads[req_id] = read
         try:
             if stale:
                 raise TransferError(f"params of {req_id!r} are from P instance {p.instance} of "
-                                    f"{p.peer!r}, which is not the live one (P restarted)")
-            if p.peer not in self._peers:
-                self.connect(p.peer, p.host, p.port)
-            peer = self._peers[p.peer]
-            if peer.instance != p.instance:
-                self._past.setdefault(p.peer, set()).add(p.instance)
-                raise TransferError(
-                    f"params of {req_id!r} are from P instance {p.instance}, but {p.peer!r} at "
-                    f"{p.host}:{p.port} is now instance {peer.instance} (P restarted)")
-            for g, (slots, group) in enumerate(zip(p.slots, peer.groups)):
-                bad = [s for s in slots if s >= group.num_slots]
-                if bad:
-                    raise TransferError(f"params of {req_id!r} name P slots {bad[:4]} of group "
-                                        f"{g}, past P's {group.num_slots}")
+                                    f"{stale}, which is not the live one (P restarted)")
+            plan = self._plan(p)
+            read.legs = {peer: _Leg(peer, state="xfer" if plan[peer] else "read")
+                         for peer in p.peers}
+            for source in p.sources or [Source(p.peer, 0, 1)]:
+                self._check_source(p, source)
             d_slots = [s.assign(req_id, keys) for s, keys in zip(self.stagings, p.keys)]
         except Exception as e:  # any failure here is this request's, not the engine's
-            logger.warning("D %s cannot read %s from %s: %s", self.config.name, req_id, p.peer, e)
+            logger.warning("D %s cannot read %s from %s: %s", self.config.name, req_id, p.peers, e)
             self._fail(read)
             return
-        try:
-            read.handle = self._post(peer, p.slots, d_slots, req_id)
-        except Exception as e:
-            self._fail(read)
-            self._drop_peer(p.peer, f"posting the READ of {req_id} failed: {e}")
+        for peer, span in plan.items():
+            if span is None:
+                continue
+            try:
+                read.legs[peer].handle = self._post(self._peers[peer], p.slots, d_slots, span,
+                                                    req_id)
+            except Exception as e:
+                self._fail(read)
+                self._drop_peer(peer, f"posting the READ of {req_id} failed: {e}")
+                return
+
+    def _is_stale(self, peer: str, instance: str) -> bool:
+        """Whether params naming `instance` of `peer` are from a P that is gone."""
+        if instance in self._past.get(peer, ()):
+            return True
+        connected = self._peers.get(peer)
+        if connected is not None and connected.instance != instance:
+            # Params from a restarted P, or stale ones: ask the connected P who it is.
+            if self._probe(connected) == connected.instance:
+                return True  # the connected P is alive: these params are not its own
+            self._drop_peer(peer, f"params name instance {instance}, the connected "
+                                  f"instance {connected.instance} does not answer")
+        return False
+
+    def _plan(self, p: ReadParams) -> dict[str, tuple[int, int] | None]:
+        """Per P agent of the request, the units this D process reads from it (None: none).
+
+        One P process: the whole block, `(0, 1)`. Several: from each distinct unit
+        range that overlaps this process's piece, the overlap, read from one of the
+        sources holding that range (replicas: the one this reader's rank picks).
+        """
+        if not p.sources:
+            if self.piece is not None:
+                raise TransferError(f"params of {p.req_id!r} are from a P of whole blocks, "
+                                    f"this D process holds units {self.piece}")
+            return {p.peer: (0, 1)}
+        if self.piece is None or p.units != self.piece[2]:
+            raise TransferError(f"params of {p.req_id!r} name {p.units} units per block, this D "
+                                f"process holds {self.piece or 'whole blocks'}")
+        plan: dict[str, tuple[int, int] | None] = {s.peer: None for s in p.sources}
+        lo, hi = self.piece[:2]
+        for span in sorted({(s.lo, s.hi) for s in p.sources}):
+            a, b = max(span[0], lo), min(span[1], hi)
+            if a < b:
+                holders = [s.peer for s in p.sources if (s.lo, s.hi) == span]
+                plan[holders[self.reader[0] % len(holders)]] = (a, b)
+        return plan
+
+    def _check_source(self, p: ReadParams, source: Source) -> None:
+        """Connect to `source`'s P agent and check it is the instance and piece the params name."""
+        if source.peer not in self._peers:
+            self.connect(source.peer, p.host, p.port)
+        peer = self._peers[source.peer]
+        if peer.instance != p.instance:
+            self._past.setdefault(source.peer, set()).add(p.instance)
+            raise TransferError(
+                f"params of {p.req_id!r} are from P instance {p.instance}, but {source.peer!r} "
+                f"is now instance {peer.instance} (P restarted)")
+        if p.sources and peer.piece != (source.lo, source.hi, p.units):
+            raise TransferError(f"params of {p.req_id!r} say {source.peer!r} stages units "
+                                f"[{source.lo}, {source.hi}) of {p.units}, it advertised "
+                                f"{peer.piece}")
+        for g, (slots, group) in enumerate(zip(p.slots, peer.groups)):
+            bad = [s for s in slots if s >= group.num_slots]
+            if bad:
+                raise TransferError(f"params of {p.req_id!r} name P slots {bad[:4]} of group "
+                                    f"{g}, past {source.peer!r}'s {group.num_slots}")
 
     def _post(self, peer: _Peer, p_slots: Sequence[Sequence[int]],
-              d_slots: Sequence[Sequence[int]], req_id: str) -> Any:
+              d_slots: Sequence[Sequence[int]], span: tuple[int, int], req_id: str) -> Any:
+        """Post one READ of units `span` of every slot from `peer` (whole blocks: `(0, 1)`)."""
+        theirs_piece, ours_piece = peer.piece or (0, 1, 1), self.piece or (0, 1, 1)
         local, remote = [], []
         for theirs, ours, ps, ds in zip(peer.groups, self.stagings, p_slots, d_slots, strict=True):
             if not ps:
                 continue
-            bb = ours.block_bytes
-            runs = np.asarray(coalesce_pairs(ps, ds), dtype=np.uint64).reshape(-1, 3)
-            lengths = runs[:, 2] * bb
-            for (p_base, _), (d_base, _) in zip(theirs.regions, ours.region_addresses(),
-                                                strict=True):
-                remote.append(np.stack([p_base + runs[:, 0] * bb, lengths, 0 * lengths], 1))
-                local.append(np.stack([d_base + runs[:, 1] * bb, lengths, 0 * lengths], 1))
-            row = ours.prints.strides[0]  # the fingerprints of the same slots
-            lengths = runs[:, 2] * row
-            remote.append(np.stack([theirs.prints[0] + runs[:, 0] * row, lengths, 0 * lengths], 1))
-            local.append(np.stack([ours.prints_address()[0] + runs[:, 1] * row, lengths,
-                                   0 * lengths], 1))
+            # Blocks, then the fingerprint rows of the same slots; per unit, `size` bytes.
+            p_row = theirs.prints[1] // theirs.num_slots
+            for p_bases, d_bases, p_stride, d_stride in (
+                    ([a for a, _ in theirs.regions], [a for a, _ in ours.region_addresses()],
+                     theirs.block_bytes, ours.block_bytes),
+                    ([theirs.prints[0]], [ours.prints_address()[0]], p_row,
+                     ours.prints.strides[0])):
+                size = d_stride // (ours_piece[1] - ours_piece[0])
+                length = (span[1] - span[0]) * size
+                whole = length == p_stride == d_stride  # slot runs coalesce
+                runs = np.asarray(coalesce_pairs(ps, ds) if whole
+                                  else [(a, b, 1) for a, b in zip(ps, ds)],
+                                  dtype=np.uint64).reshape(-1, 3)
+                lengths = runs[:, 2] * length
+                p_off = (span[0] - theirs_piece[0]) * size
+                d_off = (span[0] - ours_piece[0]) * size
+                for p_base, d_base in zip(p_bases, d_bases, strict=True):
+                    remote.append(np.stack([p_base + p_off + runs[:, 0] * p_stride, lengths,
+                                            0 * lengths], 1))
+                    local.append(np.stack([d_base + d_off + runs[:, 1] * d_stride, lengths,
+                                           0 * lengths], 1))
         handle = self.agent.initialize_xfer(
             "READ",
             self.agent.get_xfer_descs(np.concatenate(local), "DRAM"),
@@ -966,8 +1151,8 @@ class DecodeTransport:
         if state == "ERR":
             self._release(handle)
             raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer.name!r}")
-        logger.debug("D %s posted READ of %s (%s descriptors)", self.config.name, req_id,
-                     sum(len(x) for x in local))
+        logger.debug("D %s posted READ of %s from %s (%s descriptors)", self.config.name, req_id,
+                     peer.name, sum(len(x) for x in local))
         return handle
 
     def poll(self, now: float | None = None) -> tuple[list[str], dict[str, list[int]]]:
@@ -981,38 +1166,48 @@ class DecodeTransport:
         now = time.monotonic() if now is None else now
         self._drain_notifs()
         for read in list(self._reads.values()):
-            if read.req_id not in self._reads:  # failed with its peer meanwhile
-                continue
-            if read.state == "xfer":
-                try:
-                    state = self.agent.check_xfer_state(read.handle)
-                except Exception as e:
-                    logger.warning("D %s xfer state of %s: %s", self.config.name, read.req_id, e)
-                    state = "ERR"
-                if state == "DONE":
-                    self._release(read.handle)
-                    read.handle = None
-                    try:
-                        _send(self.agent, read.peer, "done", req_id=read.p_req_id,
-                              instance=read.instance, generation=read.generation)
-                        read.state = "ack"
-                    except TransferError as e:
-                        self._fail(read)
-                        self._drop_peer(read.peer, str(e))
-                        continue
-                elif state == "ERR":
-                    self._fail(read)
-                    self._drop_peer(read.peer, f"READ of {read.req_id} failed")
-                    continue
+            if read.req_id in self._reads:  # else failed with a peer meanwhile
+                self._advance(read)
             if now > read.deadline and read.req_id in self._reads:
-                logger.warning("D %s read of %s from %s timed out in state %s",
-                               self.config.name, read.req_id, read.peer, read.state)
+                logger.warning("D %s read of %s timed out in states %s", self.config.name,
+                               read.req_id, {p: leg.state for p, leg in read.legs.items()})
                 self._fail(read)
         self._heartbeat(now)
         self._reap_zombies()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
+
+    def _advance(self, read: _Read) -> None:
+        """Check `read`'s posted READs; once all are done, say done to every P agent."""
+        for leg in read.legs.values():
+            if leg.state != "xfer":
+                continue
+            try:
+                state = self.agent.check_xfer_state(leg.handle)
+            except Exception as e:
+                logger.warning("D %s xfer state of %s: %s", self.config.name, read.req_id, e)
+                state = "ERR"
+            if state == "DONE":
+                self._release(leg.handle)
+                leg.handle, leg.state = None, "read"
+            elif state == "ERR":
+                self._fail(read)
+                self._drop_peer(leg.peer, f"READ of {read.req_id} failed")
+                return
+        if any(leg.state == "xfer" for leg in read.legs.values()):
+            return
+        for leg in read.legs.values():
+            if leg.state == "read":
+                try:
+                    _send(self.agent, leg.peer, "done", req_id=read.p_req_id,
+                          instance=read.instance, generation=read.generation,
+                          readers=self.reader[1], reader=self.reader[0])
+                    leg.state = "ack"
+                except TransferError as e:
+                    self._fail(read)
+                    self._drop_peer(leg.peer, str(e))
+                    return
 
     def _drain_notifs(self) -> None:
         for sender, messages in self.agent.get_new_notifs().items():
@@ -1037,28 +1232,29 @@ class DecodeTransport:
         generation = _field(msg, "generation", _is_generation, "a positive int", sender)
         ok = _field(msg, "ok", lambda v: isinstance(v, bool), "a bool", sender)
         read = next((r for r in self._reads.values() if r.p_req_id == req_id
-                     and r.peer == sender and r.generation == generation), None)
-        if read is None or read.state != "ack":
+                     and sender in r.legs and r.generation == generation), None)
+        if read is None or read.legs[sender].state != "ack":
             return
-        if ok:
+        if not ok:
+            logger.warning("D %s: P %s no longer held %s (lease expired or P restarted)",
+                           self.config.name, sender, read.req_id)
+            self._fail(read)
+            return
+        read.legs[sender].state = "ok"
+        if all(leg.state == "ok" for leg in read.legs.values()):
             del self._reads[read.req_id]
             self._done.append(read.req_id)
             logger.debug("D %s read %s in %.4fs", self.config.name, read.req_id,
                          time.monotonic() - read.started)
-        else:
-            logger.warning("D %s: P %s no longer held %s (lease expired or P restarted)",
-                           self.config.name, sender, read.req_id)
-            self._fail(read)
 
     def _heartbeat(self, now: float) -> None:
         wanted: dict[str, list[list[Any]]] = {}
-        instances: dict[str, str] = {}
         for read in self._reads.values():
-            wanted.setdefault(read.peer, []).append([read.p_req_id, read.generation])
-            instances[read.peer] = read.instance
-        for req_id, (peer, instance, generation) in self._expected.items():
-            wanted.setdefault(peer, []).append([req_id, generation])
-            instances.setdefault(peer, instance)
+            for peer in read.legs:
+                wanted.setdefault(peer, []).append([read.p_req_id, read.generation])
+        for req_id, (peers, _, generation) in self._expected.items():
+            for peer in peers:
+                wanted.setdefault(peer, []).append([req_id, generation])
         for peer, reqs in wanted.items():
             state = self._peers.get(peer)
             if state is None or now - state.last_heartbeat < self.config.heartbeat_interval_s:
@@ -1073,8 +1269,11 @@ class DecodeTransport:
         if self._reads.pop(read.req_id, None) is None:
             return
         self._failed[read.req_id] = list(read.logical_ids)
-        if read.handle is not None and not self._release(read.handle):
-            self._zombies.append((read.req_id, read.handle))
+        # D's slots wait for every READ NIXL has not released (it could still land).
+        held = [leg.handle for leg in read.legs.values()
+                if leg.handle is not None and not self._release(leg.handle)]
+        if held:
+            self._zombies += [(read.req_id, h) for h in held]
         else:
             _free_everywhere(self.stagings, read.req_id)
 
@@ -1086,12 +1285,9 @@ class DecodeTransport:
             return False
 
     def _reap_zombies(self) -> None:
-        still = []
-        for req_id, handle in self._zombies:
-            if self._release(handle):
-                _free_everywhere(self.stagings, req_id)
-            else:
-                still.append((req_id, handle))
+        still = [(req_id, h) for req_id, h in self._zombies if not self._release(h)]
+        for req_id in {r for r, _ in self._zombies} - {r for r, _ in still}:
+            _free_everywhere(self.stagings, req_id)
         self._zombies = still
 
     def free(self, req_id: str) -> None:

@@ -1,4 +1,4 @@
-"""A throwaway etcd server for tests: its own data directory and free loopback ports.
+"""A throwaway etcd server for tests: its own data directory and free ports (loopback by default).
 
 `etcd` comes from Debian's `etcd-server` (installed by `scripts/test-deps`, which
 `.ci/run` and the README's test command run first). A missing binary is an
@@ -16,23 +16,23 @@ from kvxfer.transport import free_port
 
 
 class EtcdServer:
-    """`etcd` on `127.0.0.1`; `endpoint` is its client URL. Always `stop()` it."""
+    """`etcd` on `host` (loopback by default); `endpoint` is its client URL. Always `stop()` it."""
 
-    def __init__(self, start_timeout=20.0):
+    def __init__(self, start_timeout=20.0, host="127.0.0.1"):
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd is not installed: run `bash scripts/test-deps` "
                                "(Debian's etcd-server)")
         self.dir = tempfile.mkdtemp(prefix="kvxfer-etcd-")
-        client, peer = free_port(), free_port()
-        self.endpoint = f"http://127.0.0.1:{client}"
+        client, peer = free_port(host), free_port(host)
+        self.endpoint = f"http://{host}:{client}"
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [binary, "--name", "kvxfer-test", "--data-dir", self.dir,
              "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"kvxfer-test=http://127.0.0.1:{peer}"],
+             "--listen-peer-urls", f"http://{host}:{peer}",
+             "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+             "--initial-cluster", f"kvxfer-test=http://{host}:{peer}"],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + start_timeout
         while not self.healthy():
