@@ -80,13 +80,19 @@ def test_prefill_scheduler_names_a_bad_argument(kw, named):
         _prefill_scheduler(**kw)
 
 
-@pytest.mark.parametrize("port", [0, 70000, "5610"])
+@pytest.mark.parametrize("port", [-1, 70000, "5610"])
 def test_peer_address_refuses_a_bad_port(port):
     from kvxfer.connector import PeerAddress
     from kvxfer.errors import InvalidInputError
 
-    with pytest.raises(InvalidInputError, match=f"port must be an int in \\[1, 65535\\], got {port!r}"):
+    with pytest.raises(InvalidInputError, match=f"port must be an int in \\[0, 65535\\], got {port!r}"):
         PeerAddress("P", "127.0.0.1", port)
+
+
+def test_peer_address_takes_port_0_for_a_p_found_in_etcd():
+    from kvxfer.connector import PeerAddress
+
+    assert PeerAddress("P", "127.0.0.1", 0).port == 0
 
 
 def test_prefill_scheduler_generations_are_fresh_and_slots_come_back_on_release():

@@ -74,12 +74,24 @@ from kvxfer.blocks import NULL_BLOCK, is_int
 from kvxfer.errors import CorruptionError, InvalidInputError, KvxferError, LayoutMismatchError
 from kvxfer.gather import compare_fingerprints, gather_into, scatter_blocks
 from kvxfer.layout import CacheLayout
+from kvxfer.pieces import (
+    Piece,
+    agree,
+    gather_piece_into,
+    piece_staging,
+    process_pieces,
+    scatter_piece,
+    shared_instance,
+    spans_processes,
+    unit_sums,
+)
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.staging import SlotMap, Staging, StagingFullError
 from kvxfer.transport import (
     DecodeTransport,
     PrefillTransport,
     ReadParams,
+    Source,
     TransportConfig,
     new_instance,
 )
@@ -170,14 +182,53 @@ def _staging_for(layout: CacheLayout, config: ConnectorConfig) -> Staging:
     return Staging(layout.num_layers, config.staging_blocks, layout.block_shape, layout.np_dtype)
 
 
-def _worker_state(config: object, caches: object
-                  ) -> tuple[ConnectorConfig, list[CacheLayout], list[Staging]]:
-    """A worker side's config (checked), its caches' layouts and one staging per group."""
+@dataclass
+class _WorkerState:
+    """A worker side's checked config, its caches' layouts, one staging per group, and,
+    where the caches span several processes (hosts), this process's piece of every block."""
+
+    config: ConnectorConfig
+    layouts: list[CacheLayout]
+    stagings: list[Staging]
+    piece: Piece | None = None
+
+    @property
+    def transport_config(self) -> TransportConfig:
+        """This process's agent settings: one agent per process, named `name-<process>`."""
+        if self.piece is None:
+            return self.config.transport
+        return replace(self.config.transport,
+                       name=f"{self.config.transport.name}-{jax.process_index()}")
+
+    @property
+    def transport_piece(self) -> tuple[int, int, int] | None:
+        return None if self.piece is None else (self.piece.lo, self.piece.hi, self.piece.units)
+
+
+def _worker_state(config: object, caches: object) -> _WorkerState:
+    """A worker side's config (checked), its caches' layouts and one staging per group.
+
+    Caches that span several processes are staged in pieces (`kvxfer.pieces`):
+    every group must cut its blocks into the same units, and the agents find
+    each other through etcd.
+    """
     if not isinstance(config, ConnectorConfig):
         raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
     per_group, _ = _per_group(caches)
     layouts = _layouts(per_group, config.kernel_ratio)
-    return config, layouts, [_staging_for(layout, config) for layout in layouts]
+    if not spans_processes(per_group[0]):
+        return _WorkerState(config, layouts, [_staging_for(layout, config) for layout in layouts])
+    if not config.transport.uses_etcd:
+        raise InvalidInputError(
+            f"caches span {jax.process_count()} processes: their agents find each other "
+            f"through etcd; give the TransportConfig etcd_endpoints")
+    pieces = [Piece.local(c) for c in per_group]
+    if any((p.units, p.lo, p.hi) != (pieces[0].units, pieces[0].lo, pieces[0].hi)
+           for p in pieces):
+        raise LayoutMismatchError(f"KV cache groups cut blocks into different pieces on this "
+                                  f"process: {pieces}")
+    return _WorkerState(config, layouts, [piece_staging(layout, piece, config.staging_blocks)
+                                          for layout, piece in zip(layouts, pieces)], pieces[0])
 
 
 Placed = list[tuple[int, int]]
@@ -220,7 +271,8 @@ def _kernel_placed(placed: Iterable[tuple[int, int]], ratio: int) -> Placed:
 
 @dataclass(frozen=True)
 class PeerAddress:
-    """Where D reaches P's worker: its agent name, host and NIXL listener port."""
+    """Where D reaches P's worker: its agent name, host and NIXL listener port (0: P has no
+    listener; D finds it by name in etcd)."""
 
     name: str
     host: str
@@ -231,8 +283,8 @@ class PeerAddress:
             raise InvalidInputError(f"P agent name must be a non-empty str, got {self.name!r}")
         if not isinstance(self.host, str) or not self.host:
             raise InvalidInputError(f"P host must be a non-empty str, got {self.host!r}")
-        if not is_int(self.port) or not 0 < self.port <= 65535:
-            raise InvalidInputError(f"P port must be an int in [1, 65535], got {self.port!r}")
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
+            raise InvalidInputError(f"P port must be an int in [0, 65535], got {self.port!r}")
 
 
 class PrefillScheduler:
@@ -256,10 +308,15 @@ class PrefillScheduler:
         kernel_ratio: kernel blocks per logical block.
         address: where D reaches P's worker.
         instance: P's identity for this start (`new_instance()` when None).
+        sources: for a P whose workers span several processes, every
+            process's agent and the units of each block it stages
+            (`PrefillWorker.sources`), named in the params; empty for one.
+        units: the units a block is cut into, with `sources`.
     """
 
     def __init__(self, groups: Sequence[GroupSpec], *, staging_blocks: int, kernel_ratio: int,
-                 address: PeerAddress, instance: str | None = None):
+                 address: PeerAddress, instance: str | None = None,
+                 sources: Sequence[Source] = (), units: int = 0):
         self.tracker = SaveTracker(groups)
         if not isinstance(address, PeerAddress):
             raise InvalidInputError(f"address must be a PeerAddress, got {address!r:.80}")
@@ -268,6 +325,7 @@ class PrefillScheduler:
                 raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
         self.kernel_ratio = kernel_ratio
         self.address = address
+        self.sources, self.units = tuple(sources), units
         self.instance = instance or new_instance()
         self.slot_maps = [SlotMap(staging_blocks) for _ in self.tracker.groups]
         self._next_generation = 1
@@ -313,7 +371,8 @@ class PrefillScheduler:
     def _complete(self, req_id: str, meta: SaveMeta) -> None:
         a = self.address
         params = ReadParams.staged(self.slot_maps, req_id, peer=a.name, instance=self.instance,
-                                   host=a.host, port=a.port, generation=self._next_generation)
+                                   host=a.host, port=a.port, generation=self._next_generation,
+                                   sources=self.sources, units=self.units)
         if params is None:
             logger.warning("P request %s completed with nothing staged", req_id)
             return
@@ -370,14 +429,27 @@ class PrefillWorker:
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                  instance: str | None = None):
-        self.config, self.layouts, self.stagings = _worker_state(config, caches)
-        self.transport = PrefillTransport(config.transport, self.stagings,
-                                          _advertised(self.layouts), instance=instance)
+        state = _worker_state(config, caches)
+        self.config, self.layouts, self.stagings, self.piece = (
+            state.config, state.layouts, state.stagings, state.piece)
+        if self.piece is not None and instance is None:
+            instance = shared_instance()  # one identity for every process of this P
+        self._sources = [] if self.piece is None else [
+            Source(f"{config.transport.name}-{process}", p.lo, p.hi)
+            for process, p in process_pieces(_per_group(caches)[0][0]).items()]
+        self.transport = PrefillTransport(state.transport_config, self.stagings,
+                                          _advertised(self.layouts), instance=instance,
+                                          piece=state.transport_piece)
 
     @property
     def address(self) -> PeerAddress:
         t = self.transport
         return PeerAddress(t.config.name, t.config.host, t.port)
+
+    @property
+    def sources(self) -> list[Source]:
+        """Every process of a P that spans several (its agent, the units it stages); else []."""
+        return list(self._sources)
 
     def save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
              meta: SaveMeta) -> None:
@@ -400,6 +472,10 @@ class PrefillWorker:
             if not ids:
                 continue
             slots = np.asarray([s for groups in meta.slots.values() for s in groups[g]], np.int64)
+            if self.piece is not None:  # this process's units, with their sums
+                gather_piece_into(group_caches, np.asarray(ids, np.int64), staging, slots,
+                                  Piece.local(group_caches))
+                continue
             prints = gather_into(group_caches, np.asarray(ids, np.int64), staging.regions, slots)
             staging.prints[slots] = prints.T
         for req_id, generation in meta.holds.items():
@@ -442,10 +518,13 @@ class PrefillConnector:
         try:
             self.scheduler = PrefillScheduler(
                 groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
-                address=self.worker.address, instance=self.worker.transport.instance)
+                address=self.worker.address, instance=self.worker.transport.instance,
+                sources=self.worker.sources,
+                units=self.worker.piece.units if self.worker.piece else 0)
         except BaseException:
             self.worker.close()
             raise
+        self._freed_here: set[str] = set()  # multi-host: freed here, not yet everywhere
 
     @property
     def tracker(self) -> SaveTracker:
@@ -495,10 +574,25 @@ class PrefillConnector:
         self.scheduler.abort(req_id)
 
     def get_finished(self) -> list[str]:
-        """Requests D has read, or whose lease expired: their blocks may be freed."""
+        """Requests D has read, or whose lease expired: their blocks may be freed.
+
+        Across hosts (every process runs the same scheduler, SPMD) a request is
+        released once every process has freed its piece, so that every
+        process's scheduler reuses the same slots at the same step.
+        """
         freed = self.worker.poll()
-        self.scheduler.release(freed)
-        return freed
+        if self.worker.piece is None:
+            self.scheduler.release(freed)
+            return freed
+        self._freed_here.update(freed)
+        held = self.scheduler.held()
+        if not held:
+            return []
+        everywhere = agree([r in self._freed_here for r in held]).all(axis=0)
+        released = [r for r, ok in zip(held, everywhere) if ok]
+        self._freed_here.difference_update(released)
+        self.scheduler.release(released)
+        return released
 
     def close(self) -> None:
         self.worker.close()
@@ -535,11 +629,15 @@ class DecodeConnector:
 
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
-        self.config, self.layouts, self.stagings = _worker_state(config, caches)
+        state = _worker_state(config, caches)
+        self.config, self.layouts, self.stagings, self.piece = (
+            state.config, state.layouts, state.stagings, state.piece)
         self.transport = DecodeTransport(
-            config.transport, self.stagings, _advertised(self.layouts),
-            layout_check=check_block_compatible,
+            state.transport_config, self.stagings, _advertised(self.layouts),
+            layout_check=check_block_compatible, piece=state.transport_piece,
+            reader=(jax.process_index(), jax.process_count()) if self.piece else (0, 1),
         )
+        self._read_here: set[str] = set()  # multi-host: read here, not yet agreed
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._refused: list[str] = []  # failed in start_load_kv, reported by get_finished
@@ -663,6 +761,8 @@ class DecodeConnector:
                 raise LayoutMismatchError(f"group {g} caches have layout {got}, the connector "
                                           f"was built for {layout}")
         done, failed = self.transport.poll()
+        if self.piece is not None:
+            done, failed = self._agree_reads(done, failed)
         failed_ids, self._refused = self._refused, []
         local, self._held_locally = self._held_locally, []
         for req_id, logical in failed.items():
@@ -679,6 +779,11 @@ class DecodeConnector:
         finally:
             for req_id in loads:
                 self.transport.free(req_id)
+        if self.piece is not None and loads:  # a block bad on one host is bad on every host
+            everywhere = agree([r in bad for r in loads]).any(axis=0)
+            for req_id, is_bad in zip(list(loads), everywhere):
+                if is_bad and req_id not in bad:
+                    bad[req_id] = "its blocks failed verification on another process"
         finished = local
         for req_id, load in loads.items():
             if req_id in bad:
@@ -688,6 +793,28 @@ class DecodeConnector:
             else:
                 finished.append(req_id)
         return (per_group[0] if single else per_group), finished, failed_ids
+
+    def _agree_reads(self, done: list[str], failed: dict[str, list[int]]
+                     ) -> tuple[list[str], dict[str, list[int]]]:
+        """Across hosts: a read is done once it is done on every process of this D, and failed
+        everywhere once it failed on any (every process loads the same requests, SPMD)."""
+        self._read_here.update(done)
+        pending = sorted(self._loads)
+        if not pending:
+            return [], failed
+        here = [2 if r in failed else 1 if r in self._read_here else 0 for r in pending]
+        states = agree(here)
+        agreed_done, agreed_failed = [], dict(failed)
+        for req_id, column in zip(pending, states.T):
+            if (column == 2).any():
+                if req_id not in agreed_failed:
+                    agreed_failed[req_id] = list(self._loads[req_id].logical_ids)
+                    self.transport.free(req_id)  # read here, failed elsewhere
+                self._read_here.discard(req_id)
+            elif (column == 1).all():
+                agreed_done.append(req_id)
+                self._read_here.discard(req_id)
+        return agreed_done, agreed_failed
 
     def _write_group(self, g: int, caches: list[jax.Array], loads: Mapping[str, _Load],
                      bad: dict[str, str]) -> list[jax.Array]:
@@ -721,6 +848,14 @@ class DecodeConnector:
         if not ids:
             return caches
         ids_array, rows = np.asarray(ids, np.int64), np.asarray(slots, np.int64)
+        if self.piece is not None:  # this process's units, checked against P's sums of them
+            caches, got = scatter_piece(caches, staging, ids_array, rows, Piece.local(caches))
+            expected = unit_sums(staging, rows)
+            for req_id, start, count in spans:
+                if self.config.verify_fingerprints and not np.array_equal(
+                        got[:, start : start + count], expected[:, start : start + count]):
+                    bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
+            return caches
         if not self.config.verify_fingerprints:
             return scatter_blocks(caches, staging.regions, ids_array, rows=rows)
         caches, got = scatter_blocks(caches, staging.regions, ids_array, rows=rows,

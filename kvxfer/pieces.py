@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -309,3 +310,28 @@ def _unit_weights(layout: CacheLayout, piece: Piece) -> np.ndarray:
     held = np.moveaxis(flat, piece.axis, 0)[piece.lo : piece.hi]  # unit-major, as staged
     word = held.reshape(piece.count, -1)[:, ::per_word] // per_word
     return ((word * 2 + 1) * int(_K) % (1 << 32)).astype(np.uint32)
+
+
+# Agreement among the processes of one instance (collectives: every process calls
+# each of these, in the same order, with the same sizes).
+
+
+def spans_processes(caches: Sequence[jax.Array]) -> bool:
+    """Whether the caches' mesh spans several processes (hosts)."""
+    return not caches[0].is_fully_addressable
+
+
+def agree(flags: Sequence[int] | np.ndarray) -> np.ndarray:
+    """`int32[processes, n]`: every process's `flags` (n of them), gathered in every process."""
+    from jax.experimental import multihost_utils
+
+    local = np.asarray(flags, np.int32).reshape(-1)
+    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(local))
+
+
+def shared_instance() -> str:
+    """A fresh P instance id drawn by process 0 and handed to every process of the instance."""
+    from jax.experimental import multihost_utils
+
+    drawn = np.frombuffer(secrets.token_bytes(8), np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(drawn), np.uint8)).hex()
