@@ -1,0 +1,151 @@
+"""P and D across hosts: each instance is several JAX processes in their own network
+namespaces (`procs/netns.py`), one mesh per instance (`jax.distributed`, gloo),
+NIXL over UCX TCP across the test network, metadata through etcd.
+
+Each process runs `procs/host.py`; what they report is checked here. Skipped
+only where namespaces cannot be made (not root, no `ip`); CI runs as root.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.etcd import EtcdServer  # noqa: E402
+from procs.netns import TestNetwork, netns_available  # noqa: E402
+
+REASON = netns_available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "procs", "host.py")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAIT_S = 150  # the whole run: processes start JAX on 2 shared cores
+
+
+class Hosts:
+    """P's processes on hosts 0..p-1 and D's on the next d, with etcd in the root namespace."""
+
+    def __init__(self, p, d, layout="heads", **extra):
+        self.p, self.d, self.procs = p, d, {}
+        self.net = TestNetwork(p[0] + d[0])
+        self.etcd = EtcdServer(host=self.net.bridge_ip)
+        self.dir = tempfile.mkdtemp(prefix="kvxfer-mh-")
+        self.spec = dict(layout=layout, etcd=self.etcd.endpoint, dir=self.dir, serve_s=WAIT_S,
+                         **extra)
+
+    def start(self, role):
+        processes, devices = self.p if role == "p" else self.d
+        first = 0 if role == "p" else self.p[0]
+        coordinator = f"{self.net.host_ip(first)}:12400"
+        env = dict(os.environ, PYTHONPATH=REPO, NIXL_LOG_LEVEL="ERROR")
+        env.pop("XLA_FLAGS", None)
+        for rank in range(processes):
+            spec = dict(self.spec, role=role, rank=rank, processes=processes, devices=devices,
+                        coordinator=coordinator, ip=self.net.host_ip(first + rank))
+            log = open(os.path.join(self.dir, f"{role}{rank}.log"), "w")
+            self.procs[(role, rank)] = self.net.popen(
+                first + rank, [sys.executable, HOST, json.dumps(spec)], stdout=log,
+                stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def report(self, role, rank, key=None, timeout=WAIT_S):
+        """`<role><rank>.json` once it exists (with `key`, once it has that key)."""
+        path = os.path.join(self.dir, f"{role}{rank}.json")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                with open(path) as f:
+                    out = json.load(f)
+                if key is None or key in out:
+                    return out
+            proc = self.procs[(role, rank)]
+            if proc.poll() is not None and not os.path.exists(path):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{role}{rank} reported no {key or 'result'}:\n{self.log(role, rank)}")
+
+    def log(self, role, rank):
+        with open(os.path.join(self.dir, f"{role}{rank}.log")) as f:
+            return f.read()[-3000:]
+
+    def kill(self, role, rank):
+        self.procs[(role, rank)].kill()
+
+    def close(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        self.etcd.stop()
+        self.net.close()
+
+
+@pytest.fixture
+def hosts():
+    made = []
+
+    def make(*args, **kw):
+        made.append(Hosts(*args, **kw))
+        return made[-1]
+    yield make
+    for h in made:
+        h.close()
+
+
+def run_all(h):
+    h.start("p")
+    h.start("d")
+    d = [h.report("d", r) for r in range(h.d[0])]
+    p = [h.report("p", r, "released") for r in range(h.p[0])]
+    return p, d
+
+
+def assert_delivered(h, p, d):
+    for rank, out in enumerate(d):
+        assert out["finished"] == ["r"] and out["failed"] == [], (out, h.log("d", rank))
+        assert out["wrong"] == 0 and not out["staged_here"], out
+    for out in p:  # every P process freed its piece, and every slot
+        assert out["released"] == ["r"] and not out["staged_here"] and out["free_slots"] == 16
+
+
+@pytest.mark.parametrize("p,d", [((2, 4), (2, 4)), ((4, 2), (2, 4))],
+                         ids=["P2x4-D2x4", "P4x2-D2x4"])
+def test_every_prompt_token_reaches_every_d_shard_byte_exact(hosts, p, d):
+    h = hosts(p, d)
+    p_out, d_out = run_all(h)
+    assert_delivered(h, p_out, d_out)
+    assert all(out["shards"] == d[1] for out in d_out)
+
+
+def test_an_mla_cache_replicated_over_the_hosts_is_delivered(hosts):
+    h = hosts((2, 4), (2, 4), layout="mla")
+    p_out, d_out = run_all(h)
+    assert_delivered(h, p_out, d_out)
+
+
+def test_a_killed_p_process_fails_the_request_on_every_d_process(hosts):
+    h = hosts((2, 4), (2, 4), transfer_timeout_s=8.0)
+    h.start("p")
+    h.report("p", 1, "staged")
+    h.kill("p", 1)
+    h.start("d")
+    d = [h.report("d", r) for r in range(2)]
+    for out in d:  # within the deadline, in logical ids (D's table past its prefix hit)
+        assert out["finished"] == [] and out["failed"] == ["r"], out
+        assert out["errors"] == [2, 11, 30] and not out["staged_here"], out
+
+
+def test_a_killed_d_process_leaves_p_leases_to_expire_and_frees_every_slot(hosts):
+    h = hosts((2, 4), (2, 4), lease_s=6.0, die_after_read=1)
+    h.start("p")
+    h.report("p", 0, "staged")
+    h.start("d")
+    assert h.procs[("d", 1)].wait(timeout=WAIT_S) == 3
+    p = [h.report("p", r, "released") for r in range(2)]
+    for out in p:  # D 0 said done, D 1 never will: the lease frees the piece on every P process
+        assert out["released"] == ["r"] and out["free_slots"] == 16 and out["held"] == []
+        assert not out["staged_here"]
