@@ -1,0 +1,157 @@
+"""Pieces (`kvxfer.pieces`) in one process: two "hosts" emulated by giving each half of
+the devices' units, P and D cut differently; and the params that name them."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.gather import _fmix32, fingerprint_blocks
+from kvxfer.layout import CacheLayout
+from kvxfer.pieces import (
+    Piece,
+    gather_piece_into,
+    piece_staging,
+    process_pieces,
+    scatter_piece,
+    split_axis,
+    unit_sums,
+)
+from kvxfer.transport import ReadParams
+
+SHAPE = (32, 16, 8, 2, 32)
+
+
+def caches(mesh_shape, spec, seed=0, zeros=False, shape=SHAPE):
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("data", "model"))
+    rng = np.random.default_rng(seed)
+    import ml_dtypes
+    out = []
+    for _ in range(2):
+        bits = np.zeros(shape, np.uint16) if zeros else rng.integers(0, 1 << 16, shape,
+                                                                       dtype=np.uint16)
+        out.append(jax.device_put(bits.view(ml_dtypes.bfloat16), NamedSharding(mesh, spec)))
+    return out
+
+
+def bits(cache):
+    return np.asarray(cache).view(np.uint16)
+
+
+def move(p_caches, p_pieces, p_ids, d_caches, d_pieces, d_ids, corrupt=None):
+    """P's pieces gathered into their stagings, copied unit range by unit range into D's
+    stagings (what the NIXL reads do), scattered; returns D's caches and each D piece's
+    (landed sums, expected sums)."""
+    layout = CacheLayout.from_caches(p_caches)
+    n = len(p_ids)
+    p_st = [piece_staging(layout, p, 8) for p in p_pieces]
+    for p, st in zip(p_pieces, p_st):
+        gather_piece_into(p_caches, p_ids, st, np.arange(n) + 2, p)
+    if corrupt is not None:
+        p_st[corrupt].regions[1][3].view(np.uint8).reshape(-1)[5] ^= 0x04
+    checks = []
+    for dp in d_pieces:
+        d_st = piece_staging(layout, dp, 8)
+        for p, st in zip(p_pieces, p_st):
+            span = dp.overlap(p)
+            if span:
+                a, b = span
+                for layer in range(2):
+                    d_st.regions[layer][:n, a - dp.lo : b - dp.lo] = \
+                        st.regions[layer][2 : 2 + n, a - p.lo : b - p.lo]
+                d_st.prints[:n, a - dp.lo : b - dp.lo] = st.prints[2 : 2 + n, a - p.lo : b - p.lo]
+        d_caches, landed = scatter_piece(d_caches, d_st, d_ids, np.arange(n), dp)
+        checks.append((landed, unit_sums(d_st, np.arange(n))))
+    return d_caches, checks
+
+
+def test_pieces_move_blocks_between_different_cuts_byte_exact_and_sums_match():
+    p = caches((1, 8), PartitionSpec(None, None, "model"))  # P: TP 8, two hosts of 4 units
+    d = caches((2, 4), PartitionSpec(None, None, "model"), zeros=True)  # D: TP 4, 2 + 6 units
+    before = bits(d[0]).copy()
+    p_ids, d_ids = np.array([5, 3, 4, 20]), np.array([30, 1, 2, 9])
+    d, checks = move(p, [Piece(1, 8, 0, 4), Piece(1, 8, 4, 8)], p_ids,
+                     d, [Piece(1, 8, 0, 2), Piece(1, 8, 2, 8)], d_ids)
+    for layer in range(2):
+        assert (bits(d[layer])[d_ids] == bits(p[layer])[p_ids]).all()
+    others = np.setdiff1d(np.arange(32), d_ids)
+    assert (bits(d[0])[others] == before[others]).all()
+    for landed, expected in checks:
+        assert (landed == expected).all()
+    # The per-unit sums add up to the whole block's fingerprint.
+    total = sum(e for _, e in checks)
+    assert (_fmix32(total) == np.asarray(fingerprint_blocks(d, d_ids))).all()
+
+
+def test_a_flipped_bit_in_one_piece_changes_only_that_pieces_sums():
+    p = caches((1, 8), PartitionSpec(None, None, "model"))
+    d = caches((1, 8), PartitionSpec(None, None, "model"), zeros=True)
+    halves = [Piece(1, 8, 0, 4), Piece(1, 8, 4, 8)]
+    _, checks = move(p, halves, np.array([1, 2, 3, 4]), d, halves, np.array([5, 6, 7, 8]),
+                     corrupt=1)
+    (landed0, expected0), (landed1, expected1) = checks
+    assert (landed0 == expected0).all()
+    # P summed before the flip (slot 3 holds the second block): that block of layer 1
+    # differs, nothing else.
+    assert (landed1 != expected1).tolist() == [[False] * 4, [False, True, False, False]]
+
+
+def test_a_replicated_cache_is_one_whole_piece_per_process():
+    mla = caches((1, 8), PartitionSpec(), shape=(32, 16, 1, 64))
+    layout = CacheLayout.from_caches(mla)
+    assert split_axis(layout) == 0
+    assert process_pieces(mla) == {0: Piece(0, 16, 0, 16)}
+
+
+def test_pieces_refuse_layouts_they_cannot_cut():
+    with pytest.raises(LayoutMismatchError, match="shard the block axis"):
+        split_axis(CacheLayout.from_caches(caches((2, 4), PartitionSpec("data", None, "model"))))
+    with pytest.raises(LayoutMismatchError, match="along axes"):
+        split_axis(CacheLayout.from_caches(caches((2, 4), PartitionSpec(None, "data", "model"))))
+    layout = CacheLayout.from_caches(caches((1, 8), PartitionSpec(None, None, "model")))
+    with pytest.raises(LayoutMismatchError, match="split axis"):
+        piece_staging(layout, Piece(0, 16, 0, 8), 4)
+    with pytest.raises(InvalidInputError, match="lo < hi"):
+        Piece(1, 8, 4, 4)
+
+
+def test_a_call_with_the_wrong_staging_or_slots_is_refused_by_name():
+    p = caches((1, 8), PartitionSpec(None, None, "model"))
+    layout = CacheLayout.from_caches(p)
+    half, other = Piece(1, 8, 0, 4), Piece(1, 8, 4, 6)
+    with pytest.raises(LayoutMismatchError, match="staging holds"):
+        gather_piece_into(p, [1], piece_staging(layout, half, 4), [0], other)
+    tp4 = caches((2, 4), PartitionSpec(None, None, "model"))  # 2 units per shard
+    with pytest.raises(LayoutMismatchError, match="across the edge"):
+        gather_piece_into(tp4, [1], piece_staging(layout, Piece(1, 8, 0, 3), 4), [0],
+                          Piece(1, 8, 0, 3))
+    with pytest.raises(InvalidInputError, match="slots must be 1 ints"):
+        gather_piece_into(p, [1], piece_staging(layout, half, 4), [4], half)
+
+
+def params(**extra):
+    base = {"peer": "p-0", "instance": "i", "host": "h", "port": 0, "req_id": "r",
+            "generation": 1, "groups": [{"keys": [0], "slots": [0]}]}
+    return dict(base, **extra)
+
+
+def test_params_with_sources_round_trip():
+    sources = [{"peer": "p-0", "units": [0, 4]}, {"peer": "p-1", "units": [4, 8]}]
+    p = ReadParams.parse(params(units=8, sources=sources), 1)
+    assert p.peers == ["p-0", "p-1"] and ReadParams.parse(p.to_dict(), 1) == p
+    replicas = [{"peer": "p-0", "units": [0, 8]}, {"peer": "p-1", "units": [0, 8]}]
+    assert ReadParams.parse(params(units=8, sources=replicas), 1).peers == ["p-0", "p-1"]
+
+
+@pytest.mark.parametrize("units,sources,match", [
+    (8, [{"peer": "a", "units": [0, 4]}], "do not tile"),
+    (8, [{"peer": "a", "units": [0, 4]}, {"peer": "b", "units": [2, 8]}], "do not tile"),
+    (8, [{"peer": "a", "units": [0, 4]}, {"peer": "a", "units": [4, 8]}], "repeat a peer"),
+    (8, [{"peer": "a", "units": [0, 9]}], "within 8 units"),
+    (0, [{"peer": "a", "units": [0, 1]}], "'units' must be a positive int"),
+    (8, [], "'sources' must be a non-empty list"),
+])
+def test_params_with_bad_sources_are_refused_by_name(units, sources, match):
+    with pytest.raises(InvalidInputError, match=match):
+        ReadParams.parse(params(units=units, sources=sources), 1)
