@@ -57,7 +57,14 @@ of its process's shards, so P and D may shard their caches differently (TP 4
 on P, TP 2 or 8 on D, MLA replicated): D checks only what fixes a block's
 bytes (block shape, dtype, layers, kernel ratio) and `scatter_blocks`
 re-shards to D's mesh. An MLA block replicated over `model` is staged, and
-read, once. This holds for one process per instance (one host).
+read, once.
+
+Across hosts: where the caches span several processes, each process stages
+only its piece of every block (`kvxfer.pieces`) with its own agent
+(`<name>-<process>`, found through etcd), and the processes of each side
+agree by an allgather: P releases a request's slots once every process has
+freed its piece, D finishes a request once every process has it and fails
+it everywhere once any process failed it (see the README's "Across hosts").
 """
 
 from __future__ import annotations
