@@ -155,3 +155,21 @@ def test_params_with_sources_round_trip():
 def test_params_with_bad_sources_are_refused_by_name(units, sources, match):
     with pytest.raises(InvalidInputError, match=match):
         ReadParams.parse(params(units=units, sources=sources), 1)
+
+
+@pytest.mark.parametrize("sources,units,match", [
+    ([("p-0", 0, 4)], 8, "must be Source entries"),
+    ([], 8, "'sources' must be a non-empty list"),
+    (["ok"], -1, "'units' must be a positive int"),
+    (["half"], 8, "do not tile"),
+])
+def test_a_prefill_scheduler_refuses_sources_d_would_refuse(sources, units, match):
+    from kvxfer.connector import PeerAddress, PrefillScheduler
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.transport import Source
+
+    named = {"ok": Source("p-0", 0, 8), "half": Source("p-0", 0, 4)}
+    sources = [named.get(x, x) if isinstance(x, str) else x for x in sources]
+    with pytest.raises(InvalidInputError, match=match):
+        PrefillScheduler([GroupSpec(16)], staging_blocks=8, kernel_ratio=1,
+                         address=PeerAddress("p-0", "h", 0), sources=sources, units=units)

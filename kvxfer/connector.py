@@ -100,6 +100,7 @@ from kvxfer.transport import (
     ReadParams,
     Source,
     TransportConfig,
+    _parse_sources,
     new_instance,
 )
 
@@ -332,6 +333,10 @@ class PrefillScheduler:
                 raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
         self.kernel_ratio = kernel_ratio
         self.address = address
+        if sources or units:  # checked as D will check the params that name them
+            if not all(isinstance(x, Source) for x in sources):
+                raise InvalidInputError(f"sources must be Source entries, got {sources!r:.80}")
+            _parse_sources([{"peer": x.peer, "units": [x.lo, x.hi]} for x in sources], units)
         self.sources, self.units = tuple(sources), units
         self.instance = instance or new_instance()
         self.slot_maps = [SlotMap(staging_blocks) for _ in self.tracker.groups]
