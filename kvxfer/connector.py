@@ -198,7 +198,11 @@ class _WorkerState:
     config: ConnectorConfig
     layouts: list[CacheLayout]
     stagings: list[Staging]
-    piece: Piece | None = None
+    pieces: list[Piece] | None = None  # per group: the same units, maybe another axis
+
+    @property
+    def piece(self) -> Piece | None:
+        return None if self.pieces is None else self.pieces[0]
 
     @property
     def transport_config(self) -> TransportConfig:
@@ -236,7 +240,7 @@ def _worker_state(config: object, caches: object) -> _WorkerState:
         raise LayoutMismatchError(f"KV cache groups cut blocks into different pieces on this "
                                   f"process: {pieces}")
     return _WorkerState(config, layouts, [piece_staging(layout, piece, config.staging_blocks)
-                                          for layout, piece in zip(layouts, pieces)], pieces[0])
+                                          for layout, piece in zip(layouts, pieces)], pieces)
 
 
 Placed = list[tuple[int, int]]
@@ -442,8 +446,9 @@ class PrefillWorker:
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                  instance: str | None = None):
         state = _worker_state(config, caches)
-        self.config, self.layouts, self.stagings, self.piece = (
-            state.config, state.layouts, state.stagings, state.piece)
+        self.config, self.layouts, self.stagings, self.pieces = (
+            state.config, state.layouts, state.stagings, state.pieces)
+        self.piece = state.piece
         if self.piece is not None and instance is None:
             instance = shared_instance()  # one identity for every process of this P
         self._sources = [] if self.piece is None else [
@@ -486,7 +491,7 @@ class PrefillWorker:
             slots = np.asarray([s for groups in meta.slots.values() for s in groups[g]], np.int64)
             if self.piece is not None:  # this process's units, with their sums
                 gather_piece_into(group_caches, np.asarray(ids, np.int64), staging, slots,
-                                  Piece.local(group_caches))
+                                  self.pieces[g])
                 continue
             prints = gather_into(group_caches, np.asarray(ids, np.int64), staging.regions, slots)
             staging.prints[slots] = prints.T
@@ -642,8 +647,9 @@ class DecodeConnector:
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
         state = _worker_state(config, caches)
-        self.config, self.layouts, self.stagings, self.piece = (
-            state.config, state.layouts, state.stagings, state.piece)
+        self.config, self.layouts, self.stagings, self.pieces = (
+            state.config, state.layouts, state.stagings, state.pieces)
+        self.piece = state.piece
         self.transport = DecodeTransport(
             state.transport_config, self.stagings, _advertised(self.layouts),
             layout_check=check_block_compatible, piece=state.transport_piece,
@@ -861,7 +867,7 @@ class DecodeConnector:
             return caches
         ids_array, rows = np.asarray(ids, np.int64), np.asarray(slots, np.int64)
         if self.piece is not None:  # this process's units, checked against P's sums of them
-            caches, got = scatter_piece(caches, staging, ids_array, rows, Piece.local(caches))
+            caches, got = scatter_piece(caches, staging, ids_array, rows, self.pieces[g])
             expected = unit_sums(staging, rows)
             for req_id, start, count in spans:
                 if self.config.verify_fingerprints and not np.array_equal(

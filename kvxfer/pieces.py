@@ -88,17 +88,10 @@ class Piece:
     def count(self) -> int:
         return self.hi - self.lo
 
-    @property
-    def whole(self) -> bool:
-        return self.lo == 0 and self.hi == self.units
-
     def overlap(self, other: Piece) -> tuple[int, int] | None:
         """The units both pieces hold, `(lo, hi)`, or None."""
         lo, hi = max(self.lo, other.lo), min(self.hi, other.hi)
         return (lo, hi) if lo < hi else None
-
-    def to_list(self) -> list[int]:
-        return [self.lo, self.hi]
 
     @classmethod
     def local(cls, caches: Sequence[jax.Array]) -> Piece:
@@ -175,11 +168,12 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
         return
     jax.block_until_ready(list(caches))
     copies = _RowCopies(ids, dst, ids_are_dst=False)
-    for cache, region in zip(caches, staging.regions):
+    runs = coalesce(np.sort(dst).tolist())
+    for layer, (cache, region) in enumerate(zip(caches, staging.regions)):
         view = _block_order(region, piece)
         for shard in _one_replica(cache, piece):
             copies.copy(shard, view[_local_index(shard, piece)], _buffer_view(shard.data))
-    _sum_units(layout, staging, np.unique(dst), piece)
+        _sum_units(layout, staging, layer, runs, piece)  # the rows just copied, while in cache
 
 
 def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
@@ -292,14 +286,16 @@ def _one_replica(cache: jax.Array, piece: Piece) -> list[jax.Shard]:
     return out
 
 
-def _sum_units(layout: CacheLayout, staging: Staging, slots: np.ndarray, piece: Piece) -> None:
-    """`staging.prints[slot, unit, layer]` = the unit's words against their block weights."""
+def _sum_units(layout: CacheLayout, staging: Staging, layer: int,
+               runs: list[tuple[int, int]], piece: Piece) -> None:
+    """`staging.prints[slot, unit, layer]` = the unit's words against their block weights,
+    for the slots in `runs` (`(start, length)`)."""
     weights = _unit_weights(layout, piece)  # [units held, words per unit]
-    for layer, region in enumerate(staging.regions):
-        words = region.reshape(region.shape[0], piece.count, -1).view(np.uint32)
-        for start, length in coalesce(np.sort(slots).tolist()):
-            staging.prints[start : start + length, :, layer] = np.einsum(
-                "suj,uj->su", words[start : start + length], weights)
+    region = staging.regions[layer]
+    words = region.reshape(region.shape[0], piece.count, -1).view(np.uint32)
+    for start, length in runs:
+        staging.prints[start : start + length, :, layer] = np.einsum(
+            "suj,uj->su", words[start : start + length], weights)
 
 
 @functools.lru_cache(maxsize=64)

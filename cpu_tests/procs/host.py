@@ -28,6 +28,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['devices']}"
 
 import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -96,13 +97,8 @@ def to_caches(arrays):
     spec_ = PartitionSpec(None, None, "model") if spec["layout"] == "heads" else PartitionSpec()
     sharding = NamedSharding(mesh, spec_)
     return [jax.make_array_from_callback(a.shape, sharding,
-                                         lambda index, a=a: a[index].view(jnp_bf16()))
+                                         lambda index, a=a: a[index].view(ml_dtypes.bfloat16))
             for a in arrays]
-
-
-def jnp_bf16():
-    import ml_dtypes
-    return ml_dtypes.bfloat16
 
 
 def report(**fields):
