@@ -13,11 +13,11 @@ import time
 
 import pytest
 
+from kvxfer.bench.hosts import EtcdServer
 from kvxfer.errors import InvalidInputError
 from kvxfer.transport import TransportConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.etcd import EtcdServer  # noqa: E402
 from procs.harness import Peer, PeerError  # noqa: E402
 from test_transport import TIMEOUT, assert_read_intact, read, spec, stage_and_hold  # noqa: E402
 

@@ -1,5 +1,5 @@
 """P and D across hosts: each instance is several JAX processes in their own network
-namespaces (`procs/netns.py`), one mesh per instance (`jax.distributed`, gloo),
+namespaces (`kvxfer.bench.hosts`), one mesh per instance (`jax.distributed`, gloo),
 NIXL over UCX TCP across the test network, metadata through etcd.
 
 Each process runs `procs/host.py`; what they report is checked here. Skipped
@@ -15,9 +15,7 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.etcd import EtcdServer  # noqa: E402
-from procs.netns import TestNetwork, netns_available  # noqa: E402
+from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -32,7 +30,7 @@ class Hosts:
 
     def __init__(self, p, d, layout="heads", **extra):
         self.p, self.d, self.procs = p, d, {}
-        self.net = TestNetwork(p[0] + d[0])
+        self.net = HostNetwork(p[0] + d[0])
         self.etcd = EtcdServer(host=self.net.bridge_ip)
         self.dir = tempfile.mkdtemp(prefix="kvxfer-mh-")
         self.spec = dict(layout=layout, etcd=self.etcd.endpoint, dir=self.dir, serve_s=WAIT_S,

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
+from kvxfer.bench import hosts as netns
+from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import netns  # noqa: E402
-from procs.etcd import EtcdServer  # noqa: E402
-from procs.netns import TestNetwork, netns_available  # noqa: E402
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -53,7 +53,7 @@ except OSError as e:
 
 @pytest.fixture
 def net():
-    network = TestNetwork(2)
+    network = HostNetwork(2)
     yield network
     network.close()
 
@@ -119,7 +119,7 @@ def link_exists(name):
 
 
 def test_close_removes_everything():
-    net = TestNetwork(2)
+    net = HostNetwork(2)
     names = [net.namespace(0), net.namespace(1)]
     listed = namespaces()
     assert all(name in listed for name in names) and link_exists(net.bridge)
@@ -134,11 +134,11 @@ def test_close_removes_everything():
 def test_failed_creation_cleans_up_and_says_why(monkeypatch):
     suffix = secrets.token_hex(3)[:5]
     monkeypatch.setattr(netns, "_new_suffix", lambda: suffix)
-    good = TestNetwork.host_ip
-    monkeypatch.setattr(TestNetwork, "host_ip",
+    good = HostNetwork.host_ip
+    monkeypatch.setattr(HostNetwork, "host_ip",
                         lambda self, i: "10.0.0.300" if i == 1 else good(self, i))
     with pytest.raises(RuntimeError, match="10.0.0.300/24.* failed: .+"):
-        TestNetwork(2)
+        HostNetwork(2)
     assert f"kvx{suffix}" not in namespaces()
     links = subprocess.run([IP, "-o", "link"], capture_output=True, text=True).stdout
     assert f"kvx{suffix}" not in links

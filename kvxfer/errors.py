@@ -23,3 +23,7 @@ class CorruptionError(KvxferError):
 
 class TransferError(KvxferError):
     """A transfer between P and D failed, timed out, or its peer is gone."""
+
+
+class SetupError(KvxferError, RuntimeError):
+    """The machine lacks what a tool or benchmark needs (root, `ip`, etcd), or setting it up failed."""

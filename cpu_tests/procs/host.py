@@ -24,23 +24,13 @@ import sys
 import time
 
 spec = json.loads(sys.argv[1])
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['devices']}"
+from kvxfer.bench.hosts import start_jax  # noqa: E402
+
+start_jax(spec["devices"], spec["coordinator"], spec["processes"], spec["rank"], spec["ip"])
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-# Gloo finds its own address from the host name, which resolves to loopback inside a
-# test namespace: give it the namespace's address.
-from jax._src import xla_bridge  # noqa: E402
-
-_gloo = xla_bridge._jax.make_gloo_tcp_collectives
-xla_bridge._jax.make_gloo_tcp_collectives = lambda **kw: _gloo(**kw, hostname=spec["ip"])
-jax.distributed.initialize(spec["coordinator"], num_processes=spec["processes"],
-                           process_id=spec["rank"], initialization_timeout=60)
-
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from kvxfer.connector import ConnectorConfig, DecodeConnector, PrefillConnector  # noqa: E402

@@ -1,19 +1,40 @@
-"""Separate test "hosts" on one machine: Linux network namespaces joined by a bridge.
+"""Hosts on one machine for multi-host runs: network namespaces on a bridge, and etcd.
 
-Each host is a network namespace with one veth into a bridge in the root
-namespace, on a random /24 under 10.0.0.0/8: the bridge (the root namespace)
-is .1, host i is .(10+i). Every instance has its own subnet and names, so
-concurrent runs do not collide. Needs root and `ip` (Debian's `iproute2`,
-installed by `scripts/test-deps`). Everything made is named `kvx<suffix>...`:
-a run killed before `close()` leaves those behind (`ip netns list`, `ip link`).
+`HostNetwork(n)` makes `n` separate "hosts", each a Linux network namespace
+with one veth into a bridge in the root namespace, on a random /24 under
+10.0.0.0/8: the bridge (the root namespace) is .1, host i is .(10+i). Every
+network has its own subnet and names, so concurrent runs do not collide.
+Traffic between hosts crosses network interfaces (veth, bridge), not shared
+memory: UCX over TCP, as between real hosts. Needs root and `ip` (Debian's
+`iproute2`, installed by `scripts/test-deps`). Everything made is named
+`kvx<suffix>...`: a run killed before `close()` leaves those behind (`ip
+netns list`, `ip link`).
+
+`EtcdServer` is a throwaway etcd (Debian's `etcd-server`) with its own data
+directory and free ports, on loopback or on the bridge, where every host
+reaches it: NIXL's metadata service for the agents of many processes.
+
+`start_jax` starts one process of a multi-process JAX instance inside a host.
+
+Used by `kvxfer bench multihost` and by the multi-host tests. A missing tool
+is an error (`SetupError`), not a skip.
 """
 
+from __future__ import annotations
+
+import json
 import logging
 import os
 import random
 import secrets
 import shutil
 import subprocess
+import tempfile
+import time
+import urllib.request
+
+from kvxfer.errors import InvalidInputError, SetupError
+from kvxfer.transport import free_port
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +50,13 @@ def _ip_binary():
 
 
 def _run_ip(*args):
-    """Runs `ip args`; raises RuntimeError with its stderr if it fails."""
+    """Runs `ip args`; raises `SetupError` with its stderr if it fails."""
     binary = _ip_binary()
     if binary is None:
-        raise RuntimeError("`ip` is not installed: run `bash scripts/test-deps` (Debian's iproute2)")
+        raise SetupError("`ip` is not installed: run `bash scripts/test-deps` (Debian's iproute2)")
     done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+        raise SetupError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
     return done.stdout
 
 
@@ -52,7 +73,7 @@ def _free_subnet():
         prefix = f"10.{rng.randint(64, 250)}.{rng.randint(0, 255)}."
         if f" {prefix}" not in used:
             return prefix
-    raise RuntimeError("no free 10.x.y.0/24 subnet found")
+    raise SetupError("no free 10.x.y.0/24 subnet found")
 
 
 def netns_available():
@@ -64,23 +85,21 @@ def netns_available():
     probe = f"kvx{_new_suffix()}probe"
     try:
         _run_ip("netns", "add", probe)
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+    except (SetupError, OSError, subprocess.TimeoutExpired) as e:
         return f"cannot create a network namespace: {e}"
     try:
         _run_ip("netns", "del", probe)
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+    except (SetupError, OSError, subprocess.TimeoutExpired) as e:
         return f"cannot delete a network namespace: {e}"
     return None
 
 
-class TestNetwork:
+class HostNetwork:
     """`num_hosts` namespaces on one bridge. Always `close()` it (or use `with`)."""
-
-    __test__ = False  # a helper, not a pytest test class
 
     def __init__(self, num_hosts):
         if not 1 <= num_hosts <= MAX_HOSTS:
-            raise ValueError(f"num_hosts must be 1..{MAX_HOSTS}, got {num_hosts}")
+            raise InvalidInputError(f"num_hosts must be 1..{MAX_HOSTS}, got {num_hosts}")
         self.num_hosts = num_hosts
         suffix = _new_suffix()
         self.bridge = f"kvx{suffix}br"
@@ -160,3 +179,70 @@ class TestNetwork:
     def _check(self, i):
         if not 0 <= i < self.num_hosts:
             raise IndexError(f"host {i} out of range (0..{self.num_hosts - 1})")
+
+
+class EtcdServer:
+    """`etcd` on `host` (loopback by default); `endpoint` is its client URL. Always `stop()` it."""
+
+    def __init__(self, start_timeout=20.0, host="127.0.0.1"):
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise SetupError("etcd is not installed: run `bash scripts/test-deps` "
+                             "(Debian's etcd-server)")
+        self.dir = tempfile.mkdtemp(prefix="kvxfer-etcd-")
+        client, peer = free_port(host), free_port(host)
+        self.endpoint = f"http://{host}:{client}"
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [binary, "--name", "kvxfer-test", "--data-dir", self.dir,
+             "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+             "--listen-peer-urls", f"http://{host}:{peer}",
+             "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+             "--initial-cluster", f"kvxfer-test=http://{host}:{peer}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + start_timeout
+        while not self.healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                output = self.log.read().decode()[-3000:]
+                self.stop()
+                raise SetupError(f"etcd did not start:\n{output}")
+            time.sleep(0.05)
+
+    def healthy(self):
+        try:
+            with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except OSError:
+            return False
+
+    def stop(self):
+        """Kills etcd and removes its data; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_jax(devices: int, coordinator: str, processes: int, rank: int, ip: str) -> None:
+    """Join this process to a JAX instance of `processes` processes on CPU, `devices` each.
+
+    Call it before anything imports JAX. Collectives go over gloo (TCP). Gloo
+    finds its own address from the host name, which resolves to loopback
+    inside a namespace: it is given this host's address `ip` instead.
+    """
+    import sys
+
+    if "jax" in sys.modules:
+        raise SetupError("start_jax must run before JAX is imported")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    import jax
+    from jax._src import xla_bridge
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    make = xla_bridge._jax.make_gloo_tcp_collectives
+    xla_bridge._jax.make_gloo_tcp_collectives = lambda **kw: make(**kw, hostname=ip)
+    jax.distributed.initialize(coordinator, num_processes=processes, process_id=rank,
+                               initialization_timeout=60)
