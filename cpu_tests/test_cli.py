@@ -184,3 +184,12 @@ def test_bench_e2e_small_run_delivers_every_request_and_reports_every_figure():
     # What verifying adds to D's scatter, as a share of the path: measured, not all of it.
     assert 0 <= out["verify_overhead"] < 1
     assert out["p50_ms_2k"] <= out["p99_ms_2k"]
+
+
+def test_bench_multihost_without_namespaces_says_what_is_missing(monkeypatch, capsys):
+    import kvxfer.bench.multihost as multihost
+
+    monkeypatch.setattr(multihost, "netns_available", lambda: "network namespaces need root")
+    assert main(["bench", "multihost", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "bench multihost makes network namespaces as hosts: network namespaces need root" in err

@@ -147,3 +147,37 @@ def test_a_killed_d_process_leaves_p_leases_to_expire_and_frees_every_slot(hosts
     for out in p:  # D 0 said done, D 1 never will: the lease frees the piece on every P process
         assert out["released"] == ["r"] and out["free_slots"] == 16 and out["held"] == []
         assert not out["staged_here"]
+
+
+# -- kvxfer bench multihost ---------------------------------------------------------------
+
+
+def test_bench_multihost_small_run_delivers_every_round_and_reports_scaling():
+    from kvxfer.bench.multihost import MultihostConfig, run
+
+    cfg = MultihostConfig(layers=2, num_blocks=128, requests=2, request_blocks=16, rounds=2,
+                          timeout_s=120)
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = run(cfg)
+    # Every request of every round, in both runs, landed byte-exact on every D shard and
+    # every P process freed every slot.
+    assert out["ok"] is True, out
+    assert out["round_bytes"] == 2 * 16 * 2 * 65536 and out["rounds"] == 2
+    assert len(out["one_link_rounds_gbps"]) == len(out["two_by_two_rounds_gbps"]) == 2
+    assert out["one_link_gbps"] > 0 and out["two_by_two_gbps"] > 0
+    assert out["scaling"] == pytest.approx(out["two_by_two_gbps"] / out["one_link_gbps"],
+                                           rel=0.01)
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert after.count("kvx") <= before.count("kvx")  # its hosts are gone
+
+
+def test_bench_multihost_refuses_bad_config_by_name():
+    from kvxfer.bench.multihost import MultihostConfig
+    from kvxfer.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="devices must be even .* got 3"):
+        MultihostConfig(devices=3)
+    with pytest.raises(InvalidInputError, match="requests x request_blocks = 2048"):
+        MultihostConfig(requests=32, request_blocks=64)
+    with pytest.raises(InvalidInputError, match="rounds must be a positive int, got 0"):
+        MultihostConfig(rounds=0)

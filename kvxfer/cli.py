@@ -161,6 +161,7 @@ _BENCHES = {
     "gather": "kvxfer.bench.gather",
     "nixl": "kvxfer.bench.nixl",
     "e2e": "kvxfer.bench.e2e",
+    "multihost": "kvxfer.bench.multihost",
 }
 
 
@@ -185,7 +186,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         for key, value in result.items():
             print(f"{key}: {value}")
-    return 0
+    return 1 if result.get("ok") is False else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
