@@ -8,6 +8,7 @@ only where namespaces cannot be made (not root, no `ip`); CI runs as root.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,14 +30,15 @@ class Hosts:
     """P's processes on hosts 0..p-1 and D's on the next d, with etcd in the root namespace."""
 
     def __init__(self, p, d, layout="heads", **extra):
-        self.p, self.d, self.procs = p, d, {}
+        self.p, self.d, self.procs, self.started = p, d, {}, []
         self.net = HostNetwork(p[0] + d[0])
         self.etcd = EtcdServer(host=self.net.bridge_ip)
         self.dir = tempfile.mkdtemp(prefix="kvxfer-mh-")
         self.spec = dict(layout=layout, etcd=self.etcd.endpoint, dir=self.dir, serve_s=WAIT_S,
                          **extra)
 
-    def start(self, role):
+    def start(self, role, **extra):
+        """Starts every process of `role` (again: a restart, with fresh reports)."""
         processes, devices = self.p if role == "p" else self.d
         first = 0 if role == "p" else self.p[0]
         coordinator = f"{self.net.host_ip(first)}:12400"
@@ -44,11 +46,15 @@ class Hosts:
         env.pop("XLA_FLAGS", None)
         for rank in range(processes):
             spec = dict(self.spec, role=role, rank=rank, processes=processes, devices=devices,
-                        coordinator=coordinator, ip=self.net.host_ip(first + rank))
-            log = open(os.path.join(self.dir, f"{role}{rank}.log"), "w")
+                        coordinator=coordinator, ip=self.net.host_ip(first + rank), **extra)
+            if os.path.exists(report := os.path.join(self.dir, f"{role}{rank}.json")):
+                os.remove(report)
+            log = open(os.path.join(self.dir, f"{role}{rank}.log"), "a")
             self.procs[(role, rank)] = self.net.popen(
                 first + rank, [sys.executable, HOST, json.dumps(spec)], stdout=log,
                 stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            self.started.append(self.procs[(role, rank)])
+            log.close()
 
     def report(self, role, rank, key=None, timeout=WAIT_S):
         """`<role><rank>.json` once it exists (with `key`, once it has that key)."""
@@ -74,12 +80,13 @@ class Hosts:
         self.procs[(role, rank)].kill()
 
     def close(self):
-        for proc in self.procs.values():
+        for proc in self.started:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
         self.etcd.stop()
         self.net.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -135,6 +142,48 @@ def test_a_killed_p_process_fails_the_request_on_every_d_process(hosts):
     for out in d:  # within the deadline, in logical ids (D's table past its prefix hit)
         assert out["finished"] == [] and out["failed"] == ["r"], out
         assert out["errors"] == [2, 11, 30] and not out["staged_here"], out
+
+
+def test_a_p_process_killed_mid_read_fails_the_request_on_every_d_process(hosts):
+    h = hosts((2, 4), (2, 4), transfer_timeout_s=20.0, mark_loading=True)
+    h.net.limit_rate(1, 64)  # P 1's piece (48 KiB) takes about 6 s to cross its link
+    h.start("p")
+    h.report("p", 1, "staged")
+    h.start("d")
+    marks = [h.report("d", r, "loading") for r in range(2)]
+    # D 1's shards hold P 1's heads: its READ from P 1 is posted and not complete.
+    assert marks[1]["legs"] == {"p-0": "read", "p-1": "xfer"}, marks
+    time.sleep(0.5)
+    h.kill("p", 1)
+    d = [h.report("d", r, "finished") for r in range(2)]
+    for out in d:  # failed, not delivered; within the deadline; in logical ids
+        assert out["finished"] == [] and out["failed"] == ["r"], out
+        assert out["errors"] == [2, 11, 30] and not out["staged_here"], out
+        assert out["took_s"] < 20.0 + 5.0, out
+
+
+def test_a_restarted_p_instance_stale_params_fail_on_every_d_process_and_new_ones_deliver(hosts):
+    h = hosts((2, 4), (2, 4), transfer_timeout_s=8.0, loads=["old.json", "new.json"])
+    h.start("p", params_name="old.json")
+    for rank in range(2):
+        h.report("p", rank, "staged")
+    for rank in range(2):  # the whole P instance dies; its agents' records stay in etcd
+        h.kill("p", rank)
+        h.procs[("p", rank)].wait(timeout=10)
+    h.start("d")  # D first loads the dead instance's params: stale records, then new ones
+    h.start("p", params_name="new.json")  # restarted: the same agent names, a new instance
+    d = [h.report("d", r, "finished") for r in range(2)]
+    for out in d:
+        old, new = out["outcomes"]
+        # The dead instance's request fails on every D process, in logical ids, in time.
+        assert old["finished"] == [] and old["failed"] == ["r"], out
+        assert old["errors"] == [2, 11, 30] and old["took_s"] < 2 * 8.0 + 5.0, out
+        # The restarted instance's is delivered byte-exact on every D shard.
+        assert new["finished"] == ["r"] and new["failed"] == [], out
+        assert out["wrong"] == 0 and not out["staged_here"], out
+    for rank in range(2):
+        out = h.report("p", rank, "released")
+        assert out["released"] == ["r"] and out["free_slots"] == 16, out
 
 
 def test_a_killed_d_process_leaves_p_leases_to_expire_and_frees_every_slot(hosts):

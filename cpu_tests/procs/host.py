@@ -115,9 +115,10 @@ def prefill():
         p.wait_for_save(to_caches(p_state(computed + scheduled)), meta)
     params = p.request_finished("r")
     if RANK == 0:
-        with open(os.path.join(DIR, "params.json.tmp"), "w") as f:
+        path = os.path.join(DIR, spec.get("params_name", "params.json"))
+        with open(path + ".tmp", "w") as f:
             json.dump(params, f)
-        os.replace(os.path.join(DIR, "params.json.tmp"), os.path.join(DIR, "params.json"))
+        os.replace(path + ".tmp", path)
     report(staged=True)
     released, deadline = [], time.monotonic() + spec["serve_s"]
     while "r" not in released and time.monotonic() < deadline:
@@ -128,37 +129,51 @@ def prefill():
     p.close()
 
 
+def wait_params(name, deadline):
+    path = os.path.join(DIR, name)
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+    with open(path) as f:
+        return json.load(f)
+
+
 def decode():
     d = DecodeConnector(config(), to_caches(d_initial()))
     caches = to_caches(d_initial())
-    path = os.path.join(DIR, "params.json")
     deadline = time.monotonic() + spec["serve_s"]
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            report(error="no params")
+    outcomes = []
+    for name in spec.get("loads", ["params.json"]):  # one request "r" after another
+        params = wait_params(name, deadline)
+        if params is None:
+            report(error=f"no {name}")
             return
-        time.sleep(0.01)
-    with open(path) as f:
-        params = json.load(f)
-    started = time.monotonic()
-    d.start_load_kv({"r": (params, D_TABLE, [1])})
-    if spec.get("die_after_read") == RANK:  # its READs land; it never says done
-        time.sleep(1.0)
-        os._exit(3)
-    finished, failed = [], []
-    while not finished and not failed and time.monotonic() < deadline:
-        caches, f, x = d.get_finished(caches)
-        finished, failed = finished + f, failed + x
-        time.sleep(0.002)
-    took = time.monotonic() - started
+        started = time.monotonic()
+        d.start_load_kv({"r": (params, D_TABLE, [1])})
+        if spec.get("mark_loading"):  # the test kills a P process once every READ is in flight
+            d.get_finished(caches)
+            read = d.transport._reads.get("r")  # instrumentation: where each leg stands
+            report(loading=True, legs={peer: leg.state for peer, leg in read.legs.items()}
+                   if read else {})
+        if spec.get("die_after_read") == RANK:  # its READs land; it never says done
+            time.sleep(1.0)
+            os._exit(3)
+        finished, failed = [], []
+        while not finished and not failed and time.monotonic() < deadline:
+            caches, f, x = d.get_finished(caches)
+            finished, failed = finished + f, failed + x
+            time.sleep(0.002)
+        outcomes.append(dict(finished=finished, failed=failed, took_s=time.monotonic() - started,
+                             errors=sorted(d.get_block_ids_with_load_errors())))
     expected = d_expected()
     wrong = 0
     for layer, cache in enumerate(caches):
         for shard in cache.addressable_shards:
             got = np.asarray(shard.data).view(np.uint16)[D_TABLE]
             wrong += int((got != expected[layer][(D_TABLE, *shard.index[1:])]).sum())
-    report(finished=finished, failed=failed, errors=sorted(d.get_block_ids_with_load_errors()),
-           wrong=wrong, shards=len(caches[0].addressable_shards), took_s=took,
+    report(**outcomes[-1], outcomes=outcomes, wrong=wrong,
+           shards=len(caches[0].addressable_shards),
            staged_here=any("r" in s for s in d.stagings))
     d.close()
 

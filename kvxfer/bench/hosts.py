@@ -150,6 +150,17 @@ class HostNetwork:
         """`subprocess.Popen` of `argv` inside host i's namespace."""
         return subprocess.Popen(self.command(i, argv), **kwargs)
 
+    def limit_rate(self, i, kbit):
+        """Caps what host i sends to `kbit` kbit/s (`tc`'s token bucket on its veth)."""
+        self._check(i)
+        tc = shutil.which("tc") or "/usr/sbin/tc"
+        argv = [_ip_binary() or "ip", "netns", "exec", self.namespace(i), tc, "qdisc", "add",
+                "dev", self._host_ends[i], "root", "tbf", "rate", f"{kbit}kbit",
+                "burst", "16kb", "latency", "10s"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise SetupError(f"`{' '.join(argv[4:])}` failed: {done.stderr.strip()}")
+
     def close(self):
         """Deletes the veths, namespaces and bridge; never raises. Idempotent.
 
