@@ -62,7 +62,8 @@ read, once.
 Across hosts: where the caches span several processes, each process stages
 only its piece of every block (`kvxfer.pieces`) with its own agent
 (`<name>-<process>`, found through etcd), and the processes of each side
-agree by an allgather: P releases a request's slots once every process has
+agree once per `get_finished` (`kvxfer.pieces.agree`, through JAX's
+coordination service): P releases a request's slots once every process has
 freed its piece, D finishes a request once every process has it and fails
 it everywhere once any process failed it (see the README's "Across hosts").
 """

@@ -26,8 +26,13 @@ same run on the same virtual network. `one_link_gbps` (the 1 -> 1 figure) is
 what one P host moves to one D host over TCP here. The hosts share this
 machine's cores (`cpus`): TCP over veth costs CPU on both ends, so with fewer
 cores than processes the 2 -> 2 run competes for the same cores, and
-`scaling` then shows that bound, not the network's. `memcpy_gbps` (numpy,
-the same bytes, this process) puts the figures in scale.
+`scaling` then shows that bound, not the network's. So each run also counts
+the CPU seconds all its processes spend per GB moved (every thread, user and
+kernel, over the timed rounds: D from its start to its last delivery, P from
+publishing params to the release), and `scaling_own_cores` = 2 x CPU per GB
+at 1 -> 1 over CPU per GB at 2 -> 2: what 2 -> 2 would reach with each host on
+its own cores, CPU being the bound. `memcpy_gbps` (numpy, the same bytes, this
+process) puts the figures in scale.
 
 Needs root and `ip` (network namespaces) and `etcd`; without them it raises
 `SetupError` naming what is missing.
@@ -351,7 +356,8 @@ def run(cfg: MultihostConfig | None = None) -> dict[str, Any]:
     """Measure 1 -> 1 and 2 -> 2 hosts; returns the figures as a JSON-able dict.
 
     Keys: `one_link_gbps` (1 P host -> 1 D host), `two_by_two_gbps` (2 -> 2,
-    aggregate), `scaling` (their ratio), `memcpy_gbps`, `one_link_over_memcpy`,
+    aggregate), `scaling` (their ratio), `cpu_s_per_gb_one_link`,
+    `cpu_s_per_gb_two_by_two`, `scaling_own_cores`, `memcpy_gbps`, `one_link_over_memcpy`,
     `round_bytes`, `rounds`, `cpus`, `ucx_tls`, `ok` (every request of every
     round delivered and byte-exact on every D shard, every P slot freed).
     """
