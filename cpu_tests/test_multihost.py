@@ -216,6 +216,9 @@ def test_bench_multihost_small_run_delivers_every_round_and_reports_scaling():
     assert out["one_link_gbps"] > 0 and out["two_by_two_gbps"] > 0
     assert out["scaling"] == pytest.approx(out["two_by_two_gbps"] / out["one_link_gbps"],
                                            rel=0.01)
+    assert out["cpu_s_per_gb_one_link"] > 0 and out["cpu_s_per_gb_two_by_two"] > 0
+    assert out["scaling_own_cores"] == pytest.approx(
+        2 * out["cpu_s_per_gb_one_link"] / out["cpu_s_per_gb_two_by_two"], rel=0.01)
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert after.count("kvx") <= before.count("kvx")  # its hosts are gone
 
