@@ -8,6 +8,7 @@ Skipped only where namespaces cannot be made (not root, no `ip`); CI runs as roo
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 
@@ -129,6 +130,18 @@ def test_close_removes_everything():
     assert not link_exists(net.bridge)
     assert not any(link_exists(name) for name in net._root_ends)
     net.close()  # a second close is harmless
+
+
+def test_limit_rate_caps_what_a_host_sends_and_refuses_a_bad_rate(net):
+    from kvxfer.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="kbit must be a positive int, got 0"):
+        net.limit_rate(1, 0)
+    net.limit_rate(1, 256)  # 32 KB/s once the 16 KB burst is spent
+    tc = shutil.which("tc") or "/usr/sbin/tc"
+    shown = subprocess.run(net.command(1, [tc, "qdisc", "show"]), capture_output=True,
+                           text=True, timeout=TIMEOUT).stdout
+    assert "tbf" in shown and "rate 256Kbit" in shown, shown
 
 
 def test_failed_creation_cleans_up_and_says_why(monkeypatch):

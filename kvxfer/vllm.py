@@ -95,6 +95,10 @@ class Settings:
     - `verify_fingerprints`: D checks every block against P's fingerprints.
     - `handshake_timeout_s`, `transfer_timeout_s`, `lease_s`,
       `heartbeat_interval_s`, `ucx_tls`: `kvxfer.transport.TransportConfig`.
+    - `etcd_endpoints`: NIXL's metadata service (for example
+      `http://10.0.0.2:2379`), the same on P and D: agents publish and find
+      each other there by name instead of through P's listener, so `port` is
+      unused and D needs no route to a P listener. None: P listens on `port`.
     """
 
     host: str = "127.0.0.1"
@@ -108,6 +112,7 @@ class Settings:
     lease_s: float = 30.0
     heartbeat_interval_s: float = 5.0
     ucx_tls: str | None = "cma,tcp,self"
+    etcd_endpoints: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -142,7 +147,7 @@ class Settings:
         from kvxfer.transport import TransportConfig, new_instance
 
         if producer:
-            name, port = self.p_name, self.port
+            name, port = self.p_name, self.p_port
         else:
             name = self.name or f"kvxfer-D-{new_instance()}"
             port = 0
@@ -150,7 +155,13 @@ class Settings:
             name=name, host=self.host, listen_port=port,
             handshake_timeout_s=self.handshake_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s, lease_s=self.lease_s,
-            heartbeat_interval_s=self.heartbeat_interval_s, ucx_tls=self.ucx_tls)
+            heartbeat_interval_s=self.heartbeat_interval_s, ucx_tls=self.ucx_tls,
+            etcd_endpoints=self.etcd_endpoints)
+
+    @property
+    def p_port(self) -> int:
+        """P's listener port as params name it: 0 with etcd (D finds P there by name)."""
+        return 0 if self.etcd_endpoints else self.port
 
 
 def group_specs(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
@@ -317,7 +328,7 @@ class _SchedulerSide:
         self.consumer = consumer
         self.prefill = PrefillScheduler(
             groups, staging_blocks=settings.staging_blocks, kernel_ratio=settings.kernel_ratio,
-            address=PeerAddress(settings.p_name, settings.host, settings.port),
+            address=PeerAddress(settings.p_name, settings.host, settings.p_port),
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
         self._loads: dict[str, tuple[dict[str, Any], list[list[int]], list[int]]] = {}

@@ -276,12 +276,34 @@ def test_hybrid_full_and_sliding_window_groups(pd, hybrid_model_dir):
     assert_prompt_kv(d, "h-d", prompt, window=SLIDING_WINDOW)
 
 
+@pytest.fixture
+def etcd():
+    """A throwaway etcd server; requested before `pd`, so it outlives both engines."""
+    from kvxfer.bench.hosts import EtcdServer
+
+    server = EtcdServer()
+    yield server.endpoint
+    server.stop()
+
+
+def test_p_and_d_find_each_other_through_etcd(etcd, pd):
+    via_etcd = {"etcd_endpoints": etcd}
+    p, d = pd(extra=via_etcd, d=dict(extra=via_etcd))
+    prompt = _prompt(12, 50)
+    params = p.prefill("e", prompt)
+    assert params["port"] == 0  # P listens nowhere: D finds its agent in etcd by name
+    steps = decode(d, "e-d", prompt, params)
+    assert scheduled_tokens(steps, "e-d")[0] == 49
+    assert_prompt_kv(d, "e-d", prompt)
+
+
 @pytest.mark.parametrize("extra, named", [
     ({"stagign_blocks": 8}, r"unknown keys \['stagign_blocks'\]"),
     ({"port": 0}, r"'port' must be an int in \[1, 65535\], got 0"),
     ({"staging_blocks": -1}, "staging_blocks must be a positive int, got -1"),
     ({"lease_s": "x"}, "lease_s must be a positive finite number of seconds, got 'x'"),
     ({"verify_fingerprints": "yes"}, "verify_fingerprints must be a bool, got 'yes'"),
+    ({"etcd_endpoints": "etcd:2379"}, "etcd_endpoints must be None or comma-separated"),
 ])
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 def test_bad_extra_config_is_refused_by_name_on_both_roles(model_dir, engines, extra, named, role):

@@ -153,6 +153,8 @@ class HostNetwork:
     def limit_rate(self, i, kbit):
         """Caps what host i sends to `kbit` kbit/s (`tc`'s token bucket on its veth)."""
         self._check(i)
+        if not isinstance(kbit, int) or isinstance(kbit, bool) or kbit <= 0:
+            raise InvalidInputError(f"kbit must be a positive int, got {kbit!r}")
         tc = shutil.which("tc") or "/usr/sbin/tc"
         argv = [_ip_binary() or "ip", "netns", "exec", self.namespace(i), tc, "qdisc", "add",
                 "dev", self._host_ends[i], "root", "tbf", "rate", f"{kbit}kbit",
