@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.bench import memcpy_gbps
 from kvxfer.blocks import cdiv
 from kvxfer.demo.procs import Lines, Proc, child_output, profiled, say
 
@@ -89,18 +90,6 @@ def _caches(cfg: E2EConfig, tp: int, num_blocks: int, seed: int) -> list[Any]:
     shape = (num_blocks, *cfg.block_shape)
     return [jax.device_put(rng.integers(0, 1 << 16, shape, np.uint16).view(jnp.bfloat16),
                            sharding) for _ in range(cfg.layers)]
-
-
-def _memcpy_gbps() -> float:
-    src = np.ones(_MEMCPY_BYTES, np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    rates = []
-    for _ in range(5):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        rates.append(_MEMCPY_BYTES / (time.perf_counter() - start) / 1e9)
-    return statistics.median(rates)
 
 
 # -- P ---------------------------------------------------------------------------------
@@ -204,7 +193,7 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
     from kvxfer.connector import ConnectorConfig, DecodeConnector
     from kvxfer.transport import TransportConfig
 
-    memcpy = [_memcpy_gbps()]
+    memcpy = [memcpy_gbps(_MEMCPY_BYTES)]
     caches = _caches(cfg, cfg.tp_d, cfg.num_blocks, seed=2)
     conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks),
                            caches)
@@ -221,7 +210,7 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
             if "params" in msg:
                 waiting.append(msg)
             elif "scatter" in msg:
-                memcpy.append(_memcpy_gbps())
+                memcpy.append(memcpy_gbps(_MEMCPY_BYTES))
                 say(out, memcpy_gbps=statistics.median(memcpy), **_scatter_figures(cfg))
         while waiting and waiting[0]["blocks"] <= len(free):
             msg = waiting.popleft()

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.bench import memcpy_gbps
 from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available, start_jax
 from kvxfer.errors import InvalidInputError, SetupError, TransferError
 
@@ -340,18 +341,6 @@ def _measure(cfg: MultihostConfig, hosts: int) -> dict[str, Any]:
                                 * cfg.request_blocks for r in range(hosts))}
 
 
-def _memcpy_gbps(nbytes: int) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    rates = []
-    for _ in range(5):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
-    return statistics.median(rates)
-
-
 def run(cfg: MultihostConfig | None = None) -> dict[str, Any]:
     """Measure 1 -> 1 and 2 -> 2 hosts; returns the figures as a JSON-able dict.
 
@@ -366,7 +355,7 @@ def run(cfg: MultihostConfig | None = None) -> dict[str, Any]:
     if reason is not None:
         raise SetupError(f"kvxfer bench multihost makes network namespaces as hosts: {reason}")
     one, two = _measure(cfg, 1), _measure(cfg, 2)
-    memcpy = _memcpy_gbps(cfg.round_bytes)
+    memcpy = memcpy_gbps(cfg.round_bytes)
     ok = all(not m["failed"] and m["wrong"] == 0 and m["p_slots_free"] for m in (one, two))
     return {
         "one_link_gbps": round(one["gbps"], 3),
