@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from kvxfer.bench import hosts as netns
 from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available
 
 REASON = netns_available()
@@ -206,7 +207,7 @@ def test_bench_multihost_small_run_delivers_every_round_and_reports_scaling():
 
     cfg = MultihostConfig(layers=2, num_blocks=128, requests=2, request_blocks=16, rounds=2,
                           timeout_s=120)
-    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    before = subprocess.run([netns._ip_binary(), "netns", "list"], capture_output=True, text=True).stdout
     out = run(cfg)
     # Every request of every round, in both runs, landed byte-exact on every D shard and
     # every P process freed every slot.
@@ -219,7 +220,7 @@ def test_bench_multihost_small_run_delivers_every_round_and_reports_scaling():
     assert out["cpu_s_per_gb_one_link"] > 0 and out["cpu_s_per_gb_two_by_two"] > 0
     assert out["scaling_own_cores"] == pytest.approx(
         2 * out["cpu_s_per_gb_one_link"] / out["cpu_s_per_gb_two_by_two"], rel=0.01)
-    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    after = subprocess.run([netns._ip_binary(), "netns", "list"], capture_output=True, text=True).stdout
     assert after.count("kvx") <= before.count("kvx")  # its hosts are gone
 
 

@@ -337,9 +337,10 @@ def agree(flags: Sequence[int] | np.ndarray) -> np.ndarray:
 
     Through the key-value store of JAX's coordination service (the one
     `jax.distributed.initialize` starts): each process sets its row under the
-    call's number and reads the others'. About 0.5 ms between two processes
-    here, against 1.3 ms for `multihost_utils.process_allgather`, which builds
-    a global array and runs a collective program for a few ints; and a peer
+    call's number and reads the others'. 0.59 ms (and 0.59 ms of CPU) between
+    two processes here, against 1.41 ms (0.93 ms of CPU) for
+    `multihost_utils.process_allgather`, which builds a global array and runs
+    a collective program for a few ints; and a peer
     that never arrives is a `TransferError` naming it, not a hang. Falls back
     to `process_allgather` where the client is not reachable.
     """

@@ -29,6 +29,7 @@ import random
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -245,8 +246,6 @@ def start_jax(devices: int, coordinator: str, processes: int, rank: int, ip: str
     finds its own address from the host name, which resolves to loopback
     inside a namespace: it is given this host's address `ip` instead.
     """
-    import sys
-
     if "jax" in sys.modules:
         raise SetupError("start_jax must run before JAX is imported")
     os.environ["JAX_PLATFORMS"] = "cpu"
