@@ -304,6 +304,8 @@ def test_demo_block_check_matches_what_p_engine_allocates():
     (dict(name="P", lease_s=1.0, heartbeat_interval_s=2.0), "must be shorter than lease_s"),
     (dict(name="P", ucx_tls=""), "ucx_tls must be None or a non-empty str"),
     (dict(name="P", num_threads=-1), "num_threads must be a non-negative int, got -1"),
+    (dict(name="P", progress_wake_us=-1), "progress_wake_us must be an int in .* got -1"),
+    (dict(name="P", progress_wake_us=1.5), "progress_wake_us must be an int in .* got 1.5"),
 ])
 def test_transport_config_refuses_bad_values(fields, message):
     from kvxfer.transport import TransportConfig

@@ -209,6 +209,32 @@ def test_bad_message_bytes_raise_transfer_error(raw, match):
         decode_message(raw, "P")
 
 
+def _idle_cpu_s(agent_config, idle_s: float) -> float:
+    """CPU seconds this process spends while `idle_s` pass with a fresh agent."""
+    import resource
+
+    from kvxfer.transport import _create_agent
+
+    agent, _ = _create_agent(agent_config)
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(idle_s)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        del agent
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def test_an_idle_agent_does_not_spin_a_core():
+    """NIXL's Python API starts its progress thread with a zero poll timeout, which
+    spins; kvxfer's agents wait for events (CPU time, not wall time, is asserted)."""
+    from kvxfer.transport import TransportConfig
+
+    idle = 1.0
+    spent = _idle_cpu_s(TransportConfig("idle-agent"), idle)
+    assert spent < 0.25 * idle, f"an idle agent used {spent:.2f} CPU-s in {idle} s"
+
+
 def test_message_round_trips():
     msg = decode_message(encode_message("done", req_id="r", instance="a1", generation=3), "D")
     assert (msg["t"], msg["req_id"], msg["generation"]) == ("done", "r", 3)
