@@ -515,3 +515,57 @@ def test_a_fingerprints_flag_that_is_not_a_bool_is_refused_and_the_caches_kept(f
     with pytest.raises(InvalidInputError, match="fingerprints must be True or False"):
         gather_blocks(caches, [1], fingerprints=flag)
     assert not any(c.is_deleted() for c in caches)
+
+
+# Host copies on several threads.
+
+
+@pytest.mark.parametrize("threads", ["1", "3", "8"])
+def test_host_copies_on_any_number_of_threads_write_and_hash_the_same_bytes(threads, monkeypatch):
+    """One task per shard, on `KVXFER_HOST_THREADS` threads: every shard's sums reach the
+    right block (they are added under a lock), whatever the thread count."""
+    monkeypatch.setenv("KVXFER_HOST_THREADS", threads)
+    config = next(iter(CONFIGS))
+    caches, hosts = _make(config, seed=41)
+    region = _staging(config, seed=42)
+    ids, rows = [9, 8, 7, 6, 15, 0, 3], [4, 5, 6, 7, 31, 0, 20]
+    out, prints = scatter_blocks(caches, region, ids, rows=rows, fingerprints=True)
+    for o, h, r in zip(out, hosts, region):
+        expected = _bytes(h).copy()
+        expected[ids] = _bytes(r)[rows]
+        np.testing.assert_array_equal(_bytes(o), expected)
+    layout = CacheLayout.from_caches(out)
+    np.testing.assert_array_equal(
+        prints, block_fingerprints(layout, [r[rows] for r in region], len(ids)))
+    staging = _staging(config, seed=43)
+    sent = gather_into(out, ids, staging, rows)
+    np.testing.assert_array_equal(sent, prints)
+    np.testing.assert_array_equal(fingerprint_blocks(out, ids), prints)
+
+
+def test_a_failing_shard_task_raises_once_every_task_has_ended(monkeypatch):
+    monkeypatch.setenv("KVXFER_HOST_THREADS", "2")
+    ran = []
+
+    def ok(i):
+        ran.append(i)
+
+    def bad():
+        raise LayoutMismatchError("shard 1 is not what the plan says")
+
+    tasks = [lambda: ok(0), bad] + [lambda i=i: ok(i) for i in range(2, 6)]
+    with pytest.raises(LayoutMismatchError, match="shard 1 is not"):
+        gather_mod.run_per_shard(tasks)
+    assert sorted(ran) == [0, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", ""])
+def test_a_bad_host_thread_count_is_refused_naming_it(value, monkeypatch):
+    monkeypatch.setenv("KVXFER_HOST_THREADS", value)
+    config = next(iter(CONFIGS))
+    caches, hosts = _make(config, seed=44)
+    with pytest.raises(InvalidInputError, match=f"KVXFER_HOST_THREADS must be a positive int, "
+                                                f"got '{value}'"):
+        scatter_blocks(caches, _staging(config, seed=45), [1, 2], rows=[0, 1])
+    for cache, host in zip(caches, hosts):  # refused before the caches were donated
+        np.testing.assert_array_equal(_bytes(cache), _bytes(host))

@@ -78,6 +78,14 @@ GB/s; about 2.6 ms more than the scatter alone when fused with it), against
 19 ms for the XLA:CPU program (3.5 GB/s: it materializes the gathered rows,
 and XLA:CPU's integer reductions run at a fraction of memory speed). Pieces
 that are not whole words go to the XLA program.
+
+Threads. On XLA:CPU each shard's copy (and its hash, by the same thread right
+after) is one task, run on `host_threads()` threads (`KVXFER_HOST_THREADS`,
+else this process's cores, at most 8): numpy's copies and `einsum` release the
+GIL. Scattering 128 blocks into 8 layers of a TP 8 cache with fingerprints took
+10.2 ms on one thread and 7.8 ms on two (5.9 ms without fingerprints, 7.1 on
+one): the hash, which runs at about 30 GB/s a core and is not memory bound,
+gains most.
 """
 
 from __future__ import annotations
@@ -86,7 +94,10 @@ import ctypes
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -281,13 +292,15 @@ def gather_into(
         if hashes is None:  # pieces that are not whole words: hash on device meanwhile
             prints = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
         copies = _RowCopies(ids, dst, ids_are_dst=False)
+        tasks = []
         for layer, (cache, region) in enumerate(zip(caches, regions)):
             for shard in cache.addressable_shards:
                 if shard.replica_id == 0:
                     view = _buffer_view(shard.data)
-                    copies.copy(shard, region[(slice(None), *shard.index[1:])], view)
-                    if hashes is not None:  # the rows just copied, while they are in cache
-                        hashes.add(layer, shard, view)
+                    tasks.append(functools.partial(
+                        _copy_then_hash, copies, shard, region[(slice(None), *shard.index[1:])],
+                        view, hashes, layer, view))
+        run_per_shard(tasks)
         if hashes is not None:
             return hashes.result()
         return np.asarray(prints)[:, : len(ids)]
@@ -318,10 +331,9 @@ def fingerprint_blocks(
         out = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
         return np.asarray(out)[:, : len(ids)]
     jax.block_until_ready(list(caches))
-    for layer, cache in enumerate(caches):
-        for shard in cache.addressable_shards:
-            if shard.replica_id == 0:
-                hashes.add(layer, shard, _buffer_view(shard.data))
+    run_per_shard([functools.partial(hashes.add, layer, shard, _buffer_view(shard.data))
+                   for layer, cache in enumerate(caches)
+                   for shard in cache.addressable_shards if shard.replica_id == 0])
     return hashes.result()
 
 
@@ -495,6 +507,64 @@ def _bucket_rows(
     return jax.device_put(padded, sharding)
 
 
+# Host copies on several threads (XLA:CPU).
+#
+# One task per shard: its rows are copied, then hashed by the same thread while
+# they are in its core's cache, as other threads copy other shards. numpy's
+# copies and `einsum` release the GIL. Tasks touch disjoint buffers and rows;
+# `_BufferHashes` adds each task's sums under a lock.
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def host_threads() -> int:
+    """Threads for host copies: `KVXFER_HOST_THREADS`, else this process's cores, at most 8."""
+    raw = os.environ.get("KVXFER_HOST_THREADS")
+    if raw is not None:
+        if not raw.isdigit() or int(raw) < 1:
+            raise InvalidInputError(f"KVXFER_HOST_THREADS must be a positive int, got {raw!r}")
+        return int(raw)
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def run_per_shard(tasks: Sequence[Callable[[], object]], threads: int | None = None) -> None:
+    """Run independent per-shard tasks on `threads` host-copy threads (`host_threads()` by
+    default) and wait for all of them; the first task's error is raised once every task
+    has ended."""
+    global _pool
+    threads = host_threads() if threads is None else threads
+    if threads == 1 or len(tasks) < 2:
+        for task in tasks:
+            task()
+        return
+    with _pool_lock:
+        if _pool is None or _pool[0] != threads:
+            _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="kvxfer-copy"))
+        pool = _pool[1]
+    futures = [pool.submit(task) for task in tasks]
+    errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _copy_then_hash(copies: _RowCopies, shard: jax.Shard, dst: np.ndarray, src: np.ndarray,
+                    hashes: _BufferHashes | None, layer: int, view: np.ndarray) -> None:
+    copies.copy(shard, dst, src)
+    if hashes is not None:
+        hashes.add(layer, shard, view)  # the rows just copied, while in this core's cache
+
+
 # Writing in place where the caches are host memory (XLA:CPU).
 #
 # XLA:CPU does a scatter into a donated bf16 or fp8 buffer as a full copy of the
@@ -597,6 +667,7 @@ class _BufferHashes:
     def __init__(self, layout: CacheLayout, ids: np.ndarray):
         self.layout, self.ids = layout, ids
         self.sums = np.zeros((layout.num_layers, len(ids)), np.uint32)
+        self._lock = threading.Lock()
         self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list | None]] = {}
 
     @classmethod
@@ -625,15 +696,17 @@ class _BufferHashes:
             return
         words = view.reshape(size, -1).view(np.uint32)
         weights = _piece_weights(self.layout, _index_key(shard.index[1:]))
-        sums = self.sums[layer]
+        got = np.empty(len(at), np.uint32)  # in `at`'s order
         if runs is not None:
             for i, n in runs:
                 h = int(held[i])
-                sums[at[i : i + n]] += np.einsum("ij,j->i", words[h : h + n], weights)
+                np.einsum("ij,j->i", words[h : h + n], weights, out=got[i : i + n])
         else:
             for c in range(0, len(at), self._CHUNK):
                 part = slice(c, c + self._CHUNK)
-                sums[at[part]] += np.einsum("ij,j->i", words[held[part]], weights)
+                np.einsum("ij,j->i", words[held[part]], weights, out=got[part])
+        with self._lock:  # shards of one layer are summed on several threads
+            self.sums[layer, at] += got
 
     def result(self) -> np.ndarray:
         """`uint32[num_layers, n]`: the fingerprints."""
@@ -661,15 +734,18 @@ def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Arra
     # Donating to an identity waits for every pending use of the buffers and hands
     # them over without a copy; from then on nothing else reads or writes them.
     hosts = [np.asarray(h) for h in host_blocks]  # before donating: they may be the caches
+    threads = host_threads()  # a bad setting is refused before the caches are donated
     new = _own_fn(layout, mesh)(list(caches))
     jax.block_until_ready(new)
     copies = _RowCopies(ids, src, ids_are_dst=True)
+    tasks = []
     for layer, (cache, host) in enumerate(zip(new, hosts)):
         for shard in cache.addressable_shards:  # every replica: each has its own buffer
             view = _buffer_view(shard.data)
-            copies.copy(shard, view, host[(slice(None), *shard.index[1:])])
-            if hashes is not None and shard.replica_id == 0:
-                hashes.add(layer, shard, view)  # the rows just written, while in cache
+            tasks.append(functools.partial(
+                _copy_then_hash, copies, shard, view, host[(slice(None), *shard.index[1:])],
+                hashes if shard.replica_id == 0 else None, layer, view))
+    run_per_shard(tasks, threads)
     return new
 
 

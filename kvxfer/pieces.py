@@ -63,8 +63,11 @@ from kvxfer.gather import (
     _buffer_view,
     _BufferHashes,
     _check_block_ids,
+    _copy_then_hash,
     _own_fn,
     _RowCopies,
+    host_threads,
+    run_per_shard,
 )
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
@@ -170,11 +173,15 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
     jax.block_until_ready(list(caches))
     copies = _RowCopies(ids, dst, ids_are_dst=False)
     runs = coalesce(np.sort(dst).tolist())
-    for layer, (cache, region) in enumerate(zip(caches, staging.regions)):
+
+    def copy_layer(layer: int, cache: jax.Array, region: np.ndarray) -> None:
         view = _block_order(region, piece)
         for shard in _one_replica(cache, piece):
             copies.copy(shard, view[_local_index(shard, piece)], _buffer_view(shard.data))
         _sum_units(layout, staging, layer, runs, piece)  # the rows just copied, while in cache
+
+    run_per_shard([functools.partial(copy_layer, layer, cache, region)
+                   for layer, (cache, region) in enumerate(zip(caches, staging.regions))])
 
 
 def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
@@ -192,18 +199,21 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
     if len(ids) == 0:
         return list(caches), np.zeros((layout.num_layers, 0), np.uint32)
+    threads = host_threads()  # a bad setting is refused before the caches are donated
     new = _own_fn(layout, caches[0].sharding.mesh)(list(caches))
     jax.block_until_ready(new)
     copies = _RowCopies(ids, src, ids_are_dst=True)
     hashes = _BufferHashes(layout, ids)
+    tasks = []
     for layer, (cache, region) in enumerate(zip(new, staging.regions)):
         view = _block_order(region, piece)
         first = set(map(id, _one_replica(cache, piece)))
         for shard in _held_shards(cache, piece):  # every replica has its own buffer
             buffer = _buffer_view(shard.data)
-            copies.copy(shard, buffer, view[_local_index(shard, piece)])
-            if id(shard) in first:
-                hashes.add(layer, shard, buffer)  # the rows just written, while in cache
+            tasks.append(functools.partial(
+                _copy_then_hash, copies, shard, buffer, view[_local_index(shard, piece)],
+                hashes if id(shard) in first else None, layer, buffer))
+    run_per_shard(tasks, threads)
     return new, hashes.sums
 
 
