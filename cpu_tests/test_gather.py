@@ -247,9 +247,11 @@ def test_bench_reports_ratios_and_no_recompiles_after_warmup():
     result = run(layers=2, num_blocks=32, block_shape=(4, 8, 2, 8), count=12, iters=2,
                  recompile_trials=10)
     assert {"gather_gbps", "memcpy_gbps", "gather_over_memcpy", "naive_over_memcpy",
-            "recompiles_after_warmup", "fingerprint_overhead"} <= set(result)
+            "recompiles_after_warmup", "fingerprint_overhead", "gather_into_over_memcpy"
+            } <= set(result)
     assert result["recompiles_after_warmup"] == 0
     assert result["gather_gbps"] > 0 and result["memcpy_gbps"] > 0
+    assert result["gather_into_gbps"] > 0
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.bfloat16, jnp.float32])

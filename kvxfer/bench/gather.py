@@ -6,6 +6,11 @@ reports bandwidths as ratios against numpy memcpy of the same number of bytes,
 measured in the same run (interleaved with the gathers, best of `iters`), so
 the figures mean something on a shared, noisy machine. `kvxfer bench gather
 --json` prints the returned dict.
+
+Two gathers are timed. `gather_blocks` is the jitted program (to pinned host
+arrays; its fingerprints are XLA's, which is what other backends run).
+`gather_into` is what P's connector runs: on XLA:CPU the blocks are copied with
+numpy straight into staging rows and fingerprinted in the same pass.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kvxfer.gather import bucket_size, gather_blocks
+from kvxfer.gather import bucket_size, gather_blocks, gather_into
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -54,8 +59,9 @@ def run(
     `gather_over_memcpy`, `naive_over_memcpy` (per layer: jitted take, `device_get`,
     numpy scatter into a host mirror of the cache, the shape of vLLM's TPU path),
     `recompiles_after_warmup` (backend compilations during the trials),
-    `fingerprint_overhead` (extra time of `fingerprints=True`, as a fraction), plus
-    `bytes` copied per gather and `naive_gbps`.
+    `fingerprint_overhead` (extra time of `fingerprints=True`, as a fraction),
+    `gather_into_over_memcpy` (P's path into staging, fingerprints included), plus
+    `bytes` copied per gather, `naive_gbps` and `gather_into_gbps`.
     """
     mesh = jax.make_mesh(mesh_shape, ("data", "model"))
     sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
@@ -66,11 +72,14 @@ def run(
 
     src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     naive = _naive_path(caches, sharding)
+    staging = [np.empty((count, *block_shape), np.dtype(dtype)) for _ in range(layers)]
+    rows = np.arange(count)
     timed: dict[str, Callable[[], object]] = {
         "memcpy": lambda: np.copyto(dst, src),
         "gather": lambda: gather_blocks(caches, ids),
         "gather_fp": lambda: gather_blocks(caches, ids, fingerprints=True),
         "naive": lambda: naive(ids),
+        "gather_into": lambda: gather_into(caches, ids, staging, rows),
     }
     for fn in timed.values():  # warm-up: compile, fault in pages
         jax.block_until_ready(fn())
@@ -92,6 +101,8 @@ def run(
         "fingerprint_overhead": (best["gather_fp"] - best["gather"]) / best["gather"],
         "bytes": nbytes,
         "naive_gbps": gbps["naive"],
+        "gather_into_gbps": gbps["gather_into"],
+        "gather_into_over_memcpy": gbps["gather_into"] / gbps["memcpy"],
     }
 
 
