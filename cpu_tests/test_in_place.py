@@ -433,10 +433,10 @@ def test_compare_fingerprints_refuses_arrays_of_different_shape():
 # 7. D's scatter fingerprints the blocks as they landed; tables in any order copy in runs.
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-def test_scatter_with_fingerprints_gives_those_of_the_blocks_as_they_landed(config, path):
-    caches, hosts = _make(config, seed=28)
-    region = _staging(config, seed=29)
+def _scatter_with_prints_checked(config, seed):
+    """Scatter with fingerprints; check the bytes and that the prints are the rows'."""
+    caches, hosts = _make(config, seed=seed)
+    region = _staging(config, seed=seed + 1)
     ids = [9, 8, 7, 6, 15, 0, 3]  # a descending run (a tail-first free list), then scattered
     rows = [4, 5, 6, 7, 31, 0, 20]
     out, prints = scatter_blocks(caches, region, ids, rows=rows, fingerprints=True)
@@ -448,6 +448,12 @@ def test_scatter_with_fingerprints_gives_those_of_the_blocks_as_they_landed(conf
     assert prints.shape == (LAYERS, len(ids)) and prints.dtype == np.uint32
     np.testing.assert_array_equal(
         prints, block_fingerprints(layout, [r[rows] for r in region], len(ids)))
+    return out, region, ids, rows, prints
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_scatter_with_fingerprints_gives_those_of_the_blocks_as_they_landed(config, path):
+    out, region, ids, _, prints = _scatter_with_prints_checked(config, seed=28)
     np.testing.assert_array_equal(prints, fingerprint_blocks(out, ids))
     out, none = scatter_blocks(out, region, [], rows=[], fingerprints=True)
     assert none.shape == (LAYERS, 0)
@@ -526,17 +532,7 @@ def test_host_copies_on_any_number_of_threads_write_and_hash_the_same_bytes(thre
     right block (they are added under a lock), whatever the thread count."""
     monkeypatch.setenv("KVXFER_HOST_THREADS", threads)
     config = next(iter(CONFIGS))
-    caches, hosts = _make(config, seed=41)
-    region = _staging(config, seed=42)
-    ids, rows = [9, 8, 7, 6, 15, 0, 3], [4, 5, 6, 7, 31, 0, 20]
-    out, prints = scatter_blocks(caches, region, ids, rows=rows, fingerprints=True)
-    for o, h, r in zip(out, hosts, region):
-        expected = _bytes(h).copy()
-        expected[ids] = _bytes(r)[rows]
-        np.testing.assert_array_equal(_bytes(o), expected)
-    layout = CacheLayout.from_caches(out)
-    np.testing.assert_array_equal(
-        prints, block_fingerprints(layout, [r[rows] for r in region], len(ids)))
+    out, _, ids, rows, prints = _scatter_with_prints_checked(config, seed=41)
     staging = _staging(config, seed=43)
     sent = gather_into(out, ids, staging, rows)
     np.testing.assert_array_equal(sent, prints)
