@@ -894,7 +894,7 @@ class DecodeTransport:
         self._adverts: dict[str, dict[str, Any] | TransferError] = {}
         self._reads: dict[str, _Read] = {}
         self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
-        self._zombies: list[tuple[str, Any]] = []  # (req, handle or posting) failed, in flight
+        self._zombies: list[tuple[str, Any]] = []  # (req, handle) failed but still in flight
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
         # engine's thread for the whole read.
@@ -1338,23 +1338,18 @@ class DecodeTransport:
         # was waited for inside `start_read`); then D's slots wait for every READ
         # NIXL has not released (it could still land).
         futures.wait([leg.posting for leg in read.legs.values() if leg.posting is not None])
-        held = [leg.posting or leg.handle for leg in read.legs.values()
-                if (leg.posting or leg.handle) is not None
-                and not self._release(leg.posting or leg.handle)]
+        for leg in read.legs.values():
+            if leg.posting is not None:
+                posting, leg.posting = leg.posting, None
+                leg.handle = None if posting.exception() else posting.result()
+        held = [leg.handle for leg in read.legs.values()
+                if leg.handle is not None and not self._release(leg.handle)]
         if held:
             self._zombies += [(read.req_id, h) for h in held]
         else:
             _free_everywhere(self.stagings, read.req_id)
 
     def _release(self, handle: Any) -> bool:
-        """Release a READ's handle; False while NIXL may still write (or is posting it)."""
-        if isinstance(handle, Future):
-            if not handle.done():
-                return False
-            try:
-                handle = handle.result()
-            except Exception:
-                return True  # never posted
         try:
             handle.release()
             return True
