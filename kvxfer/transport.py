@@ -81,7 +81,8 @@ stages whole blocks gathered from all of a process's shards and checks only
 the block bytes (`check_block_compatible`), so P and D may shard differently
 and D re-shards on scatter.
 
-Single-threaded: call each transport from one thread (the engine's).
+Single-threaded for the caller: call each transport from one thread (the
+engine's). D posts its READs from a thread of its own (see Reads).
 """
 
 from __future__ import annotations
