@@ -235,6 +235,32 @@ def test_an_idle_agent_does_not_spin_a_core():
     assert spent < 0.25 * idle, f"an idle agent used {spent:.2f} CPU-s in {idle} s"
 
 
+def test_agents_created_on_two_threads_at_once_leave_nixl_as_it_was_and_idle():
+    import resource
+    import threading
+
+    from kvxfer.transport import TransportConfig, _create_agent, _nixl
+
+    bindings = sys.modules[_nixl()[0].__module__].nixlBind
+    original = bindings.nixlAgentConfig
+    agents = []
+
+    def make(n):
+        agents.append(_create_agent(TransportConfig(f"twin-{n}"))[0])
+
+    threads = [threading.Thread(target=make, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(agents) == 2 and bindings.nixlAgentConfig is original
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(1.0)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    spent = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert spent < 0.25, f"two idle agents used {spent:.2f} CPU-s in 1 s"
+
+
 def test_message_round_trips():
     msg = decode_message(encode_message("done", req_id="r", instance="a1", generation=3), "D")
     assert (msg["t"], msg["req_id"], msg["generation"]) == ("done", "r", 3)

@@ -308,22 +308,27 @@ def _progress_wake(nixl_agent: Any, wake_us: int) -> Iterator[None]:
     is created as NIXL makes it, with a warning.
     """
     bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
-    base = getattr(bindings, "nixlAgentConfig", None)
-    if wake_us == 0 or base is None or not isinstance(getattr(base, "pthrDelay", None), property):
-        if wake_us:
-            logger.warning("cannot set NIXL's progress-thread wake-up here; its thread may spin")
-        yield
-        return
-    delay = base.pthrDelay
+    with _patch_lock:  # agents created on two threads at once would patch over each other
+        base = getattr(bindings, "nixlAgentConfig", None)
+        if wake_us == 0 or base is None or not isinstance(getattr(base, "pthrDelay", None),
+                                                         property):
+            if wake_us:
+                logger.warning("cannot set NIXL's progress-thread wake-up; its thread may spin")
+            yield
+            return
+        delay = base.pthrDelay
 
-    class _Config(base):  # type: ignore[misc, valid-type]
-        pthrDelay = property(delay.fget, lambda self, us: delay.fset(self, max(us, wake_us)))
+        class _Config(base):  # type: ignore[misc, valid-type]
+            pthrDelay = property(delay.fget, lambda self, us: delay.fset(self, max(us, wake_us)))
 
-    bindings.nixlAgentConfig = _Config
-    try:
-        yield
-    finally:
-        bindings.nixlAgentConfig = base
+        bindings.nixlAgentConfig = _Config
+        try:
+            yield
+        finally:
+            bindings.nixlAgentConfig = base
+
+
+_patch_lock = threading.Lock()
 
 
 def encode_message(kind: str, /, **fields: Any) -> bytes:
