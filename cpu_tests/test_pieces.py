@@ -173,3 +173,23 @@ def test_a_prefill_scheduler_refuses_sources_d_would_refuse(sources, units, matc
     with pytest.raises(InvalidInputError, match=match):
         PrefillScheduler([GroupSpec(16)], staging_blocks=8, kernel_ratio=1,
                          address=PeerAddress("p-0", "h", 0), sources=sources, units=units)
+
+
+def test_scatter_piece_without_sums_writes_the_same_bytes_and_hashes_nothing():
+    """D with verify_fingerprints=False: the copy alone."""
+    spec = PartitionSpec(None, None, "model")
+    src = caches((1, 8), spec, seed=7)
+    layout = CacheLayout.from_caches(src)
+    whole = Piece(1, 8, 0, 8)
+    st = piece_staging(layout, whole, 8)
+    gather_piece_into(src, np.array([3, 9, 4]), st, np.array([0, 1, 2]), whole)
+    outs = []
+    for sums in (True, False):
+        d = caches((1, 8), spec, zeros=True)
+        d, landed = scatter_piece(d, st, np.array([30, 1, 2]), np.array([0, 1, 2]), whole,
+                                  sums=sums)
+        assert (landed is None) == (not sums)
+        outs.append([bits(c) for c in d])
+    for with_sums, without in zip(*outs):
+        assert (with_sums == without).all()
+    assert all((o[[30, 1, 2]] == bits(s)[[3, 9, 4]]).all() for o, s in zip(outs[1], src))

@@ -868,12 +868,15 @@ class DecodeConnector:
             return caches
         ids_array, rows = np.asarray(ids, np.int64), np.asarray(slots, np.int64)
         if self.piece is not None:  # this process's units, checked against P's sums of them
-            caches, got = scatter_piece(caches, staging, ids_array, rows, self.pieces[g])
-            expected = unit_sums(staging, rows)
-            for req_id, start, count in spans:
-                if self.config.verify_fingerprints and not np.array_equal(
-                        got[:, start : start + count], expected[:, start : start + count]):
-                    bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
+            verify = self.config.verify_fingerprints
+            caches, got = scatter_piece(caches, staging, ids_array, rows, self.pieces[g],
+                                        sums=verify)
+            if got is not None:
+                expected = unit_sums(staging, rows)
+                for req_id, start, count in spans:
+                    if not np.array_equal(got[:, start : start + count],
+                                          expected[:, start : start + count]):
+                        bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
             return caches
         if not self.config.verify_fingerprints:
             return scatter_blocks(caches, staging.regions, ids_array, rows=rows)

@@ -186,24 +186,25 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
 
 def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
                   block_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
-                  piece: Piece) -> tuple[list[jax.Array], np.ndarray]:
+                  piece: Piece, sums: bool = True) -> tuple[list[jax.Array], np.ndarray | None]:
     """Write this process's piece of each block from its slot into the caches, in place.
 
     The caches are donated (every process of the instance calls this, with the
     same block ids: the donation is one program over the mesh). Returns the
     new caches and `uint32[num_layers, n]`: the unmixed sums of what landed in
     this process's shards (one replica of each unit range), to compare with
-    the sum of P's per-unit sums over `[piece.lo, piece.hi)` (`unit_sums`).
+    the sum of P's per-unit sums over `[piece.lo, piece.hi)` (`unit_sums`);
+    None with `sums=False` (nothing is hashed).
     """
     layout = CacheLayout.from_caches(caches)
     ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
     if len(ids) == 0:
-        return list(caches), np.zeros((layout.num_layers, 0), np.uint32)
+        return list(caches), np.zeros((layout.num_layers, 0), np.uint32) if sums else None
     threads = host_threads()  # a bad setting is refused before the caches are donated
     new = _own_fn(layout, caches[0].sharding.mesh)(list(caches))
     jax.block_until_ready(new)
     copies = _RowCopies(ids, src, ids_are_dst=True)
-    hashes = _BufferHashes(layout, ids)
+    hashes = _BufferHashes(layout, ids) if sums else None
     tasks = []
     for layer, (cache, region) in enumerate(zip(new, staging.regions)):
         view = _block_order(region, piece)
@@ -214,7 +215,7 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
                 _copy_then_hash, copies, shard, buffer, view[_local_index(shard, piece)],
                 hashes if id(shard) in first else None, layer, buffer))
     run_per_shard(tasks, threads)
-    return new, hashes.sums
+    return new, None if hashes is None else hashes.sums
 
 
 def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray:
