@@ -194,3 +194,12 @@ def test_bench_multihost_without_namespaces_says_what_is_missing(monkeypatch, ca
     assert main(["bench", "multihost", "--json"]) == 2
     err = capsys.readouterr().err
     assert "bench multihost makes network namespaces as hosts: network namespaces need root" in err
+
+
+def test_a_bad_host_thread_count_is_refused_by_the_cli_before_any_child_starts(
+        monkeypatch, capsys):
+    monkeypatch.setenv("KVXFER_HOST_THREADS", "many")
+    monkeypatch.setattr("kvxfer.demo.procs.Proc.__init__", lambda *a, **k: pytest.fail(
+        "a child process was started"))
+    assert main(["demo"]) == 2
+    assert "KVXFER_HOST_THREADS must be a positive int, got 'many'" in capsys.readouterr().err

@@ -241,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if "KVXFER_HOST_THREADS" in os.environ:  # refused here, not in a child process
+            from kvxfer.gather import host_threads
+
+            host_threads()
         return args.func(args)
     except KvxferError as e:
         print(f"kvxfer: error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ log to stdout), everything else to a log file the parent shows on failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -122,6 +123,7 @@ class Proc:
             self.proc.kill()
             self.proc.wait(timeout=10)
         finally:
-            self.proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # a child that died leaves a full pipe
+                self.proc.stdin.close()
             self.proc.stdout.close()
             self.log.close()
