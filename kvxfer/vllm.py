@@ -94,7 +94,8 @@ class Settings:
     - `kernel_ratio`: kernel blocks per logical block (1 for tpu-inference).
     - `verify_fingerprints`: D checks every block against P's fingerprints.
     - `handshake_timeout_s`, `transfer_timeout_s`, `lease_s`,
-      `heartbeat_interval_s`, `ucx_tls`: `kvxfer.transport.TransportConfig`.
+      `heartbeat_interval_s`, `ucx_tls`, `progress_wake_us`:
+      `kvxfer.transport.TransportConfig`.
     - `etcd_endpoints`: NIXL's metadata service (for example
       `http://10.0.0.2:2379`), the same on P and D: agents publish and find
       each other there by name instead of through P's listener, so `port` is
@@ -112,6 +113,7 @@ class Settings:
     lease_s: float = 30.0
     heartbeat_interval_s: float = 5.0
     ucx_tls: str | None = "cma,tcp,self"
+    progress_wake_us: int = 1000
     etcd_endpoints: str | None = None
 
     @classmethod
@@ -156,7 +158,7 @@ class Settings:
             handshake_timeout_s=self.handshake_timeout_s,
             transfer_timeout_s=self.transfer_timeout_s, lease_s=self.lease_s,
             heartbeat_interval_s=self.heartbeat_interval_s, ucx_tls=self.ucx_tls,
-            etcd_endpoints=self.etcd_endpoints)
+            progress_wake_us=self.progress_wake_us, etcd_endpoints=self.etcd_endpoints)
 
     @property
     def p_port(self) -> int:
