@@ -174,7 +174,7 @@ def test_bench_e2e_small_run_delivers_every_request_and_reports_every_figure():
     assert set(out) >= {"e2e_gbps", "memcpy_gbps", "e2e_over_memcpy", "p50_ms_2k", "p99_ms_2k",
                         "latency_2k_over_memcpy", "scatter_ms_small_cache",
                         "scatter_ms_big_cache", "scatter_growth", "verify_overhead",
-                        "d_start_ms_2k"}
+                        "d_held_ms_2k"}
     assert out["stream_requests"] == 4
     # Every byte of the stream's prompts reached D: 4 requests of whole 64 KiB blocks.
     rng = np.random.default_rng(cfg.seed)

@@ -555,7 +555,24 @@ def test_a_failing_shard_task_raises_once_every_task_has_ended(monkeypatch):
     assert sorted(ran) == [0, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "two", ""])
+def test_shard_tasks_that_run_shard_tasks_run_them_inline_not_deadlocked(monkeypatch):
+    import threading
+
+    monkeypatch.setenv("KVXFER_HOST_THREADS", "2")
+    ran = []
+
+    def outer(i):
+        gather_mod.run_per_shard([lambda j=j: ran.append((i, j)) for j in range(3)])
+
+    worker = threading.Thread(
+        target=gather_mod.run_per_shard, args=([lambda i=i: outer(i) for i in range(4)],))
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "nested shard tasks deadlocked the pool"
+    assert sorted(ran) == [(i, j) for i in range(4) for j in range(3)]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "", "\u00b2"])
 def test_a_bad_host_thread_count_is_refused_naming_it(value, monkeypatch):
     monkeypatch.setenv("KVXFER_HOST_THREADS", value)
     config = next(iter(CONFIGS))

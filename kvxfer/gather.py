@@ -523,7 +523,7 @@ def host_threads() -> int:
     """Threads for host copies: `KVXFER_HOST_THREADS`, else this process's cores, at most 8."""
     raw = os.environ.get("KVXFER_HOST_THREADS")
     if raw is not None:
-        if not raw.isdigit() or int(raw) < 1:
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
             raise InvalidInputError(f"KVXFER_HOST_THREADS must be a positive int, got {raw!r}")
         return int(raw)
     return max(1, min(8, len(os.sched_getaffinity(0))))
@@ -535,24 +535,35 @@ def run_per_shard(tasks: Sequence[Callable[[], object]], threads: int | None = N
     has ended."""
     global _pool
     threads = host_threads() if threads is None else threads
-    if threads == 1 or len(tasks) < 2:
-        for task in tasks:
+    if threads == 1 or len(tasks) < 2 or getattr(_in_task, "on", False):
+        for task in tasks:  # inline; also from inside a task, which would wait on itself
             task()
         return
     with _pool_lock:
         if _pool is None or _pool[0] != threads:
             _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="kvxfer-copy"))
         pool = _pool[1]
-    futures = [pool.submit(task) for task in tasks]
+    futures = [pool.submit(_as_task, task) for task in tasks]
     errors = [f.exception() for f in futures]
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
 
 
+_in_task = threading.local()
+
+
+def _as_task(task: Callable[[], object]) -> None:
+    _in_task.on = True
+    try:
+        task()
+    finally:
+        _in_task.on = False
+
+
 def _forget_pool() -> None:
-    global _pool
-    _pool = None  # a forked child has none of the parent's threads
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the threads
 
 
 os.register_at_fork(after_in_child=_forget_pool)

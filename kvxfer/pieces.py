@@ -208,12 +208,14 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     tasks = []
     for layer, (cache, region) in enumerate(zip(new, staging.regions)):
         view = _block_order(region, piece)
-        first = set(map(id, _one_replica(cache, piece)))
+        hashed: set[tuple[int, int, int]] = set()  # unit ranges: one replica of each
         for shard in _held_shards(cache, piece):  # every replica has its own buffer
             buffer = _buffer_view(shard.data)
+            units = shard.index[1 + piece.axis].indices(piece.units)
             tasks.append(functools.partial(
                 _copy_then_hash, copies, shard, buffer, view[_local_index(shard, piece)],
-                hashes if id(shard) in first else None, layer, buffer))
+                hashes if units not in hashed else None, layer, buffer))
+            hashed.add(units)
     run_per_shard(tasks, threads)
     return new, None if hashes is None else hashes.sums
 

@@ -40,11 +40,16 @@ posts one NIXL READ with one descriptor per (group, layer, run of slots
 contiguous on both sides), plus one per run for the slots' fingerprint rows
 (`Staging.prints`), so a request staged in one slot run costs one descriptor
 per layer and one more. READs are posted on a thread of D's own, in order:
-over UCX `cma` the post is the copy itself (5.3 ms of the engine's thread
-for a 64 MiB request in `bench e2e`, 0.33 ms with the thread), and NIXL
-releases the GIL while it copies. The agent runs in NIXL's thread-safe mode.
-A read that fails while its post is under way waits for the post, then for
-NIXL to release it, before its slots are reused.
+over UCX `cma` the post is the copy itself, done while NIXL holds the agent
+(it releases the GIL), so any NIXL call from the engine's thread would wait
+for it. While a post is under way `poll` leaves the agent alone: the
+engine's thread spends about 1 ms in kvxfer while a 64 MiB request is read
+in `bench e2e`, against 4.3-4.9 ms when polls waited on the agent. The agent
+runs in NIXL's thread-safe mode. A read that fails while its post is under
+way cancels it if it has not started, else waits for it (before, the post
+ran inside `start_read`), then for NIXL to release it, before its slots are
+reused. A post that never returned would stall D's reads, as it stalled
+`start_read` before.
 
 Completion and leases. When the READ is done D sends `done(req, instance,
 generation)`; P frees the request's slots and answers `ack` with `ok` true
@@ -329,6 +334,14 @@ def _progress_wake(nixl_agent: Any, wake_us: int) -> Iterator[None]:
 
 
 _patch_lock = threading.Lock()
+
+
+def _new_patch_lock() -> None:
+    global _patch_lock
+    _patch_lock = threading.Lock()  # a forked child may inherit it held
+
+
+os.register_at_fork(after_in_child=_new_patch_lock)
 
 
 def encode_message(kind: str, /, **fields: Any) -> bytes:
@@ -1208,7 +1221,12 @@ class DecodeTransport:
             self.agent.get_xfer_descs(np.concatenate(remote), "DRAM"),
             peer.name,
         )
-        state = self.agent.transfer(handle)
+        try:
+            state = self.agent.transfer(handle)
+        except Exception as e:  # part of it may be posted: `_advance` finds it in error
+            logger.warning("D %s: NIXL raised posting the READ of %s from %s: %s",
+                           self.config.name, req_id, peer.name, e)
+            return handle
         if state == "ERR":
             self._release(handle)
             raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer.name!r}")
@@ -1225,19 +1243,28 @@ class DecodeTransport:
         slots are freed here.
         """
         now = time.monotonic() if now is None else now
-        self._drain_notifs()
-        for read in list(self._reads.values()):
-            if read.req_id in self._reads:  # else failed with a peer meanwhile
-                self._advance(read)
-            if now > read.deadline and read.req_id in self._reads:
-                logger.warning("D %s read of %s timed out in states %s", self.config.name,
-                               read.req_id, {p: leg.state for p, leg in read.legs.items()})
-                self._fail(read)
-        self._heartbeat(now)
-        self._reap_zombies()
+        if not self._posting():
+            self._drain_notifs()
+            for read in list(self._reads.values()):
+                if read.req_id in self._reads:  # else failed with a peer meanwhile
+                    self._advance(read)
+                if now > read.deadline and read.req_id in self._reads:
+                    logger.warning("D %s read of %s timed out in states %s", self.config.name,
+                                   read.req_id, {p: leg.state for p, leg in read.legs.items()})
+                    self._fail(read)
+            self._heartbeat(now)
+            self._reap_zombies()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
+
+    def _posting(self) -> bool:
+        """Whether the poster thread is inside NIXL. Over UCX `cma` a post copies the
+        bytes while holding the agent, so any NIXL call from this thread would wait for
+        the whole copy: `poll` leaves the agent alone until it is done (notifications
+        wait in UCX; deadlines are checked at the next poll)."""
+        return any(leg.posting is not None and not leg.posting.done()
+                   for read in self._reads.values() for leg in read.legs.values())
 
     def _advance(self, read: _Read) -> None:
         """Check `read`'s posted READs; once all are done, say done to every P agent."""
@@ -1340,14 +1367,20 @@ class DecodeTransport:
         if self._reads.pop(read.req_id, None) is None:
             return
         self._failed[read.req_id] = list(read.logical_ids)
-        # A post under way is waited for (before posts ran on their own thread, it
-        # was waited for inside `start_read`); then D's slots wait for every READ
-        # NIXL has not released (it could still land).
-        futures.wait([leg.posting for leg in read.legs.values() if leg.posting is not None])
+        # A post not started is cancelled; one under way is waited for (before posts
+        # ran on their own thread, it was waited for inside `start_read`). Then D's
+        # slots wait for every READ NIXL has not released (it could still land).
+        pending = [leg.posting for leg in read.legs.values()
+                   if leg.posting is not None and not leg.posting.cancel()]
+        futures.wait(pending)
         for leg in read.legs.values():
             if leg.posting is not None:
                 posting, leg.posting = leg.posting, None
-                leg.handle = None if posting.exception() else posting.result()
+                if not posting.cancelled() and posting.exception() is not None:
+                    logger.warning("D %s: posting the READ of %s from %s failed: %s",
+                                   self.config.name, read.req_id, leg.peer, posting.exception())
+                elif not posting.cancelled():
+                    leg.handle = posting.result()
         held = [leg.handle for leg in read.legs.values()
                 if leg.handle is not None and not self._release(leg.handle)]
         if held:
@@ -1380,7 +1413,7 @@ class DecodeTransport:
         """Deregister staging and drop the agent (its listener stops with it)."""
         if self.agent is None:
             return
-        self._poster.shutdown(wait=True)  # no post may start on a closed agent
+        self._poster.shutdown(wait=True, cancel_futures=True)  # none may start on a closed agent
         _close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         _release_name(self.config.name)
