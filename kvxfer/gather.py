@@ -299,7 +299,7 @@ def gather_into(
                     view = _buffer_view(shard.data)
                     tasks.append(functools.partial(
                         _copy_then_hash, copies, shard, region[(slice(None), *shard.index[1:])],
-                        view, hashes, layer, view))
+                        view, hashes, layer))
         run_per_shard(tasks)
         if hashes is not None:
             return hashes.result()
@@ -570,10 +570,10 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _copy_then_hash(copies: _RowCopies, shard: jax.Shard, dst: np.ndarray, src: np.ndarray,
-                    hashes: _BufferHashes | None, layer: int, view: np.ndarray) -> None:
+                    hashes: _BufferHashes | None, layer: int) -> None:
     copies.copy(shard, dst, src)
-    if hashes is not None:
-        hashes.add(layer, shard, view)  # the rows just copied, while in this core's cache
+    if hashes is not None:  # the shard's buffer: rows just copied, while in this core's cache
+        hashes.add(layer, shard, dst if copies.ids_are_dst else src)
 
 
 # Writing in place where the caches are host memory (XLA:CPU).
@@ -755,7 +755,7 @@ def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Arra
             view = _buffer_view(shard.data)
             tasks.append(functools.partial(
                 _copy_then_hash, copies, shard, view, host[(slice(None), *shard.index[1:])],
-                hashes if shard.replica_id == 0 else None, layer, view))
+                hashes if shard.replica_id == 0 else None, layer))
     run_per_shard(tasks, threads)
     return new
 

@@ -208,14 +208,10 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     tasks = []
     for layer, (cache, region) in enumerate(zip(new, staging.regions)):
         view = _block_order(region, piece)
-        hashed: set[tuple[int, int, int]] = set()  # unit ranges: one replica of each
-        for shard in _held_shards(cache, piece):  # every replica has its own buffer
-            buffer = _buffer_view(shard.data)
-            units = shard.index[1 + piece.axis].indices(piece.units)
+        for shard, first in _replicas(cache, piece):  # every replica has its own buffer
             tasks.append(functools.partial(
-                _copy_then_hash, copies, shard, buffer, view[_local_index(shard, piece)],
-                hashes if units not in hashed else None, layer, buffer))
-            hashed.add(units)
+                _copy_then_hash, copies, shard, _buffer_view(shard.data),
+                view[_local_index(shard, piece)], hashes if first else None, layer))
     run_per_shard(tasks, threads)
     return new, None if hashes is None else hashes.sums
 
@@ -289,15 +285,20 @@ def _held_shards(cache: jax.Array, piece: Piece) -> list[jax.Shard]:
     return out
 
 
-def _one_replica(cache: jax.Array, piece: Piece) -> list[jax.Shard]:
-    """The shards inside `piece`, one per distinct range of units (replicas skipped)."""
+def _replicas(cache: jax.Array, piece: Piece) -> list[tuple[jax.Shard, bool]]:
+    """The shards inside `piece`, each with whether it is the first of its range of units
+    (by index: shard objects are not kept, so their ids say nothing)."""
     seen, out = set(), []
     for shard in _held_shards(cache, piece):
         key = shard.index[1 + piece.axis].indices(piece.units)
-        if key not in seen:
-            seen.add(key)
-            out.append(shard)
+        out.append((shard, key not in seen))
+        seen.add(key)
     return out
+
+
+def _one_replica(cache: jax.Array, piece: Piece) -> list[jax.Shard]:
+    """The shards inside `piece`, one per distinct range of units (replicas skipped)."""
+    return [shard for shard, first in _replicas(cache, piece) if first]
 
 
 def _sum_units(layout: CacheLayout, staging: Staging, layer: int,

@@ -261,6 +261,7 @@ def _release_name(name: str) -> None:
 def _create_agent(config: TransportConfig) -> tuple[Any, int]:
     """`(agent, listen port)`; the port is 0 with etcd (no listener)."""
     nixl_agent, nixl_agent_config = _nixl()
+    api = sys.modules.get(nixl_agent.__module__)  # what the two helpers below reach into
     tries = _MAX_BIND_TRIES if config.listen_port == 0 and not config.uses_etcd else 1
     # Both are read when the agent is created, and only then.
     env = {"UCX_TLS": config.ucx_tls, "NIXL_ETCD_ENDPOINTS": config.etcd_endpoints}
@@ -275,10 +276,10 @@ def _create_agent(config: TransportConfig) -> tuple[Any, int]:
             port = 0 if config.uses_etcd else config.listen_port or free_port()
             nixl_config = nixl_agent_config(
                 enable_listen_thread=not config.uses_etcd, listen_port=port,
-                num_threads=config.num_threads, sync_mode=_strict_sync(nixl_agent),
+                num_threads=config.num_threads, sync_mode=_strict_sync(api),
             )
             try:
-                with _progress_wake(nixl_agent, config.progress_wake_us):
+                with _progress_wake(api, config.progress_wake_us):
                     return nixl_agent(config.name, nixl_config), port
             except RuntimeError as e:
                 if "bind" not in str(e).lower() or attempt == tries - 1:
@@ -294,16 +295,15 @@ def _create_agent(config: TransportConfig) -> tuple[Any, int]:
                 os.environ[key] = value
 
 
-def _strict_sync(nixl_agent: Any) -> Any:
+def _strict_sync(api: Any) -> Any:
     """NIXL's thread-safe agent mode (D posts READs from a thread of its own). NIXL picks
-    it itself only with a listener; None where the API does not name it (then NIXL's
-    default applies)."""
-    modes = getattr(sys.modules.get(nixl_agent.__module__), "nixl_thread_sync_t", None)
-    return getattr(modes, "NIXL_THREAD_SYNC_STRICT", None)
+    it itself only with a listener; None where `api` (NIXL's Python API module) does not
+    name it (then NIXL's default applies)."""
+    return getattr(getattr(api, "nixl_thread_sync_t", None), "NIXL_THREAD_SYNC_STRICT", None)
 
 
 @contextlib.contextmanager
-def _progress_wake(nixl_agent: Any, wake_us: int) -> Iterator[None]:
+def _progress_wake(api: Any, wake_us: int) -> Iterator[None]:
     """While an agent is created: its progress thread's poll timeout is `wake_us`.
 
     `nixl_agent.__init__` builds its C++ config from the bindings' `nixlAgentConfig`
@@ -312,7 +312,7 @@ def _progress_wake(nixl_agent: Any, wake_us: int) -> Iterator[None]:
     `pthrDelay` is at least `wake_us`. Where the API has another shape, the agent
     is created as NIXL makes it, with a warning.
     """
-    bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    bindings = getattr(api, "nixlBind", None)
     with _patch_lock:  # agents created on two threads at once would patch over each other
         base = getattr(bindings, "nixlAgentConfig", None)
         if wake_us == 0 or base is None or not isinstance(getattr(base, "pthrDelay", None),
@@ -1374,13 +1374,14 @@ class DecodeTransport:
                    if leg.posting is not None and not leg.posting.cancel()]
         futures.wait(pending)
         for leg in read.legs.values():
-            if leg.posting is not None:
-                posting, leg.posting = leg.posting, None
-                if not posting.cancelled() and posting.exception() is not None:
-                    logger.warning("D %s: posting the READ of %s from %s failed: %s",
-                                   self.config.name, read.req_id, leg.peer, posting.exception())
-                elif not posting.cancelled():
-                    leg.handle = posting.result()
+            posting, leg.posting = leg.posting, None
+            if posting is None or posting.cancelled():
+                continue
+            if posting.exception() is not None:
+                logger.warning("D %s: posting the READ of %s from %s failed: %s",
+                               self.config.name, read.req_id, leg.peer, posting.exception())
+            else:
+                leg.handle = posting.result()
         held = [leg.handle for leg in read.legs.values()
                 if leg.handle is not None and not self._release(leg.handle)]
         if held:
