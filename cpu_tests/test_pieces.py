@@ -193,3 +193,5 @@ def test_scatter_piece_without_sums_writes_the_same_bytes_and_hashes_nothing():
     for with_sums, without in zip(*outs):
         assert (with_sums == without).all()
     assert all((o[[30, 1, 2]] == bits(s)[[3, 9, 4]]).all() for o, s in zip(outs[1], src))
+    with pytest.raises(InvalidInputError, match="sums must be True or False, got 'no'"):
+        scatter_piece(d, st, np.array([30]), np.array([0]), whole, sums="no")

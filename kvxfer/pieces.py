@@ -63,6 +63,7 @@ from kvxfer.gather import (
     _buffer_view,
     _BufferHashes,
     _check_block_ids,
+    _check_flag,
     _copy_then_hash,
     _own_fn,
     _RowCopies,
@@ -196,6 +197,7 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     the sum of P's per-unit sums over `[piece.lo, piece.hi)` (`unit_sums`);
     None with `sums=False` (nothing is hashed).
     """
+    _check_flag("sums", sums)
     layout = CacheLayout.from_caches(caches)
     ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
     if len(ids) == 0:
