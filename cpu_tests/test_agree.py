@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from kvxfer.transport import free_port
+from kvxfer.nixl.agent import free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "procs", "agree.py")
 

@@ -9,7 +9,7 @@ every prompt token's KV with P's, byte for byte.
 import pytest
 
 from kvxfer import KvxferError
-from kvxfer.connector import check_block_compatible
+from kvxfer.connector._worker import check_block_compatible
 from kvxfer.demo.kvbytes import BytesConfig, run_bytes
 from kvxfer.errors import LayoutMismatchError
 
@@ -60,7 +60,7 @@ def test_demo_rejects_unknown_layout_before_starting_processes():
 
 
 def _prefill_scheduler(**kw):
-    from kvxfer.connector import PeerAddress, PrefillScheduler
+    from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
     from kvxfer.scheduler import GroupSpec
 
     args = dict(staging_blocks=8, kernel_ratio=1, address=PeerAddress("P", "127.0.0.1", 5610))
@@ -82,7 +82,7 @@ def test_prefill_scheduler_names_a_bad_argument(kw, named):
 
 @pytest.mark.parametrize("port", [-1, 70000, "5610"])
 def test_peer_address_refuses_a_bad_port(port):
-    from kvxfer.connector import PeerAddress
+    from kvxfer.connector.scheduler import PeerAddress
     from kvxfer.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match=f"port must be an int in \\[0, 65535\\], got {port!r}"):
@@ -90,7 +90,7 @@ def test_peer_address_refuses_a_bad_port(port):
 
 
 def test_peer_address_takes_port_0_for_a_p_found_in_etcd():
-    from kvxfer.connector import PeerAddress
+    from kvxfer.connector.scheduler import PeerAddress
 
     assert PeerAddress("P", "127.0.0.1", 0).port == 0
 

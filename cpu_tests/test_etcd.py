@@ -15,7 +15,7 @@ import pytest
 
 from kvxfer.bench.hosts import EtcdServer
 from kvxfer.errors import InvalidInputError
-from kvxfer.transport import TransportConfig
+from kvxfer.nixl.agent import TransportConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Peer, PeerError  # noqa: E402

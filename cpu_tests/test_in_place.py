@@ -25,19 +25,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kvxfer.gather as gather_mod
+from kvxfer._host_buffers import _slice_runs
+from kvxfer._xla import _scatter_fn, _scatter_xla, bucket_size
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
-from kvxfer.gather import (
-    _scatter_fn,
-    _scatter_xla,
-    _slice_runs,
-    block_fingerprints,
-    bucket_size,
-    compare_fingerprints,
-    fingerprint_blocks,
-    gather_blocks,
-    gather_into,
-    scatter_blocks,
-)
+from kvxfer.fingerprint import compare_fingerprints
+from kvxfer.gather import block_fingerprints, fingerprint_blocks, gather_blocks, gather_into, scatter_blocks
 from kvxfer.layout import CacheLayout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

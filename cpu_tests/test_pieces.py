@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.gather import _fmix32, fingerprint_blocks
+from kvxfer.fingerprint import _fmix32
+from kvxfer.gather import fingerprint_blocks
 from kvxfer.layout import CacheLayout
 from kvxfer.pieces import (
     Piece,
@@ -18,7 +19,7 @@ from kvxfer.pieces import (
     split_axis,
     unit_sums,
 )
-from kvxfer.transport import ReadParams
+from kvxfer.wire import ReadParams
 
 SHAPE = (32, 16, 8, 2, 32)
 
@@ -164,9 +165,9 @@ def test_params_with_bad_sources_are_refused_by_name(units, sources, match):
     (["half"], 8, "do not tile"),
 ])
 def test_a_prefill_scheduler_refuses_sources_d_would_refuse(sources, units, match):
-    from kvxfer.connector import PeerAddress, PrefillScheduler
+    from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
     from kvxfer.scheduler import GroupSpec
-    from kvxfer.transport import Source
+    from kvxfer.wire import Source
 
     named = {"ok": Source("p-0", 0, 8), "half": Source("p-0", 0, 4)}
     sources = [named.get(x, x) if isinstance(x, str) else x for x in sources]

@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.blocks import coalesce
-from kvxfer.errors import InvalidInputError, KvxferError
-from kvxfer.staging import SlotAllocator, Staging, StagingFullError, UnknownRequestError
+from kvxfer.errors import InvalidInputError, KvxferError, StagingFullError, UnknownRequestError
+from kvxfer.slots import SlotAllocator
+from kvxfer.staging import Staging
 
 
 def _rows(rng, n, shape=(4, 2), layers=2, dtype=np.float32):

@@ -16,7 +16,8 @@ from kvxfer.gather import block_fingerprints, check_fingerprints, gather_blocks,
 from kvxfer.layout import CacheLayout
 from kvxfer.scheduler import GroupSpec
 from kvxfer.simulate import SimEngine
-from kvxfer.staging import SlotAllocator, Staging
+from kvxfer.slots import SlotAllocator
+from kvxfer.staging import Staging
 
 # Staging.
 
@@ -308,7 +309,7 @@ def test_demo_block_check_matches_what_p_engine_allocates():
     (dict(name="P", progress_wake_us=1.5), "progress_wake_us must be an int in .* got 1.5"),
 ])
 def test_transport_config_refuses_bad_values(fields, message):
-    from kvxfer.transport import TransportConfig
+    from kvxfer.nixl.agent import TransportConfig
 
     with pytest.raises(InvalidInputError, match=message):
         TransportConfig(**fields)
@@ -322,8 +323,8 @@ def test_transport_config_refuses_bad_values(fields, message):
     (dict(transport="P"), "transport must be a TransportConfig, got 'P'"),
 ])
 def test_connector_config_refuses_bad_values(fields, message):
-    from kvxfer.connector import ConnectorConfig
-    from kvxfer.transport import TransportConfig
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.nixl.agent import TransportConfig
 
     with pytest.raises(InvalidInputError, match=message):
         ConnectorConfig(**{"transport": TransportConfig("P"), **fields})
@@ -331,8 +332,10 @@ def test_connector_config_refuses_bad_values(fields, message):
 
 def test_two_live_agents_may_not_share_a_name():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.decode import DecodeTransport
+    from kvxfer.nixl.prefill import PrefillTransport
     from kvxfer.staging import Staging
-    from kvxfer.transport import DecodeTransport, PrefillTransport, TransportConfig
 
     first = PrefillTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {})
     try:
@@ -345,8 +348,9 @@ def test_two_live_agents_may_not_share_a_name():
 
 def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_changes():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.decode import DecodeTransport
     from kvxfer.staging import Staging
-    from kvxfer.transport import DecodeTransport, TransportConfig
 
     params = {"peer": "P", "instance": "i", "host": "127.0.0.1", "port": 1, "req_id": "r",
               "generation": 1, "groups": [{"keys": [0], "slots": [0]}]}

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from kvxfer.errors import LayoutMismatchError, TransferError
-from kvxfer.transport import check_layouts, decode_message, encode_message, free_port
+from kvxfer.nixl.agent import free_port
+from kvxfer.nixl.decode import check_layouts
+from kvxfer.wire import decode_message, encode_message
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Peer, PeerError  # noqa: E402
@@ -213,7 +215,7 @@ def _idle_cpu_s(agent_config, idle_s: float) -> float:
     """CPU seconds this process spends while `idle_s` pass with a fresh agent."""
     import resource
 
-    from kvxfer.transport import _create_agent
+    from kvxfer.nixl.agent import _create_agent
 
     agent, _ = _create_agent(agent_config)
     try:
@@ -228,7 +230,7 @@ def _idle_cpu_s(agent_config, idle_s: float) -> float:
 def test_an_idle_agent_does_not_spin_a_core():
     """NIXL's Python API starts its progress thread with a zero poll timeout, which
     spins; kvxfer's agents wait for events (CPU time, not wall time, is asserted)."""
-    from kvxfer.transport import TransportConfig
+    from kvxfer.nixl.agent import TransportConfig
 
     idle = 1.0
     spent = _idle_cpu_s(TransportConfig("idle-agent"), idle)
@@ -239,7 +241,7 @@ def test_agents_created_on_two_threads_at_once_leave_nixl_as_it_was_and_idle():
     import resource
     import threading
 
-    from kvxfer.transport import TransportConfig, _create_agent, _nixl
+    from kvxfer.nixl.agent import TransportConfig, _create_agent, _nixl
 
     bindings = sys.modules[_nixl()[0].__module__].nixlBind
     original = bindings.nixlAgentConfig

@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if "KVXFER_HOST_THREADS" in os.environ:  # refused here, not in a child process
-            from kvxfer.gather import host_threads
+            from kvxfer._host_buffers import host_threads
 
             host_threads()
         return args.func(args)

@@ -27,3 +27,14 @@ class TransferError(KvxferError):
 
 class SetupError(KvxferError, RuntimeError):
     """The machine lacks what a tool or benchmark needs (root, `ip`, etcd), or setting it up failed."""
+
+
+class StagingFullError(KvxferError):
+    """No free staging slots are left for a request."""
+
+
+class UnknownRequestError(KvxferError, KeyError):
+    """A request id (or one of its blocks) is not staged."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""

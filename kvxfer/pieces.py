@@ -1,54 +1,10 @@
 """A process's piece of every block, for instances that span hosts.
-
-An instance on several hosts is several JAX processes sharing one mesh
-(`jax.distributed`); each process addresses only its own shards. So each
-stages, registers and moves only its piece of each block, and nothing
-crosses between the hosts of one instance:
-
-    piece = Piece.local(caches)                   # this process's units of each block
-    staging = piece_staging(layout, piece, slots)   # registered with this process's agent
-    gather_piece_into(caches, ids, staging, slots, piece)            # P
-    caches, sums = scatter_piece(caches, staging, ids, slots, piece)  # D
-
-Pieces. A block is split along one axis, its *split axis*: the one inner axis
-the caches shard over the mesh (heads, or tpu-inference's combined K/V heads
-axis), cut into its `units` (its length). A process holds units `[lo, hi)`,
-the union of its shards' ranges, which must be contiguous (they are for a
-mesh whose devices are listed process by process, as `jax.devices()` lists
-them). A cache replicated over the mesh (MLA's latent cache) has no split
-axis; then the block's first axis is the nominal one and every process holds
-the whole block. A block axis sharded over the mesh (data parallelism), or
-more than one split axis, is refused by name.
-
-Unit-major staging. Slot `s` of a piece's staging holds `[hi - lo, *rest]`:
-the split axis first, the other block axes in their order. So any range of
-units of a block is one run of contiguous bytes, in P's staging and in D's:
-a D process reads, from each P process that holds units it needs, exactly
-the units they share, as one NIXL descriptor per block (per run of slots
-where the ranges match whole). The copies between the caches' buffers and
-this order are strided numpy copies (runs of `prod(rest after the split
-axis)` elements), as D's copies already are at TP 8.
-
-Fingerprints per unit. P sums each unit's 32-bit words against the weights
-of their indices in the whole block (the weights `kvxfer.gather`'s
-fingerprints use), mod 2**32, without the final mix, into
-`staging.prints[slot, unit, layer]`; D reads the sums of its units with the
-blocks, adds them, and compares the total with the same sum over what landed
-in its own shards. Sums add across any split, so P and D may cut blocks
-differently (P 4 processes, D 2). A flipped bit changes its unit's sum by an
-odd multiple of a power of two below 2**32: always caught.
-
-Only the XLA:CPU path (numpy on the buffers, no dispatch) is built: other
-backends raise `InvalidInputError` naming the platform. On TPU the copies
-belong in the DMA kernels the module docstring of `kvxfer.gather` names.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,20 +12,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.blocks import coalesce, is_int
-from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
-from kvxfer.gather import (
-    _K,
+from kvxfer._host_buffers import (
     _buffer_view,
     _BufferHashes,
-    _check_block_ids,
-    _check_flag,
     _copy_then_hash,
     _own_fn,
     _RowCopies,
     host_threads,
     run_per_shard,
 )
+from kvxfer.blocks import coalesce, is_int
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.fingerprint import _K
+from kvxfer.gather import _check_block_ids, _check_flag
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
 
@@ -224,9 +179,6 @@ def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray
     return prints.sum(axis=1, dtype=np.uint32).T
 
 
-# Internals.
-
-
 def _check_words(layout: CacheLayout, piece: Piece) -> None:
     if split_axis(layout) != piece.axis or layout.block_shape[piece.axis] != piece.units:
         raise LayoutMismatchError(f"piece {piece} does not cut blocks of {layout.block_shape} "
@@ -323,78 +275,3 @@ def _unit_weights(layout: CacheLayout, piece: Piece) -> np.ndarray:
     held = np.moveaxis(flat, piece.axis, 0)[piece.lo : piece.hi]  # unit-major, as staged
     word = held.reshape(piece.count, -1)[:, ::per_word] // per_word
     return ((word * 2 + 1) * int(_K) % (1 << 32)).astype(np.uint32)
-
-
-# Agreement among the processes of one instance (collectives: every process calls
-# each of these, in the same order, with the same sizes).
-
-
-def spans_processes(caches: Sequence[jax.Array]) -> bool:
-    """Whether the caches' mesh spans several processes (hosts)."""
-    return not caches[0].is_fully_addressable
-
-
-_AGREE_BUCKET = 256  # agreements per key directory; rank 0 drops a directory two later
-_AGREE_TIMEOUT_S = 600.0  # a peer busy compiling can take minutes; a dead one never comes
-_agreements = itertools.count()
-
-
-def _coordination_client() -> Any:
-    """JAX's coordination-service client (`jax.distributed`), or None where it is not there."""
-    try:
-        from jax._src import distributed
-    except ImportError:
-        return None
-    return getattr(distributed.global_state, "client", None)
-
-
-def agree(flags: Sequence[int] | np.ndarray) -> np.ndarray:
-    """`int32[processes, n]`: every process's `flags` (n of them), gathered in every process.
-
-    Through the key-value store of JAX's coordination service (the one
-    `jax.distributed.initialize` starts): each process sets its row under the
-    call's number and reads the others'. 0.59 ms (and 0.59 ms of CPU) between
-    two processes here, against 1.41 ms (0.93 ms of CPU) for
-    `multihost_utils.process_allgather`, which builds a global array and runs
-    a collective program for a few ints; and a peer
-    that never arrives is a `TransferError` naming it, not a hang. Falls back
-    to `process_allgather` where the client is not reachable.
-    """
-    local = np.asarray(flags, np.int32).reshape(-1)
-    client = _coordination_client()
-    if client is None:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(local))
-    bucket, call = divmod(next(_agreements), _AGREE_BUCKET)
-    me, count = jax.process_index(), jax.process_count()
-    key = f"kvxfer/agree/{bucket}/{call}"
-    client.key_value_set_bytes(f"{key}/{me}", local.tobytes())
-    rows = []
-    for rank in range(count):
-        if rank == me:
-            rows.append(local)
-            continue
-        try:
-            data = client.blocking_key_value_get_bytes(f"{key}/{rank}",
-                                                       int(_AGREE_TIMEOUT_S * 1000))
-        except Exception as e:  # the client raises its own XlaRuntimeError
-            raise TransferError(f"process {rank} did not agree within {_AGREE_TIMEOUT_S:.0f} s "
-                                f"(agreement {key}): {e}") from e
-        row = np.frombuffer(data, np.int32)
-        if row.shape != local.shape:
-            raise TransferError(f"process {rank} agreed on {row.size} flags at {key}, this "
-                                f"process on {local.size}: the processes are out of step")
-        rows.append(row)
-    if me == 0 and call == 0 and bucket >= 2:
-        # Every process has read bucket - 2: each finished bucket - 1's last agreement.
-        client.key_value_delete(f"kvxfer/agree/{bucket - 2}")
-    return np.stack(rows)
-
-
-def shared_instance() -> str:
-    """A fresh P instance id drawn by process 0 and handed to every process of the instance."""
-    from jax.experimental import multihost_utils
-
-    drawn = np.frombuffer(secrets.token_bytes(8), np.uint8)
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(drawn), np.uint8)).hex()

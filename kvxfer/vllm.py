@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from kvxfer.connector import SaveMeta
+    from kvxfer.connector.scheduler import SaveMeta
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Settings:
 
     def connector_config(self, producer: bool) -> Any:
         """The worker's `kvxfer.connector.ConnectorConfig` (raises naming a bad value)."""
-        from kvxfer.connector import ConnectorConfig
+        from kvxfer.connector.config import ConnectorConfig
 
         return ConnectorConfig(self.transport(producer), staging_blocks=self.staging_blocks,
                                kernel_ratio=self.kernel_ratio,
@@ -146,7 +146,8 @@ class Settings:
         return self.name or f"kvxfer-P-{self.host}-{self.port}"
 
     def transport(self, producer: bool) -> Any:
-        from kvxfer.transport import TransportConfig, new_instance
+        from kvxfer.nixl.agent import TransportConfig
+        from kvxfer.wire import new_instance
 
         if producer:
             name, port = self.p_name, self.p_port
@@ -324,7 +325,7 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
 class _SchedulerSide:
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
                  consumer: bool):
-        from kvxfer.connector import PeerAddress, PrefillScheduler
+        from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
 
         self.groups = list(groups)
         self.consumer = consumer
@@ -419,7 +420,7 @@ class _WorkerSide:
             self._indices.append(list(dict.fromkeys(index[n] for n in group.layer_names)))
         self.runner = runner
         if self.consumer:
-            from kvxfer.connector import DecodeConnector
+            from kvxfer.connector.decode import DecodeConnector
 
             self._decode = DecodeConnector(self.settings.connector_config(False), self._caches())
 
@@ -443,7 +444,7 @@ class _WorkerSide:
         if save is None:
             return
         if self._prefill is None:
-            from kvxfer.connector import PrefillWorker
+            from kvxfer.connector.prefill import PrefillWorker
 
             self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(), save.instance)
         if save.blocks or save.holds:

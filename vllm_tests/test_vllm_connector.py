@@ -19,7 +19,8 @@ import pytest
 from engine import Engine
 
 from kvxfer.errors import InvalidInputError
-from kvxfer.transport import DecodeTransport, free_port
+from kvxfer.nixl.agent import free_port
+from kvxfer.nixl.decode import DecodeTransport
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -19,7 +19,7 @@ start_jax(1, f"127.0.0.1:{port}", 2, rank, "127.0.0.1")
 import jax  # noqa: E402
 from jax._src import distributed  # noqa: E402
 
-from kvxfer import pieces  # noqa: E402
+from kvxfer import multihost  # noqa: E402
 from kvxfer.errors import TransferError  # noqa: E402
 
 jax.devices()  # the backend (its topology exchange) is up in both, as in an engine
@@ -27,23 +27,23 @@ out = {}
 if case == "many":
     bad = 0
     for i in range(600):
-        got = pieces.agree([rank, i, rank * i])
+        got = multihost.agree([rank, i, rank * i])
         bad += int(got.tolist() != [[0, i, 0], [1, i, i]])
     keys = distributed.global_state.client.key_value_dir_get_bytes("kvxfer/agree")
     out = {"bad": bad, "keys": len(keys)}
 elif case == "absent":
     if rank == 1:
-        pieces._AGREE_TIMEOUT_S = 1.0
+        multihost._AGREE_TIMEOUT_S = 1.0
         start = time.monotonic()
         try:
-            pieces.agree([1])
+            multihost.agree([1])
         except TransferError as e:
             out = {"error": str(e), "took_s": time.monotonic() - start}
     else:
         time.sleep(4)  # never agrees
 elif case == "out_of_step":
     try:
-        pieces.agree([1] * (2 + rank))
+        multihost.agree([1] * (2 + rank))
     except TransferError as e:
         out = {"error": str(e)}
 print(json.dumps(out), flush=True)

@@ -33,9 +33,11 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from kvxfer.connector import ConnectorConfig, DecodeConnector, PrefillConnector  # noqa: E402
+from kvxfer.connector.config import ConnectorConfig  # noqa: E402
+from kvxfer.connector.decode import DecodeConnector  # noqa: E402
+from kvxfer.connector.prefill import PrefillConnector  # noqa: E402
+from kvxfer.nixl.agent import TransportConfig  # noqa: E402
 from kvxfer.scheduler import GroupSpec, ScheduledRequest  # noqa: E402
-from kvxfer.transport import TransportConfig  # noqa: E402
 
 BLOCK = 16
 LAYERS = 2

@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer.connector import ConnectorConfig, DecodeConnector, PrefillConnector
+from kvxfer.connector.config import ConnectorConfig
+from kvxfer.connector.decode import DecodeConnector
+from kvxfer.connector.prefill import PrefillConnector
+from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec
-from kvxfer.transport import TransportConfig
 
 SHAPE = (32, 16, 4, 2, 32)  # [blocks, tokens, heads*2/p, p, dim], bf16
 _names = itertools.count()

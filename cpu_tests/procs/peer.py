@@ -18,8 +18,10 @@ import time
 
 import numpy as np
 
+from kvxfer.nixl.agent import TransportConfig
+from kvxfer.nixl.decode import DecodeTransport
+from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.staging import Staging
-from kvxfer.transport import DecodeTransport, PrefillTransport, TransportConfig
 
 
 def block_rows(seed, kernel_ids, layer, block_shape, dtype):
@@ -42,7 +44,7 @@ def main():
     layout = spec["layout"]
     if spec.get("corrupt_layout"):
         # Test hook: this P's layout advertisement arrives cut in half.
-        from kvxfer import transport
+        from kvxfer.nixl import agent as transport
 
         encode = transport.encode_message
 

@@ -103,9 +103,10 @@ class _Prefill:
     """P's engine loop: admission, chunked scheduling, saves, frees."""
 
     def __init__(self, cfg: E2EConfig, out: Any):
-        from kvxfer.connector import ConnectorConfig, PrefillConnector
+        from kvxfer.connector.config import ConnectorConfig
+        from kvxfer.connector.prefill import PrefillConnector
+        from kvxfer.nixl.agent import TransportConfig
         from kvxfer.scheduler import GroupSpec
-        from kvxfer.transport import TransportConfig
 
         self.cfg, self.out = cfg, out
         self.caches = _caches(cfg, cfg.tp_p, cfg.num_blocks, seed=1)
@@ -194,8 +195,9 @@ def _serve_p(cfg: E2EConfig, out: Any) -> None:
 
 
 def _serve_d(cfg: E2EConfig, out: Any) -> None:
-    from kvxfer.connector import ConnectorConfig, DecodeConnector
-    from kvxfer.transport import TransportConfig
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.connector.decode import DecodeConnector
+    from kvxfer.nixl.agent import TransportConfig
 
     memcpy = [memcpy_gbps(_MEMCPY_BYTES)]
     caches = _caches(cfg, cfg.tp_d, cfg.num_blocks, seed=2)

@@ -35,7 +35,7 @@ import time
 import urllib.request
 
 from kvxfer.errors import InvalidInputError, SetupError
-from kvxfer.transport import free_port
+from kvxfer.nixl.agent import free_port
 
 log = logging.getLogger(__name__)
 

@@ -152,8 +152,8 @@ def _caches(cfg: MultihostConfig, fill: bool) -> list[Any]:
 
 
 def _config(cfg: MultihostConfig, role: str, etcd: str) -> Any:
-    from kvxfer.connector import ConnectorConfig
-    from kvxfer.transport import TransportConfig
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.nixl.agent import TransportConfig
 
     transport = TransportConfig(name=role, etcd_endpoints=etcd, ucx_tls=cfg.ucx_tls,
                                 transfer_timeout_s=cfg.timeout_s / 4, lease_s=cfg.timeout_s,
@@ -186,7 +186,7 @@ def _serve_p(cfg: MultihostConfig, spec: dict[str, Any]) -> dict[str, Any]:
     """Stage each round's requests, publish their params, serve D until all are released."""
     import jax
 
-    from kvxfer.connector import PrefillConnector
+    from kvxfer.connector.prefill import PrefillConnector
     from kvxfer.scheduler import GroupSpec, ScheduledRequest
 
     caches = _caches(cfg, fill=True)
@@ -223,7 +223,7 @@ def _serve_d(cfg: MultihostConfig, spec: dict[str, Any]) -> dict[str, Any]:
     import jax
     from jax.experimental import multihost_utils
 
-    from kvxfer.connector import DecodeConnector
+    from kvxfer.connector.decode import DecodeConnector
 
     caches = _caches(cfg, fill=False)
     d = DecodeConnector(_config(cfg, "d", spec["etcd"]), caches)

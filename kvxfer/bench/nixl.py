@@ -33,7 +33,8 @@ def _staging(layers: int, blocks: int, block_bytes: int, placement: str) -> Any:
 def _prefill(conn: Any, layers: int, blocks: int, block_bytes: int, placement: str,
              config_fields: dict[str, Any], seed: int) -> None:
     """P's process: stage and hold a request whenever D asks, poll otherwise."""
-    from kvxfer.transport import PrefillTransport, TransportConfig
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.prefill import PrefillTransport
 
     staging = _staging(layers, blocks, block_bytes, placement)
     transport = PrefillTransport(TransportConfig(**config_fields), staging, {"bench": 1})
@@ -80,7 +81,8 @@ def run(
     `placement`, `ucx_tls`, `iters`. Printed as one JSON line when `verbose`.
     """
     from kvxfer.blocks import coalesce_pairs
-    from kvxfer.transport import DecodeTransport, TransportConfig
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.decode import DecodeTransport
 
     common = {"ucx_tls": ucx_tls, "transfer_timeout_s": timeout_s,
               "handshake_timeout_s": timeout_s}

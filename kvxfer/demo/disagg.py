@@ -124,12 +124,13 @@ class DemoConfig:
 
 
 def _serve_p(cfg: DemoConfig, out, workdir: str) -> None:
-    from kvxfer.connector import ConnectorConfig, PrefillConnector
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.connector.prefill import PrefillConnector
     from kvxfer.demo.engine import NewBlocksTracker, Shapes, decode_each, demo_prompts, pool_blocks, prefill
     from kvxfer.demo.kvbytes import token_rows
     from kvxfer.demo.model import ShardedDecoder, make_mesh
+    from kvxfer.nixl.agent import TransportConfig
     from kvxfer.scheduler import GroupSpec
-    from kvxfer.transport import TransportConfig
 
     model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_p))
     shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead, cfg.decode_tokens)
@@ -206,11 +207,12 @@ def _save_logits(logits: list[np.ndarray], workdir: str, role: str, name: str) -
 
 
 def _serve_d(cfg: DemoConfig, out, workdir: str) -> None:
-    from kvxfer.connector import ConnectorConfig, DecodeConnector
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.connector.decode import DecodeConnector
     from kvxfer.demo.engine import Shapes, colocated, decode, decode_blocks, demo_prompts
     from kvxfer.demo.kvbytes import token_rows
     from kvxfer.demo.model import ShardedDecoder, make_mesh
-    from kvxfer.transport import TransportConfig
+    from kvxfer.nixl.agent import TransportConfig
 
     model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_d))
     shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead, cfg.decode_tokens)

@@ -196,11 +196,12 @@ def _serve_p(cfg: BytesConfig, out) -> None:
     import jax
     import numpy as np
 
-    from kvxfer.connector import ConnectorConfig, PrefillConnector
-    from kvxfer.gather import bucket_size
+    from kvxfer._xla import bucket_size
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.connector.prefill import PrefillConnector
+    from kvxfer.nixl.agent import TransportConfig
     from kvxfer.scheduler import GroupSpec
     from kvxfer.simulate import SimEngine
-    from kvxfer.transport import TransportConfig
 
     caches = _caches(cfg, cfg.tp_p)
     group = GroupSpec(cfg.block_size)
@@ -268,8 +269,9 @@ def _serve_p(cfg: BytesConfig, out) -> None:
 def _serve_d(cfg: BytesConfig, out) -> None:
     import numpy as np
 
-    from kvxfer.connector import ConnectorConfig, DecodeConnector
-    from kvxfer.transport import TransportConfig
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.connector.decode import DecodeConnector
+    from kvxfer.nixl.agent import TransportConfig
 
     caches = _caches(cfg, cfg.tp_d)
     conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks), caches)

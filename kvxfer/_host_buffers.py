@@ -1,0 +1,250 @@
+"""The host backend (XLA:CPU only): numpy copies and hashes on the caches' own buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from kvxfer.errors import InvalidInputError
+from kvxfer.fingerprint import _fmix32, _index_key, _piece_weights
+from kvxfer.layout import CacheLayout
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+_pool_lock = threading.Lock()
+
+
+def host_threads() -> int:
+    """Threads for host copies: `KVXFER_HOST_THREADS`, else this process's cores, at most 8."""
+    raw = os.environ.get("KVXFER_HOST_THREADS")
+    if raw is not None:
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+            raise InvalidInputError(f"KVXFER_HOST_THREADS must be a positive int, got {raw!r}")
+        return int(raw)
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def run_per_shard(tasks: Sequence[Callable[[], object]], threads: int | None = None) -> None:
+    """Run independent per-shard tasks on `threads` host-copy threads (`host_threads()` by
+    default) and wait for all of them; the first task's error is raised once every task
+    has ended."""
+    global _pool
+    threads = host_threads() if threads is None else threads
+    if threads == 1 or len(tasks) < 2 or getattr(_in_task, "on", False):
+        for task in tasks:  # inline; also from inside a task, which would wait on itself
+            task()
+        return
+    with _pool_lock:
+        if _pool is None or _pool[0] != threads:
+            _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="kvxfer-copy"))
+        pool = _pool[1]
+    futures = [pool.submit(_as_task, task) for task in tasks]
+    errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+_in_task = threading.local()
+
+
+def _as_task(task: Callable[[], object]) -> None:
+    _in_task.on = True
+    try:
+        task()
+    finally:
+        _in_task.on = False
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _copy_then_hash(copies: _RowCopies, shard: jax.Shard, dst: np.ndarray, src: np.ndarray,
+                    hashes: _BufferHashes | None, layer: int) -> None:
+    copies.copy(shard, dst, src)
+    if hashes is not None:  # the shard's buffer: rows just copied, while in this core's cache
+        hashes.add(layer, shard, dst if copies.ids_are_dst else src)
+
+
+def _writes_in_place(mesh: Mesh) -> bool:
+    return all(d.platform == "cpu" for d in mesh.devices.flat)
+
+
+def _buffer_view(array: jax.Array) -> np.ndarray:
+    """A writable numpy view of a single-device CPU array's buffer (C order), no copy.
+
+    The view does not keep `array` alive: the caller does.
+    """
+    nbytes = array.size * array.dtype.itemsize
+    if nbytes == 0:
+        return np.empty(array.shape, array.dtype)
+    raw = (ctypes.c_char * nbytes).from_address(array.unsafe_buffer_pointer())
+    return np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)
+
+
+class _RowCopies:
+    """`dst[to[i]] = src[frm[i]]` for the blocks a shard holds, as slice copies where
+    rows run together.
+
+    `ids` are block ids (global), `rows` the matching host rows; `ids_are_dst` says
+    which side the shard's buffer is. The rows each block range holds, and their
+    runs, are worked out once per call and reused for every layer and inner piece.
+    """
+
+    def __init__(self, ids: np.ndarray, rows: np.ndarray, ids_are_dst: bool):
+        self.ids, self.rows, self.ids_are_dst = ids, rows, ids_are_dst
+        self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list | None]] = {}
+
+    def copy(self, shard: jax.Shard, dst: np.ndarray, src: np.ndarray) -> None:
+        first, size = shard.index[0].start or 0, shard.data.shape[0]
+        plan = self._plans.get((first, size))
+        if plan is None:
+            local = self.ids - first
+            inside = (local >= 0) & (local < size)
+            held, rows = local[inside], self.rows[inside]
+            to, frm = (held, rows) if self.ids_are_dst else (rows, held)
+            runs = _slice_runs(frm, to)
+            plan = self._plans[(first, size)] = (to, frm, runs if 2 * len(runs) <= len(to)
+                                                 else None)
+        to, frm, runs = plan
+        if not len(to):
+            return
+        if runs is not None:  # mostly contiguous: no temporary
+            for s, d, n in runs:
+                if n > 0:
+                    dst[d : d + n] = src[s : s + n]
+                else:
+                    dst[d : d - n] = src[s + n + 1 : s + 1][::-1]
+        else:
+            dst[to] = src[frm]
+
+
+def _slice_runs(frm: np.ndarray, to: np.ndarray) -> list[tuple[int, int, int]]:
+    """`dst[to[i]] = src[frm[i]]` (`to` distinct) as runs `(s, d, n)`: `dst[d:d+|n|]`
+    gets rows `s, s+1, ...` of `src` for `n > 0`, rows `s, s-1, ...` for `n < 0`.
+
+    In destination order, so a table allocated from a free list that hands out
+    blocks in descending order (vLLM frees a request's blocks tail first) still
+    copies in runs.
+    """
+    order = np.argsort(to, kind="stable")
+    runs: list[tuple[int, int, int]] = []
+    for d, s in zip(to[order].tolist(), frm[order].tolist()):
+        if runs:
+            s0, d0, n = runs[-1]
+            if d == d0 + abs(n):
+                if s == s0 + n and n > 0:
+                    runs[-1] = (s0, d0, n + 1)
+                    continue
+                if s == s0 - abs(n) and (n < 0 or n == 1):
+                    runs[-1] = (s0, d0, -abs(n) - 1)
+                    continue
+        runs.append((s, d, 1))
+    return runs
+
+
+class _BufferHashes:
+    """Fingerprints summed with numpy from the caches' own buffers (XLA:CPU).
+
+    The same values as `_device_fingerprint`: each shard's piece of a block is
+    a run of whole 32-bit words, and `np.einsum` sums them against the
+    weights of their indices in the whole block, at about memory speed (an
+    XLA:CPU reduction runs at a fraction of it and materializes the gathered
+    rows). Replicas are skipped: `add` is given each `replica_id == 0` shard
+    of each layer once, and the shards' sums add up as the device's `psum`
+    does. Only for layouts whose pieces are whole words (`of` returns None
+    otherwise).
+    """
+
+    _CHUNK = 64  # rows gathered at a time where ids do not run together
+
+    def __init__(self, layout: CacheLayout, ids: np.ndarray):
+        self.layout, self.ids = layout, ids
+        self.sums = np.zeros((layout.num_layers, len(ids)), np.uint32)
+        self._lock = threading.Lock()
+        self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list | None]] = {}
+
+    @classmethod
+    def of(cls, layout: CacheLayout, ids: np.ndarray) -> _BufferHashes | None:
+        piece = layout.shard_block_shape[-1] * layout.np_dtype.itemsize
+        whole = layout.block_shape[-1] * layout.np_dtype.itemsize
+        return cls(layout, ids) if piece % 4 == 0 and whole % 4 == 0 else None
+
+    def add(self, layer: int, shard: jax.Shard, view: np.ndarray) -> None:
+        """Add the words `view` (the shard's buffer) holds of the blocks in `ids`."""
+        first, size = shard.index[0].start or 0, view.shape[0]
+        plan = self._plans.get((first, size))
+        if plan is None:
+            local = self.ids.astype(np.int64) - first
+            at = np.flatnonzero((local >= 0) & (local < size))
+            # In block order, whatever order the ids came in: rows that run together
+            # in the buffer are summed as one slice.
+            at = at[np.argsort(local[at], kind="stable")]
+            held = local[at]
+            starts = np.flatnonzero(np.diff(held, prepend=-2) != 1)
+            runs = list(zip(starts.tolist(), np.diff(starts, append=len(held)).tolist()))
+            plan = self._plans[(first, size)] = (held, at,
+                                                 runs if 2 * len(runs) <= len(at) else None)
+        held, at, runs = plan
+        if not len(at):
+            return
+        words = view.reshape(size, -1).view(np.uint32)
+        weights = _piece_weights(self.layout, _index_key(shard.index[1:]))
+        got = np.empty(len(at), np.uint32)  # in `at`'s order
+        if runs is not None:
+            for i, n in runs:
+                h = int(held[i])
+                np.einsum("ij,j->i", words[h : h + n], weights, out=got[i : i + n])
+        else:
+            for c in range(0, len(at), self._CHUNK):
+                part = slice(c, c + self._CHUNK)
+                np.einsum("ij,j->i", words[held[part]], weights, out=got[part])
+        with self._lock:  # shards of one layer are summed on several threads
+            self.sums[layer, at] += got
+
+    def result(self) -> np.ndarray:
+        """`uint32[num_layers, n]`: the fingerprints."""
+        return _fmix32(self.sums)
+
+
+def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+                      host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray,
+                      src: np.ndarray, hashes: _BufferHashes | None = None) -> list[jax.Array]:
+    # Donating to an identity waits for every pending use of the buffers and hands
+    # them over without a copy; from then on nothing else reads or writes them.
+    hosts = [np.asarray(h) for h in host_blocks]  # before donating: they may be the caches
+    threads = host_threads()  # a bad setting is refused before the caches are donated
+    new = _own_fn(layout, mesh)(list(caches))
+    jax.block_until_ready(new)
+    copies = _RowCopies(ids, src, ids_are_dst=True)
+    tasks = []
+    for layer, (cache, host) in enumerate(zip(new, hosts)):
+        for shard in cache.addressable_shards:  # every replica: each has its own buffer
+            view = _buffer_view(shard.data)
+            tasks.append(functools.partial(
+                _copy_then_hash, copies, shard, view, host[(slice(None), *shard.index[1:])],
+                hashes if shard.replica_id == 0 else None, layer))
+    run_per_shard(tasks, threads)
+    return new
+
+
+@functools.lru_cache(maxsize=64)
+def _own_fn(layout: CacheLayout, mesh: Mesh):
+    sharding = NamedSharding(mesh, layout.partition_spec())
+    return jax.jit(lambda caches: caches, out_shardings=[sharding] * layout.num_layers,
+                   donate_argnums=0)

@@ -1,0 +1,185 @@
+"""The XLA backend: jitted `shard_map` programs for gather, scatter and fingerprints.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvxfer.errors import InvalidInputError
+from kvxfer.fingerprint import _device_fingerprint
+from kvxfer.layout import CacheLayout
+
+MIN_BUCKET = 8
+"""The smallest padded block count; counts up to it share one compiled program."""
+
+
+def bucket_size(count: int) -> int:
+    """The padded row count for `count` blocks: the next power of two, at least `MIN_BUCKET`."""
+    if count < 0:
+        raise InvalidInputError(f"block count must be non-negative, got {count}")
+    return max(MIN_BUCKET, 1 << max(count - 1, 0).bit_length())
+
+
+def _bucket_ids(ids: np.ndarray, mesh: Mesh) -> jax.Array:
+    """`ids` padded to their bucket with copies of the last (any valid id), on the mesh."""
+    padded = np.full(bucket_size(len(ids)), ids[-1] if len(ids) else 0, np.int32)
+    padded[: len(ids)] = ids
+    return jax.device_put(padded, NamedSharding(mesh, PartitionSpec()))
+
+
+def _bucket_rows(
+    h: jax.Array | np.ndarray, src: np.ndarray, bucket: int, sharding: NamedSharding
+) -> jax.Array:
+    """Rows `src` of `h` as exactly `bucket` rows in pinned host memory (no recompiles)."""
+    if (isinstance(h, jax.Array) and h.shape[0] == bucket and h.sharding == sharding
+            and np.array_equal(src, np.arange(len(src)))):
+        return h
+    padded = np.zeros((bucket, *h.shape[1:]), h.dtype)
+    np.take(np.asarray(h), src, axis=0, out=padded[: len(src)])
+    return jax.device_put(padded, sharding)
+
+
+def _scatter_xla(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+                 host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray,
+                 src: np.ndarray) -> list[jax.Array]:
+    """An XLA scatter with unique indices into the donated caches (aliased in and out)."""
+    bucket = bucket_size(len(ids))
+    # Padding ids are distinct and past the last block: dropped, and indices stay unique.
+    padded = (layout.num_blocks + np.arange(bucket)).astype(np.int32)
+    padded[: len(ids)] = ids
+    host_sharding = NamedSharding(mesh, layout.host_partition_spec(), memory_kind="pinned_host")
+    rows = [_bucket_rows(h, src, bucket, host_sharding) for h in host_blocks]
+    fn = _scatter_fn(layout, mesh)
+    return fn(list(caches), rows, jax.device_put(padded, NamedSharding(mesh, PartitionSpec())))
+
+
+def _uint(dtype: np.dtype) -> np.dtype:
+    if dtype.itemsize not in (1, 2, 4):
+        raise InvalidInputError(f"dtype {dtype} of itemsize {dtype.itemsize} is not supported")
+    return np.dtype(f"uint{8 * dtype.itemsize}")
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_fn(layout: CacheLayout, mesh: Mesh, fingerprints: bool):
+    layout.check_mesh(mesh)
+    dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
+    block_axes = layout.spec[0]
+    cache_spec, host_spec = layout.partition_spec(), layout.host_partition_spec()
+
+    def local(caches: list[jax.Array], ids: jax.Array):
+        # Per device: its shard of each cache, [num_blocks / data, *shard_block_shape].
+        if block_axes:
+            ids, inside = _local_ids(ids, caches[0].shape[0], block_axes)
+        rows = []
+        for cache in caches:
+            row = jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0)
+            if block_axes:
+                # Each block lives on one shard of the block axes: the others add zeros.
+                row = lax.psum(jnp.where(_bcast(inside, row.ndim), row, 0), block_axes)
+            rows.append(row)
+        blocks = [lax.bitcast_convert_type(r, dtype) for r in rows]
+        if not fingerprints:
+            return blocks
+        return blocks, jnp.stack([_device_fingerprint(r, layout) for r in rows])
+
+    out_specs: object = [host_spec] * layout.num_layers
+    host = NamedSharding(mesh, host_spec, memory_kind="pinned_host")
+    out_shardings: object = [host] * layout.num_layers
+    if fingerprints:
+        out_specs = (out_specs, PartitionSpec())
+        out_shardings = (out_shardings,
+                         NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host"))
+    per_shard = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=([cache_spec] * layout.num_layers, PartitionSpec()),
+        out_specs=out_specs,
+        check_vma=False,
+    )
+    return jax.jit(per_shard, out_shardings=out_shardings)
+
+
+@functools.lru_cache(maxsize=64)
+def _scatter_fn(layout: CacheLayout, mesh: Mesh):
+    layout.check_mesh(mesh)
+    dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
+    block_axes = layout.spec[0]
+    cache_spec, host_spec = layout.partition_spec(), layout.host_partition_spec()
+    on_device = NamedSharding(mesh, host_spec)
+
+    def local(caches: list[jax.Array], rows: list[jax.Array], ids: jax.Array):
+        num_local = caches[0].shape[0]
+        if block_axes:
+            ids, inside = _local_ids(ids, num_local, block_axes)
+            # Another shard's block: dropped here, at an index no other row uses.
+            ids = jnp.where(inside, ids, num_local + lax.iota(ids.dtype, ids.shape[0]))
+        out = []
+        for cache, row in zip(caches, rows):
+            row = lax.bitcast_convert_type(row, udtype)
+            new = lax.bitcast_convert_type(cache, udtype).at[ids].set(
+                row, mode="drop", unique_indices=True)
+            out.append(lax.bitcast_convert_type(new, dtype))
+        return out
+
+    per_shard = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=([cache_spec] * layout.num_layers, [host_spec] * layout.num_layers,
+                  PartitionSpec()),
+        out_specs=[cache_spec] * layout.num_layers,
+        check_vma=False,
+    )
+
+    def scatter(caches: list[jax.Array], rows: list[jax.Array], ids: jax.Array):
+        rows = [jax.device_put(r, on_device) for r in rows]  # pinned host -> device
+        return per_shard(caches, rows, ids)
+
+    cache_sharding = NamedSharding(mesh, cache_spec)
+    return jax.jit(scatter, out_shardings=[cache_sharding] * layout.num_layers, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint_fn(layout: CacheLayout, mesh: Mesh):
+    layout.check_mesh(mesh)
+    udtype = _uint(layout.np_dtype)
+    block_axes = layout.spec[0]
+
+    def local(caches: list[jax.Array], ids: jax.Array) -> jax.Array:
+        if block_axes:
+            ids, inside = _local_ids(ids, caches[0].shape[0], block_axes)
+        prints = []
+        for cache in caches:
+            h = _device_fingerprint(
+                jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0), layout)
+            if block_axes:
+                h = lax.psum(jnp.where(inside, h, jnp.uint32(0)), block_axes)
+            prints.append(h)
+        return jnp.stack(prints)
+
+    per_shard = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=([layout.partition_spec()] * layout.num_layers, PartitionSpec()),
+        out_specs=PartitionSpec(), check_vma=False,
+    )
+    return jax.jit(per_shard)
+
+
+def _local_ids(
+    ids: jax.Array, num_local: int, block_axes: tuple[str, ...]
+) -> tuple[jax.Array, jax.Array]:
+    """Global ids as offsets into this device's contiguous range of blocks, and which fall in it."""
+    first = lax.axis_index(block_axes) * num_local
+    local = ids - first
+    inside = (local >= 0) & (local < num_local)
+    return jnp.where(inside, local, 0), inside
+
+
+def _bcast(mask: jax.Array, ndim: int) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (ndim - 1))

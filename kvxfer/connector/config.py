@@ -1,0 +1,38 @@
+"""What a connector reads, in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvxfer.blocks import is_int
+from kvxfer.errors import InvalidInputError
+from kvxfer.nixl.agent import TransportConfig
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What a connector reads, in one place.
+
+    - `transport`: the NIXL agent's settings (name, ports, deadlines, lease).
+    - `staging_blocks`: kernel blocks per layer each group's host staging holds.
+    - `kernel_ratio`: kernel blocks per logical (engine) block, for every group.
+    - `verify_fingerprints`: D checks every received block against P's fingerprints.
+    """
+
+    transport: TransportConfig
+    staging_blocks: int = 4096
+    kernel_ratio: int = 1
+    verify_fingerprints: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transport, TransportConfig):
+            raise InvalidInputError(
+                f"ConnectorConfig transport must be a TransportConfig, got {self.transport!r:.80}")
+        for name in ("staging_blocks", "kernel_ratio"):
+            value = getattr(self, name)
+            if not is_int(value) or value <= 0:
+                raise InvalidInputError(f"ConnectorConfig {name} must be a positive int, got {value!r}")
+        if not isinstance(self.verify_fingerprints, bool):
+            raise InvalidInputError(
+                f"ConnectorConfig verify_fingerprints must be a bool, got {self.verify_fingerprints!r}")

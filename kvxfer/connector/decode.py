@@ -1,0 +1,329 @@
+"""D's worker side: reads from P over NIXL, verifies, and scatters into the caches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvxfer.blocks import NULL_BLOCK, is_int
+from kvxfer.connector._worker import _advertised, _per_group, _worker_state, check_block_compatible
+from kvxfer.connector.config import ConnectorConfig
+from kvxfer.errors import CorruptionError, InvalidInputError, KvxferError, LayoutMismatchError
+from kvxfer.fingerprint import compare_fingerprints
+from kvxfer.gather import scatter_blocks
+from kvxfer.layout import CacheLayout
+from kvxfer.multihost import agree
+from kvxfer.nixl.decode import DecodeTransport
+from kvxfer.pieces import scatter_piece, unit_sums
+from kvxfer.staging import Staging
+from kvxfer.wire import ReadParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    keys: list[list[int]]  # per group, P's kernel positions
+    kernel_ids: list[list[int]]  # per group, D's kernel ids, aligned with keys
+    logical_ids: list[int]  # D's logical ids, all groups: what a failure reports
+
+
+def _table_ids(table: object) -> list[int]:
+    """Every plausible block id in a (possibly malformed) table: what a failure reports."""
+    ids: dict[int, None] = {}
+    stack = [table]
+    while stack:
+        item = stack.pop()
+        if is_int(item) and item > NULL_BLOCK:
+            ids.setdefault(item, None)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return list(ids)
+
+
+class DecodeConnector:
+    """D side: reads from P over NIXL, verifies, and scatters into the caches.
+
+    Arguments:
+        config: `ConnectorConfig`.
+        caches: the current per-layer caches of each group (a plain list of
+            arrays when there is one group); only their layouts are kept.
+    """
+
+    def __init__(self, config: ConnectorConfig,
+                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
+        state = _worker_state(config, caches)
+        self.config, self.layouts, self.stagings, self.pieces = (
+            state.config, state.layouts, state.stagings, state.pieces)
+        self.piece = state.piece
+        self.transport = DecodeTransport(
+            state.transport_config, self.stagings, _advertised(self.layouts),
+            layout_check=check_block_compatible, piece=state.transport_piece,
+            reader=(jax.process_index(), jax.process_count()) if self.piece else (0, 1),
+        )
+        self._read_here: set[str] = set()  # multi-host: read here, not yet agreed
+        self._loads: dict[str, _Load] = {}
+        self._load_errors: set[int] = set()
+        self._refused: list[str] = []  # failed in start_load_kv, reported by get_finished
+        self._held_locally: list[str] = []  # nothing to read, reported finished by get_finished
+
+    @property
+    def staging(self) -> Staging:
+        """The first group's staging (the only one for a single-group model)."""
+        return self.stagings[0]
+
+    def start_load_kv(self, requests: Mapping[str, tuple[Any, ...]]) -> None:
+        """Start reading each request: `{req_id: (kv_transfer_params, D's block table[, have])}`.
+
+        D's table is, per group, its logical block ids in token order (a plain
+        list of ids when there is one group); entries past the prompt
+        (allocated for decode) are ignored. Each block P sends lands in the
+        entry at its position. `have` (optional), per group, counts the
+        leading table entries D already holds (a local prefix-cache hit):
+        blocks P sends for those entries are not read. A request whose params
+        or table are bad is failed alone (reported by the next
+        `get_finished`); a request id already loading raises
+        `InvalidInputError` before anything starts.
+        """
+        if not isinstance(requests, Mapping):
+            raise InvalidInputError(f"requests must be a dict, got {type(requests).__name__}")
+        for req_id in requests:
+            if not isinstance(req_id, str) or not req_id:
+                raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
+            if req_id in self._loads or req_id in self._refused or req_id in self._held_locally:
+                raise InvalidInputError(f"request {req_id!r} is already loading")
+        for req_id, entry in requests.items():
+            ok = isinstance(entry, (tuple, list)) and len(entry) in (2, 3)
+            params, table, have = (*entry, None)[:3] if ok else (None, (), None)
+            try:
+                if not ok:
+                    raise InvalidInputError(
+                        f"request {req_id!r}: expected (kv_transfer_params, block table[, have]), "
+                        f"got {entry!r:.80}")
+                p, load = self._prepare(req_id, params, table, have)
+                if not any(load.keys):
+                    self._held_locally.append(req_id)  # D has every block P sends
+                    continue
+                self.transport.start_read(req_id, p.to_dict(), load.logical_ids)
+            except KvxferError as e:
+                logger.warning("D refuses request %s: %s", req_id, e)
+                self._refused.append(req_id)
+                self._load_errors.update(_table_ids(table))
+                continue
+            self._loads[req_id] = load
+
+    def _prepare(self, req_id: str, params: Any, table: Any,
+                 have: Any) -> tuple[ReadParams, _Load]:
+        """Check `params` against D's table; map P's positions to D's kernel ids.
+
+        Returns the params to read (without the blocks D already has) and the load.
+        """
+        p = ReadParams.parse(params, len(self.layouts))
+        tables = [table] if len(self.layouts) == 1 and _is_id_list(table) else table
+        if (not isinstance(tables, (list, tuple)) or len(tables) != len(self.layouts)
+                or not all(_is_id_list(t) for t in tables)):
+            raise InvalidInputError(
+                f"request {req_id!r}: D's block table must be {len(self.layouts)} list(s) of "
+                f"non-negative int block ids, got {table!r:.120}")
+        have = [0] * len(self.layouts) if have is None else have
+        if (not isinstance(have, (list, tuple)) or len(have) != len(self.layouts)
+                or not all(is_int(h) and h >= 0 for h in have)):
+            raise InvalidInputError(f"request {req_id!r}: 'have' must be {len(self.layouts)} "
+                                    f"non-negative int(s), got {have!r:.80}")
+        load = _Load([], [], [])
+        keep_keys, keep_slots = [], []
+        logical: dict[int, None] = {}
+        for g, (keys, slots, ours) in enumerate(zip(p.keys, p.slots, self.layouts)):
+            ratio, d_table = ours.kernel_ratio, tables[g]
+            kept = [(key, slot) for key, slot in zip(keys, slots) if key // ratio >= have[g]]
+            kernel_ids = []
+            for key, _ in kept:
+                entry, j = divmod(key, ratio)
+                if entry >= len(d_table):
+                    raise InvalidInputError(
+                        f"request {req_id!r} group {g}: P sends the block at table entry {entry}, "
+                        f"D's table has {len(d_table)} entries")
+                if d_table[entry] == NULL_BLOCK:
+                    raise InvalidInputError(
+                        f"request {req_id!r} group {g}: D's table holds the null block at entry "
+                        f"{entry}, where P sends a block")
+                kernel_ids.append(d_table[entry] * ratio + j)
+                logical.setdefault(d_table[entry], None)
+            bad = [k for k in kernel_ids if k >= ours.num_blocks]
+            if bad:
+                raise InvalidInputError(f"request {req_id!r} group {g}: D block ids "
+                                        f"{sorted({k // ratio for k in bad})[:8]} are past D's "
+                                        f"{ours.num_blocks // ratio} blocks")
+            if len(set(kernel_ids)) != len(kernel_ids):
+                raise InvalidInputError(f"request {req_id!r} group {g}: D's table repeats a block "
+                                        f"id at the positions P sends")
+            keep_keys.append(tuple(k for k, _ in kept))
+            keep_slots.append(tuple(s for _, s in kept))
+            load.keys.append([k for k, _ in kept])
+            load.kernel_ids.append(kernel_ids)
+        load.logical_ids = list(logical)
+        return replace(p, keys=tuple(keep_keys), slots=tuple(keep_slots)), load
+
+    def get_finished(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
+                     ) -> tuple[Any, list[str], list[str]]:
+        """Advance reads; scatter the completed ones into the caches.
+
+        Returns `(caches, finished, failed)`: the new caches, in the form they
+        were given (the input ones are donated when anything was scattered
+        into them), the requests whose KV is now in them, and the requests
+        that failed (their logical ids are in `get_block_ids_with_load_errors`).
+        Never raises for a per-request problem; caches of another layout raise
+        `LayoutMismatchError` before any state changes.
+        """
+        per_group, single = _per_group(caches)
+        if len(per_group) != len(self.layouts):
+            raise LayoutMismatchError(
+                f"caches hold {len(per_group)} groups, this connector {len(self.layouts)}")
+        for g, (group_caches, layout) in enumerate(zip(per_group, self.layouts)):
+            got = CacheLayout.from_caches(group_caches, self.config.kernel_ratio)
+            if got != layout:
+                raise LayoutMismatchError(f"group {g} caches have layout {got}, the connector "
+                                          f"was built for {layout}")
+        done, failed = self.transport.poll()
+        if self.piece is not None:
+            done, failed = self._agree_reads(done, failed)
+        failed_ids, self._refused = self._refused, []
+        local, self._held_locally = self._held_locally, []
+        for req_id, logical in failed.items():
+            self._load_errors.update(logical)
+            self._loads.pop(req_id, None)
+            failed_ids.append(req_id)
+        loads = {req_id: self._loads.pop(req_id) for req_id in done if req_id in self._loads}
+        bad: dict[str, str] = {}
+        try:
+            for g in range(len(self.layouts)):
+                old = per_group[g]
+                per_group[g] = self._write_group(g, old, loads, bad)
+                _follow_donations(per_group[g + 1:], old, per_group[g])
+        finally:
+            for req_id in loads:
+                self.transport.free(req_id)
+        if self.piece is not None and loads:  # a block bad on one host is bad on every host
+            everywhere = agree([r in bad for r in loads]).any(axis=0)
+            for req_id, is_bad in zip(list(loads), everywhere):
+                if is_bad and req_id not in bad:
+                    bad[req_id] = "its blocks failed verification on another process"
+        finished = local
+        for req_id, load in loads.items():
+            if req_id in bad:
+                logger.error("D request %s failed after its read: %s", req_id, bad[req_id])
+                self._load_errors.update(load.logical_ids)
+                failed_ids.append(req_id)
+            else:
+                finished.append(req_id)
+        return (per_group[0] if single else per_group), finished, failed_ids
+
+    def _agree_reads(self, done: list[str], failed: dict[str, list[int]]
+                     ) -> tuple[list[str], dict[str, list[int]]]:
+        """Across hosts: a read is done once it is done on every process of this D, and failed
+        everywhere once it failed on any (every process loads the same requests, SPMD)."""
+        self._read_here.update(done)
+        pending = sorted(self._loads)
+        if not pending:
+            return [], failed
+        here = [2 if r in failed else 1 if r in self._read_here else 0 for r in pending]
+        states = agree(here)
+        agreed_done, agreed_failed = [], dict(failed)
+        for req_id, column in zip(pending, states.T):
+            if (column == 2).any():
+                if req_id not in agreed_failed:
+                    agreed_failed[req_id] = list(self._loads[req_id].logical_ids)
+                    self.transport.free(req_id)  # read here, failed elsewhere
+                self._read_here.discard(req_id)
+            elif (column == 1).all():
+                agreed_done.append(req_id)
+                self._read_here.discard(req_id)
+        return agreed_done, agreed_failed
+
+    def _write_group(self, g: int, caches: list[jax.Array], loads: Mapping[str, _Load],
+                     bad: dict[str, str]) -> list[jax.Array]:
+        """Scatter group `g` of every read request from staging into `caches`, then verify.
+
+        One scatter straight out of the staging regions, which also fingerprints
+        the blocks as they landed in the caches, checked per request against
+        P's: a flipped bit anywhere from P's gather to here fails the request
+        (its blocks are its own, and the engine recomputes them). A request's
+        problem goes into `bad` (request id -> reason).
+        """
+        staging = self.stagings[g]
+        ids: list[int] = []
+        slots: list[int] = []
+        spans: list[tuple[str, int, int]] = []  # (request, first row in ids, count)
+        taken: set[int] = set()
+        for req_id, load in loads.items():
+            if req_id in bad or not load.keys[g]:
+                continue
+            if taken.intersection(load.kernel_ids[g]):
+                bad[req_id] = f"group {g}: its D blocks overlap another request's in this step"
+                continue
+            try:
+                slots += staging.slots(req_id, load.keys[g])
+            except KvxferError as e:
+                bad[req_id] = str(e)
+                continue
+            taken.update(load.kernel_ids[g])
+            spans.append((req_id, len(ids), len(load.keys[g])))
+            ids += load.kernel_ids[g]
+        if not ids:
+            return caches
+        ids_array, rows = np.asarray(ids, np.int64), np.asarray(slots, np.int64)
+        if self.piece is not None:  # this process's units, checked against P's sums of them
+            verify = self.config.verify_fingerprints
+            caches, got = scatter_piece(caches, staging, ids_array, rows, self.pieces[g],
+                                        sums=verify)
+            if got is not None:
+                expected = unit_sums(staging, rows)
+                for req_id, start, count in spans:
+                    if not np.array_equal(got[:, start : start + count],
+                                          expected[:, start : start + count]):
+                        bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
+            return caches
+        if not self.config.verify_fingerprints:
+            return scatter_blocks(caches, staging.regions, ids_array, rows=rows)
+        caches, got = scatter_blocks(caches, staging.regions, ids_array, rows=rows,
+                                     fingerprints=True)
+        expected = staging.prints[slots].T  # P's, read with the blocks
+        for req_id, start, count in spans:
+            try:
+                compare_fingerprints(got[:, start : start + count],
+                                     expected[:, start : start + count])
+            except CorruptionError as e:
+                bad[req_id] = f"group {g}: {e}"
+        return caches
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Logical block ids whose load failed since the last call (to recompute)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def pending(self) -> list[str]:
+        return self.transport.pending()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _follow_donations(later: list[list[jax.Array]], old: Sequence[jax.Array],
+                      new: Sequence[jax.Array]) -> None:
+    """Groups may share arrays (vLLM's hybrid allocator gives layer j of every group one
+    tensor, their blocks disjoint): where a later group holds an array just donated by
+    a scatter, it now holds the array that replaced it."""
+    replaced = {id(a): b for a, b in zip(old, new) if a is not b}
+    if replaced:
+        for caches in later:
+            caches[:] = [replaced.get(id(a), a) for a in caches]
+
+
+def _is_id_list(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(is_int(b) and b >= 0 for b in value)

@@ -1,0 +1,207 @@
+"""P's worker side, and P in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvxfer.connector._worker import _advertised, _per_group, _worker_state
+from kvxfer.connector.config import ConnectorConfig
+from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
+from kvxfer.errors import InvalidInputError
+from kvxfer.gather import gather_into
+from kvxfer.layout import CacheLayout
+from kvxfer.multihost import agree, shared_instance
+from kvxfer.nixl.prefill import PrefillTransport
+from kvxfer.pieces import gather_piece_into, process_pieces
+from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
+from kvxfer.slots import SlotMap
+from kvxfer.staging import Staging
+from kvxfer.wire import Source
+
+
+class PrefillWorker:
+    """P's worker side: copies planned blocks into staging and serves them to D.
+
+    Arguments:
+        config: `ConnectorConfig` (`staging_blocks` must be the scheduler side's).
+        caches: the current per-layer caches of each group (a plain list of
+            arrays when there is one group); only their layouts are kept.
+        instance: the scheduler side's P instance (`new_instance()` when None).
+    """
+
+    def __init__(self, config: ConnectorConfig,
+                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+                 instance: str | None = None):
+        state = _worker_state(config, caches)
+        self.config, self.layouts, self.stagings, self.pieces = (
+            state.config, state.layouts, state.stagings, state.pieces)
+        self.piece = state.piece
+        if self.piece is not None and instance is None:
+            instance = shared_instance()  # one identity for every process of this P
+        self._sources = [] if self.piece is None else [
+            Source(f"{config.transport.name}-{process}", p.lo, p.hi)
+            for process, p in process_pieces(_per_group(caches)[0][0]).items()]
+        self.transport = PrefillTransport(state.transport_config, self.stagings,
+                                          _advertised(self.layouts), instance=instance,
+                                          piece=state.transport_piece)
+
+    @property
+    def address(self) -> PeerAddress:
+        t = self.transport
+        return PeerAddress(t.config.name, t.config.host, t.port)
+
+    @property
+    def sources(self) -> list[Source]:
+        """Every process of a P that spans several (its agent, the units it stages); else []."""
+        return list(self._sources)
+
+    def save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+             meta: SaveMeta) -> None:
+        """Copy `meta`'s blocks from the caches into their slots, with their fingerprints.
+
+        One gather per group for every request of the step, straight into the
+        regions NIXL reads; a block copied again by a later chunk goes back to
+        its slot. Requests completing this step are then held for D.
+        """
+        if meta.instance != self.transport.instance:
+            raise InvalidInputError(
+                f"metadata is for P instance {meta.instance!r}, this worker serves "
+                f"{self.transport.instance!r}")
+        per_group, _ = _per_group(caches)
+        if len(per_group) != len(self.layouts):
+            raise InvalidInputError(
+                f"caches hold {len(per_group)} groups, this connector {len(self.layouts)}")
+        for g, (group_caches, staging) in enumerate(zip(per_group, self.stagings)):
+            ids = [k for groups in meta.blocks.values() for _, k in groups[g]]
+            if not ids:
+                continue
+            slots = np.asarray([s for groups in meta.slots.values() for s in groups[g]], np.int64)
+            if self.piece is not None:  # this process's units, with their sums
+                gather_piece_into(group_caches, np.asarray(ids, np.int64), staging, slots,
+                                  self.pieces[g])
+                continue
+            prints = gather_into(group_caches, np.asarray(ids, np.int64), staging.regions, slots)
+            staging.prints[slots] = prints.T
+        for req_id, generation in meta.holds.items():
+            self.transport.lease(req_id, generation)
+
+    def poll(self) -> list[str]:
+        """Requests D has read, or whose lease expired: their slots may be reused."""
+        return self.transport.poll()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class PrefillConnector:
+    """P in one process: a `PrefillScheduler` and a `PrefillWorker` side by side.
+
+    For engines that plan and run in one process (and for kvxfer's own demo
+    and tests); vLLM splits the two across processes (`kvxfer.vllm`).
+
+    Arguments:
+        config: `ConnectorConfig`.
+        groups: the engine's KV cache groups (for the save plans).
+        caches: the current per-layer caches of each group, one list per
+            `GroupSpec` in order (a plain list of arrays when there is one
+            group); only their layouts are kept (the model donates them every step).
+    """
+
+    def __init__(self, config: ConnectorConfig, groups: Sequence[GroupSpec],
+                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
+        if not isinstance(config, ConnectorConfig):
+            raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
+        groups = list(groups)
+        per_group, _ = _per_group(caches)
+        if len(per_group) != len(groups):
+            raise InvalidInputError(f"caches hold {len(per_group)} groups, the GroupSpecs "
+                                    f"{len(groups)}")
+        SaveTracker(groups)  # checks the specs before a NIXL agent starts
+        self.config = config
+        self.worker = PrefillWorker(config, caches)
+        try:
+            self.scheduler = PrefillScheduler(
+                groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
+                address=self.worker.address, instance=self.worker.transport.instance,
+                sources=self.worker.sources,
+                units=self.worker.piece.units if self.worker.piece else 0)
+        except BaseException:
+            self.worker.close()
+            raise
+        self._freed_here: set[str] = set()  # multi-host: freed here, not yet everywhere
+
+    @property
+    def tracker(self) -> SaveTracker:
+        return self.scheduler.tracker
+
+    @property
+    def layouts(self) -> list[CacheLayout]:
+        return self.worker.layouts
+
+    @property
+    def stagings(self) -> list[Staging]:
+        return self.worker.stagings
+
+    @property
+    def staging(self) -> Staging:
+        """The first group's staging (the only one for a single-group model)."""
+        return self.worker.stagings[0]
+
+    @property
+    def transport(self) -> PrefillTransport:
+        return self.worker.transport
+
+    @property
+    def slot_map(self) -> SlotMap:
+        """The first group's slot bookkeeping (which request's blocks sit in which slots)."""
+        return self.scheduler.slot_maps[0]
+
+    def add_request(self, req_id: str, num_prompt_tokens: int) -> None:
+        """See `PrefillScheduler.add_request`."""
+        self.scheduler.add_request(req_id, num_prompt_tokens)
+
+    def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
+        """See `PrefillScheduler.build_connector_meta`."""
+        return self.scheduler.build_connector_meta(scheduled)
+
+    def wait_for_save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+                      meta: SaveMeta) -> None:
+        """See `PrefillWorker.save`."""
+        self.worker.save(caches, meta)
+
+    def request_finished(self, req_id: str) -> dict[str, Any] | None:
+        """See `PrefillScheduler.request_finished`."""
+        return self.scheduler.request_finished(req_id)
+
+    def abort(self, req_id: str) -> None:
+        """See `PrefillScheduler.abort`."""
+        self.scheduler.abort(req_id)
+
+    def get_finished(self) -> list[str]:
+        """Requests D has read, or whose lease expired: their blocks may be freed.
+
+        Across hosts (every process runs the same scheduler, SPMD) a request is
+        released once every process has freed its piece, so that every
+        process's scheduler reuses the same slots at the same step.
+        """
+        freed = self.worker.poll()
+        if self.worker.piece is None:
+            self.scheduler.release(freed)
+            return freed
+        self._freed_here.update(freed)
+        held = self.scheduler.held()
+        if not held:
+            return []
+        everywhere = agree([r in self._freed_here for r in held]).all(axis=0)
+        released = [r for r, ok in zip(held, everywhere) if ok]
+        self._freed_here.difference_update(released)
+        self.scheduler.release(released)
+        return released
+
+    def close(self) -> None:
+        self.worker.close()

@@ -1,0 +1,209 @@
+"""P's scheduler side: save plans, staging slots, transfer identity and params.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.blocks import is_int
+from kvxfer.errors import (
+    InvalidInputError,
+    StagingFullError,
+)
+from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
+from kvxfer.slots import SlotMap
+from kvxfer.wire import ReadParams, Source, _parse_sources, new_instance
+
+logger = logging.getLogger(__name__)
+
+
+Placed = list[tuple[int, int]]
+"""`(kernel position, kernel block id)` pairs of one group."""
+
+
+@dataclass
+class SaveMeta:
+    """One step's saves, as P's scheduler side hands them to its worker side.
+
+    - `blocks[req_id][g]`: group `g`'s `(kernel position, kernel id)` pairs;
+    - `slots[req_id][g]`: the staging slot of each of those blocks;
+    - `holds[req_id]`: the generation under which a request whose prefill
+      completes this step is held for D, once its blocks are saved;
+    - `instance`: the P instance the params name (the worker's transport is
+      started under it).
+
+    Plain data (ints, strs, lists): it crosses vLLM's scheduler -> worker
+    boundary as `KVConnectorMetadata`.
+    """
+
+    instance: str = ""
+    blocks: dict[str, tuple[Placed, ...]] = field(default_factory=dict)
+    slots: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    holds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def completed(self) -> set[str]:
+        return set(self.holds)
+
+    @property
+    def kernel_ids(self) -> dict[str, list[int]]:
+        """Kernel ids saved per request, every group's in group order."""
+        return {r: [k for placed in groups for _, k in placed] for r, groups in self.blocks.items()}
+
+
+def _kernel_placed(placed: Iterable[tuple[int, int]], ratio: int) -> Placed:
+    return [(index * ratio + j, block * ratio + j) for index, block in placed for j in range(ratio)]
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where D reaches P's worker: its agent name, host and NIXL listener port (0: P has no
+    listener; D finds it by name in etcd)."""
+
+    name: str
+    host: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidInputError(f"P agent name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise InvalidInputError(f"P host must be a non-empty str, got {self.host!r}")
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
+            raise InvalidInputError(f"P port must be an int in [0, 65535], got {self.port!r}")
+
+
+class PrefillScheduler:
+    """P's scheduler side: save plans, staging slots, transfer identity and params.
+
+    Needs no caches and touches no device (it runs in vLLM's scheduler process): the
+    worker side (`PrefillWorker`) copies what `build_connector_meta` says into
+    the slots it says. Because the slots and the generation are decided here,
+    the params D needs are known as soon as the completing step is planned,
+    which is when vLLM asks for them (`request_finished` runs before the
+    worker's output for that step is processed).
+
+    A request whose blocks do not fit the staging is dropped (logged): it
+    gets no params, so D computes its prompt itself; raising here would stop
+    the engine.
+
+    Arguments:
+        groups: the engine's KV cache groups.
+        staging_blocks: kernel blocks per layer of each group's staging (the
+            worker's must be the same).
+        kernel_ratio: kernel blocks per logical block.
+        address: where D reaches P's worker.
+        instance: P's identity for this start (`new_instance()` when None).
+        sources: for a P whose workers span several processes, every
+            process's agent and the units of each block it stages
+            (`PrefillWorker.sources`), named in the params; empty for one.
+        units: the units a block is cut into, with `sources`.
+    """
+
+    def __init__(self, groups: Sequence[GroupSpec], *, staging_blocks: int, kernel_ratio: int,
+                 address: PeerAddress, instance: str | None = None,
+                 sources: Sequence[Source] = (), units: int = 0):
+        self.tracker = SaveTracker(groups)
+        if not isinstance(address, PeerAddress):
+            raise InvalidInputError(f"address must be a PeerAddress, got {address!r:.80}")
+        for name, value in (("staging_blocks", staging_blocks), ("kernel_ratio", kernel_ratio)):
+            if not is_int(value) or value <= 0:
+                raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
+        self.kernel_ratio = kernel_ratio
+        self.address = address
+        if sources or units:  # checked as D will check the params that name them
+            if not all(isinstance(x, Source) for x in sources):
+                raise InvalidInputError(f"sources must be Source entries, got {sources!r:.80}")
+            _parse_sources([{"peer": x.peer, "units": [x.lo, x.hi]} for x in sources], units)
+        self.sources, self.units = tuple(sources), units
+        self.instance = instance or new_instance()
+        self.slot_maps = [SlotMap(staging_blocks) for _ in self.tracker.groups]
+        self._next_generation = 1
+        self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
+        self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
+
+    def add_request(self, req_id: str, num_prompt_tokens: int) -> None:
+        """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
+
+        Refused while P still holds a request of that id (being prefilled,
+        staged, or waiting for D): its params could otherwise read the new
+        prefill's blocks.
+        """
+        if not isinstance(req_id, str) or not req_id:
+            raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
+        if req_id in self._held or req_id in self._params or any(req_id in m for m in self.slot_maps):
+            raise InvalidInputError(
+                f"request {req_id!r} is still held on P for D; it cannot be added again until "
+                f"D has read it or its lease expired (get_finished reports it)")
+        self.tracker.add(req_id, num_prompt_tokens)
+
+    def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
+        """This step's saves: kernel ids, kernel positions and staging slots of every group."""
+        scheduled = list(scheduled)
+        meta = SaveMeta(instance=self.instance)
+        restarted = {s.req_id for s in scheduled if s.full_table and s.req_id in self.tracker}
+        for req_id, groups in self.tracker.plan_placed(scheduled).items():
+            if req_id in restarted:  # new, or resumed after preemption: staged afresh
+                self._free_slots(req_id)
+            placed = tuple(_kernel_placed(g, self.kernel_ratio) for g in groups)
+            try:
+                slots = tuple(m.assign(req_id, [pos for pos, _ in blocks])
+                              for m, blocks in zip(self.slot_maps, placed))
+            except StagingFullError as e:
+                logger.warning("P drops request %s: %s; D will compute its prompt", req_id, e)
+                self.abort(req_id)
+                continue
+            meta.blocks[req_id], meta.slots[req_id] = placed, slots
+            if req_id not in self.tracker:  # its prefill completes this step
+                self._complete(req_id, meta)
+        return meta
+
+    def _complete(self, req_id: str, meta: SaveMeta) -> None:
+        a = self.address
+        params = ReadParams.staged(self.slot_maps, req_id, peer=a.name, instance=self.instance,
+                                   host=a.host, port=a.port, generation=self._next_generation,
+                                   sources=self.sources, units=self.units)
+        if params is None:
+            logger.warning("P request %s completed with nothing staged", req_id)
+            return
+        self._next_generation += 1
+        meta.holds[req_id] = params.generation
+        self._held.add(req_id)
+        self._params[req_id] = params.to_dict()
+
+    def request_finished(self, req_id: str) -> dict[str, Any] | None:
+        """The `kv_transfer_params` D needs, once the request's prefill is planned to completion.
+
+        A request finished before its prefill completed has nothing for D: its
+        plan state and slots are dropped and None is returned; so is a request
+        dropped for want of staging.
+        """
+        if req_id in self.tracker:
+            self.abort(req_id)
+            return None
+        return self._params.pop(req_id, None)
+
+    def abort(self, req_id: str) -> None:
+        """Drop an aborted request's plan state and slots (not those D may be reading)."""
+        self.tracker.abort(req_id)
+        self._params.pop(req_id, None)
+        if req_id not in self._held:
+            self._free_slots(req_id)
+
+    def release(self, freed: Iterable[str]) -> None:
+        """The worker freed these requests (read by D, or lease expired): reuse their slots."""
+        for req_id in freed:
+            self._held.discard(req_id)
+            self._free_slots(req_id)
+
+    def held(self) -> list[str]:
+        """Requests handed to D whose slots the worker has not yet freed."""
+        return sorted(self._held)
+
+    def _free_slots(self, req_id: str) -> None:
+        for m in self.slot_maps:
+            if req_id in m:
+                m.free(req_id)

@@ -1,0 +1,214 @@
+"""P's transport: serves staged blocks to D, frees them on `done` or lease expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.blocks import is_int
+from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.nixl.agent import (
+    TransportConfig,
+    _close_agent,
+    _free_everywhere,
+    _release_name,
+    _send,
+    _stagings,
+    _start_agent,
+)
+from kvxfer.staging import Staging
+from kvxfer.wire import ReadParams, _check_piece, _field, _is_generation, decode_message, new_instance
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Lease:
+    generation: int
+    expires: float
+    done_by: set[int] = field(default_factory=set)  # D processes (readers) that said done
+
+
+class PrefillTransport:
+    """P side: serves staged blocks to D and frees them on `done` or lease expiry.
+
+    **Arguments:**
+
+    - `config`: `TransportConfig`; `config.name` is the name D connects to.
+    - `staging`: the staging P saves blocks into, one per KV cache group (a
+      single `Staging` is one group); their regions are registered here.
+    - `layout`: JSON-able cache layout advertised to D at handshake.
+    - `instance`: this start's identity (`new_instance()` when None); a
+      scheduler that hands out params in another process draws it and passes
+      it here.
+    - `piece`: `(lo, hi, units)` for one process of a multi-host P, whose
+      staging holds units `[lo, hi)` of each block (`kvxfer.pieces`); None
+      for whole blocks.
+
+    With several D processes (readers), P frees a request's slots once every
+    one of them has said done (each names itself and their count), or when
+    its lease expires.
+    """
+
+    def __init__(self, config: TransportConfig, staging: Staging | Sequence[Staging],
+                 layout: Mapping[str, Any], instance: str | None = None,
+                 piece: tuple[int, int, int] | None = None):
+        self.config, self.stagings, self.layout = config, _stagings(staging), dict(layout)
+        if instance is not None and (not isinstance(instance, str) or not instance):
+            raise InvalidInputError(f"instance must be a non-empty str, got {instance!r}")
+        self.piece = _check_piece(piece)
+        self.instance = instance or new_instance()
+        self.agent, self.port, self._reg = _start_agent(config, self.stagings)
+        self._leases: dict[str, _Lease] = {}
+        self._next_generation = 1
+        self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
+        self._freed: list[str] = []
+
+    @property
+    def staging(self) -> Staging:
+        """The first group's staging (the only one for a single-group model)."""
+        return self.stagings[0]
+
+    def advertisement(self) -> dict[str, Any]:
+        """What D receives at handshake (the `layout` message's fields)."""
+        return {
+            "agent": self.config.name,
+            "instance": self.instance,
+            "piece": list(self.piece) if self.piece else None,
+            "layout": self.layout,
+            "groups": [{"regions": [list(r) for r in s.region_addresses()],
+                        "prints": list(s.prints_address()),
+                        "block_bytes": s.block_bytes, "num_slots": s.num_slots}
+                       for s in self.stagings],
+        }
+
+    def hold(self, req_id: str, now: float | None = None) -> dict[str, Any]:
+        """Start `req_id`'s lease; returns the params D needs to read it.
+
+        Call once the request's last chunk is staged. A request is held once:
+        holding it again before it is freed raises `InvalidInputError`.
+        """
+        if req_id in self._leases:
+            raise InvalidInputError(f"request {req_id!r} is already held for D")
+        params = ReadParams.staged(self.stagings, req_id, peer=self.config.name,
+                                   instance=self.instance, host=self.config.host,
+                                   port=self.port, generation=self._next_generation)
+        if params is None:
+            raise InvalidInputError(f"request {req_id!r} has nothing staged to hold")
+        self.lease(req_id, params.generation, now)
+        return params.to_dict()
+
+    def lease(self, req_id: str, generation: int, now: float | None = None) -> None:
+        """Start `req_id`'s lease under a `generation` its params already name.
+
+        For a caller that made the params itself (vLLM's scheduler process
+        hands them out before the worker has saved the last chunk): the
+        generation must be fresh for this instance, else a late `done` for an
+        earlier hold could free this one.
+        """
+        now = time.monotonic() if now is None else now
+        if req_id in self._leases:
+            raise InvalidInputError(f"request {req_id!r} is already held for D")
+        if not _is_generation(generation) or generation < self._next_generation:
+            raise InvalidInputError(f"request {req_id!r}: generation {generation!r} is not "
+                                    f"fresh (next is {self._next_generation})")
+        self._next_generation = generation + 1
+        self._leases[req_id] = _Lease(generation, now + self.config.lease_s)
+        logger.debug("P %s holds %s gen %s", self.config.name, req_id, generation)
+
+    def held(self) -> list[str]:
+        return list(self._leases)
+
+    def poll(self, now: float | None = None) -> list[str]:
+        """Handle D's notifications and reap expired leases.
+
+        Returns the request ids freed since the last call (read by D, or expired).
+        Never raises because of what a peer sent: a bad message is logged and dropped.
+        """
+        now = time.monotonic() if now is None else now
+        for sender, messages in self.agent.get_new_notifs().items():
+            for raw in messages:
+                try:
+                    self._handle(sender, decode_message(raw, sender), now)
+                except TransferError as e:
+                    logger.warning("P %s ignores a message: %s", self.config.name, e)
+        self._answer_hellos(now)
+        for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
+            logger.debug("P %s lease of %s expired", self.config.name, req_id)
+            self._free(req_id)
+        freed, self._freed = self._freed, []
+        return freed
+
+    def _handle(self, sender: str, msg: dict[str, Any], now: float) -> None:
+        kind = msg["t"]
+        if kind == "hello":
+            self._hellos[sender] = now + self.config.handshake_timeout_s
+            if self.config.uses_etcd:  # D published it there before saying hello
+                try:
+                    self.agent.fetch_remote_metadata(sender)
+                except Exception as e:
+                    logger.warning("P %s cannot fetch %s's metadata: %s", self.config.name,
+                                   sender, e)
+        elif kind == "done":
+            req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
+            generation = _field(msg, "generation", _is_generation, "a positive int", sender)
+            instance = _field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
+            readers = _field(msg, "readers", lambda v: v is None or (is_int(v) and v >= 1),
+                             "a positive int", sender) or 1
+            reader = _field(msg, "reader", lambda v: v is None or (is_int(v) and 0 <= v < readers),
+                            f"an int in [0, {readers})", sender) or 0
+            lease = self._leases.get(req_id)
+            ok = (instance == self.instance and lease is not None
+                  and lease.generation == generation)
+            if ok:
+                lease.done_by.add(reader)
+                if len(lease.done_by) >= readers:  # every D process has read its units
+                    self._free(req_id)
+            logger.debug("P %s done %s gen %s from %s ok=%s", self.config.name, req_id,
+                         generation, sender, ok)
+            try:
+                _send(self.agent, sender, "ack", req_id=req_id, generation=generation, ok=ok)
+            except TransferError as e:
+                logger.warning("P %s: %s", self.config.name, e)
+        elif kind == "hb":
+            instance = _field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
+            reqs = _field(msg, "reqs", lambda v: isinstance(v, list) and all(
+                isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
+                and _is_generation(r[1]) for r in v), "a list of [req_id, generation]", sender)
+            if instance != self.instance:
+                return
+            for req_id, generation in reqs:
+                lease = self._leases.get(req_id)
+                if lease is not None and lease.generation == generation:
+                    lease.expires = max(lease.expires, now + self.config.lease_s)
+        else:
+            logger.warning("P %s ignores %r message from %s", self.config.name, kind, sender)
+
+    def _answer_hellos(self, now: float) -> None:
+        for peer, deadline in list(self._hellos.items()):
+            if self.agent.check_remote_metadata(peer):
+                del self._hellos[peer]
+                try:
+                    _send(self.agent, peer, "layout", **self.advertisement())
+                except TransferError as e:
+                    logger.warning("P %s: %s", self.config.name, e)
+            elif now > deadline:
+                del self._hellos[peer]
+                logger.warning("P %s: no metadata from %s, hello dropped", self.config.name, peer)
+
+    def _free(self, req_id: str) -> None:
+        del self._leases[req_id]
+        _free_everywhere(self.stagings, req_id)
+        self._freed.append(req_id)
+
+    def close(self) -> None:
+        """Deregister staging and drop the agent (its listener stops with it)."""
+        if self.agent is None:
+            return
+        _close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
+        self.agent = None
+        _release_name(self.config.name)

@@ -1,0 +1,217 @@
+"""What P and D say to each other: transfer params and notification messages (no NIXL).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.blocks import is_int
+from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.slots import SlotMap
+
+PROTOCOL_VERSION = 3
+
+
+_MAGIC = b"kvxfer:"
+
+
+def encode_message(kind: str, /, **fields: Any) -> bytes:
+    """A kvxfer notification: magic prefix, then versioned JSON."""
+    return _MAGIC + json.dumps({"v": PROTOCOL_VERSION, "t": kind, **fields}).encode()
+
+
+def decode_message(raw: bytes, sender: str) -> dict[str, Any]:
+    """Parse a kvxfer notification from `sender`; `TransferError` if it is not one."""
+    if not isinstance(raw, bytes) or not raw.startswith(_MAGIC):
+        raise TransferError(f"message from {sender!r} is not a kvxfer message: {raw[:32]!r}")
+    try:
+        msg = json.loads(raw[len(_MAGIC) :])
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise TransferError(
+            f"message from {sender!r} is corrupt or truncated ({len(raw)} bytes): {e}"
+        ) from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise TransferError(f"message from {sender!r} has no type: {str(msg)[:80]}")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise TransferError(
+            f"peer {sender!r} speaks kvxfer protocol {msg.get('v')!r}, "
+            f"this side speaks {PROTOCOL_VERSION}"
+        )
+    return msg
+
+
+def _field(msg: Mapping[str, Any], key: str, check: Callable[[Any], bool], what: str,
+           sender: str) -> Any:
+    """`msg[key]` if `check` accepts it, else a `TransferError` naming the field and value."""
+    value = msg.get(key)
+    if not check(value):
+        raise TransferError(
+            f"{msg.get('t')!r} message from {sender!r}: field {key!r} must be {what}, "
+            f"got {value!r:.80}")
+    return value
+
+
+def _is_generation(value: object) -> bool:
+    return is_int(value) and value >= 1
+
+
+def new_instance() -> str:
+    """A fresh P instance id: drawn at every start, so params outlive no restart."""
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One P process of a multi-host P instance: its agent and the units `[lo, hi)` it stages."""
+
+    peer: str
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class ReadParams:
+    """P's transfer params for one request, checked (`ReadParams.parse`).
+
+    `keys[g]` are the staging keys of group `g`'s blocks, `slots[g]` their P slots.
+    `sources` (empty for a P of one process, which stages whole blocks) lists
+    every process of a multi-host P and the units of each block it stages
+    (`kvxfer.pieces`), of `units`; every one of them stages the same slots.
+    """
+
+    peer: str
+    instance: str
+    host: str
+    port: int
+    req_id: str
+    generation: int
+    keys: tuple[tuple[int, ...], ...]
+    slots: tuple[tuple[int, ...], ...]
+    sources: tuple[Source, ...] = ()
+    units: int = 0
+
+    @classmethod
+    def parse(cls, params: object, num_groups: int) -> ReadParams:
+        """Check every field's type and range; `InvalidInputError` naming the first bad one."""
+        if not isinstance(params, Mapping):
+            raise InvalidInputError(f"transfer params must be a dict, got {type(params).__name__}")
+
+        def get(key: str, check: Callable[[Any], bool], what: str) -> Any:
+            value = params.get(key)
+            if not check(value):
+                raise InvalidInputError(f"transfer params field {key!r} must be {what}, "
+                                        f"got {value!r:.80}")
+            return value
+
+        def is_str(v: object) -> bool:
+            return isinstance(v, str) and bool(v)
+
+        groups = get("groups", lambda v: isinstance(v, list) and len(v) == num_groups,
+                     f"a list of {num_groups} groups")
+        keys, slots = [], []
+        for g, group in enumerate(groups):
+            k = group.get("keys") if isinstance(group, Mapping) else None
+            s = group.get("slots") if isinstance(group, Mapping) else None
+            if not (isinstance(k, list) and isinstance(s, list) and len(k) == len(s)
+                    and all(is_int(x) and x >= 0 for x in k + s)):
+                raise InvalidInputError(
+                    f"transfer params group {g} must have equal-length lists of non-negative int "
+                    f"'keys' and 'slots', got {group!r:.120}")
+            if len(set(k)) != len(k) or len(set(s)) != len(s):
+                raise InvalidInputError(f"transfer params group {g} repeats a key or a slot")
+            keys.append(tuple(k))
+            slots.append(tuple(s))
+        if not any(keys):
+            raise InvalidInputError("transfer params name no block in any group")
+        sources, units = _parse_sources(params.get("sources"), params.get("units"))
+        return cls(
+            peer=get("peer", is_str, "a non-empty str"),
+            instance=get("instance", is_str, "a non-empty str"),
+            host=get("host", is_str, "a non-empty str"),
+            # 0: P has no listener; D finds it by name in etcd.
+            port=get("port", lambda v: is_int(v) and 0 <= v <= 65535, "an int port"),
+            req_id=get("req_id", is_str, "a non-empty str"),
+            generation=get("generation", _is_generation, "a positive int"),
+            keys=tuple(keys),
+            slots=tuple(slots),
+            sources=sources,
+            units=units,
+        )
+
+    @classmethod
+    def staged(cls, slot_maps: Sequence[SlotMap], req_id: str, *, peer: str, instance: str,
+               host: str, port: int, generation: int, sources: Sequence[Source] = (),
+               units: int = 0) -> ReadParams | None:
+        """The params of everything `req_id` has staged, one slot map per group (None if nothing)."""
+        keys = [m.blocks(req_id) if req_id in m else [] for m in slot_maps]
+        if not any(keys):
+            return None
+        return cls(peer=peer, instance=instance, host=host, port=port, req_id=req_id,
+                   generation=generation, keys=tuple(map(tuple, keys)),
+                   slots=tuple(tuple(m.slots(req_id, k)) if k else ()
+                               for m, k in zip(slot_maps, keys)),
+                   sources=tuple(sources), units=units)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able params (what `parse` reads back)."""
+        out = {
+            "peer": self.peer, "instance": self.instance, "host": self.host, "port": self.port,
+            "req_id": self.req_id, "generation": self.generation,
+            "groups": [{"keys": list(k), "slots": list(s)} for k, s in zip(self.keys, self.slots)],
+        }
+        if self.sources:
+            out["units"] = self.units
+            out["sources"] = [{"peer": s.peer, "units": [s.lo, s.hi]} for s in self.sources]
+        return out
+
+    @property
+    def peers(self) -> list[str]:
+        """Every P agent that stages a piece of the request (P's one agent for one process)."""
+        return [s.peer for s in self.sources] if self.sources else [self.peer]
+
+
+def _parse_sources(sources: object, units: object) -> tuple[tuple[Source, ...], int]:
+    """Multi-host P's `sources` and `units` (absent for one process), checked.
+
+    The distinct unit ranges must tile `[0, units)`; several sources with one
+    range are replicas (a cache replicated over the mesh).
+    """
+    if sources is None and units is None:
+        return (), 0
+    if not is_int(units) or units <= 0:
+        raise InvalidInputError(f"transfer params field 'units' must be a positive int, "
+                                f"got {units!r:.80}")
+    if not isinstance(sources, list) or not sources:
+        raise InvalidInputError(f"transfer params field 'sources' must be a non-empty list, "
+                                f"got {sources!r:.80}")
+    out = []
+    for entry in sources:
+        peer = entry.get("peer") if isinstance(entry, Mapping) else None
+        span = entry.get("units") if isinstance(entry, Mapping) else None
+        if not (isinstance(peer, str) and peer and isinstance(span, list) and len(span) == 2
+                and all(is_int(u) for u in span) and 0 <= span[0] < span[1] <= units):
+            raise InvalidInputError(f"transfer params source must be {{'peer': name, 'units': "
+                                    f"[lo, hi]}} within {units} units, got {entry!r:.80}")
+        out.append(Source(peer, span[0], span[1]))
+    if len({s.peer for s in out}) != len(out):
+        raise InvalidInputError(f"transfer params sources repeat a peer: {[s.peer for s in out]}")
+    ranges = sorted({(s.lo, s.hi) for s in out})
+    if ranges[0][0] != 0 or ranges[-1][1] != units or any(
+            a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise InvalidInputError(f"transfer params sources' unit ranges {ranges} do not tile "
+                                f"[0, {units})")
+    return tuple(out), units
+
+
+def _check_piece(piece: object) -> tuple[int, int, int] | None:
+    if piece is None:
+        return None
+    if not (isinstance(piece, (tuple, list)) and len(piece) == 3 and all(is_int(v) for v in piece)
+            and 0 <= piece[0] < piece[1] <= piece[2]):
+        raise InvalidInputError(f"piece must be None or (lo, hi, units) with 0 <= lo < hi <= "
+                                f"units, got {piece!r:.80}")
+    return (int(piece[0]), int(piece[1]), int(piece[2]))
