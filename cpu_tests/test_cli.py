@@ -203,3 +203,11 @@ def test_a_bad_host_thread_count_is_refused_by_the_cli_before_any_child_starts(
         "a child process was started"))
     assert main(["demo"]) == 2
     assert "KVXFER_HOST_THREADS must be a positive int, got 'many'" in capsys.readouterr().err
+
+
+def test_a_bad_backend_is_refused_by_the_cli_before_any_child_starts(monkeypatch, capsys):
+    monkeypatch.setenv("KVXFER_BACKEND", "tpu")
+    monkeypatch.setattr("kvxfer.demo.procs.Proc.__init__", lambda *a, **k: pytest.fail(
+        "a child process was started"))
+    assert main(["demo"]) == 2
+    assert "KVXFER_BACKEND must be one of ('auto', 'xla', 'host'), got 'tpu'" in capsys.readouterr().err

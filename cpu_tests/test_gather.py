@@ -11,11 +11,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer._xla import bucket_size
 from kvxfer.blocks import to_kernel_ids
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.gather import (
     block_fingerprints,
+    bucket_size,
     check_fingerprints,
     fingerprint_blocks,
     gather_blocks,
@@ -175,10 +175,10 @@ def test_bucket_is_next_power_of_two_at_least_eight(count, bucket):
 
 
 def test_new_block_count_in_a_seen_bucket_does_not_recompile():
-    from kvxfer._xla import _gather_fn
+    from kvxfer._xla import gather_fn
 
     caches = _make_caches("attention_bf16_mesh_1x8", seed=10)
-    fn = _gather_fn(CacheLayout.from_caches(caches), caches[0].sharding.mesh, False)
+    fn = gather_fn(CacheLayout.from_caches(caches), caches[0].sharding.mesh, False)
     gather_blocks(caches, [1])
     gather_blocks(caches, list(range(9)))
     compiled = fn._cache_size()

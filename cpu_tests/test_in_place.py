@@ -6,9 +6,9 @@ depend on the cache size" is shown by the buffers a scatter writes into (the
 inputs' own, same addresses) and by the compiled XLA program aliasing every
 cache input to its output.
 
-`path` runs a test on both write paths: the CPU one (numpy copies into the
-donated buffers) and the XLA scatter used on other backends, forced on the
-CPU by patching `kvxfer.gather._writes_in_place`.
+`path` runs a test on both backends: `host` (numpy copies into the donated
+buffers, XLA:CPU's) and `xla` (the jitted programs used on other platforms),
+selected with `KVXFER_BACKEND`.
 """
 
 import os
@@ -24,12 +24,19 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import kvxfer.gather as gather_mod
-from kvxfer._host_buffers import _slice_runs
-from kvxfer._xla import _scatter_fn, _scatter_xla, bucket_size
+from kvxfer import _host_buffers, _xla
+from kvxfer._host_buffers import slice_runs
+from kvxfer._xla import scatter_fn
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints
-from kvxfer.gather import block_fingerprints, fingerprint_blocks, gather_blocks, gather_into, scatter_blocks
+from kvxfer.gather import (
+    block_fingerprints,
+    bucket_size,
+    fingerprint_blocks,
+    gather_blocks,
+    gather_into,
+    scatter_blocks,
+)
 from kvxfer.layout import CacheLayout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -80,10 +87,9 @@ def _pointers(caches):
     return [[s.data.unsafe_buffer_pointer() for s in c.addressable_shards] for c in caches]
 
 
-@pytest.fixture(params=["in_place", "xla"])
+@pytest.fixture(params=["host", "xla"])
 def path(request, monkeypatch):
-    if request.param == "xla":
-        monkeypatch.setattr(gather_mod, "_writes_in_place", lambda mesh: False)
+    monkeypatch.setenv("KVXFER_BACKEND", request.param)
     return request.param
 
 
@@ -162,7 +168,7 @@ def test_compiled_xla_scatter_aliases_each_layer_for_small_and_16x_caches(config
         rows = [jax.device_put(np.zeros((8, *layout.block_shape), layout.np_dtype), host)
                 for _ in range(layers)]
         ids = jax.device_put(np.arange(8, dtype=np.int32), NamedSharding(mesh, P()))
-        text = _scatter_fn(layout, mesh).lower(caches, rows, ids).compile().as_text()
+        text = scatter_fn(layout, mesh).lower(caches, rows, ids).compile().as_text()
         # Outputs are the layers; parameters 0..layers-1 are the caches (then rows, ids).
         assert _aliases(text) == {i: i for i in range(layers)}, num_blocks
 
@@ -177,7 +183,7 @@ def test_scatter_xla_direct_is_byte_exact_and_reuses_the_buffers(config, count):
     src = np.array([11, 0, 5, 2, 9, 3, 10, 1, 7][:count], np.int64)
     assert bucket_size(count) > count
     before = _pointers(caches)
-    out = _scatter_xla(layout, caches[0].sharding.mesh, caches, src_rows, ids, src)
+    out, _ = _xla.scatter(layout, caches[0].sharding.mesh, caches, src_rows, ids, src, False)
     assert _pointers(out) == before
     assert all(c.is_deleted() for c in caches)
     for o, h, s in zip(out, hosts, src_rows):
@@ -477,7 +483,7 @@ def test_on_the_cpu_fingerprints_are_summed_from_the_buffers_without_an_xla_disp
     def no_xla(*args):
         raise AssertionError("fingerprints went through XLA")
 
-    monkeypatch.setattr(gather_mod, "_fingerprint_fn", no_xla)
+    monkeypatch.setattr(_xla, "fingerprint_fn", no_xla)
     np.testing.assert_array_equal(fingerprint_blocks(caches, ids), expected)
     np.testing.assert_array_equal(gather_into(caches, ids, regions, [0, 1, 2, 3, 4]), expected)
     _, landed = scatter_blocks(caches, regions, [9, 8, 7, 6, 2], rows=[0, 1, 2, 3, 4],
@@ -496,7 +502,7 @@ def test_row_copies_by_runs_equal_fancy_assignment(to, frm, order):
     src = np.arange(41 * 3).reshape(41, 3)
     want, got = np.full((41, 3), -1), np.full((41, 3), -1)
     want[to] = src[frm]
-    runs = _slice_runs(frm, to)
+    runs = slice_runs(frm, to)
     for s, d, n in runs:
         got[d : d + abs(n)] = src[s : s + n] if n > 0 else src[s + n + 1 : s + 1][::-1]
     np.testing.assert_array_equal(got, want)
@@ -543,7 +549,7 @@ def test_a_failing_shard_task_raises_once_every_task_has_ended(monkeypatch):
 
     tasks = [lambda: ok(0), bad] + [lambda i=i: ok(i) for i in range(2, 6)]
     with pytest.raises(LayoutMismatchError, match="shard 1 is not"):
-        gather_mod.run_per_shard(tasks)
+        _host_buffers.run_per_shard(tasks)
     assert sorted(ran) == [0, 2, 3, 4, 5]
 
 
@@ -554,10 +560,10 @@ def test_shard_tasks_that_run_shard_tasks_run_them_inline_not_deadlocked(monkeyp
     ran = []
 
     def outer(i):
-        gather_mod.run_per_shard([lambda j=j: ran.append((i, j)) for j in range(3)])
+        _host_buffers.run_per_shard([lambda j=j: ran.append((i, j)) for j in range(3)])
 
     worker = threading.Thread(
-        target=gather_mod.run_per_shard, args=([lambda i=i: outer(i) for i in range(4)],))
+        target=_host_buffers.run_per_shard, args=([lambda i=i: outer(i) for i in range(4)],))
     worker.start()
     worker.join(30)
     assert not worker.is_alive(), "nested shard tasks deadlocked the pool"
@@ -574,3 +580,18 @@ def test_a_bad_host_thread_count_is_refused_naming_it(value, monkeypatch):
         scatter_blocks(caches, _staging(config, seed=45), [1, 2], rows=[0, 1])
     for cache, host in zip(caches, hosts):  # refused before the caches were donated
         np.testing.assert_array_equal(_bytes(cache), _bytes(host))
+
+
+def test_the_backend_follows_kvxfer_backend_and_a_bad_one_is_refused_with_the_caches_kept(
+        monkeypatch):
+    from kvxfer.gather import backend
+
+    caches, _ = _make("attention_bf16_mesh_1x8", seed=40)
+    mesh = caches[0].sharding.mesh
+    assert backend(mesh) == "host"  # auto, on CPUs
+    monkeypatch.setenv("KVXFER_BACKEND", "xla")
+    assert backend(mesh) == "xla"
+    monkeypatch.setenv("KVXFER_BACKEND", "gpu")
+    with pytest.raises(InvalidInputError, match="KVXFER_BACKEND must be one of .* got 'gpu'"):
+        scatter_blocks(caches, _staging("attention_bf16_mesh_1x8", seed=41, rows=2), [1, 2])
+    assert not any(c.is_deleted() for c in caches)

@@ -1,4 +1,15 @@
-"""The host backend (XLA:CPU only): numpy copies and hashes on the caches' own buffers.
+"""The host backend (XLA:CPU): numpy copies and hashes on the caches' own buffers.
+
+On XLA:CPU a device buffer is host memory, so copies between the caches and
+host arrays are numpy slice copies on views of the buffers themselves
+(`buffer_view`), with no dispatch: a scatter into donated caches writes
+into the very buffers the returned caches own, and costs what its blocks
+cost whatever the size of the caches (an XLA:CPU scatter into a donated
+bf16 buffer copies the whole buffer). Each shard's copy, and the hash of the
+rows it just copied, is one task on a few threads (`host_threads`). What
+numpy cannot do goes through `kvxfer._xla`: handing the buffers over
+(`own_buffers`, a donated identity) and hashing pieces that are not whole
+32-bit words. docs/internals.md has the figures.
 """
 
 from __future__ import annotations
@@ -14,9 +25,98 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from kvxfer import _xla
 from kvxfer.errors import InvalidInputError
-from kvxfer.fingerprint import _fmix32, _index_key, _piece_weights
+from kvxfer.fingerprint import fmix32, piece_weights
 from kvxfer.layout import CacheLayout
+
+__all__ = ["BufferHashes", "RowCopies", "buffer_view", "copy_then_hash", "fingerprint",
+           "gather_into", "host_threads", "own_buffers", "run_per_shard", "scatter",
+           "slice_runs", "sums_words"]
+
+
+# The backend: what `kvxfer.gather` calls once its inputs are checked.
+
+
+def gather_into(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], ids: np.ndarray,
+                regions: Sequence[np.ndarray], dst: np.ndarray) -> np.ndarray:
+    """Copy blocks `ids` into rows `dst` of `regions` from the caches' buffers; their prints."""
+    jax.block_until_ready(list(caches))
+    hashes = BufferHashes.of(layout, ids)
+    if hashes is None:  # pieces that are not whole words: hash on device meanwhile
+        prints = _xla.fingerprint_async(layout, mesh, caches, ids)
+    copies = RowCopies(ids, dst, ids_are_dst=False)
+    tasks = []
+    for layer, (cache, region) in enumerate(zip(caches, regions)):
+        for shard in cache.addressable_shards:
+            if shard.replica_id == 0:
+                tasks.append(functools.partial(
+                    copy_then_hash, copies, shard, region[(slice(None), *shard.index[1:])],
+                    buffer_view(shard.data), hashes, layer))
+    run_per_shard(tasks)
+    if hashes is not None:
+        return hashes.result()
+    return np.asarray(prints)[:, : len(ids)]
+
+
+def scatter(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+            host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray, src: np.ndarray,
+            fingerprints: bool) -> tuple[list[jax.Array], np.ndarray | None]:
+    """Write rows `src` of `host_blocks` into blocks `ids` of the caches' own buffers.
+
+    The caches are donated to an identity (which waits for every pending use of
+    the buffers and hands them over without a copy), then written with numpy:
+    the buffer pointers do not change. Returns the new caches and, with
+    `fingerprints`, the prints of the blocks as they landed.
+    """
+    hosts = [np.asarray(h) for h in host_blocks]  # before donating: they may be the caches
+    threads = host_threads()  # a bad setting is refused before the caches are donated
+    hashes = BufferHashes.of(layout, ids) if fingerprints else None
+    new = own_buffers(layout, mesh)(list(caches))
+    jax.block_until_ready(new)
+    copies = RowCopies(ids, src, ids_are_dst=True)
+    tasks = []
+    for layer, (cache, host) in enumerate(zip(new, hosts)):
+        for shard in cache.addressable_shards:  # every replica: each has its own buffer
+            view = buffer_view(shard.data)
+            tasks.append(functools.partial(
+                copy_then_hash, copies, shard, view, host[(slice(None), *shard.index[1:])],
+                hashes if shard.replica_id == 0 else None, layer))
+    run_per_shard(tasks, threads)
+    if not fingerprints:
+        return new, None
+    if hashes is None:
+        return new, fingerprint(layout, mesh, new, ids)
+    return new, hashes.result()
+
+
+def fingerprint(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+                ids: np.ndarray) -> np.ndarray:
+    """`uint32[num_layers, n]`: the prints of blocks `ids`, summed from the caches' buffers."""
+    hashes = BufferHashes.of(layout, ids)
+    if hashes is None:
+        return np.asarray(_xla.fingerprint_async(layout, mesh, caches, ids))[:, : len(ids)]
+    jax.block_until_ready(list(caches))
+    run_per_shard([functools.partial(hashes.add, layer, shard, buffer_view(shard.data))
+                   for layer, cache in enumerate(caches)
+                   for shard in cache.addressable_shards if shard.replica_id == 0])
+    return hashes.result()
+
+
+def sums_words(layout: CacheLayout) -> bool:
+    """Whether each shard's piece of a block is whole 32-bit words (numpy can sum it)."""
+    piece = layout.shard_block_shape[-1] * layout.np_dtype.itemsize
+    whole = layout.block_shape[-1] * layout.np_dtype.itemsize
+    return piece % 4 == 0 and whole % 4 == 0
+
+
+# Host copies on several threads.
+#
+# One task per shard: its rows are copied, then hashed by the same thread while
+# they are in its core's cache, as other threads copy other shards. numpy's
+# copies and `einsum` release the GIL. Tasks touch disjoint buffers and rows;
+# `BufferHashes` adds each task's sums under a lock.
+
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -74,18 +174,15 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _copy_then_hash(copies: _RowCopies, shard: jax.Shard, dst: np.ndarray, src: np.ndarray,
-                    hashes: _BufferHashes | None, layer: int) -> None:
+def copy_then_hash(copies: RowCopies, shard: jax.Shard, dst: np.ndarray, src: np.ndarray,
+                    hashes: BufferHashes | None, layer: int) -> None:
     copies.copy(shard, dst, src)
     if hashes is not None:  # the shard's buffer: rows just copied, while in this core's cache
         hashes.add(layer, shard, dst if copies.ids_are_dst else src)
 
 
-def _writes_in_place(mesh: Mesh) -> bool:
-    return all(d.platform == "cpu" for d in mesh.devices.flat)
 
-
-def _buffer_view(array: jax.Array) -> np.ndarray:
+def buffer_view(array: jax.Array) -> np.ndarray:
     """A writable numpy view of a single-device CPU array's buffer (C order), no copy.
 
     The view does not keep `array` alive: the caller does.
@@ -97,7 +194,7 @@ def _buffer_view(array: jax.Array) -> np.ndarray:
     return np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)
 
 
-class _RowCopies:
+class RowCopies:
     """`dst[to[i]] = src[frm[i]]` for the blocks a shard holds, as slice copies where
     rows run together.
 
@@ -118,7 +215,7 @@ class _RowCopies:
             inside = (local >= 0) & (local < size)
             held, rows = local[inside], self.rows[inside]
             to, frm = (held, rows) if self.ids_are_dst else (rows, held)
-            runs = _slice_runs(frm, to)
+            runs = slice_runs(frm, to)
             plan = self._plans[(first, size)] = (to, frm, runs if 2 * len(runs) <= len(to)
                                                  else None)
         to, frm, runs = plan
@@ -134,7 +231,7 @@ class _RowCopies:
             dst[to] = src[frm]
 
 
-def _slice_runs(frm: np.ndarray, to: np.ndarray) -> list[tuple[int, int, int]]:
+def slice_runs(frm: np.ndarray, to: np.ndarray) -> list[tuple[int, int, int]]:
     """`dst[to[i]] = src[frm[i]]` (`to` distinct) as runs `(s, d, n)`: `dst[d:d+|n|]`
     gets rows `s, s+1, ...` of `src` for `n > 0`, rows `s, s-1, ...` for `n < 0`.
 
@@ -158,10 +255,10 @@ def _slice_runs(frm: np.ndarray, to: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
-class _BufferHashes:
+class BufferHashes:
     """Fingerprints summed with numpy from the caches' own buffers (XLA:CPU).
 
-    The same values as `_device_fingerprint`: each shard's piece of a block is
+    The same values as `kvxfer.fingerprint.device_fingerprint`: each shard's piece of a block is
     a run of whole 32-bit words, and `np.einsum` sums them against the
     weights of their indices in the whole block, at about memory speed (an
     XLA:CPU reduction runs at a fraction of it and materializes the gathered
@@ -180,10 +277,8 @@ class _BufferHashes:
         self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list | None]] = {}
 
     @classmethod
-    def of(cls, layout: CacheLayout, ids: np.ndarray) -> _BufferHashes | None:
-        piece = layout.shard_block_shape[-1] * layout.np_dtype.itemsize
-        whole = layout.block_shape[-1] * layout.np_dtype.itemsize
-        return cls(layout, ids) if piece % 4 == 0 and whole % 4 == 0 else None
+    def of(cls, layout: CacheLayout, ids: np.ndarray) -> BufferHashes | None:
+        return cls(layout, ids) if sums_words(layout) else None
 
     def add(self, layer: int, shard: jax.Shard, view: np.ndarray) -> None:
         """Add the words `view` (the shard's buffer) holds of the blocks in `ids`."""
@@ -204,7 +299,7 @@ class _BufferHashes:
         if not len(at):
             return
         words = view.reshape(size, -1).view(np.uint32)
-        weights = _piece_weights(self.layout, _index_key(shard.index[1:]))
+        weights = piece_weights(self.layout, shard.index[1:])
         got = np.empty(len(at), np.uint32)  # in `at`'s order
         if runs is not None:
             for i, n in runs:
@@ -219,32 +314,11 @@ class _BufferHashes:
 
     def result(self) -> np.ndarray:
         """`uint32[num_layers, n]`: the fingerprints."""
-        return _fmix32(self.sums)
-
-
-def _scatter_in_place(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
-                      host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray,
-                      src: np.ndarray, hashes: _BufferHashes | None = None) -> list[jax.Array]:
-    # Donating to an identity waits for every pending use of the buffers and hands
-    # them over without a copy; from then on nothing else reads or writes them.
-    hosts = [np.asarray(h) for h in host_blocks]  # before donating: they may be the caches
-    threads = host_threads()  # a bad setting is refused before the caches are donated
-    new = _own_fn(layout, mesh)(list(caches))
-    jax.block_until_ready(new)
-    copies = _RowCopies(ids, src, ids_are_dst=True)
-    tasks = []
-    for layer, (cache, host) in enumerate(zip(new, hosts)):
-        for shard in cache.addressable_shards:  # every replica: each has its own buffer
-            view = _buffer_view(shard.data)
-            tasks.append(functools.partial(
-                _copy_then_hash, copies, shard, view, host[(slice(None), *shard.index[1:])],
-                hashes if shard.replica_id == 0 else None, layer))
-    run_per_shard(tasks, threads)
-    return new
+        return fmix32(self.sums)
 
 
 @functools.lru_cache(maxsize=64)
-def _own_fn(layout: CacheLayout, mesh: Mesh):
+def own_buffers(layout: CacheLayout, mesh: Mesh):
     sharding = NamedSharding(mesh, layout.partition_spec())
     return jax.jit(lambda caches: caches, out_shardings=[sharding] * layout.num_layers,
                    donate_argnums=0)

@@ -1,4 +1,17 @@
 """The XLA backend: jitted `shard_map` programs for gather, scatter and fingerprints.
+
+The path for TPUs and GPUs (and, selected with `KVXFER_BACKEND=xla`, for
+XLA:CPU in tests). Every program does all layers in one dispatch, per shard,
+with no cross-device traffic where the block axis is unsharded; where it is
+sharded (over `'data'`), each shard takes the blocks it holds, zeros the
+rest, and a `psum` over the block axes assembles the rows. Blocks move as
+unsigned integers of the element's width, so bf16 and fp8 NaN payloads
+round-trip bit for bit. Block counts are padded to power-of-two buckets
+(`bucket_size`) and the ids go in as a device array, so a new count never
+recompiles after one call per bucket; builders are cached on the static
+`CacheLayout`, the mesh and the bucket. A scatter is an XLA scatter with
+unique indices into the donated caches, which the compiled program aliases
+to its outputs.
 """
 
 from __future__ import annotations
@@ -13,8 +26,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvxfer.errors import InvalidInputError
-from kvxfer.fingerprint import _device_fingerprint
+from kvxfer.fingerprint import device_fingerprint
 from kvxfer.layout import CacheLayout
+
+__all__ = ["MIN_BUCKET", "bucket_size", "fingerprint", "fingerprint_async", "gather",
+           "gather_into", "scatter"]
+
 
 MIN_BUCKET = 8
 """The smallest padded block count; counts up to it share one compiled program."""
@@ -27,14 +44,14 @@ def bucket_size(count: int) -> int:
     return max(MIN_BUCKET, 1 << max(count - 1, 0).bit_length())
 
 
-def _bucket_ids(ids: np.ndarray, mesh: Mesh) -> jax.Array:
+def bucket_ids(ids: np.ndarray, mesh: Mesh) -> jax.Array:
     """`ids` padded to their bucket with copies of the last (any valid id), on the mesh."""
     padded = np.full(bucket_size(len(ids)), ids[-1] if len(ids) else 0, np.int32)
     padded[: len(ids)] = ids
     return jax.device_put(padded, NamedSharding(mesh, PartitionSpec()))
 
 
-def _bucket_rows(
+def bucket_rows(
     h: jax.Array | np.ndarray, src: np.ndarray, bucket: int, sharding: NamedSharding
 ) -> jax.Array:
     """Rows `src` of `h` as exactly `bucket` rows in pinned host memory (no recompiles)."""
@@ -46,18 +63,54 @@ def _bucket_rows(
     return jax.device_put(padded, sharding)
 
 
-def _scatter_xla(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
-                 host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray,
-                 src: np.ndarray) -> list[jax.Array]:
-    """An XLA scatter with unique indices into the donated caches (aliased in and out)."""
+# The backend: what `kvxfer.gather` calls once its inputs are checked.
+
+
+def gather(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], ids: np.ndarray,
+           fingerprints: bool):
+    """Blocks `ids` of every layer in pinned host memory (and their prints), one dispatch."""
+    return gather_fn(layout, mesh, fingerprints)(list(caches), bucket_ids(ids, mesh))
+
+
+def gather_into(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], ids: np.ndarray,
+                regions: Sequence[np.ndarray], dst: np.ndarray) -> np.ndarray:
+    """Gather into pinned host memory, then copy each shard's rows into rows `dst` of `regions`."""
+    blocks, prints = gather(layout, mesh, caches, ids, fingerprints=True)
+    for gathered, region in zip(blocks, regions):
+        for shard in gathered.addressable_shards:
+            if shard.replica_id == 0:
+                region[(slice(None), *shard.index[1:])][dst] = np.asarray(shard.data)[: len(ids)]
+    return np.asarray(prints)[:, : len(ids)]
+
+
+def scatter(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+            host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray, src: np.ndarray,
+            fingerprints: bool) -> tuple[list[jax.Array], np.ndarray | None]:
+    """An XLA scatter of rows `src` into blocks `ids` of the donated caches (aliased in and out)."""
     bucket = bucket_size(len(ids))
     # Padding ids are distinct and past the last block: dropped, and indices stay unique.
     padded = (layout.num_blocks + np.arange(bucket)).astype(np.int32)
     padded[: len(ids)] = ids
     host_sharding = NamedSharding(mesh, layout.host_partition_spec(), memory_kind="pinned_host")
-    rows = [_bucket_rows(h, src, bucket, host_sharding) for h in host_blocks]
-    fn = _scatter_fn(layout, mesh)
-    return fn(list(caches), rows, jax.device_put(padded, NamedSharding(mesh, PartitionSpec())))
+    rows = [bucket_rows(h, src, bucket, host_sharding) for h in host_blocks]
+    new = scatter_fn(layout, mesh)(list(caches), rows,
+                                   jax.device_put(padded, NamedSharding(mesh, PartitionSpec())))
+    return new, fingerprint(layout, mesh, new, ids) if fingerprints else None
+
+
+def fingerprint(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+                ids: np.ndarray) -> np.ndarray:
+    """`uint32[num_layers, n]`: the prints of blocks `ids`, computed on device."""
+    return np.asarray(fingerprint_async(layout, mesh, caches, ids))[:, : len(ids)]
+
+
+def fingerprint_async(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
+                      ids: np.ndarray) -> jax.Array:
+    """`fingerprint`, dispatched: `uint32[num_layers, bucket]`, not yet waited for."""
+    return fingerprint_fn(layout, mesh)(list(caches), bucket_ids(ids, mesh))
+
+
+# Jitted builders.
 
 
 def _uint(dtype: np.dtype) -> np.dtype:
@@ -67,7 +120,7 @@ def _uint(dtype: np.dtype) -> np.dtype:
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_fn(layout: CacheLayout, mesh: Mesh, fingerprints: bool):
+def gather_fn(layout: CacheLayout, mesh: Mesh, fingerprints: bool):
     layout.check_mesh(mesh)
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
     block_axes = layout.spec[0]
@@ -87,7 +140,7 @@ def _gather_fn(layout: CacheLayout, mesh: Mesh, fingerprints: bool):
         blocks = [lax.bitcast_convert_type(r, dtype) for r in rows]
         if not fingerprints:
             return blocks
-        return blocks, jnp.stack([_device_fingerprint(r, layout) for r in rows])
+        return blocks, jnp.stack([device_fingerprint(r, layout) for r in rows])
 
     out_specs: object = [host_spec] * layout.num_layers
     host = NamedSharding(mesh, host_spec, memory_kind="pinned_host")
@@ -107,7 +160,7 @@ def _gather_fn(layout: CacheLayout, mesh: Mesh, fingerprints: bool):
 
 
 @functools.lru_cache(maxsize=64)
-def _scatter_fn(layout: CacheLayout, mesh: Mesh):
+def scatter_fn(layout: CacheLayout, mesh: Mesh):
     layout.check_mesh(mesh)
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
     block_axes = layout.spec[0]
@@ -146,7 +199,7 @@ def _scatter_fn(layout: CacheLayout, mesh: Mesh):
 
 
 @functools.lru_cache(maxsize=64)
-def _fingerprint_fn(layout: CacheLayout, mesh: Mesh):
+def fingerprint_fn(layout: CacheLayout, mesh: Mesh):
     layout.check_mesh(mesh)
     udtype = _uint(layout.np_dtype)
     block_axes = layout.spec[0]
@@ -156,7 +209,7 @@ def _fingerprint_fn(layout: CacheLayout, mesh: Mesh):
             ids, inside = _local_ids(ids, caches[0].shape[0], block_axes)
         prints = []
         for cache in caches:
-            h = _device_fingerprint(
+            h = device_fingerprint(
                 jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0), layout)
             if block_axes:
                 h = lax.psum(jnp.where(inside, h, jnp.uint32(0)), block_axes)

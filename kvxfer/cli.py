@@ -245,6 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvxfer._host_buffers import host_threads
 
             host_threads()
+        if "KVXFER_BACKEND" in os.environ:
+            from kvxfer.gather import backend_setting
+
+            backend_setting()
         return args.func(args)
     except KvxferError as e:
         print(f"kvxfer: error: {e}", file=sys.stderr)

@@ -1,4 +1,18 @@
-"""Block fingerprints: the hash of a whole block, on device and on host.
+"""Block fingerprints: one 32-bit hash per whole block, whatever its sharding.
+
+The hash of a block is `fmix32(sum_j w_j * c_j mod 2**32)` over its
+little-endian 32-bit words `w_j` (C order, zero padded), with odd
+position-dependent weights `c_j = (2*j + 1) * 0x9E3779B1` (`word_weight`). A
+flipped bit changes the sum by an odd multiple of a power of two below
+`2**32`, so it is always caught, and a moved word changes its weight. Sums add
+across any split of a block: each device (or process) sums the words it holds
+by their index in the whole block, and the parts add up to the same value.
+
+Three places sum: `device_fingerprint` inside the jitted programs, numpy on
+host rows (`host_fingerprint`), and numpy on the caches' own buffers or a
+piece's units (`piece_weights`, used by `kvxfer._host_buffers` and
+`kvxfer.pieces`). All use `word_weight` and `fmix32`, so all agree.
+See docs/internals.md ("Gather, scatter and fingerprints") for the figures.
 """
 
 from __future__ import annotations
@@ -15,60 +29,85 @@ from kvxfer.blocks import cdiv
 from kvxfer.errors import CorruptionError, InvalidInputError
 from kvxfer.layout import CacheLayout
 
+__all__ = ["compare_fingerprints", "device_fingerprint", "fmix32", "host_fingerprint",
+           "piece_weights", "word_weight"]
+
 _K = np.uint32(0x9E3779B1)
-
-
 _MURMUR_C1 = np.uint32(0x85EBCA6B)
-
-
 _MURMUR_C2 = np.uint32(0xC2B2AE35)
 
 
-def compare_fingerprints(got: np.ndarray, expected: np.ndarray) -> None:
-    """Raise `CorruptionError` at the first block where two fingerprint arrays differ.
+def word_weight(word):
+    """The weight `(2*j + 1) * 0x9E3779B1 mod 2**32` of word `j` of a block.
 
-    Both are `uint32[num_layers, n]` (`fingerprint_blocks` of what arrived, and
-    what the sender computed); the error names the layer and block row.
+    `word`: a uint32 numpy or JAX array of word indices; returns the same kind.
     """
-    got, expected = np.asarray(got), np.asarray(expected)
-    if got.shape != expected.shape:
-        raise InvalidInputError(
-            f"fingerprints of shape {got.shape} cannot be checked against {expected.shape}")
-    bad = np.argwhere(got != expected)
-    if len(bad):
-        layer, row = (int(v) for v in bad[0])
-        raise CorruptionError(
-            f"block fingerprint mismatch at layer {layer}, block row {row}: received "
-            f"{int(got[layer, row]):#010x}, sender computed {int(expected[layer, row]):#010x} "
-            f"({len(bad)} mismatching blocks in all)"
-        )
+    return (word * np.uint32(2) + np.uint32(1)) * _K
 
 
-def _index_key(index: tuple[slice, ...]) -> tuple[tuple[int | None, int | None], ...]:
-    return tuple((s.start, s.stop) for s in index)  # slices are not hashable before 3.12
+def fmix32(h):
+    """MurmurHash3's 32-bit finalizer; a bijection, works on numpy and JAX uint32 arrays."""
+    h = h ^ (h >> 16)
+    h = h * _MURMUR_C1
+    h = h ^ (h >> 13)
+    h = h * _MURMUR_C2
+    return h ^ (h >> 16)
+
+
+def piece_weights(layout: CacheLayout, index: tuple[slice, ...], unit_axis: int | None = None
+                  ) -> np.ndarray:
+    """The weights of the 32-bit words of one piece of a block, in the piece's C order.
+
+    **Arguments:**
+
+    - `layout`: the caches' layout (the whole block's shape and dtype).
+    - `index`: the piece, as one slice per block axis (a shard's index without axis 0).
+    - `unit_axis`: when given, the piece is laid out with that block axis first
+      (`kvxfer.pieces`' unit-major staging); the result is then
+      `uint32[units, words per unit]`.
+
+    **Returns:**
+
+    `uint32[words]` (or `[units, words per unit]`). The piece's innermost run must be
+    whole words; callers check.
+    """
+    return _piece_weights(layout, tuple((s.start, s.stop) for s in index), unit_axis)
 
 
 @functools.lru_cache(maxsize=256)
-def _piece_weights(layout: CacheLayout, key: tuple[tuple[int | None, int | None], ...]
-                   ) -> np.ndarray:
-    """The weight of each 32-bit word of one shard's piece of a block, in its buffer's order."""
+def _piece_weights(layout: CacheLayout, key: tuple[tuple[int | None, int | None], ...],
+                   unit_axis: int | None) -> np.ndarray:
     per_word = 4 // layout.np_dtype.itemsize
     flat = np.arange(math.prod(layout.block_shape), dtype=np.int64).reshape(layout.block_shape)
-    first = flat[tuple(slice(a, b) for a, b in key)][..., ::per_word].reshape(-1)
-    word = first // per_word
-    return ((word * 2 + 1) * int(_K) % (1 << 32)).astype(np.uint32)
+    piece = flat[tuple(slice(a, b) for a, b in key)]
+    if unit_axis is not None:
+        piece = np.moveaxis(piece, unit_axis, 0)
+        first = piece.reshape(piece.shape[0], -1)[:, ::per_word]
+    else:
+        first = piece[..., ::per_word].reshape(-1)
+    return word_weight((first // per_word).astype(np.uint32))
 
 
-def _device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
+def host_fingerprint(layout: CacheLayout, rows: np.ndarray) -> np.ndarray:
+    """`uint32[n]`: the fingerprints of whole blocks `rows`, `[n, *block_shape]`, with numpy."""
+    n = rows.shape[0]
+    data = np.ascontiguousarray(rows).view(np.uint8).reshape(n, -1)
+    padded = np.zeros((n, cdiv(data.shape[1], 4) * 4), np.uint8)
+    padded[:, : data.shape[1]] = data
+    words = padded.view("<u4")
+    weights = word_weight(np.arange(words.shape[1], dtype=np.uint32))
+    return fmix32(np.sum(words * weights, axis=1, dtype=np.uint32))
+
+
+def device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
     """`uint32[n]`: the fingerprint of each whole block whose pieces this device holds.
 
-    Inside `shard_map`: `rows` is `[n, *shard_block_shape]` of unsigned ints. The
-    sum runs over the block's little-endian 32-bit words, each weighted by its index
-    in the whole block, so the per-device sums add up (`psum` over the axes that
-    split a block) to the same value however the block is sharded. Where a device's
-    rows of the last axis are whole words (the usual case) it sums words; otherwise
-    it sums elements, each weighted by its word's weight shifted to its byte offset
-    in the word, which is the same sum.
+    Inside `shard_map`: `rows` is `[n, *shard_block_shape]` of unsigned ints. Each
+    device sums its words by their index in the whole block and a `psum` over the
+    axes that split a block adds the parts. Where a device's rows of the last axis
+    are whole words (the usual case) it sums words; otherwise it sums elements,
+    each weighted by its word's weight shifted to its byte offset in the word,
+    which is the same sum.
     """
     n, local = rows.shape[0], rows.shape[1:]
     itemsize = layout.np_dtype.itemsize
@@ -97,33 +136,32 @@ def _device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
             rows = lax.bitcast_convert_type(
                 rows.reshape(n, *local[:-1], local[-1] // per_word, per_word), jnp.uint32)
         words = rows.reshape(n, -1)
-        weights = (index // jnp.uint32(per_word) * jnp.uint32(2) + jnp.uint32(1)) * _K
+        weights = word_weight(index // jnp.uint32(per_word))
     else:
         words = rows.reshape(n, -1).astype(jnp.uint32)
         byte = index * jnp.uint32(itemsize)
-        weights = (((byte >> 2) * jnp.uint32(2) + jnp.uint32(1)) * _K) << ((byte & 3) * 8)
+        weights = word_weight(byte >> 2) << ((byte & 3) * 8)
     partial = jnp.sum(words * weights[None], axis=1, dtype=jnp.uint32)
     if layout.shard_axes:
         partial = lax.psum(partial, layout.shard_axes)
-    return _fmix32(partial)
+    return fmix32(partial)
 
 
-def _host_fingerprint(layout: CacheLayout, rows: np.ndarray) -> np.ndarray:
-    """`uint32[n]` for whole blocks `rows`, `[n, *block_shape]`, with numpy."""
-    n = rows.shape[0]
-    data = np.ascontiguousarray(rows).view(np.uint8).reshape(n, -1)
-    padded = np.zeros((n, cdiv(data.shape[1], 4) * 4), np.uint8)
-    padded[:, : data.shape[1]] = data
-    words = padded.view("<u4")
-    i = np.arange(words.shape[1], dtype=np.uint32)
-    weights = (i * np.uint32(2) + np.uint32(1)) * _K
-    return _fmix32(np.sum(words * weights, axis=1, dtype=np.uint32))
+def compare_fingerprints(got: np.ndarray, expected: np.ndarray) -> None:
+    """Raise `CorruptionError` at the first block where two fingerprint arrays differ.
 
-
-def _fmix32(h):
-    """MurmurHash3's 32-bit finalizer; a bijection, works on numpy and jax uint32 arrays."""
-    h = h ^ (h >> 16)
-    h = h * _MURMUR_C1
-    h = h ^ (h >> 13)
-    h = h * _MURMUR_C2
-    return h ^ (h >> 16)
+    Both are `uint32[num_layers, n]` (`fingerprint_blocks` of what arrived, and
+    what the sender computed); the error names the layer and block row.
+    """
+    got, expected = np.asarray(got), np.asarray(expected)
+    if got.shape != expected.shape:
+        raise InvalidInputError(
+            f"fingerprints of shape {got.shape} cannot be checked against {expected.shape}")
+    bad = np.argwhere(got != expected)
+    if len(bad):
+        layer, row = (int(v) for v in bad[0])
+        raise CorruptionError(
+            f"block fingerprint mismatch at layer {layer}, block row {row}: received "
+            f"{int(got[layer, row]):#010x}, sender computed {int(expected[layer, row]):#010x} "
+            f"({len(bad)} mismatching blocks in all)"
+        )

@@ -1,29 +1,76 @@
 """Gather KV blocks from device caches into host memory, and scatter them back.
+
+    host = gather_blocks(caches, block_ids)
+    prints = gather_into(caches, block_ids, staging_regions, slots)
+    caches = scatter_blocks(caches, host, block_ids)               # or rows=slots
+    caches, prints = scatter_blocks(caches, host, block_ids, fingerprints=True)
+    prints = fingerprint_blocks(caches, block_ids)
+
+All take `list[jax.Array]` (one array per layer, blocks on axis 0, kernel
+block ids) and do all layers in one call. Each function checks its inputs,
+then makes one call into the backend `backend(mesh)` picks: `kvxfer._xla`
+(jitted `shard_map` programs; TPU, GPU) or `kvxfer._host_buffers` (numpy on
+the caches' own buffers; XLA:CPU). `gather_blocks` is always the XLA program:
+its output is new pinned-host arrays. A scatter writes into the donated
+caches' own buffers on both, so it costs what its blocks cost whatever the
+size of the caches. Fingerprints (`kvxfer.fingerprint`) are per whole block
+and independent of sharding, so D (TP 8) checks P's (TP 4) on its own
+devices. docs/internals.md has the measurements behind these choices.
 """
 
 from __future__ import annotations
 
-import functools
 import numbers
+import os
 from collections.abc import Sequence
+from types import ModuleType
 from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from kvxfer._host_buffers import (
-    _buffer_view,
-    _BufferHashes,
-    _copy_then_hash,
-    _RowCopies,
-    _scatter_in_place,
-    _writes_in_place,
-    run_per_shard,
-)
-from kvxfer._xla import _bucket_ids, _fingerprint_fn, _gather_fn, _scatter_xla
+from kvxfer import _host_buffers, _xla
+from kvxfer._xla import MIN_BUCKET, bucket_size
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import _host_fingerprint, compare_fingerprints
+from kvxfer.fingerprint import compare_fingerprints, host_fingerprint
 from kvxfer.layout import CacheLayout
+
+__all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_setting", "block_fingerprints",
+           "bucket_size", "check_fingerprints", "compare_fingerprints", "fingerprint_blocks",
+           "gather_blocks", "gather_into", "scatter_blocks"]
+
+BACKENDS = ("auto", "xla", "host")
+"""What `KVXFER_BACKEND` may say: `auto` (the default: `host` where every device of the
+mesh is a CPU, else `xla`), `xla` or `host` (XLA:CPU only)."""
+
+
+def backend_setting() -> str:
+    """`KVXFER_BACKEND` (default `auto`), checked: the one place it is read."""
+    choice = os.environ.get("KVXFER_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise InvalidInputError(f"KVXFER_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    return choice
+
+
+def backend(mesh: Mesh) -> str:
+    """The backend that copies for caches on `mesh`: `"xla"` or `"host"`.
+
+    Raises `InvalidInputError` naming a bad `KVXFER_BACKEND`, or `host` for a mesh that
+    is not on CPUs.
+    """
+    choice = backend_setting()
+    platforms = sorted({d.platform for d in mesh.devices.flat})
+    if choice == "auto":
+        return "host" if platforms == ["cpu"] else "xla"
+    if choice == "host" and platforms != ["cpu"]:
+        raise InvalidInputError(f"KVXFER_BACKEND=host copies on XLA:CPU buffers only; the "
+                                f"caches are on {platforms}")
+    return choice
+
+
+def _backend(mesh: Mesh) -> ModuleType:
+    return _host_buffers if backend(mesh) == "host" else _xla
 
 
 class GatheredBlocks(NamedTuple):
@@ -79,8 +126,7 @@ def gather_blocks(
     _check_flag("fingerprints", fingerprints)
     layout = CacheLayout.from_caches(caches)
     ids = _check_block_ids(block_ids, layout)
-    mesh = caches[0].sharding.mesh
-    out = _gather_fn(layout, mesh, fingerprints)(list(caches), _bucket_ids(ids, mesh))
+    out = _xla.gather(layout, caches[0].sharding.mesh, caches, ids, fingerprints)
     if fingerprints:
         return GatheredBlocks(*out)
     return out
@@ -139,18 +185,9 @@ def scatter_blocks(
         new = list(caches)
         return ScatteredBlocks(new, np.zeros((layout.num_layers, 0), np.uint32)) \
             if fingerprints else new
-    mesh = caches[0].sharding.mesh
-    hashes = _BufferHashes.of(layout, ids) if fingerprints else None
-    if _writes_in_place(mesh):
-        new = _scatter_in_place(layout, mesh, caches, host_blocks, ids, src, hashes)
-    else:
-        hashes = None
-        new = _scatter_xla(layout, mesh, caches, host_blocks, ids, src)
-    if not fingerprints:
-        return new
-    if hashes is not None:
-        return ScatteredBlocks(new, hashes.result())
-    return ScatteredBlocks(new, fingerprint_blocks(new, ids))
+    new, prints = _backend(caches[0].sharding.mesh).scatter(
+        layout, caches[0].sharding.mesh, caches, host_blocks, ids, src, fingerprints)
+    return ScatteredBlocks(new, prints) if fingerprints else new
 
 
 def gather_into(
@@ -187,38 +224,13 @@ def gather_into(
     if len(ids) == 0:
         return np.zeros((layout.num_layers, 0), np.uint32)
     mesh = caches[0].sharding.mesh
-    if _writes_in_place(mesh):
-        jax.block_until_ready(list(caches))
-        hashes = _BufferHashes.of(layout, ids)
-        if hashes is None:  # pieces that are not whole words: hash on device meanwhile
-            prints = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
-        copies = _RowCopies(ids, dst, ids_are_dst=False)
-        tasks = []
-        for layer, (cache, region) in enumerate(zip(caches, regions)):
-            for shard in cache.addressable_shards:
-                if shard.replica_id == 0:
-                    view = _buffer_view(shard.data)
-                    tasks.append(functools.partial(
-                        _copy_then_hash, copies, shard, region[(slice(None), *shard.index[1:])],
-                        view, hashes, layer))
-        run_per_shard(tasks)
-        if hashes is not None:
-            return hashes.result()
-        return np.asarray(prints)[:, : len(ids)]
-    gathered = gather_blocks(caches, ids, fingerprints=True)
-    copies = _RowCopies(np.arange(len(ids)), dst, ids_are_dst=False)  # row i -> slot dst[i]
-    for blocks, region in zip(gathered.blocks, regions):
-        for shard in blocks.addressable_shards:
-            if shard.replica_id == 0:
-                copies.copy(shard, region[(slice(None), *shard.index[1:])],
-                            np.asarray(shard.data))
-    return np.asarray(gathered.fingerprints)[:, : len(ids)]
+    return _backend(mesh).gather_into(layout, mesh, caches, ids, regions, dst)
 
 
 def fingerprint_blocks(
     caches: Sequence[jax.Array], block_ids: Sequence[int] | np.ndarray | jax.Array
 ) -> np.ndarray:
-    """Fingerprints of blocks as they are in the caches, computed on device.
+    """Fingerprints of blocks as they are in the caches, computed where they are.
 
     `uint32[num_layers, n]`, the values `gather_blocks(...,
     fingerprints=True)` gives for the same bytes: D checks the blocks it wrote
@@ -227,15 +239,7 @@ def fingerprint_blocks(
     layout = CacheLayout.from_caches(caches)
     ids = _check_block_ids(block_ids, layout)
     mesh = caches[0].sharding.mesh
-    hashes = _BufferHashes.of(layout, ids) if _writes_in_place(mesh) else None
-    if hashes is None:
-        out = _fingerprint_fn(layout, mesh)(list(caches), _bucket_ids(ids, mesh))
-        return np.asarray(out)[:, : len(ids)]
-    jax.block_until_ready(list(caches))
-    run_per_shard([functools.partial(hashes.add, layer, shard, _buffer_view(shard.data))
-                   for layer, cache in enumerate(caches)
-                   for shard in cache.addressable_shards if shard.replica_id == 0])
-    return hashes.result()
+    return _backend(mesh).fingerprint(layout, mesh, caches, ids)
 
 
 def block_fingerprints(
@@ -259,7 +263,7 @@ def block_fingerprints(
     """
     count = _check_count(count)
     _check_host_blocks(host_blocks, layout, count)
-    return np.stack([_host_fingerprint(layout, np.asarray(h)[:count]) for h in host_blocks])
+    return np.stack([host_fingerprint(layout, np.asarray(h)[:count]) for h in host_blocks])
 
 
 def check_fingerprints(

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,17 +12,17 @@ import jax
 import numpy as np
 
 from kvxfer._host_buffers import (
-    _buffer_view,
-    _BufferHashes,
-    _copy_then_hash,
-    _own_fn,
-    _RowCopies,
+    BufferHashes,
+    RowCopies,
+    buffer_view,
+    copy_then_hash,
     host_threads,
+    own_buffers,
     run_per_shard,
 )
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import _K
+from kvxfer.fingerprint import piece_weights
 from kvxfer.gather import _check_block_ids, _check_flag
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
@@ -127,13 +126,13 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
     if len(ids) == 0:
         return
     jax.block_until_ready(list(caches))
-    copies = _RowCopies(ids, dst, ids_are_dst=False)
+    copies = RowCopies(ids, dst, ids_are_dst=False)
     runs = coalesce(np.sort(dst).tolist())
 
     def copy_layer(layer: int, cache: jax.Array, region: np.ndarray) -> None:
         view = _block_order(region, piece)
         for shard in _one_replica(cache, piece):
-            copies.copy(shard, view[_local_index(shard, piece)], _buffer_view(shard.data))
+            copies.copy(shard, view[_local_index(shard, piece)], buffer_view(shard.data))
         _sum_units(layout, staging, layer, runs, piece)  # the rows just copied, while in cache
 
     run_per_shard([functools.partial(copy_layer, layer, cache, region)
@@ -158,16 +157,16 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     if len(ids) == 0:
         return list(caches), np.zeros((layout.num_layers, 0), np.uint32) if sums else None
     threads = host_threads()  # a bad setting is refused before the caches are donated
-    new = _own_fn(layout, caches[0].sharding.mesh)(list(caches))
+    new = own_buffers(layout, caches[0].sharding.mesh)(list(caches))
     jax.block_until_ready(new)
-    copies = _RowCopies(ids, src, ids_are_dst=True)
-    hashes = _BufferHashes(layout, ids) if sums else None
+    copies = RowCopies(ids, src, ids_are_dst=True)
+    hashes = BufferHashes(layout, ids) if sums else None
     tasks = []
     for layer, (cache, region) in enumerate(zip(new, staging.regions)):
         view = _block_order(region, piece)
         for shard, first in _replicas(cache, piece):  # every replica has its own buffer
             tasks.append(functools.partial(
-                _copy_then_hash, copies, shard, _buffer_view(shard.data),
+                copy_then_hash, copies, shard, buffer_view(shard.data),
                 view[_local_index(shard, piece)], hashes if first else None, layer))
     run_per_shard(tasks, threads)
     return new, None if hashes is None else hashes.sums
@@ -267,11 +266,8 @@ def _sum_units(layout: CacheLayout, staging: Staging, layer: int,
             "suj,uj->su", words[start : start + length], weights)
 
 
-@functools.lru_cache(maxsize=64)
 def _unit_weights(layout: CacheLayout, piece: Piece) -> np.ndarray:
     """`uint32[units held, words per unit]`: each word's weight by its index in the whole block."""
-    per_word = 4 // layout.np_dtype.itemsize
-    flat = np.arange(math.prod(layout.block_shape), dtype=np.int64).reshape(layout.block_shape)
-    held = np.moveaxis(flat, piece.axis, 0)[piece.lo : piece.hi]  # unit-major, as staged
-    word = held.reshape(piece.count, -1)[:, ::per_word] // per_word
-    return ((word * 2 + 1) * int(_K) % (1 << 32)).astype(np.uint32)
+    index = [slice(None)] * len(layout.block_shape)
+    index[piece.axis] = slice(piece.lo, piece.hi)
+    return piece_weights(layout, tuple(index), unit_axis=piece.axis)

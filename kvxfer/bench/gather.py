@@ -24,8 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kvxfer._xla import bucket_size
-from kvxfer.gather import gather_blocks, gather_into
+from kvxfer.gather import bucket_size, gather_blocks, gather_into
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

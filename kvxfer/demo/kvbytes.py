@@ -196,9 +196,9 @@ def _serve_p(cfg: BytesConfig, out) -> None:
     import jax
     import numpy as np
 
-    from kvxfer._xla import bucket_size
     from kvxfer.connector.config import ConnectorConfig
     from kvxfer.connector.prefill import PrefillConnector
+    from kvxfer.gather import bucket_size
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.scheduler import GroupSpec
     from kvxfer.simulate import SimEngine
