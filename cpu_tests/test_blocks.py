@@ -11,8 +11,9 @@ from kvxfer.blocks import (
     coalesce,
     coalesce_pairs,
     dcp_location,
-    kernel_ids_for_tokens,
+    kernel_placement,
     kernel_ratio,
+    table_entries,
     to_kernel_ids,
     to_logical_ids,
 )
@@ -32,10 +33,18 @@ def test_logical_block_maps_to_its_kernel_blocks():
     assert to_logical_ids([7, 6, 15, 1], r) == [3, 7, 0]
 
 
-def test_partly_written_logical_block_needs_only_its_written_kernel_blocks():
-    # Logical blocks of 128 tokens, kernel blocks of 32 (r = 4); table entries 5 and 9.
-    # Tokens 100-169 touch kernel block 3 of entry 0 and kernel blocks 0-1 of entry 1.
-    assert kernel_ids_for_tokens([5, 9], 0, 100, 170, 128, 4) == [23, 36, 37]
+def test_a_placed_logical_block_is_its_kernel_blocks_at_its_kernel_positions():
+    # Entries 1 and 4 of a table hold logical blocks 7 and 3; r = 2.
+    assert kernel_placement([(1, 7), (4, 3)], 2) == [(2, 14), (3, 15), (8, 6), (9, 7)]
+    assert kernel_placement([(0, 5)], 1) == [(0, 5)]
+
+
+def test_table_entries_refuse_positions_past_the_table_or_on_the_null_block():
+    assert table_entries([2, 0], [4, 9, 6]) == [(2, 6), (0, 4)]
+    with pytest.raises(InvalidInputError, match="entry 3 is past the table's 3 entries"):
+        table_entries([3], [4, 9, 6])
+    with pytest.raises(InvalidInputError, match="entry 1 holds the null block"):
+        table_entries([1], [4, 0, 6])
 
 
 def test_kernel_ratio_rejects_non_multiple():

@@ -112,3 +112,19 @@ def test_prefill_scheduler_generations_are_fresh_and_slots_come_back_on_release(
     s.release(["a"])
     assert s.held() == ["b"] and s.slot_maps[0].num_free_slots == 6
     s.add_request("a", 32)  # the id is free again
+
+
+def test_prefill_scheduler_saves_each_logical_block_as_its_kernel_blocks_at_their_positions():
+    """40-24-0 (DESIGN.md's first bug) with kernel blocks of half a logical block: step 2
+    copies the straddling entry 1 again, as kernel blocks at positions 2 and 3, and the
+    params name the same positions D writes at."""
+    from kvxfer.scheduler import ScheduledRequest
+
+    s = _prefill_scheduler(kernel_ratio=2)
+    s.add_request("r", 40)
+    first = s.build_connector_meta([ScheduledRequest("r", 0, 24, ([5, 9, 4],), full_table=True)])
+    assert first.blocks["r"] == ([(0, 10), (1, 11), (2, 18), (3, 19)],)
+    second = s.build_connector_meta([ScheduledRequest("r", 24, 16, None)])
+    assert second.blocks["r"] == ([(2, 18), (3, 19), (4, 8), (5, 9)],)
+    assert second.slots["r"][0][:2] == first.slots["r"][0][2:]  # re-staged in its own slots
+    assert s.request_finished("r")["groups"][0]["keys"] == [0, 1, 2, 3, 4, 5]

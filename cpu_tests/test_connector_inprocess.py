@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.errors import InvalidInputError
 from kvxfer.scheduler import ScheduledRequest
 
@@ -166,7 +167,7 @@ def test_d_holding_every_entry_finishes_without_a_read(pair):
     pr.p.add_request("r", 32)
     pr.save(ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True))
     params = pr.p.request_finished("r")
-    pr.d.start_load_kv({"r": (params, [10, 11], [2])})
+    pr.d.start_load_kv({"r": LoadRequest(params, [10, 11], [2])})
     assert pr.d.pending() == []
     assert pr.get_finished() == (["r"], [])
 
@@ -176,7 +177,7 @@ def test_bad_have_fails_the_request_alone(pair):
     pr.p.add_request("r", 32)
     pr.save(ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True))
     params = pr.p.request_finished("r")
-    pr.d.start_load_kv({"r": (params, [10, 11], [-1])})
+    pr.d.start_load_kv({"r": LoadRequest(params, [10, 11], [-1])})
     assert pr.get_finished() == ([], ["r"])
     assert pr.d.get_block_ids_with_load_errors() == {10, 11}
 
@@ -243,7 +244,7 @@ def test_start_load_kv_returns_while_the_read_is_posted_on_a_thread_of_its_own(p
     pr.serve()
     release, seen = threading.Event(), []
     _posts_held_until(pr.d.transport, release, seen)
-    pr.d.start_load_kv({"r": (params, [1, 2])})
+    pr.d.start_load_kv({"r": LoadRequest(params, [1, 2])})
     assert seen and seen[0] != threading.current_thread().name
     assert seen[0].startswith("kvxfer-post-")
     # While NIXL posts (over cma: copies, holding the agent), polls leave the agent alone.

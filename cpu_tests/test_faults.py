@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
 
@@ -148,7 +149,7 @@ def test_caches_of_another_dtype_raise_before_any_state_changes_and_lose_nothing
     pr = pair()
     params = prefill(pr, "r", [2, 3])
     pr.serve()
-    pr.d.start_load_kv({"r": (params, [10, 11])})
+    pr.d.start_load_kv({"r": LoadRequest(params, [10, 11])})
     wrong = [c.astype("float32") for c in pr.d_caches[0]]
     with pytest.raises(LayoutMismatchError, match="float32"):
         pr.d.get_finished(wrong)
@@ -162,9 +163,9 @@ def test_request_already_loading_is_refused_and_its_first_load_completes(pair):
     pr = pair()
     params = prefill(pr, "r", [2, 3])
     pr.serve()
-    pr.d.start_load_kv({"r": (params, [10, 11])})
+    pr.d.start_load_kv({"r": LoadRequest(params, [10, 11])})
     with pytest.raises(InvalidInputError, match="'r' is already loading"):
-        pr.d.start_load_kv({"r": (params, [20, 21])})
+        pr.d.start_load_kv({"r": LoadRequest(params, [20, 21])})
     assert pr.wait(1) == (["r"], [])
     assert_d_holds(pr, [10, 11], [2, 3])
     for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
@@ -244,7 +245,7 @@ def test_d_caches_with_another_layer_count_raise_and_lose_nothing(pair):
     pr = pair()
     params = prefill(pr, "r", [2, 3])
     pr.serve()
-    pr.d.start_load_kv({"r": (params, [10, 11])})
+    pr.d.start_load_kv({"r": LoadRequest(params, [10, 11])})
     other = caches_on(jax.devices()[4:8], seed=3, layers=3)
     with pytest.raises(LayoutMismatchError, match="num_layers=3"):
         pr.d.get_finished(other)

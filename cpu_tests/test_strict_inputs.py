@@ -351,9 +351,11 @@ def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
     from kvxfer.staging import Staging
+    from kvxfer.wire import ReadParams
 
-    params = {"peer": "P", "instance": "i", "host": "127.0.0.1", "port": 1, "req_id": "r",
-              "generation": 1, "groups": [{"keys": [0], "slots": [0]}]}
+    params = ReadParams.parse({"peer": "P", "instance": "i", "host": "127.0.0.1", "port": 1,
+                               "req_id": "r", "generation": 1,
+                               "groups": [{"keys": [0], "slots": [0]}]}, 1)
     d = DecodeTransport(TransportConfig("D-strict"), Staging(1, 4, (8,)), {})
     try:
         for bad in ("12", [1.0], [-1], None):

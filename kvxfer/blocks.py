@@ -84,14 +84,45 @@ def kernel_ratio(logical_block_size: int, kernel_block_size: int) -> int:
     return logical_block_size // kernel_block_size
 
 
+def kernel_placement(placed: Iterable[tuple[int, int]], ratio: int) -> list[tuple[int, int]]:
+    """The kernel blocks of logical blocks placed in a block table, as `(position, kernel id)`.
+
+    `placed` holds `(table index, logical id)` pairs; each yields its `r = ratio`
+    kernel blocks `(index*r + j, L*r + j)`, `j = 0..r-1`, in order. The kernel
+    *position* `index*r + j` names a block by the token range it holds, whatever
+    its id: P stages and names each block by it, and D writes the block it
+    receives at that position of its own table. Both sides call this, so P and
+    D cannot disagree on the mapping (DESIGN.md's second bug).
+    """
+    _check_positive("ratio", ratio)
+    out: list[tuple[int, int]] = []
+    for index, logical in placed:
+        _check_non_negative("table index", index)
+        _check_non_negative("logical block id", logical)
+        out.extend((index * ratio + j, logical * ratio + j) for j in range(ratio))
+    return out
+
+
+def table_entries(indices: Iterable[int], table: Sequence[int]) -> list[tuple[int, int]]:
+    """`(i, table[i])` for each table index, for `kernel_placement`.
+
+    Raises `InvalidInputError` naming the index where the table is too short or
+    holds the null block: nothing can be written there.
+    """
+    out = []
+    for i in indices:
+        _check_non_negative("table index", i)
+        if i >= len(table):
+            raise InvalidInputError(f"table entry {i} is past the table's {len(table)} entries")
+        if table[i] == NULL_BLOCK:
+            raise InvalidInputError(f"table entry {i} holds the null block")
+        out.append((i, table[i]))
+    return out
+
+
 def to_kernel_ids(logical_ids: Iterable[int], ratio: int) -> list[int]:
     """Kernel block ids covering logical ids: `L -> L*r, ..., L*r + r - 1`, in order."""
-    _check_positive("ratio", ratio)
-    out: list[int] = []
-    for logical in logical_ids:
-        _check_non_negative("logical block id", logical)
-        out.extend(range(logical * ratio, logical * ratio + ratio))
-    return out
+    return [k for _, k in kernel_placement(enumerate(logical_ids), ratio)]
 
 
 def to_logical_ids(kernel_ids: Iterable[int], ratio: int) -> list[int]:
@@ -106,26 +137,6 @@ def to_logical_ids(kernel_ids: Iterable[int], ratio: int) -> list[int]:
         _check_non_negative("kernel block id", kernel)
         seen.setdefault(kernel // ratio, None)
     return list(seen)
-
-
-def kernel_ids_for_tokens(
-    logical_ids: Sequence[int], first_index: int, start: int, end: int,
-    logical_block_size: int, ratio: int,
-) -> list[int]:
-    """Kernel ids covering tokens `[start, end)` of a table slice.
-
-    `logical_ids` are table entries `first_index, first_index + 1, ...`. Only
-    the kernel blocks that hold a token in the range are returned, so a
-    partly written logical block costs only its written kernel blocks.
-    """
-    kernel_block_size = logical_block_size // ratio
-    out: list[int] = []
-    for k in block_range(start, end, kernel_block_size):
-        logical_index, j = divmod(k, ratio)
-        i = logical_index - first_index
-        if 0 <= i < len(logical_ids):
-            out.append(logical_ids[i] * ratio + j)
-    return out
 
 
 def dcp_location(

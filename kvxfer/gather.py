@@ -36,9 +36,9 @@ from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints, host_fingerprint
 from kvxfer.layout import CacheLayout
 
-__all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_setting", "block_fingerprints",
-           "bucket_size", "check_fingerprints", "compare_fingerprints", "fingerprint_blocks",
-           "gather_blocks", "gather_into", "scatter_blocks"]
+__all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_setting",
+           "block_fingerprints", "bucket_size", "check_fingerprints", "compare_fingerprints",
+           "fingerprint_blocks", "gather_blocks", "gather_into", "scatter_blocks"]
 
 BACKENDS = ("auto", "xla", "host")
 """What `KVXFER_BACKEND` may say: `auto` (the default: `host` where every device of the

@@ -64,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvxfer.blocks import is_int
+from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.errors import InvalidInputError
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
 
@@ -74,7 +75,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from kvxfer.connector.scheduler import SaveMeta
 
 logger = logging.getLogger(__name__)
 
@@ -213,11 +213,10 @@ def scheduled_requests(so: SchedulerOutput) -> list[ScheduledRequest]:
 
 @dataclass
 class KvxferMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, each step: P's saves; D's loads `{req: (params, table, have)}`."""
+    """Scheduler -> worker, each step: P's saves; D's loads."""
 
     save: SaveMeta | None = None
-    loads: dict[str, tuple[dict[str, Any], list[list[int]], list[int]]] = field(
-        default_factory=dict)
+    loads: dict[str, LoadRequest] = field(default_factory=dict)
 
 
 @dataclass
@@ -325,8 +324,6 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
 class _SchedulerSide:
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
                  consumer: bool):
-        from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
-
         self.groups = list(groups)
         self.consumer = consumer
         self.prefill = PrefillScheduler(
@@ -334,7 +331,7 @@ class _SchedulerSide:
             address=PeerAddress(settings.p_name, settings.host, settings.p_port),
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
-        self._loads: dict[str, tuple[dict[str, Any], list[list[int]], list[int]]] = {}
+        self._loads: dict[str, LoadRequest] = {}
 
     # D
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
@@ -368,7 +365,7 @@ class _SchedulerSide:
             if num_external > 0:
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
                         for g in self.groups]
-                self._loads[request.request_id] = (
+                self._loads[request.request_id] = LoadRequest(
                     dict(params), [list(ids) for ids in blocks.get_block_ids()], have)
             params["do_remote_prefill"] = False  # one transfer per request
 

@@ -188,7 +188,7 @@ def test_prefix_cache_hit_on_d_reads_only_what_d_lacks(pd, monkeypatch):
     real = DecodeTransport.start_read
 
     def spy(self, req_id, params, logical_ids):
-        read[req_id] = [g["keys"] for g in params["groups"]]
+        read[req_id] = [list(k) for k in params.keys]
         return real(self, req_id, params, logical_ids)
 
     monkeypatch.setattr(DecodeTransport, "start_read", spy)

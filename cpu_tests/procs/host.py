@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from kvxfer.connector.config import ConnectorConfig  # noqa: E402
 from kvxfer.connector.decode import DecodeConnector  # noqa: E402
 from kvxfer.connector.prefill import PrefillConnector  # noqa: E402
+from kvxfer.connector.scheduler import LoadRequest  # noqa: E402
 from kvxfer.nixl.agent import TransportConfig  # noqa: E402
 from kvxfer.scheduler import GroupSpec, ScheduledRequest  # noqa: E402
 
@@ -152,7 +153,7 @@ def decode():
             report(error=f"no {name}")
             return
         started = time.monotonic()
-        d.start_load_kv({"r": (params, D_TABLE, [1])})
+        d.start_load_kv({"r": LoadRequest(params, D_TABLE, [1])})
         if spec.get("mark_loading"):  # the test kills a P process once every READ is in flight
             d.get_finished(caches)
             read = d.transport._reads.get("r")  # instrumentation: where each leg stands

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.decode import DecodeConnector
 from kvxfer.connector.prefill import PrefillConnector
+from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec
 
@@ -106,8 +107,9 @@ class Pair:
         return finished, failed
 
     def load_all(self, requests, expect, timeout=20.0):
-        """Start `requests` and poll D until `expect` requests are reported; `(finished, failed)`."""
-        self.d.start_load_kv(requests)
+        """Start `requests` (`{req_id: (params, table[, have])}`) and poll D until `expect`
+        requests are reported; `(finished, failed)`."""
+        self.d.start_load_kv({r: LoadRequest(*entry) for r, entry in requests.items()})
         return self.wait(expect, timeout)
 
     def wait(self, expect, timeout=20.0):

@@ -22,6 +22,7 @@ from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.staging import Staging
+from kvxfer.wire import ReadParams
 
 
 def block_rows(seed, kernel_ids, layer, block_shape, dtype):
@@ -96,7 +97,8 @@ def main():
                 out = {"layout": t.connect(cmd["peer"], cmd["host"], cmd["port"])}
             elif op == "read":
                 # `logical_ids`: what D reports if the read fails; blocks land under P's keys.
-                t.start_read(cmd["req_id"], cmd["params"], cmd["logical_ids"])
+                t.start_read(cmd["req_id"], ReadParams.parse(cmd["params"], len(t.stagings)),
+                             cmd["logical_ids"])
                 failed.pop(cmd["req_id"], None)  # an id read again: forget its last outcome
                 while cmd["req_id"] in finished:
                     finished.remove(cmd["req_id"])
@@ -119,7 +121,7 @@ def main():
                 else:
                     out = {"pending": True, "took": took}
             elif op == "expect":
-                t.expect(cmd["params"])
+                t.expect(ReadParams.parse(cmd["params"], len(t.stagings)))
                 out = {}
             elif op == "rows":
                 slots = staging.slots(cmd["req_id"], cmd["keys"])

@@ -197,6 +197,7 @@ def _serve_p(cfg: E2EConfig, out: Any) -> None:
 def _serve_d(cfg: E2EConfig, out: Any) -> None:
     from kvxfer.connector.config import ConnectorConfig
     from kvxfer.connector.decode import DecodeConnector
+    from kvxfer.connector.scheduler import LoadRequest
     from kvxfer.nixl.agent import TransportConfig
 
     memcpy = [memcpy_gbps(_MEMCPY_BYTES)]
@@ -225,7 +226,7 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
             req_id = msg["params"]["req_id"]
             loads[req_id] = table
             start = time.perf_counter()
-            conn.start_load_kv({req_id: (msg["params"], table)})
+            conn.start_load_kv({req_id: LoadRequest(msg["params"], table)})
             held[req_id] = time.perf_counter() - start
         if not loads:
             time.sleep(0.0005)

@@ -224,6 +224,7 @@ def _serve_d(cfg: MultihostConfig, spec: dict[str, Any]) -> dict[str, Any]:
     from jax.experimental import multihost_utils
 
     from kvxfer.connector.decode import DecodeConnector
+    from kvxfer.connector.scheduler import LoadRequest
 
     caches = _caches(cfg, fill=False)
     d = DecodeConnector(_config(cfg, "d", spec["etcd"]), caches)
@@ -235,7 +236,7 @@ def _serve_d(cfg: MultihostConfig, spec: dict[str, Any]) -> dict[str, Any]:
             params = _wait_json(os.path.join(spec["dir"], f"params{k}.json"), deadline)
             multihost_utils.sync_global_devices(f"kvxfer-bench-round-{k}")
             start, cpu_start = time.time(), _cpu_seconds()  # the hosts share this clock
-            d.start_load_kv({req_id: (params[req_id], table)
+            d.start_load_kv({req_id: LoadRequest(params[req_id], table)
                              for req_id, table in zip(params, tables, strict=True)})
             finished: list[str] = []
             failed: list[str] = []

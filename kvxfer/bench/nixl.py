@@ -83,6 +83,7 @@ def run(
     from kvxfer.blocks import coalesce_pairs
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
+    from kvxfer.wire import ReadParams
 
     common = {"ucx_tls": ucx_tls, "transfer_timeout_s": timeout_s,
               "handshake_timeout_s": timeout_s}
@@ -115,7 +116,7 @@ def run(
                 raise TransferError(f"benchmark P did not hold {req_id} within {timeout_s}s")
             params = ours.recv()
             start = time.perf_counter()
-            d.start_read(req_id, params, [])
+            d.start_read(req_id, ReadParams.parse(params, 1), [])
             finished: list[str] = []
             while req_id not in finished:
                 done, failed = d.poll()

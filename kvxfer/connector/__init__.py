@@ -1,10 +1,12 @@
-"""P and D put together, in the engine's terms (vLLM's `KVConnectorBase_V1`)."""
+"""P and D put together, in the engine's terms (vLLM's `KVConnectorBase_V1`), split by role.
 
-from kvxfer.connector._worker import check_block_compatible
-from kvxfer.connector.config import ConnectorConfig
-from kvxfer.connector.decode import DecodeConnector
-from kvxfer.connector.prefill import PrefillConnector, PrefillWorker
-from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
+- `scheduler`: `PrefillScheduler` (P's save plans, slots, params), `SaveMeta`,
+  `LoadRequest`, `PeerAddress`; plain Python, for an engine's scheduler process.
+- `prefill`: `PrefillWorker` (gathers into staging, serves D) and
+  `PrefillConnector` (both P sides in one process).
+- `decode`: `DecodeConnector` (reads, verifies, scatters).
+- `config`: `ConnectorConfig`; `_hosts`: one process per instance, or several.
 
-__all__ = ["ConnectorConfig", "DecodeConnector", "PeerAddress", "PrefillConnector",
-           "PrefillScheduler", "PrefillWorker", "SaveMeta", "check_block_compatible"]
+Nothing is imported here, so that importing `kvxfer.connector.scheduler` loads
+no JAX; `kvxfer` re-exports the names a serving backend needs.
+"""

@@ -11,9 +11,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.blocks import NULL_BLOCK, is_int
+from kvxfer.blocks import NULL_BLOCK, is_int, kernel_placement, table_entries
 from kvxfer.connector._worker import _advertised, _per_group, _worker_state, check_block_compatible
 from kvxfer.connector.config import ConnectorConfig
+from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.errors import CorruptionError, InvalidInputError, KvxferError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints
 from kvxfer.gather import scatter_blocks
@@ -78,18 +79,13 @@ class DecodeConnector:
         """The first group's staging (the only one for a single-group model)."""
         return self.stagings[0]
 
-    def start_load_kv(self, requests: Mapping[str, tuple[Any, ...]]) -> None:
-        """Start reading each request: `{req_id: (kv_transfer_params, D's block table[, have])}`.
+    def start_load_kv(self, requests: Mapping[str, LoadRequest]) -> None:
+        """Start reading each request: `{req_id: LoadRequest(params, table, have)}`.
 
-        D's table is, per group, its logical block ids in token order (a plain
-        list of ids when there is one group); entries past the prompt
-        (allocated for decode) are ignored. Each block P sends lands in the
-        entry at its position. `have` (optional), per group, counts the
-        leading table entries D already holds (a local prefix-cache hit):
-        blocks P sends for those entries are not read. A request whose params
-        or table are bad is failed alone (reported by the next
-        `get_finished`); a request id already loading raises
-        `InvalidInputError` before anything starts.
+        Each block P sends lands in the entry of D's table at its position. A
+        request whose params or table are bad (or that is not a `LoadRequest`) is
+        failed alone, reported by the next `get_finished`; a request id already
+        loading raises `InvalidInputError` before anything starts.
         """
         if not isinstance(requests, Mapping):
             raise InvalidInputError(f"requests must be a dict, got {type(requests).__name__}")
@@ -98,33 +94,30 @@ class DecodeConnector:
                 raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
             if req_id in self._loads or req_id in self._refused or req_id in self._held_locally:
                 raise InvalidInputError(f"request {req_id!r} is already loading")
-        for req_id, entry in requests.items():
-            ok = isinstance(entry, (tuple, list)) and len(entry) in (2, 3)
-            params, table, have = (*entry, None)[:3] if ok else (None, (), None)
+        for req_id, request in requests.items():
             try:
-                if not ok:
-                    raise InvalidInputError(
-                        f"request {req_id!r}: expected (kv_transfer_params, block table[, have]), "
-                        f"got {entry!r:.80}")
-                p, load = self._prepare(req_id, params, table, have)
+                if not isinstance(request, LoadRequest):
+                    raise InvalidInputError(f"request {req_id!r}: expected a LoadRequest, got "
+                                            f"{request!r:.80}")
+                p, load = self._prepare(req_id, request)
                 if not any(load.keys):
                     self._held_locally.append(req_id)  # D has every block P sends
                     continue
-                self.transport.start_read(req_id, p.to_dict(), load.logical_ids)
+                self.transport.start_read(req_id, p, load.logical_ids)
             except KvxferError as e:
                 logger.warning("D refuses request %s: %s", req_id, e)
                 self._refused.append(req_id)
-                self._load_errors.update(_table_ids(table))
+                self._load_errors.update(_table_ids(getattr(request, "table", ())))
                 continue
             self._loads[req_id] = load
 
-    def _prepare(self, req_id: str, params: Any, table: Any,
-                 have: Any) -> tuple[ReadParams, _Load]:
-        """Check `params` against D's table; map P's positions to D's kernel ids.
+    def _prepare(self, req_id: str, request: LoadRequest) -> tuple[ReadParams, _Load]:
+        """Check the params against D's table; place P's positions in D's kernel ids.
 
         Returns the params to read (without the blocks D already has) and the load.
         """
-        p = ReadParams.parse(params, len(self.layouts))
+        p = ReadParams.parse(request.params, len(self.layouts))
+        table, have = request.table, request.have
         tables = [table] if len(self.layouts) == 1 and _is_id_list(table) else table
         if (not isinstance(tables, (list, tuple)) or len(tables) != len(self.layouts)
                 or not all(_is_id_list(t) for t in tables)):
@@ -140,21 +133,16 @@ class DecodeConnector:
         keep_keys, keep_slots = [], []
         logical: dict[int, None] = {}
         for g, (keys, slots, ours) in enumerate(zip(p.keys, p.slots, self.layouts)):
-            ratio, d_table = ours.kernel_ratio, tables[g]
+            ratio = ours.kernel_ratio
             kept = [(key, slot) for key, slot in zip(keys, slots) if key // ratio >= have[g]]
-            kernel_ids = []
-            for key, _ in kept:
-                entry, j = divmod(key, ratio)
-                if entry >= len(d_table):
-                    raise InvalidInputError(
-                        f"request {req_id!r} group {g}: P sends the block at table entry {entry}, "
-                        f"D's table has {len(d_table)} entries")
-                if d_table[entry] == NULL_BLOCK:
-                    raise InvalidInputError(
-                        f"request {req_id!r} group {g}: D's table holds the null block at entry "
-                        f"{entry}, where P sends a block")
-                kernel_ids.append(d_table[entry] * ratio + j)
-                logical.setdefault(d_table[entry], None)
+            try:
+                entries = table_entries(dict.fromkeys(key // ratio for key, _ in kept), tables[g])
+            except InvalidInputError as e:
+                raise InvalidInputError(f"request {req_id!r} group {g}: P sends a block D "
+                                        f"cannot place: {e}") from None
+            at = dict(kernel_placement(entries, ratio))
+            kernel_ids = [at[key] for key, _ in kept]
+            logical.update(dict.fromkeys(block for _, block in entries))
             bad = [k for k in kernel_ids if k >= ours.num_blocks]
             if bad:
                 raise InvalidInputError(f"request {req_id!r} group {g}: D block ids "

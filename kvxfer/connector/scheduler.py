@@ -1,4 +1,6 @@
-"""P's scheduler side: save plans, staging slots, transfer identity and params.
+"""The scheduler side: P's save plans, staging slots, transfer identity and params; D's loads.
+
+Imports neither JAX, numpy nor NIXL: vLLM runs this in its scheduler process.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.blocks import is_int
+from kvxfer.blocks import is_int, kernel_placement
 from kvxfer.errors import (
     InvalidInputError,
     StagingFullError,
@@ -54,8 +56,24 @@ class SaveMeta:
         return {r: [k for placed in groups for _, k in placed] for r, groups in self.blocks.items()}
 
 
-def _kernel_placed(placed: Iterable[tuple[int, int]], ratio: int) -> Placed:
-    return [(index * ratio + j, block * ratio + j) for index, block in placed for j in range(ratio)]
+@dataclass(frozen=True)
+class LoadRequest:
+    """One request D loads, as D's scheduler side hands it to `DecodeConnector.start_load_kv`.
+
+    - `params`: P's `kv_transfer_params` (checked by `ReadParams.parse` on D).
+    - `table`: D's block table, per group its logical block ids in token order
+      (a plain list of ids when there is one group); entries past the prompt
+      (allocated for decode) are ignored.
+    - `have`: per group, how many leading table entries D already holds (a local
+      prefix-cache hit): blocks P sends for those entries are not read. None: none.
+
+    Plain data, defined here rather than beside `DecodeConnector` so that vLLM's
+    scheduler process, which builds it, loads no JAX.
+    """
+
+    params: Any
+    table: Any
+    have: Any = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +166,7 @@ class PrefillScheduler:
         for req_id, groups in self.tracker.plan_placed(scheduled).items():
             if req_id in restarted:  # new, or resumed after preemption: staged afresh
                 self._free_slots(req_id)
-            placed = tuple(_kernel_placed(g, self.kernel_ratio) for g in groups)
+            placed = tuple(kernel_placement(g, self.kernel_ratio) for g in groups)
             try:
                 slots = tuple(m.assign(req_id, [pos for pos, _ in blocks])
                               for m, blocks in zip(self.slot_maps, placed))

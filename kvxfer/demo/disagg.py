@@ -209,6 +209,7 @@ def _save_logits(logits: list[np.ndarray], workdir: str, role: str, name: str) -
 def _serve_d(cfg: DemoConfig, out, workdir: str) -> None:
     from kvxfer.connector.config import ConnectorConfig
     from kvxfer.connector.decode import DecodeConnector
+    from kvxfer.connector.scheduler import LoadRequest
     from kvxfer.demo.engine import Shapes, colocated, decode, decode_blocks, demo_prompts
     from kvxfer.demo.kvbytes import token_rows
     from kvxfer.demo.model import ShardedDecoder, make_mesh
@@ -239,8 +240,8 @@ def _serve_d(cfg: DemoConfig, out, workdir: str) -> None:
                 i = msg["index"]
                 table = [free.pop() for _ in range(need[i])]
                 loads[msg["params"]["req_id"]] = (msg, table, time.perf_counter())
-                conn.start_load_kv({msg["params"]["req_id"]: (msg["params"],
-                                                              table[: cdiv(len(tokens[i]), BLOCK_SIZE)])})
+                conn.start_load_kv({msg["params"]["req_id"]: LoadRequest(
+                    msg["params"], table[: cdiv(len(tokens[i]), BLOCK_SIZE)])})
         if stopping or inbox.closed:
             return conn.close()
         caches, finished, failed = conn.get_finished(caches)

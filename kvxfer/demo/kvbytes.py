@@ -271,6 +271,7 @@ def _serve_d(cfg: BytesConfig, out) -> None:
 
     from kvxfer.connector.config import ConnectorConfig
     from kvxfer.connector.decode import DecodeConnector
+    from kvxfer.connector.scheduler import LoadRequest
     from kvxfer.nixl.agent import TransportConfig
 
     caches = _caches(cfg, cfg.tp_d)
@@ -289,7 +290,7 @@ def _serve_d(cfg: BytesConfig, out) -> None:
             params, prompt = msg["params"], msg["prompt"]
             table = [free.pop(0) for _ in range(cdiv(prompt, cfg.block_size))]
             loads[params["req_id"]] = (table, msg["expected"], prompt, time.perf_counter())
-            conn.start_load_kv({params["req_id"]: (params, table)})
+            conn.start_load_kv({params["req_id"]: LoadRequest(params, table)})
         caches, finished, failed = conn.get_finished(caches)
         if failed:
             errors = sorted(conn.get_block_ids_with_load_errors())

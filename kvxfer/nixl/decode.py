@@ -317,13 +317,12 @@ class DecodeTransport:
 
     # -- reads
 
-    def expect(self, params: Mapping[str, Any]) -> None:
+    def expect(self, params: ReadParams) -> None:
         """Keep P's lease on a request alive (heartbeats) until `start_read` takes it."""
-        p = ReadParams.parse(params, len(self.stagings))
+        p = _check_params(params, len(self.stagings))
         self._expected[p.req_id] = (p.peers, p.instance, p.generation)
 
-    def start_read(self, req_id: str, params: Mapping[str, Any],
-                   logical_ids: Sequence[int]) -> None:
+    def start_read(self, req_id: str, params: ReadParams, logical_ids: Sequence[int]) -> None:
         """Post the READ of `req_id`'s blocks from P into D's staging, under P's keys.
 
         `logical_ids` are the engine's (D's) block ids the request's blocks
@@ -337,7 +336,7 @@ class DecodeTransport:
         if any(req_id in s for s in self.stagings):
             raise InvalidInputError(
                 f"request {req_id!r} still holds D staging from an earlier read; free it first")
-        p = ReadParams.parse(params, len(self.stagings))
+        p = _check_params(params, len(self.stagings))
         if not isinstance(logical_ids, Sequence) or not all(
                 is_int(b) and b >= 0 for b in logical_ids):
             raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
@@ -655,3 +654,13 @@ class DecodeTransport:
         _close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         _release_name(self.config.name)
+
+
+def _check_params(params: object, num_groups: int) -> ReadParams:
+    if not isinstance(params, ReadParams):
+        raise InvalidInputError(f"params must be ReadParams (ReadParams.parse of P's dict), got "
+                                f"{type(params).__name__}")
+    if len(params.keys) != num_groups:
+        raise InvalidInputError(f"params name {len(params.keys)} KV cache groups, this D stages "
+                                f"{num_groups}")
+    return params
