@@ -9,9 +9,7 @@ every prompt token's KV with P's, byte for byte.
 import pytest
 
 from kvxfer import KvxferError
-from kvxfer.connector._worker import check_block_compatible
 from kvxfer.demo.kvbytes import BytesConfig, run_bytes
-from kvxfer.errors import LayoutMismatchError
 
 SMALL = dict(layers=2, heads=8, head_dim=64, num_blocks=128, prompts=[40, 300, 133],
              cached=[0, 64, 0], budget=96, lookahead=3, timeout_s=90)
@@ -36,22 +34,6 @@ def test_every_prompt_token_reaches_d_byte_exact_across_tp(tp_p, tp_d, dtype):
 def test_mla_and_4d_layouts_reach_d_byte_exact(layout, tp_d):
     cfg = BytesConfig(layout=layout, dtype="bfloat16", tp_p=4, tp_d=tp_d, **SMALL)
     assert_all_tokens_equal(run_bytes(cfg), cfg)
-
-
-def test_peer_with_different_block_bytes_is_rejected():
-    group = {"block_shape": [16, 8, 2, 128], "dtype": "bfloat16", "num_layers": 4,
-             "kernel_ratio": 1}
-    ours = {"groups": [group, dict(group, block_shape=[16, 1, 2, 128])]}
-    check_block_compatible(ours, {"groups": [dict(g) for g in ours["groups"]]})
-    with pytest.raises(LayoutMismatchError, match="group 0 dtype: peer='float8_e4m3fn'"):
-        check_block_compatible(ours, {"groups": [dict(group, dtype="float8_e4m3fn"),
-                                                 ours["groups"][1]]})
-    with pytest.raises(LayoutMismatchError, match="group 1 block_shape"):
-        check_block_compatible(ours, {"groups": [group, group]})
-    with pytest.raises(LayoutMismatchError, match="peer has 1 KV cache groups, local has 2"):
-        check_block_compatible(ours, {"groups": [group]})
-    with pytest.raises(LayoutMismatchError, match="peer has None KV cache groups"):
-        check_block_compatible(ours, group)
 
 
 def test_demo_rejects_unknown_layout_before_starting_processes():

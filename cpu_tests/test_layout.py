@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.layout import CacheLayout
+from kvxfer.layout import CacheLayout, advertised, check_block_compatible
 
 
 def _caches(mesh_shape, names, spec, shape, dtype=jnp.bfloat16, layers=2):
@@ -73,24 +73,43 @@ def test_from_dict_rejects_a_malformed_dict():
         CacheLayout.from_dict({"shape": [4, 4]})
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [("dtype", "float8_e5m2"), ("kernel_ratio", 2), ("num_layers", 3),
-     ("spec", ((), (), (), (), ())), ("mesh_axes", (("data", 4), ("model", 2)))],
-)
-def test_check_compatible_names_the_differing_field(field, value):
+@pytest.mark.parametrize("field, value", [("dtype", "float8_e5m2"), ("kernel_ratio", 2),
+                                          ("num_layers", 3)])
+def test_block_check_names_the_field_that_changes_a_blocks_bytes(field, value):
     layout = CacheLayout(2, (16, 8, 8, 2, 16), "bfloat16", (("data", 2), ("model", 4)),
                          ((), (), ("model",), (), ()))
     other = CacheLayout.from_dict({**layout.to_dict(), field: value})
-    with pytest.raises(LayoutMismatchError, match=field):
-        layout.check_compatible(other)
+    with pytest.raises(LayoutMismatchError, match=f"group 0 {field}: peer="):
+        check_block_compatible(advertised([layout]), advertised([other]))
 
 
-def test_check_compatible_allows_a_different_number_of_blocks_but_not_block_shape():
+def test_block_check_allows_other_block_counts_and_shardings_but_not_another_block_shape():
     layout = CacheLayout(1, (16, 8, 16), "int8", (("model", 8),), ((), (), ("model",)))
-    layout.check_compatible(CacheLayout.from_dict({**layout.to_dict(), "shape": [64, 8, 16]}))
+    for other in ({**layout.to_dict(), "shape": [64, 8, 16]},
+                  {**layout.to_dict(), "mesh_axes": [["data", 2], ["model", 4]],
+                   "spec": [["data"], [], ["model"]]}):
+        check_block_compatible(advertised([layout]), advertised([CacheLayout.from_dict(other)]))
+    other = CacheLayout.from_dict({**layout.to_dict(), "shape": [16, 8, 8]})
     with pytest.raises(LayoutMismatchError, match="block_shape"):
-        layout.check_compatible(CacheLayout.from_dict({**layout.to_dict(), "shape": [16, 8, 8]}))
+        check_block_compatible(advertised([layout]), advertised([other]))
+
+
+def test_block_check_is_per_group_and_names_the_group():
+    group = {"block_shape": [16, 8, 2, 128], "dtype": "bfloat16", "num_layers": 4,
+             "kernel_ratio": 1}
+    ours = {"groups": [group, dict(group, block_shape=[16, 1, 2, 128])]}
+    check_block_compatible(ours, {"groups": [dict(g) for g in ours["groups"]]})
+    with pytest.raises(LayoutMismatchError, match="group 0 dtype: peer='float8_e4m3fn'"):
+        check_block_compatible(ours, {"groups": [dict(group, dtype="float8_e4m3fn"),
+                                                 ours["groups"][1]]})
+    with pytest.raises(LayoutMismatchError, match="group 1 block_shape"):
+        check_block_compatible(ours, {"groups": [group, group]})
+    with pytest.raises(LayoutMismatchError, match="peer has 1 KV cache groups, local has 2"):
+        check_block_compatible(ours, {"groups": [group]})
+    with pytest.raises(LayoutMismatchError, match="peer has None KV cache groups"):
+        check_block_compatible(ours, group)
+    with pytest.raises(LayoutMismatchError, match="group 0 dtype: peer='junk'"):
+        check_block_compatible({"groups": [group]}, {"groups": ["junk"]})
 
 
 def test_rejects_empty_cache_list():

@@ -332,6 +332,7 @@ def test_connector_config_refuses_bad_values(fields, message):
 
 def test_two_live_agents_may_not_share_a_name():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.layout import check_block_compatible
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
     from kvxfer.nixl.prefill import PrefillTransport
@@ -340,14 +341,16 @@ def test_two_live_agents_may_not_share_a_name():
     first = PrefillTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {})
     try:
         with pytest.raises(InvalidInputError, match="'twin' is already live"):
-            DecodeTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {})
+            DecodeTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {}, check_block_compatible)
     finally:
         first.close()
-    DecodeTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {}).close()  # free once closed
+    # Free once closed.
+    DecodeTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {}, check_block_compatible).close()
 
 
 def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_changes():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.layout import check_block_compatible
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
     from kvxfer.staging import Staging
@@ -356,7 +359,7 @@ def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_
     params = ReadParams.parse({"peer": "P", "instance": "i", "host": "127.0.0.1", "port": 1,
                                "req_id": "r", "generation": 1,
                                "groups": [{"keys": [0], "slots": [0]}]}, 1)
-    d = DecodeTransport(TransportConfig("D-strict"), Staging(1, 4, (8,)), {})
+    d = DecodeTransport(TransportConfig("D-strict"), Staging(1, 4, (8,)), {}, check_block_compatible)
     try:
         for bad in ("12", [1.0], [-1], None):
             with pytest.raises(InvalidInputError, match="logical_ids of 'r' must be a list"):

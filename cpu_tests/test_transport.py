@@ -12,9 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer.errors import LayoutMismatchError, TransferError
+from kvxfer.errors import TransferError
 from kvxfer.nixl.agent import free_port
-from kvxfer.nixl.decode import check_layouts
 from kvxfer.wire import decode_message, encode_message
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -24,8 +23,8 @@ from procs.peer import block_rows  # noqa: E402
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
 
 LAYERS, SLOTS, SHAPE, DTYPE = 3, 64, (4, 2, 8), "float32"
-LAYOUT = {"tp_size": 1, "tp_rank": 0, "dtype": DTYPE, "block_shape": list(SHAPE),
-          "kernel_block_size": 4, "kernel_ratio": 2}
+GROUP = {"block_shape": list(SHAPE), "dtype": DTYPE, "num_layers": LAYERS, "kernel_ratio": 2}
+LAYOUT = {"groups": [GROUP]}  # `kvxfer.layout.advertised`'s form
 TIMEOUT = 3.0  # D's transfer deadline
 
 
@@ -44,8 +43,8 @@ def peers():
         "D": Peer("D", spec("D")),
         "P_dead": Peer("P", spec("P_dead")),
         "P_lease": Peer("P", spec("P_lease", lease_s=1.0)),
-        "P_tp": Peer("P", spec("P_tp", layout={**LAYOUT, "tp_size": 4})),
-        "P_dtype": Peer("P", spec("P_dtype", layout={**LAYOUT, "dtype": "bfloat16"})),
+        "P_ratio": Peer("P", spec("P_ratio", layout={"groups": [{**GROUP, "kernel_ratio": 4}]})),
+        "P_dtype": Peer("P", spec("P_dtype", layout={"groups": [{**GROUP, "dtype": "bfloat16"}]})),
         "P_corrupt": Peer("P", {**spec("P_corrupt"), "corrupt_layout": True}),
     }
     try:
@@ -171,9 +170,9 @@ def test_every_expired_lease_is_reaped_not_only_up_to_a_live_one(peers):
     assert {"e1", "e2"} <= set(out["freed"]) and out["held"] == ["live"]
 
 
-def test_peer_with_other_tp_size_is_rejected_at_handshake(peers):
-    with pytest.raises(PeerError, match="tp_size") as e:
-        connect(peers["D"], peers["P_tp"], "P_tp")
+def test_peer_with_other_kernel_ratio_is_rejected_at_handshake(peers):
+    with pytest.raises(PeerError, match="group 0 kernel_ratio: peer=4 local=2") as e:
+        connect(peers["D"], peers["P_ratio"], "P_ratio")
     assert e.value.kind == "LayoutMismatchError"
 
 
@@ -266,12 +265,6 @@ def test_agents_created_on_two_threads_at_once_leave_nixl_as_it_was_and_idle():
 def test_message_round_trips():
     msg = decode_message(encode_message("done", req_id="r", instance="a1", generation=3), "D")
     assert (msg["t"], msg["req_id"], msg["generation"]) == ("done", "r", 3)
-
-
-def test_layout_check_ignores_tp_rank_but_lists_other_differences():
-    check_layouts({**LAYOUT, "tp_rank": 1}, LAYOUT)
-    with pytest.raises(LayoutMismatchError, match="block_shape.*dtype"):
-        check_layouts(LAYOUT, {**LAYOUT, "dtype": "int8", "block_shape": [1]})
 
 
 def test_nixl_benchmark_reports_its_figures():

@@ -8,9 +8,9 @@ the inner axes are opaque (a block is bytes with a shape), so nothing here
 knows about heads, tokens or K/V packing.
 
 A layout is a frozen, hashable dataclass (a static key for cached jitted
-builders) and round-trips through a plain dict (`to_dict` / `from_dict`), so
-a peer can be sent ours and reject an incompatible one with
-`check_compatible`.
+builders) and round-trips through a plain dict (`to_dict` / `from_dict`).
+Two sides may exchange blocks when `check_block_compatible` accepts their
+`advertised` block fields: the one compatibility check.
 """
 
 from __future__ import annotations
@@ -291,22 +291,48 @@ class CacheLayout:
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise InvalidInputError(f"malformed layout dict {dict(data)!r}: {e!r}") from e
 
-    def check_compatible(self, other: CacheLayout) -> None:
-        """Raise `LayoutMismatchError` naming the first field where `other` differs.
+    def block_fields(self) -> dict[str, Any]:
+        """What fixes the bytes of one block, as a JSON-able dict: block shape, dtype,
+        layers and kernel ratio (not the number of blocks, nor the sharding)."""
+        return {
+            "block_shape": list(self.block_shape),
+            "dtype": self.dtype,
+            "num_layers": self.num_layers,
+            "kernel_ratio": self.kernel_ratio,
+        }
 
-        Blocks can move between two layouts only when every field matches: the bytes
-        of a block and how they are cut into shards depend on all of them. `num_blocks`
-        is the exception: P and D may size their caches differently.
-        """
-        for field in dataclasses.fields(self):
-            mine, theirs = getattr(self, field.name), getattr(other, field.name)
-            if field.name == "shape":
-                mine, theirs = mine[1:], theirs[1:]
-                name = "block_shape"
-            else:
-                name = field.name
-            if mine != theirs:
-                raise LayoutMismatchError(f"layout {name} differs: ours {mine}, theirs {theirs}")
+
+BLOCK_FIELDS = ("block_shape", "dtype", "num_layers", "kernel_ratio")
+"""The fields of `CacheLayout.block_fields`."""
+
+
+def advertised(layouts: Sequence[CacheLayout]) -> dict[str, Any]:
+    """What a peer checks at handshake (`check_block_compatible`): each group's block fields."""
+    return {"groups": [layout.block_fields() for layout in layouts]}
+
+
+def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
+    """Raise `LayoutMismatchError` unless blocks can move between two sides: the one check.
+
+    Both are `advertised(...)` dicts. Every group's blocks must have the same
+    bytes (`BLOCK_FIELDS`); the number of blocks and the sharding may differ
+    (P at TP 4, D at TP 8: each side stages whole blocks and re-shards). The
+    error lists each differing field of each group with both values.
+    """
+    ours, theirs = local.get("groups"), remote.get("groups")
+    if not isinstance(theirs, list) or len(theirs) != len(ours):
+        raise LayoutMismatchError(
+            f"peer has {len(theirs) if isinstance(theirs, list) else theirs!r} KV cache groups, "
+            f"local has {len(ours)}")
+    diffs = [
+        f"group {g} {key}: peer={(t.get(key) if isinstance(t, Mapping) else t)!r} "
+        f"local={o.get(key)!r}"
+        for g, (o, t) in enumerate(zip(ours, theirs))
+        for key in BLOCK_FIELDS
+        if not isinstance(t, Mapping) or o.get(key) != t.get(key)
+    ]
+    if diffs:
+        raise LayoutMismatchError("peer cache layout differs: " + "; ".join(diffs))
 
 
 def _entry_to_spec(entry: tuple[str, ...]) -> str | tuple[str, ...] | None:

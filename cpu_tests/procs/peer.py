@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from kvxfer.layout import check_block_compatible
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.prefill import PrefillTransport
@@ -57,7 +58,7 @@ def main():
     if role == "P":
         t = PrefillTransport(config, staging, layout)
     else:
-        t = DecodeTransport(config, staging, layout)
+        t = DecodeTransport(config, staging, layout, check_block_compatible)
     print(json.dumps({"port": t.port}), file=answers, flush=True)
     finished, failed, freed = [], {}, []
 

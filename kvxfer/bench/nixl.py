@@ -30,6 +30,12 @@ def _staging(layers: int, blocks: int, block_bytes: int, placement: str) -> Any:
     return Staging(layers, blocks * _SLOTS_PER_BLOCK, (block_bytes,), np.uint8, placement)
 
 
+def _advertised(layers: int, block_bytes: int) -> dict[str, Any]:
+    """The block fields both sides advertise (`kvxfer.layout.advertised`'s form)."""
+    return {"groups": [{"block_shape": [block_bytes], "dtype": "uint8", "num_layers": layers,
+                        "kernel_ratio": 1}]}
+
+
 def _prefill(conn: Any, layers: int, blocks: int, block_bytes: int, placement: str,
              config_fields: dict[str, Any], seed: int) -> None:
     """P's process: stage and hold a request whenever D asks, poll otherwise."""
@@ -37,7 +43,8 @@ def _prefill(conn: Any, layers: int, blocks: int, block_bytes: int, placement: s
     from kvxfer.nixl.prefill import PrefillTransport
 
     staging = _staging(layers, blocks, block_bytes, placement)
-    transport = PrefillTransport(TransportConfig(**config_fields), staging, {"bench": 1})
+    transport = PrefillTransport(TransportConfig(**config_fields), staging,
+                                 _advertised(layers, block_bytes))
     rng = np.random.default_rng(seed)
     rows = [rng.integers(0, 256, (blocks, block_bytes), dtype=np.uint8) for _ in range(layers)]
     conn.send(transport.port)
@@ -81,6 +88,7 @@ def run(
     `placement`, `ucx_tls`, `iters`. Printed as one JSON line when `verbose`.
     """
     from kvxfer.blocks import coalesce_pairs
+    from kvxfer.layout import check_block_compatible
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
     from kvxfer.wire import ReadParams
@@ -101,7 +109,8 @@ def run(
             raise TransferError(f"benchmark P did not start within {timeout_s}s")
         port = ours.recv()
         staging = _staging(layers, blocks, block_bytes, placement)
-        d = DecodeTransport(TransportConfig(name="bench-D", **common), staging, {"bench": 1})
+        d = DecodeTransport(TransportConfig(name="bench-D", **common), staging,
+                            _advertised(layers, block_bytes), check_block_compatible)
         d.connect("bench-P", "127.0.0.1", port)
         rng = np.random.default_rng(seed + 1)
         src = [np.ones(blocks * block_bytes, np.uint8) for _ in range(layers)]

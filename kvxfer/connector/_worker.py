@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import jax
 import numpy as np
@@ -17,8 +16,6 @@ from kvxfer.multihost import spans_processes
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.pieces import Piece, piece_staging
 from kvxfer.staging import Staging
-
-_BLOCK_FIELDS = ("block_shape", "dtype", "num_layers", "kernel_ratio")
 
 
 def _per_group(caches: object) -> tuple[list[list[jax.Array]], bool]:
@@ -34,40 +31,6 @@ def _per_group(caches: object) -> tuple[list[list[jax.Array]], bool]:
 
 def _layouts(caches: Sequence[Sequence[jax.Array]], kernel_ratio: int) -> list[CacheLayout]:
     return [CacheLayout.from_caches(c, kernel_ratio) for c in caches]
-
-
-def _block_fields(layout: CacheLayout) -> dict[str, Any]:
-    return {
-        "block_shape": list(layout.block_shape),
-        "dtype": layout.dtype,
-        "num_layers": layout.num_layers,
-        "kernel_ratio": layout.kernel_ratio,
-    }
-
-
-def _advertised(layouts: Sequence[CacheLayout]) -> dict[str, Any]:
-    """The layout fields a peer checks at handshake (`check_block_compatible`), per group.
-
-    P's full layouts travel with each request's params instead.
-    """
-    return {"groups": [_block_fields(layout) for layout in layouts]}
-
-
-def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
-    """Peer check for connectors: every group's blocks must have the same bytes; sharding may differ."""
-    ours, theirs = local.get("groups"), remote.get("groups")
-    if not isinstance(theirs, list) or len(theirs) != len(ours):
-        raise LayoutMismatchError(
-            f"peer has {len(theirs) if isinstance(theirs, list) else theirs!r} KV cache groups, "
-            f"local has {len(ours)}")
-    diffs = [
-        f"group {g} {key}: peer={t.get(key)!r} local={o.get(key)!r}"
-        for g, (o, t) in enumerate(zip(ours, theirs))
-        for key in _BLOCK_FIELDS
-        if not isinstance(t, Mapping) or o.get(key) != t.get(key)
-    ]
-    if diffs:
-        raise LayoutMismatchError("peer cache layout differs: " + "; ".join(diffs))
 
 
 def _staging_for(layout: CacheLayout, config: ConnectorConfig) -> Staging:

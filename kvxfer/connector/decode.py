@@ -12,13 +12,13 @@ import jax
 import numpy as np
 
 from kvxfer.blocks import NULL_BLOCK, is_int, kernel_placement, table_entries
-from kvxfer.connector._worker import _advertised, _per_group, _worker_state, check_block_compatible
+from kvxfer.connector._worker import _per_group, _worker_state
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.errors import CorruptionError, InvalidInputError, KvxferError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints
 from kvxfer.gather import scatter_blocks
-from kvxfer.layout import CacheLayout
+from kvxfer.layout import CacheLayout, advertised, check_block_compatible
 from kvxfer.multihost import agree
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.pieces import scatter_piece, unit_sums
@@ -64,7 +64,7 @@ class DecodeConnector:
             state.config, state.layouts, state.stagings, state.pieces)
         self.piece = state.piece
         self.transport = DecodeTransport(
-            state.transport_config, self.stagings, _advertised(self.layouts),
+            state.transport_config, self.stagings, advertised(self.layouts),
             layout_check=check_block_compatible, piece=state.transport_piece,
             reader=(jax.process_index(), jax.process_count()) if self.piece else (0, 1),
         )

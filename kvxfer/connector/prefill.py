@@ -9,12 +9,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.connector._worker import _advertised, _per_group, _worker_state
+from kvxfer.connector._worker import _per_group, _worker_state
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.errors import InvalidInputError
 from kvxfer.gather import gather_into
-from kvxfer.layout import CacheLayout
+from kvxfer.layout import CacheLayout, advertised
 from kvxfer.multihost import agree, shared_instance
 from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.pieces import gather_piece_into, process_pieces
@@ -47,7 +47,7 @@ class PrefillWorker:
             Source(f"{config.transport.name}-{process}", p.lo, p.hi)
             for process, p in process_pieces(_per_group(caches)[0][0]).items()]
         self.transport = PrefillTransport(state.transport_config, self.stagings,
-                                          _advertised(self.layouts), instance=instance,
+                                          advertised(self.layouts), instance=instance,
                                           piece=state.transport_piece)
 
     @property

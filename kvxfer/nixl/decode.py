@@ -1,11 +1,24 @@
-"""D's transport: handshakes with P peers, reads requests into staging, reports outcomes.
+"""D's transport: reads requests from P into staging, in a state machine per request.
+
+`start_read` posts one NIXL READ per P agent of a request (a *leg*) on a
+thread of D's own, with one descriptor per (group, layer, run of slots
+contiguous on both sides) plus one per run for the slots' fingerprint rows.
+Once every leg's READ is done D sends `done` to each P agent and waits for
+its `ack`; a request is finished once every P agent acked `ok`. Every read
+has a deadline (`transfer_timeout_s`, from `start_read` to the last ack);
+a transfer error, a gone or restarted peer, a refused ack, stale params or
+the deadline fail the request alone, in the logical block ids its caller
+gave, and never hang D. D's slots of a failed read are released only once
+NIXL has released its transfers. docs/internals.md ("The NIXL transport")
+says why each rule is there.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.blocks import coalesce_pairs, is_int
-from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
+from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import (
     TransportConfig,
     _close_agent,
@@ -24,56 +37,22 @@ from kvxfer.nixl.agent import (
     _stagings,
     _start_agent,
 )
+from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
 from kvxfer.staging import Staging
-from kvxfer.wire import ReadParams, Source, _check_piece, _field, _is_generation, decode_message
+from kvxfer.wire import ReadParams, Source, _check_piece, _field, _is_generation
+
+__all__ = ["DecodeTransport", "LegState"]
 
 logger = logging.getLogger(__name__)
 
 
-_REFETCH_S = 0.25  # how often `connect` asks for a peer's metadata again
+class LegState(enum.Enum):
+    """Where one P agent's part of a read stands."""
 
-
-LayoutCheck = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
-
-
-_PER_RANK_KEYS = frozenset({"tp_rank"})
-
-
-def check_layouts(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
-    """Default peer check: every layout field but per-rank ones must be equal.
-
-    Raises `LayoutMismatchError` listing each differing field with both values.
-    """
-    if local.get("tp_size") != remote.get("tp_size"):
-        raise LayoutMismatchError(
-            f"heterogeneous TP is not supported: peer tp_size={remote.get('tp_size')!r}, "
-            f"local tp_size={local.get('tp_size')!r}"
-        )
-    diffs = [
-        f"{key}: peer={remote.get(key)!r} local={local.get(key)!r}"
-        for key in sorted(set(local) | set(remote))
-        if key not in _PER_RANK_KEYS and local.get(key) != remote.get(key)
-    ]
-    if diffs:
-        raise LayoutMismatchError("peer cache layout differs: " + "; ".join(diffs))
-
-
-@dataclass
-class _PeerGroup:
-    regions: list[tuple[int, int]]
-    prints: tuple[int, int]
-    block_bytes: int
-    num_slots: int
-
-
-@dataclass
-class _Peer:
-    name: str
-    instance: str
-    groups: list[_PeerGroup]
-    layout: dict[str, Any]
-    piece: tuple[int, int, int] | None = None  # (lo, hi, units) of a multi-host P process
-    last_heartbeat: float = 0.0
+    XFER = "xfer"  # READ posted (or being posted)
+    READ = "read"  # nothing (more) to read; `done` not yet sent
+    ACK = "ack"  # `done` sent, waiting for P's ack
+    OK = "ok"  # P acked: its part is delivered
 
 
 @dataclass
@@ -83,9 +62,7 @@ class _Leg:
     peer: str
     handle: Any = None
     posting: Future | None = None  # the poster thread's `_post`, until `_advance` takes its handle
-    # "xfer": READ posted (or being posted); "read": nothing (more) to read, done not
-    # yet sent; "ack": done sent, waiting for P's ack; "ok": P acked.
-    state: str = "xfer"
+    state: LegState = LegState.XFER
 
 
 @dataclass
@@ -109,8 +86,8 @@ class DecodeTransport:
     - `staging`: where reads land, one per KV cache group (a single `Staging`
       is one group); each must match P's block bytes and layer count.
     - `layout`: this side's JSON-able cache layout, checked against each peer's.
-    - `layout_check`: `(local, remote) -> None`, raising `LayoutMismatchError`;
-      defaults to `check_layouts`.
+    - `layout_check`: `(local, remote) -> None`, raising `LayoutMismatchError`
+      where a peer's blocks cannot land in D's (`kvxfer.layout.check_block_compatible`).
     - `piece`: `(lo, hi, units)` for one process of a multi-host D, whose
       staging holds units `[lo, hi)` of each block (`kvxfer.pieces`); None
       for whole blocks.
@@ -131,12 +108,11 @@ class DecodeTransport:
         config: TransportConfig,
         staging: Staging | Sequence[Staging],
         layout: Mapping[str, Any],
-        layout_check: LayoutCheck = check_layouts,
+        layout_check: LayoutCheck,
         piece: tuple[int, int, int] | None = None,
         reader: tuple[int, int] = (0, 1),
     ):
-        self.config, self.stagings, self.layout = config, _stagings(staging), dict(layout)
-        self.layout_check = layout_check
+        self.config, self.stagings = config, _stagings(staging)
         self.piece = _check_piece(piece)
         if not (isinstance(reader, (tuple, list)) and len(reader) == 2
                 and all(is_int(v) for v in reader) and 0 <= reader[0] < reader[1]):
@@ -144,10 +120,7 @@ class DecodeTransport:
                                     f"got {reader!r:.80}")
         self.reader = (int(reader[0]), int(reader[1]))
         self.agent, self.port, self._reg = _start_agent(config, self.stagings)
-        self._peers: dict[str, _Peer] = {}
-        self._instances: dict[str, str] = {}  # peer -> the instance last connected to
-        self._past: dict[str, set[str]] = {}  # peer -> instances known to be gone
-        self._adverts: dict[str, dict[str, Any] | TransferError] = {}
+        self.peers = Peers(self.agent, config, self.stagings, layout, layout_check, self.piece)
         self._reads: dict[str, _Read] = {}
         self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
         self._zombies: list[tuple[str, Any]] = []  # (req, handle) failed but still in flight
@@ -163,157 +136,17 @@ class DecodeTransport:
         """The first group's staging (the only one for a single-group model)."""
         return self.stagings[0]
 
-    # -- handshake
-
     def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
-        """Handshake with P agent `peer` at `host:port`; returns its layout.
-
-        With `etcd_endpoints`, `peer`'s metadata is fetched by name from etcd
-        (`host` and `port` are unused). Raises `TransferError` if the peer does
-        not answer within
-        `handshake_timeout_s` or sends a bad advertisement, and
-        `LayoutMismatchError` if its layout is incompatible.
-        """
-        if peer in self._peers:
-            return self._peers[peer].layout
-        deadline = time.monotonic() + self.config.handshake_timeout_s
-        self._adverts.pop(peer, None)
-        etcd = self.config.uses_etcd
-        where = f"in etcd at {self.config.etcd_endpoints}" if etcd else f"at {host}:{port}"
-        if not etcd and port == 0:
-            raise TransferError(f"peer {peer!r} has no listener (port 0: it publishes its "
-                                f"metadata in etcd); give this D etcd_endpoints")
-        # From P's listener, or by name from etcd (where D published its own at start).
-        source = () if etcd else (host, port)
-        try:
-            self.agent.fetch_remote_metadata(peer, *source)
-            refetch = time.monotonic() + _REFETCH_S
-            while not self.agent.check_remote_metadata(peer):
-                now = time.monotonic()
-                if now > deadline:
-                    raise TransferError(
-                        f"peer {peer!r} {where} sent no NIXL metadata within "
-                        f"{self.config.handshake_timeout_s}s (unknown peer or not "
-                        f"{'published' if etcd else 'listening'})"
-                    )
-                if now > refetch:
-                    # NIXL may first spend a fetch on a cached socket to a previous
-                    # listener at that address (a restarted P), which it then closes;
-                    # a P starting up may not have published yet.
-                    self.agent.fetch_remote_metadata(peer, *source)
-                    refetch = now + _REFETCH_S
-                time.sleep(0.002)
-            if not etcd:
-                self.agent.send_local_metadata(host, port)
-            _send(self.agent, peer, "hello", agent=self.config.name)
-        except TransferError:
-            self._forget(peer)
-            raise
-        except Exception as e:
-            self._forget(peer)
-            raise TransferError(f"handshake with peer {peer!r} at {host}:{port} failed: {e}") from e
-        while peer not in self._adverts:
-            if time.monotonic() > deadline:
-                self._forget(peer)
-                raise TransferError(
-                    f"peer {peer!r} {where} sent no layout within "
-                    f"{self.config.handshake_timeout_s}s"
-                )
-            self._drain_notifs()
-            time.sleep(0.002)
-        advert = self._adverts.pop(peer)
-        try:
-            if isinstance(advert, TransferError):
-                raise advert
-            self._peers[peer] = self._accept(peer, advert)
-        except Exception:
-            self._forget(peer)
-            raise
-        instance = self._peers[peer].instance
-        if self._instances.get(peer, instance) != instance:  # a new start of that P
-            self._past.setdefault(peer, set()).add(self._instances[peer])
-        self._instances[peer] = instance
-        logger.debug("D %s connected to %s (instance %s) at %s:%s", self.config.name, peer,
-                     self._peers[peer].instance, host, port)
-        return self._peers[peer].layout
-
-    def _accept(self, peer: str, advert: dict[str, Any]) -> _Peer:
-        try:
-            layout = dict(advert["layout"])
-            instance = advert["instance"]
-            if not isinstance(instance, str) or not instance:
-                raise ValueError(f"instance {instance!r}")
-            groups = [_PeerGroup([(int(a), int(n)) for a, n in g["regions"]],
-                                 (int(g["prints"][0]), int(g["prints"][1])),
-                                 int(g["block_bytes"]), int(g["num_slots"]))
-                      for g in advert["groups"]]
-            piece = _check_piece(advert.get("piece"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TransferError(f"layout message from {peer!r} is malformed: {e!r}") from None
-        if (piece is None) != (self.piece is None) or (piece and piece[2] != self.piece[2]):
-            raise LayoutMismatchError(
-                f"peer {peer!r} stages {'units ' + str(piece) if piece else 'whole blocks'}, "
-                f"local staging {'units ' + str(self.piece) if self.piece else 'whole blocks'}")
-        theirs_n = piece[1] - piece[0] if piece else 1
-        ours_n = self.piece[1] - self.piece[0] if self.piece else 1
-        self.layout_check(self.layout, layout)
-        if len(groups) != len(self.stagings):
-            raise LayoutMismatchError(
-                f"peer {peer!r} stages {len(groups)} KV cache groups, local staging has "
-                f"{len(self.stagings)}")
-        for g, (theirs, ours) in enumerate(zip(groups, self.stagings)):
-            # Per unit of a piece (the whole block when not in pieces).
-            if (theirs.block_bytes * ours_n != ours.block_bytes * theirs_n
-                    or len(theirs.regions) != ours.num_layers):
-                raise LayoutMismatchError(
-                    f"peer {peer!r} group {g} stages {len(theirs.regions)} layers of "
-                    f"{theirs.block_bytes}-byte blocks, local staging has {ours.num_layers} of "
-                    f"{ours.block_bytes}"
-                )
-            if theirs.prints[1] * ours_n != theirs.num_slots * ours.prints.strides[0] * theirs_n:
-                raise LayoutMismatchError(
-                    f"peer {peer!r} group {g} advertises a {theirs.prints[1]}-byte fingerprint "
-                    f"region for {theirs.num_slots} slots of {ours.num_layers} layers")
-        return _Peer(peer, instance, groups, layout, piece)
-
-    def _forget(self, peer: str) -> None:
-        """Drop NIXL's metadata of `peer`, so the next connect fetches it afresh."""
-        try:
-            self.agent.remove_remote_agent(peer)
-        except Exception as e:
-            logger.debug("D %s remove %s: %s", self.config.name, peer, e)
+        """Handshake with P agent `peer` at `host:port` (`Peers.connect`); returns its layout."""
+        return self.peers.connect(peer, host, port)
 
     def _drop_peer(self, peer: str, why: str) -> None:
         """Disconnect `peer` (gone, restarted or failing); its reads fail with it."""
-        state = self._peers.pop(peer, None)
-        if state is None:
+        if not self.peers.drop(peer):
             return
         logger.warning("D %s drops peer %s: %s", self.config.name, peer, why)
         for read in [r for r in self._reads.values() if peer in r.legs]:
             self._fail(read)
-        self._forget(peer)
-
-    def _probe(self, peer: _Peer) -> str | None:
-        """The instance answering a fresh `hello` over the current connection, or None.
-
-        Waits up to `handshake_timeout_s`; a dead or replaced peer does not answer.
-        """
-        self._adverts.pop(peer.name, None)
-        deadline = time.monotonic() + self.config.handshake_timeout_s
-        try:
-            _send(self.agent, peer.name, "hello", agent=self.config.name)
-        except TransferError:
-            return None
-        while time.monotonic() < deadline:
-            self._drain_notifs()
-            advert = self._adverts.pop(peer.name, None)
-            if isinstance(advert, dict):
-                instance = advert.get("instance")
-                return instance if isinstance(instance, str) else None
-            if advert is not None:
-                return None
-            time.sleep(0.002)
-        return None
 
     # -- reads
 
@@ -351,7 +184,7 @@ class DecodeTransport:
                 raise TransferError(f"params of {req_id!r} are from P instance {p.instance} of "
                                     f"{stale}, which is not the live one (P restarted)")
             plan = self._plan(p)
-            read.legs = {peer: _Leg(peer, state="xfer" if plan[peer] else "read")
+            read.legs = {peer: _Leg(peer, state=LegState.XFER if plan[peer] else LegState.READ)
                          for peer in p.peers}
             for source in p.sources or [Source(p.peer, 0, 1)]:
                 self._check_source(p, source)
@@ -363,16 +196,16 @@ class DecodeTransport:
         for peer, span in plan.items():
             if span is not None:
                 read.legs[peer].posting = self._poster.submit(
-                    self._post, self._peers[peer], p.slots, d_slots, span, req_id)
+                    self._post, self.peers.get(peer), p.slots, d_slots, span, req_id)
 
     def _is_stale(self, peer: str, instance: str) -> bool:
         """Whether params naming `instance` of `peer` are from a P that is gone."""
-        if instance in self._past.get(peer, ()):
+        if self.peers.is_past(peer, instance):
             return True
-        connected = self._peers.get(peer)
+        connected = self.peers.get(peer)
         if connected is not None and connected.instance != instance:
             # Params from a restarted P, or stale ones: ask the connected P who it is.
-            if self._probe(connected) == connected.instance:
+            if self.peers.probe(connected) == connected.instance:
                 return True  # the connected P is alive: these params are not its own
             self._drop_peer(peer, f"params name instance {instance}, the connected "
                                   f"instance {connected.instance} does not answer")
@@ -404,11 +237,11 @@ class DecodeTransport:
 
     def _check_source(self, p: ReadParams, source: Source) -> None:
         """Connect to `source`'s P agent and check it is the instance and piece the params name."""
-        if source.peer not in self._peers:
-            self.connect(source.peer, p.host, p.port)
-        peer = self._peers[source.peer]
+        if source.peer not in self.peers:
+            self.peers.connect(source.peer, p.host, p.port)
+        peer = self.peers.get(source.peer)
         if peer.instance != p.instance:
-            self._past.setdefault(source.peer, set()).add(p.instance)
+            self.peers.mark_past(source.peer, p.instance)
             raise TransferError(
                 f"params of {p.req_id!r} are from P instance {p.instance}, but {source.peer!r} "
                 f"is now instance {peer.instance} (P restarted)")
@@ -422,39 +255,14 @@ class DecodeTransport:
                 raise TransferError(f"params of {p.req_id!r} name P slots {bad[:4]} of group "
                                     f"{g}, past {source.peer!r}'s {group.num_slots}")
 
-    def _post(self, peer: _Peer, p_slots: Sequence[Sequence[int]],
+    def _post(self, peer: Peer, p_slots: Sequence[Sequence[int]],
               d_slots: Sequence[Sequence[int]], span: tuple[int, int], req_id: str) -> Any:
         """Post one READ of units `span` of every slot from `peer` (whole blocks: `(0, 1)`)."""
-        theirs_piece, ours_piece = peer.piece or (0, 1, 1), self.piece or (0, 1, 1)
-        local, remote = [], []
-        for theirs, ours, ps, ds in zip(peer.groups, self.stagings, p_slots, d_slots, strict=True):
-            if not ps:
-                continue
-            # Blocks, then the fingerprint rows of the same slots; per unit, `size` bytes.
-            p_row = theirs.prints[1] // theirs.num_slots
-            for p_bases, d_bases, p_stride, d_stride in (
-                    ([a for a, _ in theirs.regions], [a for a, _ in ours.region_addresses()],
-                     theirs.block_bytes, ours.block_bytes),
-                    ([theirs.prints[0]], [ours.prints_address()[0]], p_row,
-                     ours.prints.strides[0])):
-                size = d_stride // (ours_piece[1] - ours_piece[0])
-                length = (span[1] - span[0]) * size
-                whole = length == p_stride == d_stride  # slot runs coalesce
-                runs = np.asarray(coalesce_pairs(ps, ds) if whole
-                                  else [(a, b, 1) for a, b in zip(ps, ds)],
-                                  dtype=np.uint64).reshape(-1, 3)
-                lengths = runs[:, 2] * length
-                p_off = (span[0] - theirs_piece[0]) * size
-                d_off = (span[0] - ours_piece[0]) * size
-                for p_base, d_base in zip(p_bases, d_bases, strict=True):
-                    remote.append(np.stack([p_base + p_off + runs[:, 0] * p_stride, lengths,
-                                            0 * lengths], 1))
-                    local.append(np.stack([d_base + d_off + runs[:, 1] * d_stride, lengths,
-                                           0 * lengths], 1))
+        local, remote = _descriptors(peer, self.stagings, self.piece, p_slots, d_slots, span)
         handle = self.agent.initialize_xfer(
             "READ",
-            self.agent.get_xfer_descs(np.concatenate(local), "DRAM"),
-            self.agent.get_xfer_descs(np.concatenate(remote), "DRAM"),
+            self.agent.get_xfer_descs(local, "DRAM"),
+            self.agent.get_xfer_descs(remote, "DRAM"),
             peer.name,
         )
         try:
@@ -467,7 +275,7 @@ class DecodeTransport:
             self._release(handle)
             raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer.name!r}")
         logger.debug("D %s posted READ of %s from %s (%s descriptors)", self.config.name, req_id,
-                     peer.name, sum(len(x) for x in local))
+                     peer.name, len(local))
         return handle
 
     def poll(self, now: float | None = None) -> tuple[list[str], dict[str, list[int]]]:
@@ -480,13 +288,14 @@ class DecodeTransport:
         """
         now = time.monotonic() if now is None else now
         if not self._posting():
-            self._drain_notifs()
+            self.peers.drain()
+            self._take_acks()
             for read in list(self._reads.values()):
                 if read.req_id in self._reads:  # else failed with a peer meanwhile
                     self._advance(read)
                 if now > read.deadline and read.req_id in self._reads:
                     logger.warning("D %s read of %s timed out in states %s", self.config.name,
-                                   read.req_id, {p: leg.state for p, leg in read.legs.items()})
+                                   read.req_id, {p: leg.state.value for p, leg in read.legs.items()})
                     self._fail(read)
             self._heartbeat(now)
             self._reap_zombies()
@@ -505,7 +314,7 @@ class DecodeTransport:
     def _advance(self, read: _Read) -> None:
         """Check `read`'s posted READs; once all are done, say done to every P agent."""
         for leg in read.legs.values():
-            if leg.state != "xfer":
+            if leg.state is not LegState.XFER:
                 continue
             if leg.posting is not None:
                 if not leg.posting.done():
@@ -524,42 +333,32 @@ class DecodeTransport:
                 state = "ERR"
             if state == "DONE":
                 self._release(leg.handle)
-                leg.handle, leg.state = None, "read"
+                leg.handle, leg.state = None, LegState.READ
             elif state == "ERR":
                 self._fail(read)
                 self._drop_peer(leg.peer, f"READ of {read.req_id} failed")
                 return
-        if any(leg.state == "xfer" for leg in read.legs.values()):
+        if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
         for leg in read.legs.values():
-            if leg.state == "read":
+            if leg.state is LegState.READ:
                 try:
                     _send(self.agent, leg.peer, "done", req_id=read.p_req_id,
                           instance=read.instance, generation=read.generation,
                           readers=self.reader[1], reader=self.reader[0])
-                    leg.state = "ack"
+                    leg.state = LegState.ACK
                 except TransferError as e:
                     self._fail(read)
                     self._drop_peer(leg.peer, str(e))
                     return
 
-    def _drain_notifs(self) -> None:
-        for sender, messages in self.agent.get_new_notifs().items():
-            for raw in messages:
-                try:
-                    msg = decode_message(raw, sender)
-                    if msg["t"] == "layout":
-                        self._adverts[sender] = msg
-                    elif msg["t"] == "ack":
-                        self._on_ack(sender, msg)
-                    else:
-                        logger.warning("D %s ignores %r message from %s", self.config.name,
-                                       msg["t"], sender)
-                except TransferError as e:
-                    if sender not in self._peers and not isinstance(self._adverts.get(sender),
-                                                                    dict):
-                        self._adverts[sender] = e  # a handshake in progress fails loudly
-                    logger.warning("D %s ignores a message: %s", self.config.name, e)
+    def _take_acks(self) -> None:
+        acks, self.peers.acks = self.peers.acks, []
+        for sender, msg in acks:
+            try:
+                self._on_ack(sender, msg)
+            except TransferError as e:
+                logger.warning("D %s ignores a message: %s", self.config.name, e)
 
     def _on_ack(self, sender: str, msg: dict[str, Any]) -> None:
         req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
@@ -567,15 +366,15 @@ class DecodeTransport:
         ok = _field(msg, "ok", lambda v: isinstance(v, bool), "a bool", sender)
         read = next((r for r in self._reads.values() if r.p_req_id == req_id
                      and sender in r.legs and r.generation == generation), None)
-        if read is None or read.legs[sender].state != "ack":
+        if read is None or read.legs[sender].state is not LegState.ACK:
             return
         if not ok:
             logger.warning("D %s: P %s no longer held %s (lease expired or P restarted)",
                            self.config.name, sender, read.req_id)
             self._fail(read)
             return
-        read.legs[sender].state = "ok"
-        if all(leg.state == "ok" for leg in read.legs.values()):
+        read.legs[sender].state = LegState.OK
+        if all(leg.state is LegState.OK for leg in read.legs.values()):
             del self._reads[read.req_id]
             self._done.append(read.req_id)
             logger.debug("D %s read %s in %.4fs", self.config.name, read.req_id,
@@ -590,7 +389,7 @@ class DecodeTransport:
             for peer in peers:
                 wanted.setdefault(peer, []).append([req_id, generation])
         for peer, reqs in wanted.items():
-            state = self._peers.get(peer)
+            state = self.peers.get(peer)
             if state is None or now - state.last_heartbeat < self.config.heartbeat_interval_s:
                 continue
             state.last_heartbeat = now
@@ -664,3 +463,41 @@ def _check_params(params: object, num_groups: int) -> ReadParams:
         raise InvalidInputError(f"params name {len(params.keys)} KV cache groups, this D stages "
                                 f"{num_groups}")
     return params
+
+
+def _descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, int, int] | None,
+                 p_slots: Sequence[Sequence[int]], d_slots: Sequence[Sequence[int]],
+                 span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """`(local, remote)` NIXL descriptors `[n, 3]` (address, length, device) of one READ.
+
+    Units `span` of every slot of every group: the blocks, then the fingerprint
+    rows of the same slots; one descriptor per run of slots contiguous on both
+    sides where a slot is read whole, else one per slot.
+    """
+    theirs_piece, ours_piece = peer.piece or (0, 1, 1), piece or (0, 1, 1)
+    local, remote = [], []
+    for theirs, ours, ps, ds in zip(peer.groups, stagings, p_slots, d_slots, strict=True):
+        if not ps:
+            continue
+        # Blocks, then the fingerprint rows of the same slots; per unit, `size` bytes.
+        p_row = theirs.prints[1] // theirs.num_slots
+        for p_bases, d_bases, p_stride, d_stride in (
+                ([a for a, _ in theirs.regions], [a for a, _ in ours.region_addresses()],
+                 theirs.block_bytes, ours.block_bytes),
+                ([theirs.prints[0]], [ours.prints_address()[0]], p_row,
+                 ours.prints.strides[0])):
+            size = d_stride // (ours_piece[1] - ours_piece[0])
+            length = (span[1] - span[0]) * size
+            whole = length == p_stride == d_stride  # slot runs coalesce
+            runs = np.asarray(coalesce_pairs(ps, ds) if whole
+                              else [(a, b, 1) for a, b in zip(ps, ds)],
+                              dtype=np.uint64).reshape(-1, 3)
+            lengths = runs[:, 2] * length
+            p_off = (span[0] - theirs_piece[0]) * size
+            d_off = (span[0] - ours_piece[0]) * size
+            for p_base, d_base in zip(p_bases, d_bases, strict=True):
+                remote.append(np.stack([p_base + p_off + runs[:, 0] * p_stride, lengths,
+                                        0 * lengths], 1))
+                local.append(np.stack([d_base + d_off + runs[:, 1] * d_stride, lengths,
+                                       0 * lengths], 1))
+    return np.concatenate(local), np.concatenate(remote)

@@ -1,0 +1,267 @@
+"""D's P peers: the handshake, what each P advertised, and which start of it is live.
+
+D fetches P's agent metadata (from P's listener, or by name from etcd),
+makes sure P can answer, then says `hello`; P answers with a `layout`
+message: its instance, its cache layout and, per group, its staging regions.
+D checks them against its own before any read. A P restarted under the same
+name is a new instance: `is_past` says which instances of a name are gone, so
+params from before a restart are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.errors import LayoutMismatchError, TransferError
+from kvxfer.nixl.agent import TransportConfig, _send
+from kvxfer.staging import Staging
+from kvxfer.wire import _check_piece, decode_message
+
+__all__ = ["LayoutCheck", "Peer", "PeerGroup", "Peers"]
+
+logger = logging.getLogger(__name__)
+
+_REFETCH_S = 0.25  # how often `connect` asks for a peer's metadata again
+
+LayoutCheck = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
+"""`(local, remote) -> None`, raising `LayoutMismatchError` where P's blocks cannot land in D's
+(`kvxfer.layout.check_block_compatible`)."""
+
+
+@dataclass
+class PeerGroup:
+    """One KV cache group's staging on a P agent, as it advertised it."""
+
+    regions: list[tuple[int, int]]  # per layer, (base address, length in bytes)
+    prints: tuple[int, int]  # the fingerprint region
+    block_bytes: int
+    num_slots: int
+
+
+@dataclass
+class Peer:
+    """A connected P agent."""
+
+    name: str
+    instance: str
+    groups: list[PeerGroup]
+    layout: dict[str, Any]
+    piece: tuple[int, int, int] | None = None  # (lo, hi, units) of a multi-host P process
+    last_heartbeat: float = 0.0
+
+
+class Peers:
+    """D's connected P agents, on D's NIXL agent.
+
+    **Arguments:**
+
+    - `agent`: D's NIXL agent; `config`: its `TransportConfig`.
+    - `stagings`: D's staging, one per group (P's must match its block bytes).
+    - `layout`, `layout_check`: D's advertised layout and the check of P's against it.
+    - `piece`: `(lo, hi, units)` D's staging holds of each block; None for whole blocks.
+
+    Notifications are read here (`drain`): `layout` answers feed the handshake,
+    and every `ack` waits in `acks` for D's read state machine.
+    """
+
+    def __init__(self, agent: Any, config: TransportConfig, stagings: Sequence[Staging],
+                 layout: Mapping[str, Any], layout_check: LayoutCheck,
+                 piece: tuple[int, int, int] | None):
+        self.agent, self.config, self.stagings = agent, config, stagings
+        self.layout, self.layout_check, self.piece = dict(layout), layout_check, piece
+        self.acks: list[tuple[str, dict[str, Any]]] = []  # (sender, message), not yet handled
+        self._peers: dict[str, Peer] = {}
+        self._instances: dict[str, str] = {}  # peer -> the instance last connected to
+        self._past: dict[str, set[str]] = {}  # peer -> instances known to be gone
+        self._adverts: dict[str, dict[str, Any] | TransferError] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._peers
+
+    def get(self, name: str) -> Peer | None:
+        return self._peers.get(name)
+
+    def is_past(self, name: str, instance: str) -> bool:
+        """Whether `instance` of P agent `name` is known to be gone (P restarted)."""
+        return instance in self._past.get(name, ())
+
+    def mark_past(self, name: str, instance: str) -> None:
+        self._past.setdefault(name, set()).add(instance)
+
+    def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
+        """Handshake with P agent `peer` at `host:port`; returns its layout.
+
+        With `etcd_endpoints`, `peer`'s metadata is fetched by name from etcd
+        (`host` and `port` are unused). Raises `TransferError` if the peer does
+        not answer within `handshake_timeout_s` or sends a bad advertisement,
+        and `LayoutMismatchError` if its layout is incompatible.
+        """
+        if peer in self._peers:
+            return self._peers[peer].layout
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        self._adverts.pop(peer, None)
+        etcd = self.config.uses_etcd
+        if not etcd and port == 0:
+            raise TransferError(f"peer {peer!r} has no listener (port 0: it publishes its "
+                                f"metadata in etcd); give this D etcd_endpoints")
+        try:
+            self._fetch_metadata(peer, host, port, deadline)
+            if not etcd:
+                self.agent.send_local_metadata(host, port)
+            _send(self.agent, peer, "hello", agent=self.config.name)
+            advert = self._await_layout(peer, host, port, deadline)
+            self._peers[peer] = self._accept(peer, advert)
+        except (TransferError, LayoutMismatchError):
+            self.forget(peer)
+            raise
+        except Exception as e:
+            self.forget(peer)
+            raise TransferError(f"handshake with peer {peer!r} at {host}:{port} failed: {e}") from e
+        instance = self._peers[peer].instance
+        if self._instances.get(peer, instance) != instance:  # a new start of that P
+            self.mark_past(peer, self._instances[peer])
+        self._instances[peer] = instance
+        logger.debug("D %s connected to %s (instance %s) at %s:%s", self.config.name, peer,
+                     instance, host, port)
+        return self._peers[peer].layout
+
+    def _where(self, host: str, port: int) -> str:
+        if self.config.uses_etcd:
+            return f"in etcd at {self.config.etcd_endpoints}"
+        return f"at {host}:{port}"
+
+    def _fetch_metadata(self, peer: str, host: str, port: int, deadline: float) -> None:
+        """Fetch `peer`'s NIXL metadata: from its listener, or by name from etcd."""
+        source = () if self.config.uses_etcd else (host, port)
+        self.agent.fetch_remote_metadata(peer, *source)
+        refetch = time.monotonic() + _REFETCH_S
+        while not self.agent.check_remote_metadata(peer):
+            now = time.monotonic()
+            if now > deadline:
+                raise TransferError(
+                    f"peer {peer!r} {self._where(host, port)} sent no NIXL metadata within "
+                    f"{self.config.handshake_timeout_s}s (unknown peer or not "
+                    f"{'published' if self.config.uses_etcd else 'listening'})")
+            if now > refetch:
+                # NIXL may first spend a fetch on a cached socket to a previous
+                # listener at that address (a restarted P), which it then closes;
+                # a P starting up may not have published yet.
+                self.agent.fetch_remote_metadata(peer, *source)
+                refetch = now + _REFETCH_S
+            time.sleep(0.002)
+
+    def _await_layout(self, peer: str, host: str, port: int, deadline: float) -> dict[str, Any]:
+        """P's answer to `hello`: its advertisement."""
+        while peer not in self._adverts:
+            if time.monotonic() > deadline:
+                raise TransferError(f"peer {peer!r} {self._where(host, port)} sent no layout "
+                                    f"within {self.config.handshake_timeout_s}s")
+            self.drain()
+            time.sleep(0.002)
+        advert = self._adverts.pop(peer)
+        if isinstance(advert, TransferError):
+            raise advert
+        return advert
+
+    def _accept(self, peer: str, advert: dict[str, Any]) -> Peer:
+        """Check P's advertisement against D's staging and layout."""
+        try:
+            layout = dict(advert["layout"])
+            instance = advert["instance"]
+            if not isinstance(instance, str) or not instance:
+                raise ValueError(f"instance {instance!r}")
+            groups = [PeerGroup([(int(a), int(n)) for a, n in g["regions"]],
+                                (int(g["prints"][0]), int(g["prints"][1])),
+                                int(g["block_bytes"]), int(g["num_slots"]))
+                      for g in advert["groups"]]
+            piece = _check_piece(advert.get("piece"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferError(f"layout message from {peer!r} is malformed: {e!r}") from None
+        if (piece is None) != (self.piece is None) or (piece and piece[2] != self.piece[2]):
+            raise LayoutMismatchError(
+                f"peer {peer!r} stages {'units ' + str(piece) if piece else 'whole blocks'}, "
+                f"local staging {'units ' + str(self.piece) if self.piece else 'whole blocks'}")
+        theirs_n = piece[1] - piece[0] if piece else 1
+        ours_n = self.piece[1] - self.piece[0] if self.piece else 1
+        self.layout_check(self.layout, layout)
+        if len(groups) != len(self.stagings):
+            raise LayoutMismatchError(
+                f"peer {peer!r} stages {len(groups)} KV cache groups, local staging has "
+                f"{len(self.stagings)}")
+        for g, (theirs, ours) in enumerate(zip(groups, self.stagings)):
+            # Per unit of a piece (the whole block when not in pieces).
+            if (theirs.block_bytes * ours_n != ours.block_bytes * theirs_n
+                    or len(theirs.regions) != ours.num_layers):
+                raise LayoutMismatchError(
+                    f"peer {peer!r} group {g} stages {len(theirs.regions)} layers of "
+                    f"{theirs.block_bytes}-byte blocks, local staging has {ours.num_layers} of "
+                    f"{ours.block_bytes}"
+                )
+            if theirs.prints[1] * ours_n != theirs.num_slots * ours.prints.strides[0] * theirs_n:
+                raise LayoutMismatchError(
+                    f"peer {peer!r} group {g} advertises a {theirs.prints[1]}-byte fingerprint "
+                    f"region for {theirs.num_slots} slots of {ours.num_layers} layers")
+        return Peer(peer, instance, groups, layout, piece)
+
+    def forget(self, peer: str) -> None:
+        """Drop NIXL's metadata of `peer`, so the next connect fetches it afresh."""
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception as e:
+            logger.debug("D %s remove %s: %s", self.config.name, peer, e)
+
+    def drop(self, peer: str) -> bool:
+        """Disconnect `peer`; whether it was connected."""
+        if self._peers.pop(peer, None) is None:
+            return False
+        self.forget(peer)
+        return True
+
+    def probe(self, peer: Peer) -> str | None:
+        """The instance answering a fresh `hello` over the current connection, or None.
+
+        Waits up to `handshake_timeout_s`; a dead or replaced peer does not answer.
+        """
+        self._adverts.pop(peer.name, None)
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        try:
+            _send(self.agent, peer.name, "hello", agent=self.config.name)
+        except TransferError:
+            return None
+        while time.monotonic() < deadline:
+            self.drain()
+            advert = self._adverts.pop(peer.name, None)
+            if isinstance(advert, dict):
+                instance = advert.get("instance")
+                return instance if isinstance(instance, str) else None
+            if advert is not None:
+                return None
+            time.sleep(0.002)
+        return None
+
+    def drain(self) -> None:
+        """Read D's notifications: advertisements for the handshake, acks into `acks`.
+
+        Never raises because of what a peer sent: a bad message is logged and
+        dropped (and fails a handshake with that peer in progress).
+        """
+        for sender, messages in self.agent.get_new_notifs().items():
+            for raw in messages:
+                try:
+                    msg = decode_message(raw, sender)
+                    if msg["t"] == "layout":
+                        self._adverts[sender] = msg
+                    elif msg["t"] == "ack":
+                        self.acks.append((sender, msg))
+                    else:
+                        logger.warning("D %s ignores %r message from %s", self.config.name,
+                                       msg["t"], sender)
+                except TransferError as e:
+                    if sender not in self._peers and not isinstance(self._adverts.get(sender),
+                                                                    dict):
+                        self._adverts[sender] = e  # a handshake in progress fails loudly
+                    logger.warning("D %s ignores a message: %s", self.config.name, e)
