@@ -157,7 +157,7 @@ def decode():
         if spec.get("mark_loading"):  # the test kills a P process once every READ is in flight
             d.get_finished(caches)
             read = d.transport._reads.get("r")  # instrumentation: where each leg stands
-            report(loading=True, legs={peer: leg.state for peer, leg in read.legs.items()}
+            report(loading=True, legs={peer: leg.state.value for peer, leg in read.legs.items()}
                    if read else {})
         if spec.get("die_after_read") == RANK:  # its READs land; it never says done
             time.sleep(1.0)

@@ -12,16 +12,12 @@ import jax
 import numpy as np
 
 from kvxfer.blocks import NULL_BLOCK, is_int, kernel_placement, table_entries
-from kvxfer.connector._worker import _per_group, _worker_state
+from kvxfer.connector._hosts import Spans, for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import LoadRequest
-from kvxfer.errors import CorruptionError, InvalidInputError, KvxferError, LayoutMismatchError
-from kvxfer.fingerprint import compare_fingerprints
-from kvxfer.gather import scatter_blocks
+from kvxfer.errors import InvalidInputError, KvxferError, LayoutMismatchError
 from kvxfer.layout import CacheLayout, advertised, check_block_compatible
-from kvxfer.multihost import agree
 from kvxfer.nixl.decode import DecodeTransport
-from kvxfer.pieces import scatter_piece, unit_sums
 from kvxfer.staging import Staging
 from kvxfer.wire import ReadParams
 
@@ -59,16 +55,13 @@ class DecodeConnector:
 
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
-        state = _worker_state(config, caches)
-        self.config, self.layouts, self.stagings, self.pieces = (
-            state.config, state.layouts, state.stagings, state.pieces)
-        self.piece = state.piece
+        self.hosts = for_caches(config, caches)
+        self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
         self.transport = DecodeTransport(
-            state.transport_config, self.stagings, advertised(self.layouts),
-            layout_check=check_block_compatible, piece=state.transport_piece,
-            reader=(jax.process_index(), jax.process_count()) if self.piece else (0, 1),
+            self.hosts.transport_config, self.stagings, advertised(self.layouts),
+            layout_check=check_block_compatible, piece=self.hosts.piece,
+            reader=self.hosts.reader,
         )
-        self._read_here: set[str] = set()  # multi-host: read here, not yet agreed
         self._loads: dict[str, _Load] = {}
         self._load_errors: set[int] = set()
         self._refused: list[str] = []  # failed in start_load_kv, reported by get_finished
@@ -169,18 +162,17 @@ class DecodeConnector:
         Never raises for a per-request problem; caches of another layout raise
         `LayoutMismatchError` before any state changes.
         """
-        per_group, single = _per_group(caches)
-        if len(per_group) != len(self.layouts):
+        groups, single = per_group(caches)
+        if len(groups) != len(self.layouts):
             raise LayoutMismatchError(
-                f"caches hold {len(per_group)} groups, this connector {len(self.layouts)}")
-        for g, (group_caches, layout) in enumerate(zip(per_group, self.layouts)):
+                f"caches hold {len(groups)} groups, this connector {len(self.layouts)}")
+        for g, (group_caches, layout) in enumerate(zip(groups, self.layouts)):
             got = CacheLayout.from_caches(group_caches, self.config.kernel_ratio)
             if got != layout:
                 raise LayoutMismatchError(f"group {g} caches have layout {got}, the connector "
                                           f"was built for {layout}")
-        done, failed = self.transport.poll()
-        if self.piece is not None:
-            done, failed = self._agree_reads(done, failed)
+        done, failed = self.hosts.agree_reads(*self.transport.poll(), self._loads,
+                                              self.transport.free)
         failed_ids, self._refused = self._refused, []
         local, self._held_locally = self._held_locally, []
         for req_id, logical in failed.items():
@@ -191,17 +183,13 @@ class DecodeConnector:
         bad: dict[str, str] = {}
         try:
             for g in range(len(self.layouts)):
-                old = per_group[g]
-                per_group[g] = self._write_group(g, old, loads, bad)
-                _follow_donations(per_group[g + 1:], old, per_group[g])
+                old = groups[g]
+                groups[g] = self._write_group(g, old, loads, bad)
+                _follow_donations(groups[g + 1:], old, groups[g])
         finally:
             for req_id in loads:
                 self.transport.free(req_id)
-        if self.piece is not None and loads:  # a block bad on one host is bad on every host
-            everywhere = agree([r in bad for r in loads]).any(axis=0)
-            for req_id, is_bad in zip(list(loads), everywhere):
-                if is_bad and req_id not in bad:
-                    bad[req_id] = "its blocks failed verification on another process"
+        self.hosts.agree_bad(loads, bad)  # a block bad on one host is bad on every host
         finished = local
         for req_id, load in loads.items():
             if req_id in bad:
@@ -210,29 +198,7 @@ class DecodeConnector:
                 failed_ids.append(req_id)
             else:
                 finished.append(req_id)
-        return (per_group[0] if single else per_group), finished, failed_ids
-
-    def _agree_reads(self, done: list[str], failed: dict[str, list[int]]
-                     ) -> tuple[list[str], dict[str, list[int]]]:
-        """Across hosts: a read is done once it is done on every process of this D, and failed
-        everywhere once it failed on any (every process loads the same requests, SPMD)."""
-        self._read_here.update(done)
-        pending = sorted(self._loads)
-        if not pending:
-            return [], failed
-        here = [2 if r in failed else 1 if r in self._read_here else 0 for r in pending]
-        states = agree(here)
-        agreed_done, agreed_failed = [], dict(failed)
-        for req_id, column in zip(pending, states.T):
-            if (column == 2).any():
-                if req_id not in agreed_failed:
-                    agreed_failed[req_id] = list(self._loads[req_id].logical_ids)
-                    self.transport.free(req_id)  # read here, failed elsewhere
-                self._read_here.discard(req_id)
-            elif (column == 1).all():
-                agreed_done.append(req_id)
-                self._read_here.discard(req_id)
-        return agreed_done, agreed_failed
+        return (groups[0] if single else groups), finished, failed_ids
 
     def _write_group(self, g: int, caches: list[jax.Array], loads: Mapping[str, _Load],
                      bad: dict[str, str]) -> list[jax.Array]:
@@ -240,14 +206,14 @@ class DecodeConnector:
 
         One scatter straight out of the staging regions, which also fingerprints
         the blocks as they landed in the caches, checked per request against
-        P's: a flipped bit anywhere from P's gather to here fails the request
-        (its blocks are its own, and the engine recomputes them). A request's
-        problem goes into `bad` (request id -> reason).
+        P's (`_hosts`): a flipped bit anywhere from P's gather to here fails the
+        request (its blocks are its own, and the engine recomputes them). A
+        request's problem goes into `bad` (request id -> reason).
         """
         staging = self.stagings[g]
         ids: list[int] = []
         slots: list[int] = []
-        spans: list[tuple[str, int, int]] = []  # (request, first row in ids, count)
+        spans: Spans = []
         taken: set[int] = set()
         for req_id, load in loads.items():
             if req_id in bad or not load.keys[g]:
@@ -265,30 +231,8 @@ class DecodeConnector:
             ids += load.kernel_ids[g]
         if not ids:
             return caches
-        ids_array, rows = np.asarray(ids, np.int64), np.asarray(slots, np.int64)
-        if self.piece is not None:  # this process's units, checked against P's sums of them
-            verify = self.config.verify_fingerprints
-            caches, got = scatter_piece(caches, staging, ids_array, rows, self.pieces[g],
-                                        sums=verify)
-            if got is not None:
-                expected = unit_sums(staging, rows)
-                for req_id, start, count in spans:
-                    if not np.array_equal(got[:, start : start + count],
-                                          expected[:, start : start + count]):
-                        bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
-            return caches
-        if not self.config.verify_fingerprints:
-            return scatter_blocks(caches, staging.regions, ids_array, rows=rows)
-        caches, got = scatter_blocks(caches, staging.regions, ids_array, rows=rows,
-                                     fingerprints=True)
-        expected = staging.prints[slots].T  # P's, read with the blocks
-        for req_id, start, count in spans:
-            try:
-                compare_fingerprints(got[:, start : start + count],
-                                     expected[:, start : start + count])
-            except CorruptionError as e:
-                bad[req_id] = f"group {g}: {e}"
-        return caches
+        return self.hosts.scatter(g, caches, np.asarray(ids, np.int64),
+                                  np.asarray(slots, np.int64), spans, bad)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Logical block ids whose load failed since the last call (to recompute)."""

@@ -9,15 +9,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.connector._worker import _per_group, _worker_state
+from kvxfer.connector._hosts import for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.errors import InvalidInputError
-from kvxfer.gather import gather_into
 from kvxfer.layout import CacheLayout, advertised
-from kvxfer.multihost import agree, shared_instance
 from kvxfer.nixl.prefill import PrefillTransport
-from kvxfer.pieces import gather_piece_into, process_pieces
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.slots import SlotMap
 from kvxfer.staging import Staging
@@ -37,18 +34,12 @@ class PrefillWorker:
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                  instance: str | None = None):
-        state = _worker_state(config, caches)
-        self.config, self.layouts, self.stagings, self.pieces = (
-            state.config, state.layouts, state.stagings, state.pieces)
-        self.piece = state.piece
-        if self.piece is not None and instance is None:
-            instance = shared_instance()  # one identity for every process of this P
-        self._sources = [] if self.piece is None else [
-            Source(f"{config.transport.name}-{process}", p.lo, p.hi)
-            for process, p in process_pieces(_per_group(caches)[0][0]).items()]
-        self.transport = PrefillTransport(state.transport_config, self.stagings,
-                                          advertised(self.layouts), instance=instance,
-                                          piece=state.transport_piece)
+        self.hosts = for_caches(config, caches)
+        self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
+        self.transport = PrefillTransport(self.hosts.transport_config, self.stagings,
+                                          advertised(self.layouts),
+                                          instance=self.hosts.instance(instance),
+                                          piece=self.hosts.piece)
 
     @property
     def address(self) -> PeerAddress:
@@ -58,7 +49,7 @@ class PrefillWorker:
     @property
     def sources(self) -> list[Source]:
         """Every process of a P that spans several (its agent, the units it stages); else []."""
-        return list(self._sources)
+        return self.hosts.sources
 
     def save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
              meta: SaveMeta) -> None:
@@ -72,21 +63,16 @@ class PrefillWorker:
             raise InvalidInputError(
                 f"metadata is for P instance {meta.instance!r}, this worker serves "
                 f"{self.transport.instance!r}")
-        per_group, _ = _per_group(caches)
-        if len(per_group) != len(self.layouts):
+        groups, _ = per_group(caches)
+        if len(groups) != len(self.layouts):
             raise InvalidInputError(
-                f"caches hold {len(per_group)} groups, this connector {len(self.layouts)}")
-        for g, (group_caches, staging) in enumerate(zip(per_group, self.stagings)):
-            ids = [k for groups in meta.blocks.values() for _, k in groups[g]]
-            if not ids:
-                continue
-            slots = np.asarray([s for groups in meta.slots.values() for s in groups[g]], np.int64)
-            if self.piece is not None:  # this process's units, with their sums
-                gather_piece_into(group_caches, np.asarray(ids, np.int64), staging, slots,
-                                  self.pieces[g])
-                continue
-            prints = gather_into(group_caches, np.asarray(ids, np.int64), staging.regions, slots)
-            staging.prints[slots] = prints.T
+                f"caches hold {len(groups)} groups, this connector {len(self.layouts)}")
+        for g, group_caches in enumerate(groups):
+            ids = [k for placed in meta.blocks.values() for _, k in placed[g]]
+            if ids:
+                slots = [s for slots in meta.slots.values() for s in slots[g]]
+                self.hosts.gather(g, group_caches, np.asarray(ids, np.int64),
+                                  np.asarray(slots, np.int64))
         for req_id, generation in meta.holds.items():
             self.transport.lease(req_id, generation)
 
@@ -117,9 +103,9 @@ class PrefillConnector:
         if not isinstance(config, ConnectorConfig):
             raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
         groups = list(groups)
-        per_group, _ = _per_group(caches)
-        if len(per_group) != len(groups):
-            raise InvalidInputError(f"caches hold {len(per_group)} groups, the GroupSpecs "
+        num_groups = len(per_group(caches)[0])
+        if num_groups != len(groups):
+            raise InvalidInputError(f"caches hold {num_groups} groups, the GroupSpecs "
                                     f"{len(groups)}")
         SaveTracker(groups)  # checks the specs before a NIXL agent starts
         self.config = config
@@ -129,11 +115,10 @@ class PrefillConnector:
                 groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
                 address=self.worker.address, instance=self.worker.transport.instance,
                 sources=self.worker.sources,
-                units=self.worker.piece.units if self.worker.piece else 0)
+                units=self.worker.hosts.units)
         except BaseException:
             self.worker.close()
             raise
-        self._freed_here: set[str] = set()  # multi-host: freed here, not yet everywhere
 
     @property
     def tracker(self) -> SaveTracker:
@@ -189,17 +174,7 @@ class PrefillConnector:
         released once every process has freed its piece, so that every
         process's scheduler reuses the same slots at the same step.
         """
-        freed = self.worker.poll()
-        if self.worker.piece is None:
-            self.scheduler.release(freed)
-            return freed
-        self._freed_here.update(freed)
-        held = self.scheduler.held()
-        if not held:
-            return []
-        everywhere = agree([r in self._freed_here for r in held]).all(axis=0)
-        released = [r for r, ok in zip(held, everywhere) if ok]
-        self._freed_here.difference_update(released)
+        released = self.worker.hosts.released(self.worker.poll(), self.scheduler.held())
         self.scheduler.release(released)
         return released
 

@@ -1,0 +1,249 @@
+"""One process per instance, or several: how a worker side stages, copies and agrees.
+
+A connector's worker side picks one at construction (`for_caches`), from its
+caches, and calls it wherever the two cases differ:
+
+- `OneProcess`: this process addresses every shard of the caches. Each
+  group's staging holds whole blocks, gathered with fingerprints
+  (`kvxfer.gather`); what this process saw is the instance's view.
+- `ManyProcesses`: the caches span several JAX processes (hosts). Each stages
+  only its piece of every block (`kvxfer.pieces`) with its own agent
+  (`<name>-<process>`, found through etcd), and the processes of an instance
+  agree once per `get_finished` (`kvxfer.multihost.agree`): P releases a
+  request's slots once every process freed its piece; D finishes a request
+  once every process has it, and fails it everywhere once any failed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvxfer.connector.config import ConnectorConfig
+from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
+from kvxfer.fingerprint import compare_fingerprints
+from kvxfer.gather import gather_into, scatter_blocks
+from kvxfer.layout import CacheLayout
+from kvxfer.multihost import agree, shared_instance, spans_processes
+from kvxfer.nixl.agent import TransportConfig
+from kvxfer.pieces import (
+    Piece,
+    gather_piece_into,
+    piece_staging,
+    process_pieces,
+    scatter_piece,
+    unit_sums,
+)
+from kvxfer.staging import Staging
+from kvxfer.wire import Source
+
+__all__ = ["ManyProcesses", "OneProcess", "Spans", "for_caches", "per_group"]
+
+Caches = Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
+
+Spans = list[tuple[str, int, int]]
+"""`(request, first row, count)`: which rows of one scatter belong to which request."""
+
+
+def per_group(caches: object) -> tuple[list[list[jax.Array]], bool]:
+    """`caches` as one list of per-layer arrays per group, and whether it came as one group."""
+    if isinstance(caches, (jax.Array, np.ndarray)) or not isinstance(caches, Sequence) or not caches:
+        raise InvalidInputError(
+            f"caches must be a list of per-layer jax.Arrays (one group) or a list of such lists "
+            f"(one per KV cache group), got {type(caches).__name__}")
+    if isinstance(caches[0], jax.Array):
+        return [list(caches)], True
+    return [list(c) if isinstance(c, Sequence) else c for c in caches], False
+
+
+def for_caches(config: object, caches: Caches) -> OneProcess | ManyProcesses:
+    """The worker side's checked config, its caches' layouts and staging, as one strategy."""
+    if not isinstance(config, ConnectorConfig):
+        raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
+    groups, _ = per_group(caches)
+    layouts = [CacheLayout.from_caches(c, config.kernel_ratio) for c in groups]
+    if not spans_processes(groups[0]):
+        return OneProcess(config, layouts)
+    return ManyProcesses(config, layouts, groups)
+
+
+class OneProcess:
+    """An instance whose caches this process addresses whole."""
+
+    piece: tuple[int, int, int] | None = None
+    """`(lo, hi, units)` this process stages of each block; None: whole blocks."""
+
+    def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout]):
+        self.config, self.layouts = config, layouts
+        self.stagings = [Staging(layout.num_layers, config.staging_blocks, layout.block_shape,
+                                 layout.np_dtype) for layout in layouts]
+
+    @property
+    def transport_config(self) -> TransportConfig:
+        return self.config.transport
+
+    @property
+    def reader(self) -> tuple[int, int]:
+        """`(rank, count)` of this D process among its instance's."""
+        return (0, 1)
+
+    @property
+    def sources(self) -> list[Source]:
+        """Every P process and the units it stages, for params; [] for one process."""
+        return []
+
+    @property
+    def units(self) -> int:
+        return 0
+
+    def instance(self, instance: str | None) -> str | None:
+        """P's instance id: the scheduler side's, or None to draw one."""
+        return instance
+
+    def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
+               slots: np.ndarray) -> None:
+        """Copy blocks `ids` of group `g` into `slots`, with their fingerprints."""
+        staging = self.stagings[g]
+        prints = gather_into(caches, ids, staging.regions, slots)
+        staging.prints[slots] = prints.T
+
+    def scatter(self, g: int, caches: list[jax.Array], ids: np.ndarray, rows: np.ndarray,
+                spans: Spans, bad: dict[str, str]) -> list[jax.Array]:
+        """Scatter staging rows into blocks `ids`; a request whose blocks do not match P's
+        fingerprints goes into `bad` (request id -> reason)."""
+        staging = self.stagings[g]
+        if not self.config.verify_fingerprints:
+            return scatter_blocks(caches, staging.regions, ids, rows=rows)
+        caches, got = scatter_blocks(caches, staging.regions, ids, rows=rows, fingerprints=True)
+        expected = staging.prints[rows].T  # P's, read with the blocks
+        for req_id, start, count in spans:
+            try:
+                compare_fingerprints(got[:, start : start + count],
+                                     expected[:, start : start + count])
+            except CorruptionError as e:
+                bad[req_id] = f"group {g}: {e}"
+        return caches
+
+    def released(self, freed: list[str], held: list[str]) -> list[str]:
+        """P: the requests whose slots the scheduler side may reuse, of those freed here."""
+        return freed
+
+    def agree_reads(self, done: list[str], failed: dict[str, list[int]],
+                    loads: Mapping[str, Any], free: Callable[[str], None]
+                    ) -> tuple[list[str], dict[str, list[int]]]:
+        """D: the reads done and failed for the whole instance."""
+        return done, failed
+
+    def agree_bad(self, loads: Mapping[str, Any], bad: dict[str, str]) -> None:
+        """D: a request bad on any process is bad on this one."""
+
+
+class ManyProcesses(OneProcess):
+    """An instance whose caches span several processes: each stages its piece of every block."""
+
+    def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout],
+                 groups: list[list[jax.Array]]):
+        if not config.transport.uses_etcd:
+            raise InvalidInputError(
+                f"caches span {jax.process_count()} processes: their agents find each other "
+                f"through etcd; give the TransportConfig etcd_endpoints")
+        pieces = [Piece.local(c) for c in groups]  # per group: the same units, maybe another axis
+        if any((p.units, p.lo, p.hi) != (pieces[0].units, pieces[0].lo, pieces[0].hi)
+               for p in pieces):
+            raise LayoutMismatchError(f"KV cache groups cut blocks into different pieces on "
+                                      f"this process: {pieces}")
+        self.config, self.layouts, self.pieces = config, layouts, pieces
+        self.stagings = [piece_staging(layout, piece, config.staging_blocks)
+                         for layout, piece in zip(layouts, pieces)]
+        first = pieces[0]
+        self.piece = (first.lo, first.hi, first.units)
+        self._sources = [Source(f"{config.transport.name}-{process}", p.lo, p.hi)
+                         for process, p in process_pieces(groups[0]).items()]
+        self._freed_here: set[str] = set()  # P: freed here, not yet everywhere
+        self._read_here: set[str] = set()  # D: read here, not yet agreed
+
+    @property
+    def transport_config(self) -> TransportConfig:
+        """One agent per process, named `name-<process>`."""
+        return replace(self.config.transport,
+                       name=f"{self.config.transport.name}-{jax.process_index()}")
+
+    @property
+    def reader(self) -> tuple[int, int]:
+        return (jax.process_index(), jax.process_count())
+
+    @property
+    def sources(self) -> list[Source]:
+        return list(self._sources)
+
+    @property
+    def units(self) -> int:
+        return self.pieces[0].units
+
+    def instance(self, instance: str | None) -> str | None:
+        return instance if instance is not None else shared_instance()  # one for every process
+
+    def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
+               slots: np.ndarray) -> None:
+        """Copy this process's units of blocks `ids` into `slots`, with their sums."""
+        gather_piece_into(caches, ids, self.stagings[g], slots, self.pieces[g])
+
+    def scatter(self, g: int, caches: list[jax.Array], ids: np.ndarray, rows: np.ndarray,
+                spans: Spans, bad: dict[str, str]) -> list[jax.Array]:
+        """This process's units, checked against P's sums of them."""
+        staging = self.stagings[g]
+        caches, got = scatter_piece(caches, staging, ids, rows, self.pieces[g],
+                                    sums=self.config.verify_fingerprints)
+        if got is not None:
+            expected = unit_sums(staging, rows)
+            for req_id, start, count in spans:
+                if not np.array_equal(got[:, start : start + count],
+                                      expected[:, start : start + count]):
+                    bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
+        return caches
+
+    def released(self, freed: list[str], held: list[str]) -> list[str]:
+        """Once every process has freed a request's piece, so that every process's scheduler
+        (SPMD) reuses the same slots at the same step."""
+        self._freed_here.update(freed)
+        if not held:
+            return []
+        everywhere = agree([r in self._freed_here for r in held]).all(axis=0)
+        released = [r for r, ok in zip(held, everywhere) if ok]
+        self._freed_here.difference_update(released)
+        return released
+
+    def agree_reads(self, done: list[str], failed: dict[str, list[int]],
+                    loads: Mapping[str, Any], free: Callable[[str], None]
+                    ) -> tuple[list[str], dict[str, list[int]]]:
+        """A read is done once it is done on every process of this D, and failed everywhere
+        once it failed on any (every process loads the same requests, SPMD)."""
+        self._read_here.update(done)
+        pending = sorted(loads)
+        if not pending:
+            return [], failed
+        here = [2 if r in failed else 1 if r in self._read_here else 0 for r in pending]
+        states = agree(here)
+        agreed_done, agreed_failed = [], dict(failed)
+        for req_id, column in zip(pending, states.T):
+            if (column == 2).any():
+                if req_id not in agreed_failed:
+                    agreed_failed[req_id] = list(loads[req_id].logical_ids)
+                    free(req_id)  # read here, failed elsewhere
+                self._read_here.discard(req_id)
+            elif (column == 1).all():
+                agreed_done.append(req_id)
+                self._read_here.discard(req_id)
+        return agreed_done, agreed_failed
+
+    def agree_bad(self, loads: Mapping[str, Any], bad: dict[str, str]) -> None:
+        if not loads:
+            return
+        everywhere = agree([r in bad for r in loads]).any(axis=0)
+        for req_id, is_bad in zip(list(loads), everywhere):
+            if is_bad and req_id not in bad:
+                bad[req_id] = "its blocks failed verification on another process"
