@@ -1,9 +1,22 @@
 """kvxfer: KV-cache transfer between prefill and decode instances on JAX/TPU.
 
-Modules, in dependency order: `blocks` (block arithmetic), `scheduler` (save
-plans), `layout` and `gather` (device caches <-> pinned host arrays),
-`staging` and `transport` (NIXL), `connector`, `cli`.
+The names a serving backend needs, from the modules that own them:
+
+    from kvxfer import (ConnectorConfig, TransportConfig, GroupSpec, ScheduledRequest,
+                        PrefillConnector, DecodeConnector, LoadRequest)
+
+They load on first use, so that `import kvxfer` (and vLLM's scheduler process,
+which imports `kvxfer.connector.scheduler`) loads neither JAX nor NIXL.
+Modules, in dependency order: `blocks`, `scheduler` (save plans), `slots`,
+`wire` (what P and D say), `layout`, `fingerprint`, `gather` (with its
+backends `_xla` and `_host_buffers`), `staging`, `pieces` and `multihost`
+(instances across hosts), `nixl` (the transport), `connector`, `vllm`, `cli`.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.errors import (
     CorruptionError,
@@ -13,11 +26,55 @@ from kvxfer.errors import (
     TransferError,
 )
 
+if TYPE_CHECKING:
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.connector.decode import DecodeConnector
+    from kvxfer.connector.prefill import PrefillConnector, PrefillWorker
+    from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.scheduler import GroupSpec, ScheduledRequest
+
+_LAZY = {
+    "ConnectorConfig": "kvxfer.connector.config",
+    "DecodeConnector": "kvxfer.connector.decode",
+    "GroupSpec": "kvxfer.scheduler",
+    "LoadRequest": "kvxfer.connector.scheduler",
+    "PeerAddress": "kvxfer.connector.scheduler",
+    "PrefillConnector": "kvxfer.connector.prefill",
+    "PrefillScheduler": "kvxfer.connector.scheduler",
+    "PrefillWorker": "kvxfer.connector.prefill",
+    "SaveMeta": "kvxfer.connector.scheduler",
+    "ScheduledRequest": "kvxfer.scheduler",
+    "TransportConfig": "kvxfer.nixl.agent",
+}
+
 __all__ = [
+    "ConnectorConfig",
     "CorruptionError",
+    "DecodeConnector",
+    "GroupSpec",
     "InvalidInputError",
     "KvxferError",
     "LayoutMismatchError",
+    "LoadRequest",
+    "PeerAddress",
+    "PrefillConnector",
+    "PrefillScheduler",
+    "PrefillWorker",
+    "SaveMeta",
+    "ScheduledRequest",
     "TransferError",
+    "TransportConfig",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

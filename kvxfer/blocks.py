@@ -12,6 +12,10 @@ from collections.abc import Iterable, Sequence
 
 from kvxfer.errors import InvalidInputError
 
+__all__ = ["NULL_BLOCK", "block_range", "cdiv", "coalesce", "coalesce_pairs", "dcp_location",
+           "is_int", "kernel_placement", "kernel_ratio", "table_entries", "to_kernel_ids",
+           "to_logical_ids"]
+
 NULL_BLOCK = 0
 """The engine's null block: a placeholder in sliding-window and SSM tables, never copied."""
 

@@ -14,6 +14,8 @@ from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.scheduler import GroupSpec, SaveTracker
 from kvxfer.simulate import SimEngine
 
+__all__ = ["build_parser", "main", "plan_report"]
+
 
 def _names(ids: Sequence[int], table: Sequence[int]) -> str:
     index = {b: i for i, b in enumerate(table)}

@@ -4,6 +4,10 @@ Every error kvxfer raises on purpose is a `KvxferError`. Bad arguments are also
 `ValueError`s, so callers that already catch `ValueError` keep working.
 """
 
+__all__ = ["CorruptionError", "InvalidInputError", "KvxferError", "LayoutMismatchError",
+           "SetupError", "StagingFullError", "TransferError", "UnknownRequestError"]
+
+
 
 class KvxferError(Exception):
     """Base class of every error kvxfer raises on purpose."""

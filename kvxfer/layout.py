@@ -13,6 +13,7 @@ Two sides may exchange blocks when `check_block_compatible` accepts their
 `advertised` block fields: the one compatibility check.
 """
 
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
+
+__all__ = ["BLOCK_AXIS", "BLOCK_FIELDS", "CacheLayout", "advertised", "check_block_compatible"]
 
 BLOCK_AXIS = 0
 """The array axis that indexes blocks, in every cache kvxfer handles."""

@@ -1,6 +1,7 @@
 """Agreement among the processes of one instance that spans hosts.
 """
 
+
 from __future__ import annotations
 
 import itertools
@@ -12,6 +13,8 @@ import jax
 import numpy as np
 
 from kvxfer.errors import TransferError
+
+__all__ = ["agree", "shared_instance", "spans_processes"]
 
 
 def spans_processes(caches: Sequence[jax.Array]) -> bool:

@@ -1,6 +1,7 @@
 """A process's piece of every block, for instances that span hosts.
 """
 
+
 from __future__ import annotations
 
 import functools
@@ -26,6 +27,9 @@ from kvxfer.fingerprint import piece_weights
 from kvxfer.gather import _check_block_ids, _check_flag
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
+
+__all__ = ["Piece", "gather_piece_into", "piece_shape", "piece_staging", "process_pieces",
+           "scatter_piece", "split_axis", "unit_sums"]
 
 
 @dataclass(frozen=True)

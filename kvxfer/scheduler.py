@@ -23,6 +23,7 @@ Block ids here are the engine's (logical) ids; mapping them to kernel ids is
 the copy path's business (`kvxfer.blocks.to_kernel_ids`).
 """
 
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -31,6 +32,8 @@ from typing import Literal
 
 from kvxfer.blocks import NULL_BLOCK, cdiv, is_int
 from kvxfer.errors import InvalidInputError
+
+__all__ = ["BlockIds", "GroupKind", "GroupSpec", "PlacedIds", "SaveTracker", "ScheduledRequest"]
 
 GroupKind = Literal["attention", "sliding_window", "mamba"]
 _KINDS = ("attention", "sliding_window", "mamba")

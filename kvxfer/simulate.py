@@ -8,6 +8,7 @@ version)`; each write gets a fresh version, so a copy of an earlier write is
 told apart from the newest one.
 """
 
+
 from __future__ import annotations
 
 from collections import deque
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from kvxfer.blocks import cdiv
 from kvxfer.errors import InvalidInputError
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
+
+__all__ = ["Key", "SimEngine", "SimRequest", "Stamp"]
 
 Stamp = tuple[str, int, int]  # (req_id, position or state length, version)
 Key = tuple[int, int]  # (group, block id)

@@ -1,6 +1,7 @@
 """Staging slots: which request's blocks sit in which slots of a staging (pure Python).
 """
 
+
 from __future__ import annotations
 
 import bisect
@@ -10,6 +11,8 @@ from typing import Literal
 
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, StagingFullError, UnknownRequestError
+
+__all__ = ["Placement", "SlotAllocator", "SlotMap"]
 
 Placement = Literal["runs", "mirror"]
 

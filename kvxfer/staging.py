@@ -1,6 +1,7 @@
 """Host staging: the host arrays NIXL registers, and the slot map of what lives in them.
 """
 
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
@@ -11,6 +12,8 @@ import numpy as np
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.slots import Placement, SlotMap
+
+__all__ = ["Staging", "free_in_all", "stagings_of"]
 
 _ALIGN = 4096  # page-align regions: registration pins whole pages
 
@@ -122,3 +125,19 @@ class Staging(SlotMap):
     def rows(self, layer: int, slots: Sequence[int]) -> np.ndarray:
         """A copy of the blocks in `slots` of one layer, `[len(slots), *block_shape]`."""
         return self.regions[layer][np.asarray(slots, dtype=np.int64)]
+
+
+def stagings_of(staging: Staging | Sequence[Staging]) -> list[Staging]:
+    """One staging per KV cache group; a single `Staging` is one group."""
+    out = [staging] if isinstance(staging, Staging) else list(staging)
+    if not out or not all(isinstance(s, Staging) for s in out):
+        raise InvalidInputError(
+            f"staging must be a Staging or a non-empty list of them (one per KV cache group), "
+            f"got {staging!r:.80}")
+    return out
+
+
+def free_in_all(stagings: Sequence[Staging], req_id: str) -> None:
+    for staging in stagings:
+        if req_id in staging:
+            staging.free(req_id)

@@ -64,9 +64,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvxfer.blocks import is_int
+from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.errors import InvalidInputError
+from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
+from kvxfer.wire import new_instance
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,6 +84,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["Settings", "TPUConnector", "group_specs", "scheduled_requests"]
 
 
+_ADDRESS = ("host", "port", "name")
+"""The keys `Settings` reads itself; every other key is a field of `ConnectorConfig` (but
+`transport`) or of `TransportConfig` (but `name`, `host`, `listen_port`), with its default
+and its check."""
+
+
+def _option_keys() -> tuple[list[str], list[str]]:
+    """The fields of `ConnectorConfig` and of `TransportConfig` a user may set."""
+    connector = [f.name for f in fields(ConnectorConfig) if f.name != "transport"]
+    transport = [f.name for f in fields(TransportConfig) if f.name not in ("name", "host",
+                                                                            "listen_port")]
+    return connector, transport
+
+
 @dataclass(frozen=True)
 class Settings:
     """`kv_connector_extra_config`, checked.
@@ -90,41 +107,30 @@ class Settings:
       is fixed (default 5610); D listens on any free port.
     - `name`: the NIXL agent name; default `kvxfer-P-{host}-{port}` on P (D
       tells P instances apart by it) and `kvxfer-D-{random}` on D.
-    - `staging_blocks`: kernel blocks per layer of each group's host staging.
-    - `kernel_ratio`: kernel blocks per logical block (1 for tpu-inference).
-    - `verify_fingerprints`: D checks every block against P's fingerprints.
-    - `handshake_timeout_s`, `transfer_timeout_s`, `lease_s`,
-      `heartbeat_interval_s`, `ucx_tls`, `progress_wake_us`:
-      `kvxfer.transport.TransportConfig`.
-    - `etcd_endpoints`: NIXL's metadata service (for example
-      `http://10.0.0.2:2379`), the same on P and D: agents publish and find
-      each other there by name instead of through P's listener, so `port` is
-      unused and D needs no route to a P listener. None: P listens on `port`.
+    - `options`: every other key, each a field of `kvxfer.connector.config.
+      ConnectorConfig` (`staging_blocks`, `kernel_ratio`, `verify_fingerprints`)
+      or of `kvxfer.nixl.agent.TransportConfig` (`handshake_timeout_s`,
+      `transfer_timeout_s`, `lease_s`, `heartbeat_interval_s`, `ucx_tls`,
+      `num_threads`, `progress_wake_us`, `etcd_endpoints`), documented there.
+      With `etcd_endpoints` (the same on P and D) agents find each other in
+      etcd by name, so `port` is unused and D needs no route to a P listener.
     """
 
     host: str = "127.0.0.1"
     port: int = 5610
     name: str | None = None
-    staging_blocks: int = 4096
-    kernel_ratio: int = 1
-    verify_fingerprints: bool = True
-    handshake_timeout_s: float = 10.0
-    transfer_timeout_s: float = 10.0
-    lease_s: float = 30.0
-    heartbeat_interval_s: float = 5.0
-    ucx_tls: str | None = "cma,tcp,self"
-    progress_wake_us: int = 1000
-    etcd_endpoints: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
         extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
+        connector, transport = _option_keys()
+        known = {*_ADDRESS, *connector, *transport}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise InvalidInputError(f"kv_connector_extra_config has unknown keys {unknown}; "
                                     f"kvxfer reads {sorted(known)}")
-        settings = cls(**extra)
+        settings = cls(**{k: extra.pop(k) for k in _ADDRESS if k in extra}, options=extra)
         if not is_int(settings.port) or not 0 < settings.port <= 65535:
             raise InvalidInputError(
                 f"kv_connector_extra_config 'port' must be an int in [1, 65535], got "
@@ -132,39 +138,32 @@ class Settings:
         settings.connector_config(True)  # every value checked now, on both roles
         return settings
 
-    def connector_config(self, producer: bool) -> Any:
-        """The worker's `kvxfer.connector.ConnectorConfig` (raises naming a bad value)."""
-        from kvxfer.connector.config import ConnectorConfig
-
-        return ConnectorConfig(self.transport(producer), staging_blocks=self.staging_blocks,
-                               kernel_ratio=self.kernel_ratio,
-                               verify_fingerprints=self.verify_fingerprints)
+    def connector_config(self, producer: bool) -> ConnectorConfig:
+        """The worker's `ConnectorConfig` (raises naming a bad value)."""
+        connector, _ = _option_keys()
+        return ConnectorConfig(self.transport(producer),
+                               **{k: v for k, v in self.options.items() if k in connector})
 
     @property
     def p_name(self) -> str:
         """P's NIXL agent name: what its scheduler side names in params."""
         return self.name or f"kvxfer-P-{self.host}-{self.port}"
 
-    def transport(self, producer: bool) -> Any:
-        from kvxfer.nixl.agent import TransportConfig
-        from kvxfer.wire import new_instance
-
+    def transport(self, producer: bool) -> TransportConfig:
+        """This role's `TransportConfig`: P listens on `port` (unless with etcd), D anywhere."""
         if producer:
             name, port = self.p_name, self.p_port
         else:
             name = self.name or f"kvxfer-D-{new_instance()}"
             port = 0
-        return TransportConfig(
-            name=name, host=self.host, listen_port=port,
-            handshake_timeout_s=self.handshake_timeout_s,
-            transfer_timeout_s=self.transfer_timeout_s, lease_s=self.lease_s,
-            heartbeat_interval_s=self.heartbeat_interval_s, ucx_tls=self.ucx_tls,
-            progress_wake_us=self.progress_wake_us, etcd_endpoints=self.etcd_endpoints)
+        _, transport = _option_keys()
+        return TransportConfig(name=name, host=self.host, listen_port=port,
+                               **{k: v for k, v in self.options.items() if k in transport})
 
     @property
     def p_port(self) -> int:
         """P's listener port as params name it: 0 with etcd (D finds P there by name)."""
-        return 0 if self.etcd_endpoints else self.port
+        return 0 if self.options.get("etcd_endpoints") else self.port
 
 
 def group_specs(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[GroupSpec]:
@@ -326,8 +325,9 @@ class _SchedulerSide:
                  consumer: bool):
         self.groups = list(groups)
         self.consumer = consumer
+        config = settings.connector_config(True)
         self.prefill = PrefillScheduler(
-            groups, staging_blocks=settings.staging_blocks, kernel_ratio=settings.kernel_ratio,
+            groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
             address=PeerAddress(settings.p_name, settings.host, settings.p_port),
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens

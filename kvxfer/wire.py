@@ -1,6 +1,7 @@
 """What P and D say to each other: transfer params and notification messages (no NIXL).
 """
 
+
 from __future__ import annotations
 
 import json
@@ -12,6 +13,9 @@ from typing import Any
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.slots import SlotMap
+
+__all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "check_piece", "decode_message",
+           "encode_message", "is_generation", "message_field", "new_instance", "parse_sources"]
 
 PROTOCOL_VERSION = 3
 
@@ -44,7 +48,7 @@ def decode_message(raw: bytes, sender: str) -> dict[str, Any]:
     return msg
 
 
-def _field(msg: Mapping[str, Any], key: str, check: Callable[[Any], bool], what: str,
+def message_field(msg: Mapping[str, Any], key: str, check: Callable[[Any], bool], what: str,
            sender: str) -> Any:
     """`msg[key]` if `check` accepts it, else a `TransferError` naming the field and value."""
     value = msg.get(key)
@@ -55,7 +59,7 @@ def _field(msg: Mapping[str, Any], key: str, check: Callable[[Any], bool], what:
     return value
 
 
-def _is_generation(value: object) -> bool:
+def is_generation(value: object) -> bool:
     return is_int(value) and value >= 1
 
 
@@ -127,7 +131,7 @@ class ReadParams:
             slots.append(tuple(s))
         if not any(keys):
             raise InvalidInputError("transfer params name no block in any group")
-        sources, units = _parse_sources(params.get("sources"), params.get("units"))
+        sources, units = parse_sources(params.get("sources"), params.get("units"))
         return cls(
             peer=get("peer", is_str, "a non-empty str"),
             instance=get("instance", is_str, "a non-empty str"),
@@ -135,7 +139,7 @@ class ReadParams:
             # 0: P has no listener; D finds it by name in etcd.
             port=get("port", lambda v: is_int(v) and 0 <= v <= 65535, "an int port"),
             req_id=get("req_id", is_str, "a non-empty str"),
-            generation=get("generation", _is_generation, "a positive int"),
+            generation=get("generation", is_generation, "a positive int"),
             keys=tuple(keys),
             slots=tuple(slots),
             sources=sources,
@@ -174,7 +178,7 @@ class ReadParams:
         return [s.peer for s in self.sources] if self.sources else [self.peer]
 
 
-def _parse_sources(sources: object, units: object) -> tuple[tuple[Source, ...], int]:
+def parse_sources(sources: object, units: object) -> tuple[tuple[Source, ...], int]:
     """Multi-host P's `sources` and `units` (absent for one process), checked.
 
     The distinct unit ranges must tile `[0, units)`; several sources with one
@@ -207,7 +211,7 @@ def _parse_sources(sources: object, units: object) -> tuple[tuple[Source, ...], 
     return tuple(out), units
 
 
-def _check_piece(piece: object) -> tuple[int, int, int] | None:
+def check_piece(piece: object) -> tuple[int, int, int] | None:
     if piece is None:
         return None
     if not (isinstance(piece, (tuple, list)) and len(piece) == 3 and all(is_int(v) for v in piece)

@@ -318,7 +318,8 @@ def test_importing_the_connector_module_loads_neither_jax_nor_nixl():
     import subprocess
     import sys
 
-    code = ("import sys, kvxfer.vllm; "
-            "print(sorted(m for m in ('jax', 'nixl_cu12', 'kvxfer.connector') if m in sys.modules))")
+    code = ("import sys, kvxfer.vllm; print(sorted(m for m in ('jax', 'nixl_cu12', "
+            "'kvxfer.connector.prefill', 'kvxfer.connector.decode', 'kvxfer.gather') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

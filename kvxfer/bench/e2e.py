@@ -50,6 +50,8 @@ from kvxfer.bench import memcpy_gbps
 from kvxfer.blocks import cdiv
 from kvxfer.demo.procs import Lines, Proc, child_output, profiled, say
 
+__all__ = ["E2EConfig", "run"]
+
 _MEMCPY_BYTES = 256 << 20
 
 

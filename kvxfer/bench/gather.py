@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kvxfer.gather import bucket_size, gather_blocks, gather_into
 
+__all__ = ["run"]
+
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 

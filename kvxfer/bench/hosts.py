@@ -37,6 +37,8 @@ import urllib.request
 from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.nixl.agent import free_port
 
+__all__ = ["EtcdServer", "HostNetwork", "MAX_HOSTS", "netns_available", "start_jax"]
+
 log = logging.getLogger(__name__)
 
 MAX_HOSTS = 244  # host i is .(10+i), at most .254

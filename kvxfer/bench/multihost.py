@@ -57,6 +57,8 @@ from kvxfer.bench import memcpy_gbps
 from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available, start_jax
 from kvxfer.errors import InvalidInputError, SetupError, TransferError
 
+__all__ = ["MultihostConfig", "run"]
+
 _COORDINATOR_PORT = 12400  # in each instance's first host's own namespace
 # How often each side calls `get_finished`, as an engine does once per step. Across hosts
 # every call is an agreement among the instance's processes (about 0.6 ms of CPU here).

@@ -21,6 +21,8 @@ import numpy as np
 
 from kvxfer.errors import TransferError
 
+__all__ = ["run"]
+
 _SLOTS_PER_BLOCK = 4  # staging holds 4x the blocks read, so ids are spread out
 
 

@@ -11,6 +11,8 @@ import time
 
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 
+__all__ = ["run"]
+
 _BLOCK = 16
 
 

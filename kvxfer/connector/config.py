@@ -9,6 +9,8 @@ from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import TransportConfig
 
+__all__ = ["ConnectorConfig"]
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:

@@ -21,6 +21,8 @@ from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.staging import Staging
 from kvxfer.wire import ReadParams
 
+__all__ = ["DecodeConnector"]
+
 logger = logging.getLogger(__name__)
 
 

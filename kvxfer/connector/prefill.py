@@ -20,6 +20,8 @@ from kvxfer.slots import SlotMap
 from kvxfer.staging import Staging
 from kvxfer.wire import Source
 
+__all__ = ["PrefillConnector", "PrefillWorker"]
+
 
 class PrefillWorker:
     """P's worker side: copies planned blocks into staging and serves them to D.

@@ -17,7 +17,9 @@ from kvxfer.errors import (
 )
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.slots import SlotMap
-from kvxfer.wire import ReadParams, Source, _parse_sources, new_instance
+from kvxfer.wire import ReadParams, Source, new_instance, parse_sources
+
+__all__ = ["LoadRequest", "PeerAddress", "Placed", "PrefillScheduler", "SaveMeta"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class PrefillScheduler:
         if sources or units:  # checked as D will check the params that name them
             if not all(isinstance(x, Source) for x in sources):
                 raise InvalidInputError(f"sources must be Source entries, got {sources!r:.80}")
-            _parse_sources([{"peer": x.peer, "units": [x.lo, x.hi]} for x in sources], units)
+            parse_sources([{"peer": x.peer, "units": [x.lo, x.hi]} for x in sources], units)
         self.sources, self.units = tuple(sources), units
         self.instance = instance or new_instance()
         self.slot_maps = [SlotMap(staging_blocks) for _ in self.tracker.groups]

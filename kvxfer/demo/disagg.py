@@ -37,6 +37,9 @@ from kvxfer.blocks import cdiv, is_int
 from kvxfer.demo.procs import Lines, Proc, child_output, say
 from kvxfer.errors import InvalidInputError, TransferError
 
+__all__ = ["BLOCK_SIZE", "DemoConfig", "MAX_PROMPT", "MAX_PROMPTS", "NOISE_FACTOR", "PHASES",
+           "compare", "report", "run_demo"]
+
 BLOCK_SIZE = 16
 MAX_PROMPT = 4096  # with MAX_PROMPTS, keeps a run within a few minutes on two CPU cores
 MAX_PROMPTS = 16

@@ -33,6 +33,10 @@ from kvxfer.errors import InvalidInputError
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.simulate import SimEngine
 
+__all__ = ["AfterStep", "Decoded", "NewBlocksTracker", "Prefilled", "Shapes", "cache_blocks",
+           "colocated", "decode", "decode_blocks", "decode_each", "demo_prompts", "pool_blocks",
+           "prefill"]
+
 AfterStep = Callable[[list[ScheduledRequest], list[jax.Array], SimEngine], list[jax.Array]]
 
 

@@ -29,6 +29,8 @@ from kvxfer.blocks import cdiv, is_int
 from kvxfer.demo.procs import Lines, Proc, child_output, say
 from kvxfer.errors import InvalidInputError, KvxferError
 
+__all__ = ["BytesConfig", "LAYOUTS", "cache_shape", "report_bytes", "run_bytes", "token_rows"]
+
 LAYOUTS = ("attention", "mla", "attention4d")
 
 

@@ -43,6 +43,10 @@ from jax.sharding import PartitionSpec as P
 from kvxfer.blocks import cdiv, is_int
 from kvxfer.errors import InvalidInputError
 
+__all__ = ["Attention", "CACHE_DTYPES", "Decoder", "Layer", "MLP", "ModelConfig", "RMSNorm",
+           "ShardedDecoder", "attend", "cache_sharding", "make_mesh", "pack_kv", "param_spec",
+           "rope", "unpack_kv"]
+
 CACHE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 
 

@@ -22,6 +22,8 @@ from typing import Any, TextIO
 
 from kvxfer.errors import TransferError
 
+__all__ = ["Lines", "Proc", "child_output", "profiled", "say"]
+
 
 class Lines:
     """JSON lines from a pipe, without blocking and without stdio's read-ahead buffer

@@ -1,6 +1,7 @@
 """A NIXL agent's life cycle: the one NIXL import, `TransportConfig`, creation and close.
 """
 
+
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +13,17 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.staging import Staging
 from kvxfer.wire import encode_message
+
+if TYPE_CHECKING:
+    from kvxfer.staging import Staging
+
+__all__ = ["TransportConfig", "claim_name", "close_agent", "free_port", "release_name", "send",
+           "start_agent"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +154,7 @@ _live_names: set[str] = set()
 _live_lock = threading.Lock()
 
 
-def _claim_name(name: str) -> None:
+def claim_name(name: str) -> None:
     """Two live agents of one process may not share a name (NIXL tells peers apart by it)."""
     with _live_lock:
         if name in _live_names:
@@ -158,7 +164,7 @@ def _claim_name(name: str) -> None:
         _live_names.add(name)
 
 
-def _release_name(name: str) -> None:
+def release_name(name: str) -> None:
     with _live_lock:
         _live_names.discard(name)
 
@@ -249,21 +255,11 @@ def _new_patch_lock() -> None:
 os.register_at_fork(after_in_child=_new_patch_lock)
 
 
-def _stagings(staging: Staging | Sequence[Staging]) -> list[Staging]:
-    """One staging per KV cache group; a single `Staging` is one group."""
-    out = [staging] if isinstance(staging, Staging) else list(staging)
-    if not out or not all(isinstance(s, Staging) for s in out):
-        raise InvalidInputError(
-            f"staging must be a Staging or a non-empty list of them (one per KV cache group), "
-            f"got {staging!r:.80}")
-    return out
-
-
-def _start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[Any, int, Any]:
+def start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[Any, int, Any]:
     """`(agent, listen port, registration)`: a new agent under a name no live agent has."""
     if not isinstance(config, TransportConfig):
         raise InvalidInputError(f"config must be a TransportConfig, got {config!r:.80}")
-    _claim_name(config.name)
+    claim_name(config.name)
     try:
         agent, port = _create_agent(config)
         regs = [(addr, n, 0, "") for s in stagings
@@ -273,16 +269,16 @@ def _start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[
             try:  # under our name, with the registered regions: peers fetch it by name
                 agent.send_local_metadata()
             except Exception as e:
-                _close_agent(agent, reg, config.name, etcd=False)
+                close_agent(agent, reg, config.name, etcd=False)
                 raise TransferError(f"NIXL agent {config.name!r} cannot publish its metadata "
                                     f"to etcd at {config.etcd_endpoints}: {e}") from e
         return agent, port, reg
     except BaseException:
-        _release_name(config.name)
+        release_name(config.name)
         raise
 
 
-def _close_agent(agent: Any, reg: Any, who: str, etcd: bool = False) -> None:
+def close_agent(agent: Any, reg: Any, who: str, etcd: bool = False) -> None:
     if etcd:
         try:  # peers that fetch it now find nothing, not a dead agent
             agent.invalidate_local_metadata()
@@ -294,14 +290,8 @@ def _close_agent(agent: Any, reg: Any, who: str, etcd: bool = False) -> None:
         logger.warning("%s deregister failed: %s", who, e)
 
 
-def _send(nixl: Any, peer: str, kind: str, /, **fields: Any) -> None:
+def send(nixl: Any, peer: str, kind: str, /, **fields: Any) -> None:
     try:
         nixl.send_notif(peer, encode_message(kind, **fields))
     except Exception as e:  # NIXL raises its own exception types for a gone peer
         raise TransferError(f"cannot send {kind!r} to peer {peer!r}: {e}") from e
-
-
-def _free_everywhere(stagings: Sequence[Staging], req_id: str) -> None:
-    for staging in stagings:
-        if req_id in staging:
-            staging.free(req_id)

@@ -28,18 +28,10 @@ import numpy as np
 
 from kvxfer.blocks import coalesce_pairs, is_int
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.nixl.agent import (
-    TransportConfig,
-    _close_agent,
-    _free_everywhere,
-    _release_name,
-    _send,
-    _stagings,
-    _start_agent,
-)
+from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
 from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
-from kvxfer.staging import Staging
-from kvxfer.wire import ReadParams, Source, _check_piece, _field, _is_generation
+from kvxfer.staging import Staging, free_in_all, stagings_of
+from kvxfer.wire import ReadParams, Source, check_piece, is_generation, message_field
 
 __all__ = ["DecodeTransport", "LegState"]
 
@@ -112,18 +104,18 @@ class DecodeTransport:
         piece: tuple[int, int, int] | None = None,
         reader: tuple[int, int] = (0, 1),
     ):
-        self.config, self.stagings = config, _stagings(staging)
-        self.piece = _check_piece(piece)
+        self.config, self.stagings = config, stagings_of(staging)
+        self.piece = check_piece(piece)
         if not (isinstance(reader, (tuple, list)) and len(reader) == 2
                 and all(is_int(v) for v in reader) and 0 <= reader[0] < reader[1]):
             raise InvalidInputError(f"reader must be (rank, count) with 0 <= rank < count, "
                                     f"got {reader!r:.80}")
         self.reader = (int(reader[0]), int(reader[1]))
-        self.agent, self.port, self._reg = _start_agent(config, self.stagings)
+        self.agent, self.port, self._reg = start_agent(config, self.stagings)
         self.peers = Peers(self.agent, config, self.stagings, layout, layout_check, self.piece)
         self._reads: dict[str, _Read] = {}
         self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
-        self._zombies: list[tuple[str, Any]] = []  # (req, handle) failed but still in flight
+        self._zombies = _Zombies(self.stagings)
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
         # engine's thread for the whole read.
@@ -164,7 +156,7 @@ class DecodeTransport:
         read, before any state changes; never raises for a peer problem: the
         request is then reported failed by `poll`.
         """
-        if req_id in self._reads or any(z == req_id for z, _ in self._zombies):
+        if req_id in self._reads or req_id in self._zombies:
             raise InvalidInputError(f"request {req_id!r} is already being read")
         if any(req_id in s for s in self.stagings):
             raise InvalidInputError(
@@ -183,11 +175,11 @@ class DecodeTransport:
             if stale:
                 raise TransferError(f"params of {req_id!r} are from P instance {p.instance} of "
                                     f"{stale}, which is not the live one (P restarted)")
-            plan = self._plan(p)
+            plan = _units_to_read(p, self.piece, self.reader[0])
             read.legs = {peer: _Leg(peer, state=LegState.XFER if plan[peer] else LegState.READ)
                          for peer in p.peers}
             for source in p.sources or [Source(p.peer, 0, 1)]:
-                self._check_source(p, source)
+                self.peers.check_source(p, source)
             d_slots = [s.assign(req_id, keys) for s, keys in zip(self.stagings, p.keys)]
         except Exception as e:  # any failure here is this request's, not the engine's
             logger.warning("D %s cannot read %s from %s: %s", self.config.name, req_id, p.peers, e)
@@ -211,50 +203,6 @@ class DecodeTransport:
                                   f"instance {connected.instance} does not answer")
         return False
 
-    def _plan(self, p: ReadParams) -> dict[str, tuple[int, int] | None]:
-        """Per P agent of the request, the units this D process reads from it (None: none).
-
-        One P process: the whole block, `(0, 1)`. Several: from each distinct unit
-        range that overlaps this process's piece, the overlap, read from one of the
-        sources holding that range (replicas: the one this reader's rank picks).
-        """
-        if not p.sources:
-            if self.piece is not None:
-                raise TransferError(f"params of {p.req_id!r} are from a P of whole blocks, "
-                                    f"this D process holds units {self.piece}")
-            return {p.peer: (0, 1)}
-        if self.piece is None or p.units != self.piece[2]:
-            raise TransferError(f"params of {p.req_id!r} name {p.units} units per block, this D "
-                                f"process holds {self.piece or 'whole blocks'}")
-        plan: dict[str, tuple[int, int] | None] = {s.peer: None for s in p.sources}
-        lo, hi = self.piece[:2]
-        for span in sorted({(s.lo, s.hi) for s in p.sources}):
-            a, b = max(span[0], lo), min(span[1], hi)
-            if a < b:
-                holders = [s.peer for s in p.sources if (s.lo, s.hi) == span]
-                plan[holders[self.reader[0] % len(holders)]] = (a, b)
-        return plan
-
-    def _check_source(self, p: ReadParams, source: Source) -> None:
-        """Connect to `source`'s P agent and check it is the instance and piece the params name."""
-        if source.peer not in self.peers:
-            self.peers.connect(source.peer, p.host, p.port)
-        peer = self.peers.get(source.peer)
-        if peer.instance != p.instance:
-            self.peers.mark_past(source.peer, p.instance)
-            raise TransferError(
-                f"params of {p.req_id!r} are from P instance {p.instance}, but {source.peer!r} "
-                f"is now instance {peer.instance} (P restarted)")
-        if p.sources and peer.piece != (source.lo, source.hi, p.units):
-            raise TransferError(f"params of {p.req_id!r} say {source.peer!r} stages units "
-                                f"[{source.lo}, {source.hi}) of {p.units}, it advertised "
-                                f"{peer.piece}")
-        for g, (slots, group) in enumerate(zip(p.slots, peer.groups)):
-            bad = [s for s in slots if s >= group.num_slots]
-            if bad:
-                raise TransferError(f"params of {p.req_id!r} name P slots {bad[:4]} of group "
-                                    f"{g}, past {source.peer!r}'s {group.num_slots}")
-
     def _post(self, peer: Peer, p_slots: Sequence[Sequence[int]],
               d_slots: Sequence[Sequence[int]], span: tuple[int, int], req_id: str) -> Any:
         """Post one READ of units `span` of every slot from `peer` (whole blocks: `(0, 1)`)."""
@@ -272,7 +220,7 @@ class DecodeTransport:
                            self.config.name, req_id, peer.name, e)
             return handle
         if state == "ERR":
-            self._release(handle)
+            _release(handle)
             raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer.name!r}")
         logger.debug("D %s posted READ of %s from %s (%s descriptors)", self.config.name, req_id,
                      peer.name, len(local))
@@ -298,7 +246,7 @@ class DecodeTransport:
                                    read.req_id, {p: leg.state.value for p, leg in read.legs.items()})
                     self._fail(read)
             self._heartbeat(now)
-            self._reap_zombies()
+            self._zombies.reap()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
@@ -332,7 +280,7 @@ class DecodeTransport:
                 logger.warning("D %s xfer state of %s: %s", self.config.name, read.req_id, e)
                 state = "ERR"
             if state == "DONE":
-                self._release(leg.handle)
+                _release(leg.handle)
                 leg.handle, leg.state = None, LegState.READ
             elif state == "ERR":
                 self._fail(read)
@@ -343,7 +291,7 @@ class DecodeTransport:
         for leg in read.legs.values():
             if leg.state is LegState.READ:
                 try:
-                    _send(self.agent, leg.peer, "done", req_id=read.p_req_id,
+                    send(self.agent, leg.peer, "done", req_id=read.p_req_id,
                           instance=read.instance, generation=read.generation,
                           readers=self.reader[1], reader=self.reader[0])
                     leg.state = LegState.ACK
@@ -361,9 +309,9 @@ class DecodeTransport:
                 logger.warning("D %s ignores a message: %s", self.config.name, e)
 
     def _on_ack(self, sender: str, msg: dict[str, Any]) -> None:
-        req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
-        generation = _field(msg, "generation", _is_generation, "a positive int", sender)
-        ok = _field(msg, "ok", lambda v: isinstance(v, bool), "a bool", sender)
+        req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
+        generation = message_field(msg, "generation", is_generation, "a positive int", sender)
+        ok = message_field(msg, "ok", lambda v: isinstance(v, bool), "a bool", sender)
         read = next((r for r in self._reads.values() if r.p_req_id == req_id
                      and sender in r.legs and r.generation == generation), None)
         if read is None or read.legs[sender].state is not LegState.ACK:
@@ -381,6 +329,7 @@ class DecodeTransport:
                          time.monotonic() - read.started)
 
     def _heartbeat(self, now: float) -> None:
+        """Extend P's leases of the requests D still wants (reading or expected)."""
         wanted: dict[str, list[list[Any]]] = {}
         for read in self._reads.values():
             for peer in read.legs:
@@ -388,58 +337,19 @@ class DecodeTransport:
         for req_id, (peers, _, generation) in self._expected.items():
             for peer in peers:
                 wanted.setdefault(peer, []).append([req_id, generation])
-        for peer, reqs in wanted.items():
-            state = self.peers.get(peer)
-            if state is None or now - state.last_heartbeat < self.config.heartbeat_interval_s:
-                continue
-            state.last_heartbeat = now
-            try:
-                _send(self.agent, peer, "hb", instance=state.instance, reqs=reqs)
-            except TransferError as e:
-                self._drop_peer(peer, str(e))
+        for peer, error in self.peers.heartbeat(wanted, now).items():
+            self._drop_peer(peer, error)
 
     def _fail(self, read: _Read) -> None:
         if self._reads.pop(read.req_id, None) is None:
             return
         self._failed[read.req_id] = list(read.logical_ids)
-        # A post not started is cancelled; one under way is waited for (before posts
-        # ran on their own thread, it was waited for inside `start_read`). Then D's
-        # slots wait for every READ NIXL has not released (it could still land).
-        pending = [leg.posting for leg in read.legs.values()
-                   if leg.posting is not None and not leg.posting.cancel()]
-        futures.wait(pending)
-        for leg in read.legs.values():
-            posting, leg.posting = leg.posting, None
-            if posting is None or posting.cancelled():
-                continue
-            if posting.exception() is not None:
-                logger.warning("D %s: posting the READ of %s from %s failed: %s",
-                               self.config.name, read.req_id, leg.peer, posting.exception())
-            else:
-                leg.handle = posting.result()
-        held = [leg.handle for leg in read.legs.values()
-                if leg.handle is not None and not self._release(leg.handle)]
-        if held:
-            self._zombies += [(read.req_id, h) for h in held]
-        else:
-            _free_everywhere(self.stagings, read.req_id)
-
-    def _release(self, handle: Any) -> bool:
-        try:
-            handle.release()
-            return True
-        except Exception:
-            return False
-
-    def _reap_zombies(self) -> None:
-        still = [(req_id, h) for req_id, h in self._zombies if not self._release(h)]
-        for req_id in {r for r, _ in self._zombies} - {r for r, _ in still}:
-            _free_everywhere(self.stagings, req_id)
-        self._zombies = still
+        _settle_posts(read, self.config.name)
+        self._zombies.bury(read.req_id, [leg.handle for leg in read.legs.values()])
 
     def free(self, req_id: str) -> None:
         """Release the staging of a finished request, once its blocks are copied out."""
-        _free_everywhere(self.stagings, req_id)
+        free_in_all(self.stagings, req_id)
 
     def pending(self) -> list[str]:
         """Request ids with a read in progress."""
@@ -450,9 +360,61 @@ class DecodeTransport:
         if self.agent is None:
             return
         self._poster.shutdown(wait=True, cancel_futures=True)  # none may start on a closed agent
-        _close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
+        close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
-        _release_name(self.config.name)
+        release_name(self.config.name)
+
+
+class _Zombies:
+    """Failed reads whose transfers NIXL has not released: a READ could still land, so their
+    D slots are freed only once NIXL releases every one."""
+
+    def __init__(self, stagings: Sequence[Staging]):
+        self.stagings = stagings
+        self._held: list[tuple[str, Any]] = []  # (request, NIXL transfer handle)
+
+    def __contains__(self, req_id: object) -> bool:
+        return any(r == req_id for r, _ in self._held)
+
+    def bury(self, req_id: str, handles: Sequence[Any]) -> None:
+        """Release a failed read's transfers; its slots are freed once all are released."""
+        held = [h for h in handles if h is not None and not _release(h)]
+        if held:
+            self._held += [(req_id, h) for h in held]
+        else:
+            free_in_all(self.stagings, req_id)
+
+    def reap(self) -> None:
+        still = [(req_id, h) for req_id, h in self._held if not _release(h)]
+        for req_id in {r for r, _ in self._held} - {r for r, _ in still}:
+            free_in_all(self.stagings, req_id)
+        self._held = still
+
+
+def _settle_posts(read: _Read, who: str) -> None:
+    """Cancel a failed read's posts not started and wait for those under way, so every leg's
+    transfer handle is known."""
+    pending = [leg.posting for leg in read.legs.values()
+               if leg.posting is not None and not leg.posting.cancel()]
+    futures.wait(pending)
+    for leg in read.legs.values():
+        posting, leg.posting = leg.posting, None
+        if posting is None or posting.cancelled():
+            continue
+        if posting.exception() is not None:
+            logger.warning("D %s: posting the READ of %s from %s failed: %s", who, read.req_id,
+                           leg.peer, posting.exception())
+        else:
+            leg.handle = posting.result()
+
+
+def _release(handle: Any) -> bool:
+    """Release a NIXL transfer; whether NIXL let it go (a READ in flight may not)."""
+    try:
+        handle.release()
+        return True
+    except Exception:
+        return False
 
 
 def _check_params(params: object, num_groups: int) -> ReadParams:
@@ -501,3 +463,29 @@ def _descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, int,
                 local.append(np.stack([d_base + d_off + runs[:, 1] * d_stride, lengths,
                                        0 * lengths], 1))
     return np.concatenate(local), np.concatenate(remote)
+
+
+def _units_to_read(p: ReadParams, piece: tuple[int, int, int] | None,
+               rank: int) -> dict[str, tuple[int, int] | None]:
+    """Per P agent of the request, the units this D process reads from it (None: none).
+
+    One P process: the whole block, `(0, 1)`. Several: from each distinct unit
+    range that overlaps this process's piece, the overlap, read from one of the
+    sources holding that range (replicas: the one this reader's rank picks).
+    """
+    if not p.sources:
+        if piece is not None:
+            raise TransferError(f"params of {p.req_id!r} are from a P of whole blocks, "
+                                f"this D process holds units {piece}")
+        return {p.peer: (0, 1)}
+    if piece is None or p.units != piece[2]:
+        raise TransferError(f"params of {p.req_id!r} name {p.units} units per block, this D "
+                            f"process holds {piece or 'whole blocks'}")
+    plan: dict[str, tuple[int, int] | None] = {s.peer: None for s in p.sources}
+    lo, hi = piece[:2]
+    for span in sorted({(s.lo, s.hi) for s in p.sources}):
+        a, b = max(span[0], lo), min(span[1], hi)
+        if a < b:
+            holders = [s.peer for s in p.sources if (s.lo, s.hi) == span]
+            plan[holders[rank % len(holders)]] = (a, b)
+    return plan

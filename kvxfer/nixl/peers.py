@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import LayoutMismatchError, TransferError
-from kvxfer.nixl.agent import TransportConfig, _send
+from kvxfer.nixl.agent import TransportConfig, send
 from kvxfer.staging import Staging
-from kvxfer.wire import _check_piece, decode_message
+from kvxfer.wire import ReadParams, Source, check_piece, decode_message
 
 __all__ = ["LayoutCheck", "Peer", "PeerGroup", "Peers"]
 
@@ -112,7 +112,7 @@ class Peers:
             self._fetch_metadata(peer, host, port, deadline)
             if not etcd:
                 self.agent.send_local_metadata(host, port)
-            _send(self.agent, peer, "hello", agent=self.config.name)
+            send(self.agent, peer, "hello", agent=self.config.name)
             advert = self._await_layout(peer, host, port, deadline)
             self._peers[peer] = self._accept(peer, advert)
         except (TransferError, LayoutMismatchError):
@@ -178,7 +178,7 @@ class Peers:
                                 (int(g["prints"][0]), int(g["prints"][1])),
                                 int(g["block_bytes"]), int(g["num_slots"]))
                       for g in advert["groups"]]
-            piece = _check_piece(advert.get("piece"))
+            piece = check_piece(advert.get("piece"))
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"layout message from {peer!r} is malformed: {e!r}") from None
         if (piece is None) != (self.piece is None) or (piece and piece[2] != self.piece[2]):
@@ -207,6 +207,42 @@ class Peers:
                     f"region for {theirs.num_slots} slots of {ours.num_layers} layers")
         return Peer(peer, instance, groups, layout, piece)
 
+    def check_source(self, p: ReadParams, source: Source) -> None:
+        """Connect to `source`'s P agent and check it is the instance and piece the params name."""
+        if source.peer not in self._peers:
+            self.connect(source.peer, p.host, p.port)
+        peer = self.get(source.peer)
+        if peer.instance != p.instance:
+            self.mark_past(source.peer, p.instance)
+            raise TransferError(
+                f"params of {p.req_id!r} are from P instance {p.instance}, but {source.peer!r} "
+                f"is now instance {peer.instance} (P restarted)")
+        if p.sources and peer.piece != (source.lo, source.hi, p.units):
+            raise TransferError(f"params of {p.req_id!r} say {source.peer!r} stages units "
+                                f"[{source.lo}, {source.hi}) of {p.units}, it advertised "
+                                f"{peer.piece}")
+        for g, (slots, group) in enumerate(zip(p.slots, peer.groups)):
+            bad = [s for s in slots if s >= group.num_slots]
+            if bad:
+                raise TransferError(f"params of {p.req_id!r} name P slots {bad[:4]} of group "
+                                    f"{g}, past {source.peer!r}'s {group.num_slots}")
+
+    def heartbeat(self, wanted: Mapping[str, list[list[Any]]], now: float) -> dict[str, str]:
+        """Send `hb` to each connected peer in `wanted` (`[P's request id, generation]` pairs)
+        whose last one is `heartbeat_interval_s` old; returns the peers it failed for, with
+        why."""
+        failed = {}
+        for name, reqs in wanted.items():
+            peer = self._peers.get(name)
+            if peer is None or now - peer.last_heartbeat < self.config.heartbeat_interval_s:
+                continue
+            peer.last_heartbeat = now
+            try:
+                send(self.agent, name, "hb", instance=peer.instance, reqs=reqs)
+            except TransferError as e:
+                failed[name] = str(e)
+        return failed
+
     def forget(self, peer: str) -> None:
         """Drop NIXL's metadata of `peer`, so the next connect fetches it afresh."""
         try:
@@ -229,7 +265,7 @@ class Peers:
         self._adverts.pop(peer.name, None)
         deadline = time.monotonic() + self.config.handshake_timeout_s
         try:
-            _send(self.agent, peer.name, "hello", agent=self.config.name)
+            send(self.agent, peer.name, "hello", agent=self.config.name)
         except TransferError:
             return None
         while time.monotonic() < deadline:

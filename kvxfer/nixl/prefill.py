@@ -1,6 +1,7 @@
 """P's transport: serves staged blocks to D, frees them on `done` or lease expiry.
 """
 
+
 from __future__ import annotations
 
 import logging
@@ -11,17 +12,11 @@ from typing import Any
 
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.nixl.agent import (
-    TransportConfig,
-    _close_agent,
-    _free_everywhere,
-    _release_name,
-    _send,
-    _stagings,
-    _start_agent,
-)
-from kvxfer.staging import Staging
-from kvxfer.wire import ReadParams, _check_piece, _field, _is_generation, decode_message, new_instance
+from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
+from kvxfer.staging import Staging, free_in_all, stagings_of
+from kvxfer.wire import ReadParams, check_piece, decode_message, is_generation, message_field, new_instance
+
+__all__ = ["PrefillTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +52,12 @@ class PrefillTransport:
     def __init__(self, config: TransportConfig, staging: Staging | Sequence[Staging],
                  layout: Mapping[str, Any], instance: str | None = None,
                  piece: tuple[int, int, int] | None = None):
-        self.config, self.stagings, self.layout = config, _stagings(staging), dict(layout)
+        self.config, self.stagings, self.layout = config, stagings_of(staging), dict(layout)
         if instance is not None and (not isinstance(instance, str) or not instance):
             raise InvalidInputError(f"instance must be a non-empty str, got {instance!r}")
-        self.piece = _check_piece(piece)
+        self.piece = check_piece(piece)
         self.instance = instance or new_instance()
-        self.agent, self.port, self._reg = _start_agent(config, self.stagings)
+        self.agent, self.port, self._reg = start_agent(config, self.stagings)
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
@@ -113,7 +108,7 @@ class PrefillTransport:
         now = time.monotonic() if now is None else now
         if req_id in self._leases:
             raise InvalidInputError(f"request {req_id!r} is already held for D")
-        if not _is_generation(generation) or generation < self._next_generation:
+        if not is_generation(generation) or generation < self._next_generation:
             raise InvalidInputError(f"request {req_id!r}: generation {generation!r} is not "
                                     f"fresh (next is {self._next_generation})")
         self._next_generation = generation + 1
@@ -154,12 +149,12 @@ class PrefillTransport:
                     logger.warning("P %s cannot fetch %s's metadata: %s", self.config.name,
                                    sender, e)
         elif kind == "done":
-            req_id = _field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
-            generation = _field(msg, "generation", _is_generation, "a positive int", sender)
-            instance = _field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
-            readers = _field(msg, "readers", lambda v: v is None or (is_int(v) and v >= 1),
+            req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
+            generation = message_field(msg, "generation", is_generation, "a positive int", sender)
+            instance = message_field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
+            readers = message_field(msg, "readers", lambda v: v is None or (is_int(v) and v >= 1),
                              "a positive int", sender) or 1
-            reader = _field(msg, "reader", lambda v: v is None or (is_int(v) and 0 <= v < readers),
+            reader = message_field(msg, "reader", lambda v: v is None or (is_int(v) and 0 <= v < readers),
                             f"an int in [0, {readers})", sender) or 0
             lease = self._leases.get(req_id)
             ok = (instance == self.instance and lease is not None
@@ -171,14 +166,14 @@ class PrefillTransport:
             logger.debug("P %s done %s gen %s from %s ok=%s", self.config.name, req_id,
                          generation, sender, ok)
             try:
-                _send(self.agent, sender, "ack", req_id=req_id, generation=generation, ok=ok)
+                send(self.agent, sender, "ack", req_id=req_id, generation=generation, ok=ok)
             except TransferError as e:
                 logger.warning("P %s: %s", self.config.name, e)
         elif kind == "hb":
-            instance = _field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
-            reqs = _field(msg, "reqs", lambda v: isinstance(v, list) and all(
+            instance = message_field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
+            reqs = message_field(msg, "reqs", lambda v: isinstance(v, list) and all(
                 isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
-                and _is_generation(r[1]) for r in v), "a list of [req_id, generation]", sender)
+                and is_generation(r[1]) for r in v), "a list of [req_id, generation]", sender)
             if instance != self.instance:
                 return
             for req_id, generation in reqs:
@@ -193,7 +188,7 @@ class PrefillTransport:
             if self.agent.check_remote_metadata(peer):
                 del self._hellos[peer]
                 try:
-                    _send(self.agent, peer, "layout", **self.advertisement())
+                    send(self.agent, peer, "layout", **self.advertisement())
                 except TransferError as e:
                     logger.warning("P %s: %s", self.config.name, e)
             elif now > deadline:
@@ -202,13 +197,13 @@ class PrefillTransport:
 
     def _free(self, req_id: str) -> None:
         del self._leases[req_id]
-        _free_everywhere(self.stagings, req_id)
+        free_in_all(self.stagings, req_id)
         self._freed.append(req_id)
 
     def close(self) -> None:
         """Deregister staging and drop the agent (its listener stops with it)."""
         if self.agent is None:
             return
-        _close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
+        close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
-        _release_name(self.config.name)
+        release_name(self.config.name)
