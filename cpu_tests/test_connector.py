@@ -1,112 +1,283 @@
-"""End to end: P and D as two real processes, each with its own mesh and NIXL agent.
+"""Connectors in one process: P on devices 0-3, D on devices 4-7, two NIXL agents."""
 
-P prefills several prompts in chunks (a straddling block, lookahead blocks, a
-prefix-cache hit), saving what `SaveTracker` plans; D reads each finished
-request into its own block ids, checks fingerprints, scatters, and compares
-every prompt token's KV with P's, byte for byte.
-"""
+import os
+import subprocess
+import sys
+import threading
+import time
 
+import numpy as np
 import pytest
 
-from kvxfer import KvxferError
-from kvxfer.demo.kvbytes import BytesConfig, run_bytes
+from kvxfer.connector.scheduler import LoadRequest
+from kvxfer.errors import InvalidInputError
+from kvxfer.scheduler import ScheduledRequest
 
-SMALL = dict(layers=2, heads=8, head_dim=64, num_blocks=128, prompts=[40, 300, 133],
-             cached=[0, 64, 0], budget=96, lookahead=3, timeout_s=90)
-
-
-def assert_all_tokens_equal(result, cfg):
-    assert [r["req_id"] for r in result["requests"]] == [f"req{i}" for i in range(len(cfg.prompts))]
-    for r, prompt in zip(result["requests"], cfg.prompts):
-        assert r["ok"], r
-        assert r["stale_tokens"] == 0 and r["tokens"] == prompt
-    assert result["p_freed"] == sorted(f"req{i}" for i in range(len(cfg.prompts)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.pair import as_bits, copy_block  # noqa: E402
 
 
-@pytest.mark.parametrize("tp_p, tp_d, dtype", [(4, 8, "bfloat16"), (4, 2, "float8_e4m3fn"),
-                                               (2, 4, "int8")])
-def test_every_prompt_token_reaches_d_byte_exact_across_tp(tp_p, tp_d, dtype):
-    cfg = BytesConfig(layout="attention", dtype=dtype, tp_p=tp_p, tp_d=tp_d, **SMALL)
-    assert_all_tokens_equal(run_bytes(cfg), cfg)
+def test_d_receives_newest_copy_of_block_rewritten_by_later_chunk(pair):
+    pr = pair()
+    pr.p.add_request("r", 40)
+    pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
+    # The next chunk writes the rest of block 9 (tokens 24-31) and block 12.
+    pr.p_caches[0] = [copy_block(c, 9, 7) for c in pr.p_caches[0]]
+    meta = pr.save(ScheduledRequest("r", 24, 16, ([12],)))
+    assert meta.kernel_ids == {"r": [9, 12]} and meta.completed == {"r"}
+    params = pr.p.request_finished("r")
+    pr.serve()
+    finished, failed = pr.load("r", params, [20, 21, 22])
+    assert (finished, failed) == (["r"], [])
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[20, 21, 22]] == as_bits(p_cache)[[5, 9, 12]]).all()
+        assert (as_bits(d_cache)[21] == as_bits(p_cache)[7]).all()
+    assert pr.d.get_block_ids_with_load_errors() == set()
 
 
-@pytest.mark.parametrize("layout, tp_d", [("mla", 2), ("attention4d", 8)])
-def test_mla_and_4d_layouts_reach_d_byte_exact(layout, tp_d):
-    cfg = BytesConfig(layout=layout, dtype="bfloat16", tp_p=4, tp_d=tp_d, **SMALL)
-    assert_all_tokens_equal(run_bytes(cfg), cfg)
+def test_corrupted_host_block_fails_request_in_logical_ids_and_leaves_other_blocks(pair):
+    pr = pair(kernel_ratio=2, block_size=32)  # logical blocks of 32 tokens = 2 kernel blocks
+    pr.p.add_request("r", 50)
+    meta = pr.save(ScheduledRequest("r", 0, 50, ([3, 7],), full_table=True))
+    assert meta.kernel_ids == {"r": [6, 7, 14, 15]}
+    params = pr.p.request_finished("r")
+    # One bit flips in P's staged copy of kernel block 14 (kernel position 2: the first half of table
+    # entry 1), after its fingerprint was taken. Staging is keyed by position.
+    slot = pr.p.slot_map.slot("r", 2)
+    pr.p.staging.regions[1][slot].view(np.uint8).reshape(-1)[100] ^= 0x01
+    before = [as_bits(c).copy() for c in pr.d_caches[0]]
+    pr.serve()
+    finished, failed = pr.load("r", params, [10, 11])
+    assert (finished, failed) == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {10, 11}
+    # D verifies after the scatter: only the failed request's own blocks (kernel 20-23,
+    # recomputed by the engine) may have changed.
+    others = np.setdiff1d(np.arange(before[0].shape[0]), [20, 21, 22, 23])
+    for b, c in zip(before, pr.d_caches[0]):
+        assert (as_bits(c)[others] == b[others]).all()
 
 
-def test_demo_rejects_unknown_layout_before_starting_processes():
-    with pytest.raises(KvxferError, match="'paged'"):
-        run_bytes(BytesConfig(layout="paged"))
+def test_resumed_request_restages_from_scratch(pair):
+    pr = pair()
+    pr.p.add_request("r", 40)
+    pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
+    # Preempted, then rescheduled with a new table: old blocks must not be sent.
+    pr.save(ScheduledRequest("r", 0, 40, ([2, 3, 4],), full_table=True))
+    params = pr.p.request_finished("r")
+    assert params["groups"][0]["keys"] == [0, 1, 2]  # table positions, staged afresh
+    pr.serve()
+    finished, _ = pr.load("r", params, [1, 2, 3])
+    assert finished == ["r"]
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[1, 2, 3]] == as_bits(p_cache)[[2, 3, 4]]).all()
 
 
-def _prefill_scheduler(**kw):
-    from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
-    from kvxfer.scheduler import GroupSpec
-
-    args = dict(staging_blocks=8, kernel_ratio=1, address=PeerAddress("P", "127.0.0.1", 5610))
-    args.update(kw)
-    return PrefillScheduler([GroupSpec(16)], **args)
-
-
-@pytest.mark.parametrize("kw, named", [
-    (dict(staging_blocks=0), "staging_blocks must be a positive int, got 0"),
-    (dict(kernel_ratio="2"), "kernel_ratio must be a positive int, got '2'"),
-    (dict(address=("P", "h", 1)), "address must be a PeerAddress"),
-])
-def test_prefill_scheduler_names_a_bad_argument(kw, named):
-    from kvxfer.errors import InvalidInputError
-
-    with pytest.raises(InvalidInputError, match=named):
-        _prefill_scheduler(**kw)
+def test_abort_mid_prefill_frees_staging(pair):
+    pr = pair()
+    pr.p.add_request("r", 100)
+    pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
+    assert "r" in pr.p.slot_map
+    pr.p.abort("r")
+    assert "r" not in pr.p.slot_map and "r" not in pr.p.tracker
+    assert pr.p.request_finished("r") is None
 
 
-@pytest.mark.parametrize("port", [-1, 70000, "5610"])
-def test_peer_address_refuses_a_bad_port(port):
-    from kvxfer.connector.scheduler import PeerAddress
-    from kvxfer.errors import InvalidInputError
-
-    with pytest.raises(InvalidInputError, match=f"port must be an int in \\[0, 65535\\], got {port!r}"):
-        PeerAddress("P", "127.0.0.1", port)
-
-
-def test_peer_address_takes_port_0_for_a_p_found_in_etcd():
-    from kvxfer.connector.scheduler import PeerAddress
-
-    assert PeerAddress("P", "127.0.0.1", 0).port == 0
-
-
-def test_prefill_scheduler_generations_are_fresh_and_slots_come_back_on_release():
-    from kvxfer.scheduler import ScheduledRequest
-
-    s = _prefill_scheduler()
-    gens = []
-    for req_id in ("a", "b"):
-        s.add_request(req_id, 32)
-        meta = s.build_connector_meta([ScheduledRequest(req_id, 0, 32, ([1, 2],), full_table=True)])
-        gens.append(meta.holds[req_id])
-        assert s.request_finished(req_id)["generation"] == gens[-1]
-    assert gens == sorted(set(gens)) and s.held() == ["a", "b"]
-    assert s.slot_maps[0].num_free_slots == 4
-    with pytest.raises(KvxferError, match="still held on P"):
-        s.add_request("a", 32)
-    s.release(["a"])
-    assert s.held() == ["b"] and s.slot_maps[0].num_free_slots == 6
-    s.add_request("a", 32)  # the id is free again
+def test_corrupt_request_does_not_spoil_a_good_one_finished_in_the_same_poll(pair):
+    pr = pair()
+    for req_id, ids in (("bad", [4, 5]), ("good", [8, 9])):
+        pr.p.add_request(req_id, 32)
+        pr.save(ScheduledRequest(req_id, 0, 32, (ids,), full_table=True))
+    params = {r: pr.p.request_finished(r) for r in ("bad", "good")}
+    pr.p.staging.regions[0][pr.p.slot_map.slot("bad", 1)].view(np.uint8)[0] ^= 0x80
+    before = [as_bits(c).copy() for c in pr.d_caches[0]]
+    pr.serve()
+    # The two may finish in one poll (rows share one buffer) or in two.
+    finished, failed = pr.load_all({"bad": (params["bad"], [1, 2]),
+                                    "good": (params["good"], [3, 4])}, 2)
+    assert (finished, failed) == (["good"], ["bad"])
+    assert pr.d.get_block_ids_with_load_errors() == {1, 2}
+    for b, p_cache, d_cache in zip(before, pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[3, 4]] == as_bits(p_cache)[[8, 9]]).all()
+        # bad's own blocks (1, 2) were written and are recomputed; the rest is untouched.
+        assert (as_bits(d_cache)[[0, 5, 6]] == b[[0, 5, 6]]).all()
 
 
-def test_prefill_scheduler_saves_each_logical_block_as_its_kernel_blocks_at_their_positions():
-    """40-24-0 (DESIGN.md's first bug) with kernel blocks of half a logical block: step 2
-    copies the straddling entry 1 again, as kernel blocks at positions 2 and 3, and the
-    params name the same positions D writes at."""
-    from kvxfer.scheduler import ScheduledRequest
+def test_scheduler_side_params_exist_before_the_worker_saves_and_worker_serves_them(pair):
+    # vLLM asks for the params (request_finished) before the worker's output of the completing
+    # step is processed: the scheduler side must have made them when it planned that step.
+    pr = pair()
+    pr.p.add_request("r", 40)
+    meta = pr.p.build_connector_meta([ScheduledRequest("r", 0, 40, ([4, 6, 8],), full_table=True)])
+    params = pr.p.request_finished("r")
+    assert params is not None and params["instance"] == meta.instance
+    assert meta.holds == {"r": params["generation"]}
+    assert "r" not in pr.p.transport.held()  # not yet saved by the worker
+    pr.p.wait_for_save(pr.caches("p"), meta)
+    assert pr.p.transport.held() == ["r"]
+    pr.serve()
+    assert pr.load("r", params, [1, 2, 3]) == (["r"], [])
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[1, 2, 3]] == as_bits(p_cache)[[4, 6, 8]]).all()
 
-    s = _prefill_scheduler(kernel_ratio=2)
-    s.add_request("r", 40)
-    first = s.build_connector_meta([ScheduledRequest("r", 0, 24, ([5, 9, 4],), full_table=True)])
-    assert first.blocks["r"] == ([(0, 10), (1, 11), (2, 18), (3, 19)],)
-    second = s.build_connector_meta([ScheduledRequest("r", 24, 16, None)])
-    assert second.blocks["r"] == ([(2, 18), (3, 19), (4, 8), (5, 9)],)
-    assert second.slots["r"][0][:2] == first.slots["r"][0][2:]  # re-staged in its own slots
-    assert s.request_finished("r")["groups"][0]["keys"] == [0, 1, 2, 3, 4, 5]
+
+def test_slots_are_reused_only_after_the_worker_reports_them_freed(pair):
+    pr = pair()  # 32 staging slots
+    pr.p.add_request("a", 16 * 20)
+    pr.save(ScheduledRequest("a", 0, 16 * 20, (list(range(1, 21)),), full_table=True))
+    params = pr.p.request_finished("a")
+    assert pr.p.scheduler.held() == ["a"] and pr.p.slot_map.num_free_slots == 12
+    pr.serve()
+    assert pr.load("a", params, list(range(1, 21))) == (["a"], [])
+    deadline = time.monotonic() + 10
+    while pr.p.scheduler.held() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pr.p.scheduler.held() == [] and pr.p.slot_map.num_free_slots == 32
+
+
+def test_request_that_does_not_fit_staging_is_dropped_not_raised(pair, caplog):
+    pr = pair()  # 32 staging slots
+    pr.p.add_request("big", 16 * 40)
+    pr.p.add_request("small", 32)
+    meta = pr.save(ScheduledRequest("big", 0, 16 * 40, (list(range(1, 41)),), full_table=True),
+                   ScheduledRequest("small", 0, 32, ([3, 4],), full_table=True))
+    assert "big" not in meta.blocks and "big" not in pr.p.tracker
+    assert "P drops request big: " in caplog.text
+    assert pr.p.request_finished("big") is None  # D computes its prompt itself
+    assert pr.p.request_finished("small")["groups"][0]["keys"] == [0, 1]
+    assert pr.p.slot_map.num_free_slots == 30
+
+
+def test_d_reads_only_the_entries_it_does_not_hold_locally(pair):
+    pr = pair()
+    pr.p.add_request("r", 64)
+    pr.save(ScheduledRequest("r", 0, 64, ([2, 3, 4, 5],), full_table=True))
+    params = pr.p.request_finished("r")
+    before = [as_bits(c).copy() for c in pr.d_caches[0]]
+    pr.serve()
+    # D's local prefix cache holds the first two entries (blocks 10 and 11): only 12, 13 are read.
+    finished, failed = pr.load_all({"r": (params, [10, 11, 12, 13], [2])}, 1)
+    assert (finished, failed) == (["r"], [])
+    for b, p_cache, d_cache in zip(before, pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[12, 13]] == as_bits(p_cache)[[4, 5]]).all()
+        assert (as_bits(d_cache)[[10, 11]] == b[[10, 11]]).all()
+
+
+def test_d_holding_every_entry_finishes_without_a_read(pair):
+    pr = pair()
+    pr.p.add_request("r", 32)
+    pr.save(ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.d.start_load_kv({"r": LoadRequest(params, [10, 11], [2])})
+    assert pr.d.pending() == []
+    assert pr.get_finished() == (["r"], [])
+
+
+def test_bad_have_fails_the_request_alone(pair):
+    pr = pair()
+    pr.p.add_request("r", 32)
+    pr.save(ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.d.start_load_kv({"r": LoadRequest(params, [10, 11], [-1])})
+    assert pr.get_finished() == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {10, 11}
+
+
+def test_worker_refuses_metadata_of_another_p_instance(pair):
+    pr = pair()
+    pr.p.add_request("r", 32)
+    meta = pr.p.build_connector_meta([ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True)])
+    meta.instance = "someone-else"
+    with pytest.raises(InvalidInputError, match="someone-else"):
+        pr.p.wait_for_save(pr.caches("p"), meta)
+
+
+def test_import_kvxfer_pulls_in_neither_vllm_nor_torch():
+    code = ("import sys, kvxfer, kvxfer.connector, kvxfer.cli; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_d_reads_under_its_own_request_id_and_names_p_s_id_to_p(pair):
+    # vLLM's request ids differ between P and D (a random suffix): D's done and heartbeats must
+    # name P's id from the params, or P never frees the request and D never gets its ack.
+    pr = pair()
+    pr.p.add_request("p-side", 32)
+    pr.save(ScheduledRequest("p-side", 0, 32, ([2, 3],), full_table=True))
+    params = pr.p.request_finished("p-side")
+    pr.serve()
+    assert pr.load("d-side", params, [10, 11]) == (["d-side"], [])
+    deadline = time.monotonic() + 10
+    while "p-side" not in pr.freed:
+        assert time.monotonic() < deadline, "P never freed its request"
+        time.sleep(0.01)
+
+
+def test_lease_refuses_a_generation_that_is_not_fresh(pair):
+    pr = pair()
+    pr.p.transport.lease("a", 5)
+    for stale in (5, 3, 0, "6"):
+        with pytest.raises(InvalidInputError, match=f"generation {stale!r} is not fresh"):
+            pr.p.transport.lease("b", stale)
+    pr.p.transport.lease("b", 6)
+    assert sorted(pr.p.transport.held()) == ["a", "b"]
+
+
+def _posts_held_until(transport, release, seen):
+    """Patch `transport._post`: note the thread each post runs on, wait for `release`."""
+    real = transport._post
+
+    def post(*args):
+        seen.append(threading.current_thread().name)
+        assert release.wait(10), "the test never released the post"
+        return real(*args)
+
+    transport._post = post
+
+
+def test_start_load_kv_returns_while_the_read_is_posted_on_a_thread_of_its_own(pair):
+    """Over UCX `cma` posting a READ copies its bytes; the engine's thread must not wait."""
+    pr = pair()
+    pr.p.add_request("r", 32)
+    pr.save(ScheduledRequest("r", 0, 32, ([4, 5],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.serve()
+    release, seen = threading.Event(), []
+    _posts_held_until(pr.d.transport, release, seen)
+    pr.d.start_load_kv({"r": LoadRequest(params, [1, 2])})
+    assert seen and seen[0] != threading.current_thread().name
+    assert seen[0].startswith("kvxfer-post-")
+    # While NIXL posts (over cma: copies, holding the agent), polls leave the agent alone.
+    agent, touched = pr.d.transport.agent, []
+    real_notifs = agent.get_new_notifs
+    agent.get_new_notifs = lambda: touched.append(1) or real_notifs()
+    assert pr.get_finished() == ([], [])  # not posted yet: nothing to scatter
+    assert pr.d.pending() == ["r"] and touched == []
+    release.set()
+    finished, failed = pr.wait(1)
+    assert (finished, failed) == (["r"], [])
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[1, 2]] == as_bits(p_cache)[[4, 5]]).all()
+
+
+def test_a_post_that_raises_fails_its_request_in_logical_ids_and_d_goes_on(pair):
+    pr = pair()
+    for req_id, ids in (("bad", [4, 5]), ("good", [8, 9])):
+        pr.p.add_request(req_id, 32)
+        pr.save(ScheduledRequest(req_id, 0, 32, (ids,), full_table=True))
+    params = {r: pr.p.request_finished(r) for r in ("bad", "good")}
+    pr.serve()
+    transport = pr.d.transport
+    real = transport._post
+
+    def post_once_failing(*args):
+        transport._post = real
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    transport._post = post_once_failing
+    assert pr.load("bad", params["bad"], [1, 2]) == ([], ["bad"])
+    assert pr.d.get_block_ids_with_load_errors() == {1, 2}
+    assert "bad" not in pr.d.staging  # nothing was posted: its slots are free at once
+    assert pr.load("good", params["good"], [3, 4]) == (["good"], [])  # after a reconnect
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[3, 4]] == as_bits(p_cache)[[8, 9]]).all()

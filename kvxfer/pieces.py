@@ -1,4 +1,19 @@
 """A process's piece of every block, for instances that span hosts.
+
+An instance on several hosts is several JAX processes sharing one mesh; each
+addresses only its own shards, so each stages, registers and moves only its
+piece of each block, and nothing crosses between the hosts of one instance:
+
+    piece = Piece.local(caches)                     # this process's units of each block
+    staging = piece_staging(layout, piece, slots)   # registered with this process's agent
+    gather_piece_into(caches, ids, staging, slots, piece)            # P
+    caches, sums = scatter_piece(caches, staging, ids, slots, piece)  # D
+
+A block is cut along its one sharded inner axis into `units`; a process
+holds units `[lo, hi)`. Slots are unit-major, so any range of units of a
+block is one run of bytes on both sides. Each unit's words are summed with
+the fingerprint's weights (`kvxfer.fingerprint`), so P and D may cut blocks
+differently and still compare. Only the host backend (XLA:CPU) is built.
 """
 
 

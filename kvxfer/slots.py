@@ -1,4 +1,12 @@
-"""Staging slots: which request's blocks sit in which slots of a staging (pure Python).
+"""Staging slots: which request's blocks sit in which slots (plain Python, no memory).
+
+`SlotMap` is the bookkeeping of a `kvxfer.staging.Staging`, usable without
+the regions, so an engine's scheduler process can hand out slots while the
+worker that owns the registered memory copies into them. With
+`placement="runs"` (the default) each request gets contiguous runs of slots
+in the order its blocks are first staged, so D reads it as a few large NIXL
+descriptors whatever its block ids; `"mirror"` is vLLM's layout, slot `i`
+holding kernel block `i`. A block staged again keeps its slot.
 """
 
 

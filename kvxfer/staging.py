@@ -1,4 +1,10 @@
 """Host staging: the host arrays NIXL registers, and the slot map of what lives in them.
+
+One page-aligned numpy region per layer, `[num_slots, *block_shape]`,
+allocated, touched and registered once and reused for every request, plus a
+fingerprint region (`prints`) that travels with the blocks it vouches for.
+A block copied again by a later chunk goes back to its slot, so D always
+reads the newest copy.
 """
 
 

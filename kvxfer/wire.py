@@ -1,4 +1,11 @@
 """What P and D say to each other: transfer params and notification messages (no NIXL).
+
+`ReadParams` are P's `kv_transfer_params` for one request: P's agent,
+instance, address and generation, and per KV cache group the staging keys
+(kernel positions) and P slots of its blocks; with `sources`, every process
+of a multi-host P and the units it stages. They pass through the engine and
+its proxies, so `ReadParams.parse` checks every field. Notifications are a
+magic prefix and versioned JSON (`encode_message`, `decode_message`).
 """
 
 

@@ -1,4 +1,4 @@
-"""One of two JAX processes on loopback, for `test_agree.py`: `python agree.py RANK PORT CASE`.
+"""One of two JAX processes on loopback, for `test_multihost.py`: `python agree.py RANK PORT CASE`.
 
 Prints one JSON line with what it saw. Cases:
 - "many": 600 agreements with rank-dependent rows; checks every row and reports the

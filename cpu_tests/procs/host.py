@@ -1,4 +1,4 @@
-"""One process (host) of a multi-host P or D instance, for `test_multihost.py`.
+"""One process (host) of a multi-host P or D instance, for `test_connector_across_hosts.py`.
 
     python host.py '<spec json>'
 

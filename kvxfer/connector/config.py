@@ -1,5 +1,4 @@
-"""What a connector reads, in one place.
-"""
+"""`ConnectorConfig`: everything a connector reads, in one place (its NIXL agent's included)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,15 @@
 """D's worker side: reads from P over NIXL, verifies, and scatters into the caches.
+
+`start_load_kv` checks each request's params against D's block table, skips
+the entries D already holds (a local prefix hit), places every block P sends
+at the same position of D's table (`kvxfer.blocks.kernel_placement`) and
+posts the reads. `get_finished` advances them, scatters what arrived from
+staging into the device caches in place (one scatter per group), checks each
+request's blocks as they landed against P's fingerprints, and returns the
+new caches with the finished and failed request ids. Whatever goes wrong
+with one request (bad params, a table that does not cover P's positions, a
+read error, a failed check) fails that request alone, in its logical block
+ids (`get_block_ids_with_load_errors`), and frees every slot it took.
 """
 
 from __future__ import annotations

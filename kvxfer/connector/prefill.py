@@ -1,4 +1,12 @@
-"""P's worker side, and P in one process.
+"""P's worker side (`PrefillWorker`), and P in one process (`PrefillConnector`).
+
+After each forward pass `PrefillWorker.save` copies the blocks the scheduler
+side planned straight out of the device caches into their staging slots (one
+gather per KV cache group for every request of the step), with their
+fingerprints beside them, then holds the requests that completed under a
+lease. `poll` reports the requests D has read (or whose lease expired), whose
+slots the scheduler side may reuse. Since P's blocks sit in host staging once
+saved, the engine may free P's device blocks as soon as a request finishes.
 """
 
 from __future__ import annotations

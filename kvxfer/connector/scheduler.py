@@ -1,6 +1,12 @@
-"""The scheduler side: P's save plans, staging slots, transfer identity and params; D's loads.
+"""The scheduler side: P's save plans, staging slots and params; D's loads.
 
-Imports neither JAX, numpy nor NIXL: vLLM runs this in its scheduler process.
+`PrefillScheduler` turns each engine step into a `SaveMeta`: which blocks to
+copy (the `SaveTracker`'s plan, placed at kernel positions), their staging
+slots and, for a request whose prefill completes in the step, its
+generation and `kv_transfer_params`. So the params exist as soon as the
+completing step is planned, which is when vLLM asks for them. `LoadRequest`
+is what D's scheduler side hands its worker. Imports neither JAX, numpy nor
+NIXL: vLLM runs this in its scheduler process.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
 """A NIXL agent's life cycle: the one NIXL import, `TransportConfig`, creation and close.
+
+One agent per process, UCX backend, registering every group's staging
+regions once. Names are unique among a process's live agents (NIXL tells
+peers apart by them). Agents run in NIXL's thread-safe mode (D posts READs
+from a thread of its own), and their progress thread waits for events
+instead of spinning (`TransportConfig.progress_wake_us`).
 """
 
 
@@ -51,18 +57,13 @@ class TransportConfig:
       NIXL's UCX progress thread waits for events (it wakes at once when one
       arrives; the timeout only bounds a missed wake-up; NIXL rounds it up to
       whole milliseconds). NIXL's Python API passes 0, and then the thread
-      spins: every agent holds a whole core while idle (measured: 3.0 CPU-s
-      per 3 s idle, against 0.06 with 1,000). 0 keeps NIXL's spinning thread.
+      spins, holding a whole core while idle. 0 keeps NIXL's spinning thread.
     - `etcd_endpoints`: NIXL's central metadata service (`NIXL_ETCD_ENDPOINTS`,
       for example `http://10.0.0.2:2379`). Every agent publishes its metadata
       there under its name and fetches its peers' by name, so many P and D
       agents need no pairwise listener handshake; no listener is started
       (`listen_port` is unused, params still carry `host`). None: D fetches
       from P's listener at `host:listen_port`, as between two processes.
-
-    Per-slot prepared descriptor lists (`prep_xfer_dlist`) were measured and
-    dropped: with runs placement they were no faster (0.79-0.89x memcpy vs
-    0.87-0.92x), NIXL merging adjacent per-slot descriptors itself.
     """
 
     name: str

@@ -1,4 +1,12 @@
-"""P's transport: serves staged blocks to D, frees them on `done` or lease expiry.
+"""P's transport: serves staged blocks to D, and frees them on `done` or lease expiry.
+
+Every P start draws a new `instance` id, named in its advertisement and in
+every param set; D's `done` and `hb` name it back, so a restarted P never
+serves params of the one before. `lease` holds a request under a fresh
+generation for `lease_s` (heartbeats extend it); P frees a request when
+every D process said done, or when its lease expires, and only inside
+`poll`. A lease once expired is never revived, so "held when the `done`
+arrived" implies "held during the whole read": P acks `ok` only then.
 """
 
 

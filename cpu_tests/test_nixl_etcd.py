@@ -19,7 +19,7 @@ from kvxfer.nixl.agent import TransportConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Peer, PeerError  # noqa: E402
-from test_transport import TIMEOUT, assert_read_intact, read, spec, stage_and_hold  # noqa: E402
+from test_nixl import TIMEOUT, assert_read_intact, read, spec, stage_and_hold  # noqa: E402
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
 
