@@ -91,7 +91,8 @@ def kernel_ratio(logical_block_size: int, kernel_block_size: int) -> int:
 def kernel_placement(placed: Iterable[tuple[int, int]], ratio: int) -> list[tuple[int, int]]:
     """The kernel blocks of logical blocks placed in a block table, as `(position, kernel id)`.
 
-    `placed` holds `(table index, logical id)` pairs; each yields its `r = ratio`
+    `placed` holds `(table index, logical id)` pairs of non-negative ints (the
+    save plan's, or D's checked table entries); each yields its `r = ratio`
     kernel blocks `(index*r + j, L*r + j)`, `j = 0..r-1`, in order. The kernel
     *position* `index*r + j` names a block by the token range it holds, whatever
     its id: P stages and names each block by it, and D writes the block it
@@ -99,12 +100,10 @@ def kernel_placement(placed: Iterable[tuple[int, int]], ratio: int) -> list[tupl
     D cannot disagree on the mapping (DESIGN.md's second bug).
     """
     _check_positive("ratio", ratio)
-    out: list[tuple[int, int]] = []
-    for index, logical in placed:
-        _check_non_negative("table index", index)
-        _check_non_negative("logical block id", logical)
-        out.extend((index * ratio + j, logical * ratio + j) for j in range(ratio))
-    return out
+    if ratio == 1:
+        return [(index, logical) for index, logical in placed]
+    return [(index * ratio + j, logical * ratio + j) for index, logical in placed
+            for j in range(ratio)]
 
 
 def table_entries(indices: Iterable[int], table: Sequence[int]) -> list[tuple[int, int]]:
@@ -113,19 +112,22 @@ def table_entries(indices: Iterable[int], table: Sequence[int]) -> list[tuple[in
     Raises `InvalidInputError` naming the index where the table is too short or
     holds the null block: nothing can be written there.
     """
-    out = []
+    size, out = len(table), []
     for i in indices:
-        _check_non_negative("table index", i)
-        if i >= len(table):
-            raise InvalidInputError(f"table entry {i} is past the table's {len(table)} entries")
-        if table[i] == NULL_BLOCK:
+        if not 0 <= i < size:
+            raise InvalidInputError(f"table entry {i} is past the table's {size} entries")
+        block = table[i]
+        if block == NULL_BLOCK:
             raise InvalidInputError(f"table entry {i} holds the null block")
-        out.append((i, table[i]))
+        out.append((i, block))
     return out
 
 
 def to_kernel_ids(logical_ids: Iterable[int], ratio: int) -> list[int]:
     """Kernel block ids covering logical ids: `L -> L*r, ..., L*r + r - 1`, in order."""
+    logical_ids = list(logical_ids)
+    for logical in logical_ids:
+        _check_non_negative("logical block id", logical)
     return [k for _, k in kernel_placement(enumerate(logical_ids), ratio)]
 
 
