@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvxfer import _host_buffers, _xla
-from kvxfer._host_buffers import slice_runs
+from kvxfer._rows import slice_runs
 from kvxfer._xla import scatter_fn
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints

@@ -26,13 +26,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from kvxfer import _xla
+from kvxfer._rows import RowCopies
 from kvxfer.errors import InvalidInputError
-from kvxfer.fingerprint import fmix32, piece_weights
+from kvxfer.fingerprint import fmix32, piece_weights, sums_words
 from kvxfer.layout import CacheLayout
 
-__all__ = ["BufferHashes", "RowCopies", "buffer_view", "copy_then_hash", "fingerprint",
-           "gather_into", "host_threads", "own_buffers", "run_per_shard", "scatter",
-           "slice_runs", "sums_words"]
+__all__ = ["BufferHashes", "buffer_view", "copy_then_hash", "fingerprint",
+           "gather_into", "host_threads", "own_buffers", "run_per_shard", "scatter"]
 
 
 # The backend: what `kvxfer.gather` calls once its inputs are checked.
@@ -101,13 +101,6 @@ def fingerprint(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
                    for layer, cache in enumerate(caches)
                    for shard in cache.addressable_shards if shard.replica_id == 0])
     return hashes.result()
-
-
-def sums_words(layout: CacheLayout) -> bool:
-    """Whether each shard's piece of a block is whole 32-bit words (numpy can sum it)."""
-    piece = layout.shard_block_shape[-1] * layout.np_dtype.itemsize
-    whole = layout.block_shape[-1] * layout.np_dtype.itemsize
-    return piece % 4 == 0 and whole % 4 == 0
 
 
 # Host copies on several threads.
@@ -194,67 +187,6 @@ def buffer_view(array: jax.Array) -> np.ndarray:
     return np.frombuffer(raw, dtype=array.dtype).reshape(array.shape)
 
 
-class RowCopies:
-    """`dst[to[i]] = src[frm[i]]` for the blocks a shard holds, as slice copies where
-    rows run together.
-
-    `ids` are block ids (global), `rows` the matching host rows; `ids_are_dst` says
-    which side the shard's buffer is. The rows each block range holds, and their
-    runs, are worked out once per call and reused for every layer and inner piece.
-    """
-
-    def __init__(self, ids: np.ndarray, rows: np.ndarray, ids_are_dst: bool):
-        self.ids, self.rows, self.ids_are_dst = ids, rows, ids_are_dst
-        self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list | None]] = {}
-
-    def copy(self, shard: jax.Shard, dst: np.ndarray, src: np.ndarray) -> None:
-        first, size = shard.index[0].start or 0, shard.data.shape[0]
-        plan = self._plans.get((first, size))
-        if plan is None:
-            local = self.ids - first
-            inside = (local >= 0) & (local < size)
-            held, rows = local[inside], self.rows[inside]
-            to, frm = (held, rows) if self.ids_are_dst else (rows, held)
-            runs = slice_runs(frm, to)
-            plan = self._plans[(first, size)] = (to, frm, runs if 2 * len(runs) <= len(to)
-                                                 else None)
-        to, frm, runs = plan
-        if not len(to):
-            return
-        if runs is not None:  # mostly contiguous: no temporary
-            for s, d, n in runs:
-                if n > 0:
-                    dst[d : d + n] = src[s : s + n]
-                else:
-                    dst[d : d - n] = src[s + n + 1 : s + 1][::-1]
-        else:
-            dst[to] = src[frm]
-
-
-def slice_runs(frm: np.ndarray, to: np.ndarray) -> list[tuple[int, int, int]]:
-    """`dst[to[i]] = src[frm[i]]` (`to` distinct) as runs `(s, d, n)`: `dst[d:d+|n|]`
-    gets rows `s, s+1, ...` of `src` for `n > 0`, rows `s, s-1, ...` for `n < 0`.
-
-    In destination order, so a table allocated from a free list that hands out
-    blocks in descending order (vLLM frees a request's blocks tail first) still
-    copies in runs.
-    """
-    order = np.argsort(to, kind="stable")
-    runs: list[tuple[int, int, int]] = []
-    for d, s in zip(to[order].tolist(), frm[order].tolist()):
-        if runs:
-            s0, d0, n = runs[-1]
-            if d == d0 + abs(n):
-                if s == s0 + n and n > 0:
-                    runs[-1] = (s0, d0, n + 1)
-                    continue
-                if s == s0 - abs(n) and (n < 0 or n == 1):
-                    runs[-1] = (s0, d0, -abs(n) - 1)
-                    continue
-        runs.append((s, d, 1))
-    return runs
-
-
 class BufferHashes:
     """Fingerprints summed with numpy from the caches' own buffers (XLA:CPU).
 
@@ -278,7 +210,7 @@ class BufferHashes:
 
     @classmethod
     def of(cls, layout: CacheLayout, ids: np.ndarray) -> BufferHashes | None:
-        return cls(layout, ids) if sums_words(layout) else None
+        return cls(layout, ids) if sums_words(layout, layout.shard_block_shape[-1]) else None
 
     def add(self, layer: int, shard: jax.Shard, view: np.ndarray) -> None:
         """Add the words `view` (the shard's buffer) holds of the blocks in `ids`."""

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kvxfer._rows import RowCopies
 from kvxfer.errors import InvalidInputError
 from kvxfer.fingerprint import device_fingerprint
 from kvxfer.layout import CacheLayout
@@ -76,10 +77,11 @@ def gather_into(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], id
                 regions: Sequence[np.ndarray], dst: np.ndarray) -> np.ndarray:
     """Gather into pinned host memory, then copy each shard's rows into rows `dst` of `regions`."""
     blocks, prints = gather(layout, mesh, caches, ids, fingerprints=True)
+    copies = RowCopies(np.arange(len(ids)), dst, ids_are_dst=False)  # row i -> slot dst[i]
     for gathered, region in zip(blocks, regions):
         for shard in gathered.addressable_shards:
             if shard.replica_id == 0:
-                region[(slice(None), *shard.index[1:])][dst] = np.asarray(shard.data)[: len(ids)]
+                copies.copy(shard, region[(slice(None), *shard.index[1:])], np.asarray(shard.data))
     return np.asarray(prints)[:, : len(ids)]
 
 

@@ -30,7 +30,7 @@ from kvxfer.errors import CorruptionError, InvalidInputError
 from kvxfer.layout import CacheLayout
 
 __all__ = ["compare_fingerprints", "device_fingerprint", "fmix32", "host_fingerprint",
-           "piece_weights", "word_weight"]
+           "piece_weights", "sums_words", "word_weight"]
 
 _K = np.uint32(0x9E3779B1)
 _MURMUR_C1 = np.uint32(0x85EBCA6B)
@@ -88,6 +88,13 @@ def _piece_weights(layout: CacheLayout, key: tuple[tuple[int | None, int | None]
     return word_weight((first // per_word).astype(np.uint32))
 
 
+def sums_words(layout: CacheLayout, last: int) -> bool:
+    """Whether a piece of a block whose last axis holds `last` elements is whole 32-bit
+    words, so that its words are summed (else its elements, each at its byte offset)."""
+    itemsize = layout.np_dtype.itemsize
+    return (last * itemsize) % 4 == 0 and (layout.block_shape[-1] * itemsize) % 4 == 0
+
+
 def host_fingerprint(layout: CacheLayout, rows: np.ndarray) -> np.ndarray:
     """`uint32[n]`: the fingerprints of whole blocks `rows`, `[n, *block_shape]`, with numpy."""
     n = rows.shape[0]
@@ -112,7 +119,7 @@ def device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
     n, local = rows.shape[0], rows.shape[1:]
     itemsize = layout.np_dtype.itemsize
     per_word = 4 // itemsize
-    aligned = (local[-1] * itemsize) % 4 == 0 and (layout.block_shape[-1] * itemsize) % 4 == 0
+    aligned = sums_words(layout, local[-1])
     step = per_word if aligned else 1
     # The flat index, in the whole block, of each element this device sums (the
     # first element of each word when summing words).

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import NamedTuple
 
@@ -36,7 +36,7 @@ from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints, host_fingerprint
 from kvxfer.layout import CacheLayout
 
-__all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_setting",
+__all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_for", "backend_setting",
            "block_fingerprints", "bucket_size", "check_fingerprints", "compare_fingerprints",
            "fingerprint_blocks", "gather_blocks", "gather_into", "scatter_blocks"]
 
@@ -59,8 +59,13 @@ def backend(mesh: Mesh) -> str:
     Raises `InvalidInputError` naming a bad `KVXFER_BACKEND`, or `host` for a mesh that
     is not on CPUs.
     """
+    return backend_for(d.platform for d in mesh.devices.flat)
+
+
+def backend_for(platforms: Iterable[str]) -> str:
+    """`backend`, for devices of these platforms."""
     choice = backend_setting()
-    platforms = sorted({d.platform for d in mesh.devices.flat})
+    platforms = sorted(set(platforms))
     if choice == "auto":
         return "host" if platforms == ["cpu"] else "xla"
     if choice == "host" and platforms != ["cpu"]:
@@ -123,9 +128,9 @@ def gather_blocks(
     Raises `InvalidInputError` (or its subclass `LayoutMismatchError`) naming the
     offending value before anything is dispatched.
     """
-    _check_flag("fingerprints", fingerprints)
+    check_flag("fingerprints", fingerprints)
     layout = CacheLayout.from_caches(caches)
-    ids = _check_block_ids(block_ids, layout)
+    ids = check_block_ids(block_ids, layout)
     out = _xla.gather(layout, caches[0].sharding.mesh, caches, ids, fingerprints)
     if fingerprints:
         return GatheredBlocks(*out)
@@ -171,9 +176,9 @@ def scatter_blocks(
     Raises `InvalidInputError` (or `LayoutMismatchError`) naming the offending value
     before anything is dispatched.
     """
-    _check_flag("fingerprints", fingerprints)
+    check_flag("fingerprints", fingerprints)
     layout = CacheLayout.from_caches(caches)
-    ids = _check_block_ids(block_ids, layout)
+    ids = check_block_ids(block_ids, layout)
     uniq, counts = np.unique(ids, return_counts=True)
     if (counts > 1).any():
         raise InvalidInputError(
@@ -213,7 +218,7 @@ def gather_into(
     from the caches (the same values `gather_blocks(..., fingerprints=True)` gives).
     """
     layout = CacheLayout.from_caches(caches)
-    ids = _check_block_ids(block_ids, layout)
+    ids = check_block_ids(block_ids, layout)
     num_rows = _check_host_blocks(regions, layout, 0, "regions")
     dst = _check_rows(rows, len(ids), num_rows)
     if len(np.unique(dst)) != len(dst):
@@ -237,7 +242,7 @@ def fingerprint_blocks(
     against P's fingerprints with it, after the scatter.
     """
     layout = CacheLayout.from_caches(caches)
-    ids = _check_block_ids(block_ids, layout)
+    ids = check_block_ids(block_ids, layout)
     mesh = caches[0].sharding.mesh
     return _backend(mesh).fingerprint(layout, mesh, caches, ids)
 
@@ -295,7 +300,7 @@ def check_fingerprints(
     compare_fingerprints(block_fingerprints(layout, host_blocks, count), expected[:, :count])
 
 
-def _check_block_ids(block_ids: object, layout: CacheLayout) -> np.ndarray:
+def check_block_ids(block_ids: object, layout: CacheLayout) -> np.ndarray:
     ids = np.asarray(block_ids)
     if ids.ndim != 1:
         raise InvalidInputError(f"block_ids must be 1-D, got shape {ids.shape}")
@@ -310,7 +315,7 @@ def _check_block_ids(block_ids: object, layout: CacheLayout) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def _check_flag(name: str, value: object) -> None:
+def check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise InvalidInputError(f"{name} must be True or False, got {value!r:.80}")
 

@@ -29,17 +29,17 @@ import numpy as np
 
 from kvxfer._host_buffers import (
     BufferHashes,
-    RowCopies,
     buffer_view,
     copy_then_hash,
     host_threads,
     own_buffers,
     run_per_shard,
 )
+from kvxfer._rows import RowCopies
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import piece_weights
-from kvxfer.gather import _check_block_ids, _check_flag
+from kvxfer.fingerprint import piece_weights, sums_words
+from kvxfer.gather import backend_for, backend_setting, check_block_ids, check_flag
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
 
@@ -170,7 +170,7 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     the sum of P's per-unit sums over `[piece.lo, piece.hi)` (`unit_sums`);
     None with `sums=False` (nothing is hashed).
     """
-    _check_flag("sums", sums)
+    check_flag("sums", sums)
     layout = CacheLayout.from_caches(caches)
     ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
     if len(ids) == 0:
@@ -201,21 +201,21 @@ def _check_words(layout: CacheLayout, piece: Piece) -> None:
     if split_axis(layout) != piece.axis or layout.block_shape[piece.axis] != piece.units:
         raise LayoutMismatchError(f"piece {piece} does not cut blocks of {layout.block_shape} "
                                   f"(spec {layout.spec}) along their split axis")
-    itemsize = layout.np_dtype.itemsize
-    if layout.block_shape[-1] * itemsize % 4 or (piece.axis == len(layout.block_shape) - 1):
+    if not sums_words(layout, layout.block_shape[-1]) or piece.axis == len(layout.block_shape) - 1:
         raise LayoutMismatchError(
             f"blocks of {layout.block_shape} {layout.dtype} split along axis {piece.axis}: a "
             f"unit's innermost run must be whole 32-bit words, and not the split axis itself")
-    if not all(d.platform == "cpu" for d in jax.local_devices()):
+    platforms = {d.platform for d in jax.local_devices()}
+    if backend_for(platforms) != "host":
         raise InvalidInputError(
-            f"pieces across hosts are built for XLA:CPU only, this process runs on "
-            f"{jax.devices()[0].platform}")
+            f"pieces across hosts are built for the host backend (XLA:CPU) only; this process "
+            f"runs on {sorted(platforms)} with KVXFER_BACKEND={backend_setting()}")
 
 
 def _check_piece_call(layout: CacheLayout, block_ids: Any, staging: Staging, slots: Any,
                       piece: Piece) -> tuple[np.ndarray, np.ndarray]:
     _check_words(layout, piece)
-    ids = _check_block_ids(block_ids, layout)
+    ids = check_block_ids(block_ids, layout)
     want = (layout.num_layers, piece_shape(layout, piece), layout.np_dtype, piece.count)
     got = (staging.num_layers, staging.block_shape, staging.dtype, staging.prints_per_layer)
     if not isinstance(staging, Staging) or got != want:

@@ -119,7 +119,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 5610
     name: str | None = None
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:

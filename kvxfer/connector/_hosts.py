@@ -49,15 +49,24 @@ Spans = list[tuple[str, int, int]]
 """`(request, first row, count)`: which rows of one scatter belong to which request."""
 
 
-def per_group(caches: object) -> tuple[list[list[jax.Array]], bool]:
-    """`caches` as one list of per-layer arrays per group, and whether it came as one group."""
+def per_group(caches: object, count: int | None = None, of: str = "this connector"
+              ) -> tuple[list[list[jax.Array]], bool]:
+    """`caches` as one list of per-layer arrays per group, and whether it came as one group.
+
+    With `count`, raises `LayoutMismatchError` unless there are `count` groups (`of` says
+    whose count it is).
+    """
     if isinstance(caches, (jax.Array, np.ndarray)) or not isinstance(caches, Sequence) or not caches:
         raise InvalidInputError(
             f"caches must be a list of per-layer jax.Arrays (one group) or a list of such lists "
             f"(one per KV cache group), got {type(caches).__name__}")
     if isinstance(caches[0], jax.Array):
-        return [list(caches)], True
-    return [list(c) if isinstance(c, Sequence) else c for c in caches], False
+        groups, single = [list(caches)], True
+    else:
+        groups, single = [list(c) if isinstance(c, Sequence) else c for c in caches], False
+    if count is not None and len(groups) != count:
+        raise LayoutMismatchError(f"caches hold {len(groups)} groups, {of} {count}")
+    return groups, single
 
 
 def for_caches(config: object, caches: Caches) -> OneProcess | ManyProcesses:
@@ -161,7 +170,7 @@ class ManyProcesses(OneProcess):
                          for layout, piece in zip(layouts, pieces)]
         first = pieces[0]
         self.piece = (first.lo, first.hi, first.units)
-        self._sources = [Source(f"{config.transport.name}-{process}", p.lo, p.hi)
+        self._sources = [Source(_agent_name(config, process), p.lo, p.hi)
                          for process, p in process_pieces(groups[0]).items()]
         self._freed_here: set[str] = set()  # P: freed here, not yet everywhere
         self._read_here: set[str] = set()  # D: read here, not yet agreed
@@ -169,8 +178,7 @@ class ManyProcesses(OneProcess):
     @property
     def transport_config(self) -> TransportConfig:
         """One agent per process, named `name-<process>`."""
-        return replace(self.config.transport,
-                       name=f"{self.config.transport.name}-{jax.process_index()}")
+        return replace(self.config.transport, name=_agent_name(self.config, jax.process_index()))
 
     @property
     def reader(self) -> tuple[int, int]:
@@ -247,3 +255,8 @@ class ManyProcesses(OneProcess):
         for req_id, is_bad in zip(list(loads), everywhere):
             if is_bad and req_id not in bad:
                 bad[req_id] = "its blocks failed verification on another process"
+
+
+def _agent_name(config: ConnectorConfig, process: int) -> str:
+    """The agent of one process of an instance across hosts: `<name>-<process index>`."""
+    return f"{config.transport.name}-{process}"

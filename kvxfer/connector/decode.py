@@ -175,10 +175,7 @@ class DecodeConnector:
         Never raises for a per-request problem; caches of another layout raise
         `LayoutMismatchError` before any state changes.
         """
-        groups, single = per_group(caches)
-        if len(groups) != len(self.layouts):
-            raise LayoutMismatchError(
-                f"caches hold {len(groups)} groups, this connector {len(self.layouts)}")
+        groups, single = per_group(caches, len(self.layouts))
         for g, (group_caches, layout) in enumerate(zip(groups, self.layouts)):
             got = CacheLayout.from_caches(group_caches, self.config.kernel_ratio)
             if got != layout:

@@ -73,10 +73,7 @@ class PrefillWorker:
             raise InvalidInputError(
                 f"metadata is for P instance {meta.instance!r}, this worker serves "
                 f"{self.transport.instance!r}")
-        groups, _ = per_group(caches)
-        if len(groups) != len(self.layouts):
-            raise InvalidInputError(
-                f"caches hold {len(groups)} groups, this connector {len(self.layouts)}")
+        groups, _ = per_group(caches, len(self.layouts))
         for g, group_caches in enumerate(groups):
             ids = [k for placed in meta.blocks.values() for _, k in placed[g]]
             if ids:
@@ -113,10 +110,7 @@ class PrefillConnector:
         if not isinstance(config, ConnectorConfig):
             raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
         groups = list(groups)
-        num_groups = len(per_group(caches)[0])
-        if num_groups != len(groups):
-            raise InvalidInputError(f"caches hold {num_groups} groups, the GroupSpecs "
-                                    f"{len(groups)}")
+        per_group(caches, len(groups), of="the GroupSpecs")
         SaveTracker(groups)  # checks the specs before a NIXL agent starts
         self.config = config
         self.worker = PrefillWorker(config, caches)

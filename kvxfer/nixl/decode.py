@@ -104,7 +104,7 @@ class DecodeTransport:
         piece: tuple[int, int, int] | None = None,
         reader: tuple[int, int] = (0, 1),
     ):
-        self.config, self.stagings = config, stagings_of(staging)
+        self.config, self.stagings, self.layout = config, stagings_of(staging), dict(layout)
         self.piece = check_piece(piece)
         if not (isinstance(reader, (tuple, list)) and len(reader) == 2
                 and all(is_int(v) for v in reader) and 0 <= reader[0] < reader[1]):
@@ -112,7 +112,8 @@ class DecodeTransport:
                                     f"got {reader!r:.80}")
         self.reader = (int(reader[0]), int(reader[1]))
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
-        self.peers = Peers(self.agent, config, self.stagings, layout, layout_check, self.piece)
+        self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
+                           self.piece, on_ack=self._on_ack)
         self._reads: dict[str, _Read] = {}
         self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
         self._zombies = _Zombies(self.stagings)
@@ -139,6 +140,7 @@ class DecodeTransport:
         logger.warning("D %s drops peer %s: %s", self.config.name, peer, why)
         for read in [r for r in self._reads.values() if peer in r.legs]:
             self._fail(read)
+        self.peers.forget(peer)  # after its reads' posts have settled
 
     # -- reads
 
@@ -237,7 +239,6 @@ class DecodeTransport:
         now = time.monotonic() if now is None else now
         if not self._posting():
             self.peers.drain()
-            self._take_acks()
             for read in list(self._reads.values()):
                 if read.req_id in self._reads:  # else failed with a peer meanwhile
                     self._advance(read)
@@ -299,14 +300,6 @@ class DecodeTransport:
                     self._fail(read)
                     self._drop_peer(leg.peer, str(e))
                     return
-
-    def _take_acks(self) -> None:
-        acks, self.peers.acks = self.peers.acks, []
-        for sender, msg in acks:
-            try:
-                self._on_ack(sender, msg)
-            except TransferError as e:
-                logger.warning("D %s ignores a message: %s", self.config.name, e)
 
     def _on_ack(self, sender: str, msg: dict[str, Any]) -> None:
         req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)

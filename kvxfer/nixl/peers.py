@@ -63,17 +63,19 @@ class Peers:
     - `stagings`: D's staging, one per group (P's must match its block bytes).
     - `layout`, `layout_check`: D's advertised layout and the check of P's against it.
     - `piece`: `(lo, hi, units)` D's staging holds of each block; None for whole blocks.
+    - `on_ack`: `(sender, message)`, called with each `ack` as it is read (D's read
+      state machine); a `TransferError` it raises is a malformed message.
 
-    Notifications are read here (`drain`): `layout` answers feed the handshake,
-    and every `ack` waits in `acks` for D's read state machine.
+    Notifications are read here (`drain`), wherever D waits for a peer.
     """
 
     def __init__(self, agent: Any, config: TransportConfig, stagings: Sequence[Staging],
                  layout: Mapping[str, Any], layout_check: LayoutCheck,
-                 piece: tuple[int, int, int] | None):
+                 piece: tuple[int, int, int] | None,
+                 on_ack: Callable[[str, dict[str, Any]], None]):
         self.agent, self.config, self.stagings = agent, config, stagings
         self.layout, self.layout_check, self.piece = dict(layout), layout_check, piece
-        self.acks: list[tuple[str, dict[str, Any]]] = []  # (sender, message), not yet handled
+        self.on_ack = on_ack
         self._peers: dict[str, Peer] = {}
         self._instances: dict[str, str] = {}  # peer -> the instance last connected to
         self._past: dict[str, set[str]] = {}  # peer -> instances known to be gone
@@ -113,14 +115,17 @@ class Peers:
             if not etcd:
                 self.agent.send_local_metadata(host, port)
             send(self.agent, peer, "hello", agent=self.config.name)
-            advert = self._await_layout(peer, host, port, deadline)
-            self._peers[peer] = self._accept(peer, advert)
-        except (TransferError, LayoutMismatchError):
+        except TransferError:
             self.forget(peer)
             raise
         except Exception as e:
             self.forget(peer)
             raise TransferError(f"handshake with peer {peer!r} at {host}:{port} failed: {e}") from e
+        try:
+            self._peers[peer] = self._accept(peer, self._await_layout(peer, host, port, deadline))
+        except Exception:
+            self.forget(peer)
+            raise
         instance = self._peers[peer].instance
         if self._instances.get(peer, instance) != instance:  # a new start of that P
             self.mark_past(peer, self._instances[peer])
@@ -251,11 +256,8 @@ class Peers:
             logger.debug("D %s remove %s: %s", self.config.name, peer, e)
 
     def drop(self, peer: str) -> bool:
-        """Disconnect `peer`; whether it was connected."""
-        if self._peers.pop(peer, None) is None:
-            return False
-        self.forget(peer)
-        return True
+        """Disconnect `peer` (`forget` it once its reads are settled); whether it was connected."""
+        return self._peers.pop(peer, None) is not None
 
     def probe(self, peer: Peer) -> str | None:
         """The instance answering a fresh `hello` over the current connection, or None.
@@ -280,7 +282,7 @@ class Peers:
         return None
 
     def drain(self) -> None:
-        """Read D's notifications: advertisements for the handshake, acks into `acks`.
+        """Read D's notifications: advertisements for the handshake, acks to `on_ack`.
 
         Never raises because of what a peer sent: a bad message is logged and
         dropped (and fails a handshake with that peer in progress).
@@ -292,7 +294,7 @@ class Peers:
                     if msg["t"] == "layout":
                         self._adverts[sender] = msg
                     elif msg["t"] == "ack":
-                        self.acks.append((sender, msg))
+                        self.on_ack(sender, msg)
                     else:
                         logger.warning("D %s ignores %r message from %s", self.config.name,
                                        msg["t"], sender)
