@@ -117,6 +117,15 @@ def test_pieces_refuse_layouts_they_cannot_cut():
         Piece(1, 8, 4, 4)
 
 
+def test_pieces_refuse_the_xla_backend_by_name(monkeypatch):
+    layout = CacheLayout.from_caches(caches((1, 8), PartitionSpec(None, None, "model")))
+    piece = process_pieces(caches((1, 8), PartitionSpec(None, None, "model")))[0]
+    piece_staging(layout, piece, 4)
+    monkeypatch.setenv("KVXFER_BACKEND", "xla")
+    with pytest.raises(InvalidInputError, match="host backend .* KVXFER_BACKEND=xla"):
+        piece_staging(layout, piece, 4)
+
+
 def test_a_call_with_the_wrong_staging_or_slots_is_refused_by_name():
     p = caches((1, 8), PartitionSpec(None, None, "model"))
     layout = CacheLayout.from_caches(p)
