@@ -182,6 +182,18 @@ def test_bad_have_fails_the_request_alone(pair):
     assert pr.d.get_block_ids_with_load_errors() == {10, 11}
 
 
+def test_a_load_that_is_not_a_load_request_fails_alone(pair, caplog):
+    pr = pair()
+    pr.p.add_request("r", 32)
+    pr.save(ScheduledRequest("r", 0, 32, ([2, 3],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.serve()
+    pr.d.start_load_kv({"old": (params, [12, 13]), "r": LoadRequest(params, [10, 11])})
+    assert "expected a LoadRequest, got (" in caplog.text
+    assert pr.wait(2) == (["r"], ["old"])
+    assert pr.d.get_block_ids_with_load_errors() == set()  # no table D could read
+
+
 def test_worker_refuses_metadata_of_another_p_instance(pair):
     pr = pair()
     pr.p.add_request("r", 32)
