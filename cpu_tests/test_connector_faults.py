@@ -201,6 +201,23 @@ def test_hybrid_request_lands_at_its_positions_in_every_group_from_tp4_to_tp2(pa
     assert all(s.num_free_slots == s.num_slots for s in pr.d.stagings)
 
 
+def test_groups_sharing_cache_arrays_get_back_live_arrays_holding_every_groups_blocks(pair):
+    """vLLM's hybrid allocator gives layer j of every group one tensor (their blocks
+    disjoint): a scatter into group 1 donates the arrays group 0 holds too."""
+    groups = [GroupSpec(16), GroupSpec(16, "sliding_window", sliding_window=32)]
+    pr = pair(groups=groups)
+    pr.d_caches[1] = pr.d_caches[0]  # D's groups share their arrays
+    pr.p.add_request("r", 64)
+    pr.save(ScheduledRequest("r", 0, 64, ([3, 4, 5, 6], [0, 9, 10, 11]), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.serve()
+    assert pr.load("r", params, ([21, 20, 19, 18], [0, 25, 23, 24])) == (["r"], [])
+    assert not any(c.is_deleted() for group in pr.d_caches for c in group)
+    assert all(a is b for a, b in zip(*pr.d_caches))
+    assert_d_holds(pr, [21, 20, 19, 18], [3, 4, 5, 6], group=0)
+    assert_d_holds(pr, [25, 23, 24], [9, 10, 11], group=1)
+
+
 def test_hybrid_request_fails_when_d_table_lacks_a_window_position(pair):
     groups = [GroupSpec(16), GroupSpec(16, "sliding_window", sliding_window=32)]
     pr = pair(groups=groups)

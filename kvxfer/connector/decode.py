@@ -195,7 +195,7 @@ class DecodeConnector:
             for g in range(len(self.layouts)):
                 old = groups[g]
                 groups[g] = self._write_group(g, old, loads, bad)
-                _follow_donations(groups[g + 1:], old, groups[g])
+                _follow_donations([c for h, c in enumerate(groups) if h != g], old, groups[g])
         finally:
             for req_id in loads:
                 self.transport.free(req_id)
@@ -256,14 +256,14 @@ class DecodeConnector:
         self.transport.close()
 
 
-def _follow_donations(later: list[list[jax.Array]], old: Sequence[jax.Array],
+def _follow_donations(others: list[list[jax.Array]], old: Sequence[jax.Array],
                       new: Sequence[jax.Array]) -> None:
     """Groups may share arrays (vLLM's hybrid allocator gives layer j of every group one
-    tensor, their blocks disjoint): where a later group holds an array just donated by
-    a scatter, it now holds the array that replaced it."""
+    tensor, their blocks disjoint): where another group, before or after this one, holds
+    an array just donated by a scatter, it now holds the array that replaced it."""
     replaced = {id(a): b for a, b in zip(old, new) if a is not b}
     if replaced:
-        for caches in later:
+        for caches in others:
             caches[:] = [replaced.get(id(a), a) for a in caches]
 
 
