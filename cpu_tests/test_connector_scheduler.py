@@ -110,3 +110,17 @@ def test_prefill_scheduler_saves_each_logical_block_as_its_kernel_blocks_at_thei
     assert second.blocks["r"] == ([(2, 18), (3, 19), (4, 8), (5, 9)],)
     assert second.slots["r"][0][:2] == first.slots["r"][0][2:]  # re-staged in its own slots
     assert s.request_finished("r")["groups"][0]["keys"] == [0, 1, 2, 3, 4, 5]
+
+
+def test_releasing_a_request_still_prefilling_keeps_its_staged_blocks():
+    from kvxfer.scheduler import ScheduledRequest
+
+    s = _prefill_scheduler()
+    s.add_request("r", 40)
+    first = s.build_connector_meta([ScheduledRequest("r", 0, 24, ([5, 9, 4],), full_table=True)])
+    s.release(["r", "nobody"])  # not held for D yet: nothing to free
+    assert s.slot_maps[0].num_free_slots == 8 - 2
+    s.build_connector_meta([ScheduledRequest("r", 24, 16, None)])
+    params = s.request_finished("r")
+    assert params["groups"][0]["keys"] == [0, 1, 2]
+    assert params["groups"][0]["slots"][:2] == first.slots["r"][0]

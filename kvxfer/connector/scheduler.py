@@ -220,8 +220,16 @@ class PrefillScheduler:
             self._free_slots(req_id)
 
     def release(self, freed: Iterable[str]) -> None:
-        """The worker freed these requests (read by D, or lease expired): reuse their slots."""
+        """The worker freed these requests (read by D, or lease expired): reuse their slots.
+
+        Only a request handed to D can have been freed: any other id (one still being
+        prefilled, or unknown) is ignored, so its staged blocks stay where its params
+        will name them.
+        """
         for req_id in freed:
+            if req_id not in self._held:
+                logger.debug("P ignores the release of %s, which it does not hold for D", req_id)
+                continue
             self._held.discard(req_id)
             self._free_slots(req_id)
 
