@@ -120,3 +120,14 @@ def test_allocator_never_hands_out_a_slot_twice(ops):
         used = [s for runs in held for start, length in runs for s in range(start, start + length)]
         assert len(used) == len(set(used)) and all(0 <= s < 32 for s in used)
         assert alloc.num_free + len(used) == 32
+
+
+@pytest.mark.parametrize("keys", [[-1], [2, "3"], [1.0], [True]])
+@pytest.mark.parametrize("placement", ["runs", "mirror"])
+def test_a_slot_map_refuses_keys_that_are_not_non_negative_ints(keys, placement):
+    from kvxfer.slots import SlotMap
+
+    slots = SlotMap(8, placement)
+    with pytest.raises(InvalidInputError, match="staging keys must be non-negative ints"):
+        slots.assign("r", keys)
+    assert "r" not in slots and slots.num_free_slots == 8

@@ -143,8 +143,14 @@ class SlotMap:
     def assign(self, req_id: Hashable, kernel_ids: Sequence[int]) -> list[int]:
         """Slots for `kernel_ids` of `req_id`, allocating any block not yet staged.
 
-        A block already staged for the request keeps its slot.
+        A block already staged for the request keeps its slot. Keys must be
+        non-negative ints (kernel positions, or kernel ids with mirror placement);
+        anything else raises `InvalidInputError` naming it, before any change.
         """
+        bad = [k for k in kernel_ids if not is_int(k) or k < 0]
+        if bad:
+            raise InvalidInputError(f"request {req_id!r}: staging keys must be non-negative "
+                                    f"ints, got {bad[:4]!r}")
         req = self._requests.setdefault(req_id, _Request())
         if self.placement == "mirror":
             for k in kernel_ids:
