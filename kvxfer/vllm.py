@@ -336,7 +336,7 @@ class _SchedulerSide:
     # D
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if not self.consumer or not params or not params.get("do_remote_prefill"):
+        if not self.consumer or not _asks(params, "do_remote_prefill", request.request_id):
             return 0, False
         sent = params.get("num_prompt_tokens")
         if sent != request.num_prompt_tokens:
@@ -355,12 +355,12 @@ class _SchedulerSide:
         params = request.kv_transfer_params
         if not params:
             return
-        if self.prefill is not None and params.get("do_remote_decode"):
+        if self.prefill is not None and _asks(params, "do_remote_decode", request.request_id):
             req_id = request.request_id
             if req_id not in self.prefill.tracker and not params.get("_kvxfer_planned"):
                 self.prefill.add_request(req_id, request.num_prompt_tokens)
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
-        if self.consumer and params.get("do_remote_prefill"):
+        if self.consumer and _asks(params, "do_remote_prefill", request.request_id):
             local = self._local.pop(request.request_id, 0)
             if num_external > 0:
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
@@ -392,6 +392,18 @@ class _SchedulerSide:
 
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
+
+
+def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:
+    """Whether a request's `kv_transfer_params` set `key` (`do_remote_prefill`,
+    `do_remote_decode`) to true: only `True` asks; any other value is logged and ignored."""
+    if not params:
+        return False
+    value = params.get(key)
+    if value is not None and not isinstance(value, bool):
+        logger.warning("request %s: kv_transfer_params %r must be true or false, got %r; "
+                       "taken as false", req_id, key, value)
+    return value is True
 
 
 class _WorkerSide:

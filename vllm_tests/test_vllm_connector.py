@@ -323,3 +323,17 @@ def test_importing_the_connector_module_loads_neither_jax_nor_nixl():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("value, asks", [(True, True), ("no", False), (1, False), (None, False)])
+def test_only_true_asks_d_to_load_from_p(value, asks, caplog):
+    from types import SimpleNamespace
+
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.vllm import Settings, _SchedulerSide
+
+    d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=32, kv_transfer_params={
+        "do_remote_prefill": value, "num_prompt_tokens": 32})
+    assert d.matched_tokens(request, 0) == ((32, True) if asks else (0, False))
+    assert ("must be true or false, got 'no'" in caplog.text) == (value == "no")
