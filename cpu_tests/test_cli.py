@@ -211,3 +211,15 @@ def test_a_bad_backend_is_refused_by_the_cli_before_any_child_starts(monkeypatch
         "a child process was started"))
     assert main(["demo"]) == 2
     assert "KVXFER_BACKEND must be one of ('auto', 'xla', 'host'), got 'tpu'" in capsys.readouterr().err
+
+
+def test_an_unwritable_profile_directory_is_refused_before_any_child_starts(
+        monkeypatch, capsys, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("KVXFER_PROFILE", str(blocked / "prof"))
+    monkeypatch.setattr("kvxfer.demo.procs.Proc.__init__", lambda *a, **k: pytest.fail(
+        "a child process was started"))
+    assert main(["bench", "e2e", "--json"]) == 2
+    assert f"KVXFER_PROFILE={str(blocked / 'prof')!r} is not a writable directory" in \
+        capsys.readouterr().err

@@ -48,7 +48,7 @@ import numpy as np
 
 from kvxfer.bench import memcpy_gbps
 from kvxfer.blocks import cdiv
-from kvxfer.demo.procs import Lines, Proc, child_output, profiled, say
+from kvxfer.demo.procs import Lines, Proc, child_output, profile_dir, profiled, say
 
 __all__ = ["E2EConfig", "run"]
 
@@ -328,6 +328,7 @@ def _relay(p: Proc, d: Proc, count: int) -> list[tuple[dict[str, Any], dict[str,
 def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
     """Run the three parts; returns the figures as a JSON-able dict."""
     cfg = cfg or E2EConfig()
+    profile_dir()  # a bad KVXFER_PROFILE is refused before any child starts
     cfg_json = json.dumps(asdict(cfg))
     p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module="kvxfer.bench.e2e")
     d = None

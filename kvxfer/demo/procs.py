@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from kvxfer.errors import TransferError
+from kvxfer.errors import InvalidInputError, TransferError
 
-__all__ = ["Lines", "Proc", "child_output", "profiled", "say"]
+__all__ = ["Lines", "Proc", "child_output", "profile_dir", "profiled", "say"]
 
 
 class Lines:
@@ -54,6 +54,22 @@ def child_output() -> TextIO:
     logging.basicConfig(level=os.environ.get("KVXFER_LOG", "WARNING"), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
     return out
+
+
+def profile_dir() -> str | None:
+    """`KVXFER_PROFILE`, made and checked writable (None when unset): the parent calls this
+    before any child starts, so a bad directory is an error, not a run without profiles."""
+    target = os.environ.get("KVXFER_PROFILE")
+    if not target:
+        return None
+    try:
+        os.makedirs(target, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        raise InvalidInputError(f"KVXFER_PROFILE={target!r} is not a writable directory: "
+                                f"{e.strerror or e}") from None
+    return target
 
 
 def profiled(role: str, serve: Callable[[], None]) -> None:
