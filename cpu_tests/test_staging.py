@@ -131,3 +131,9 @@ def test_a_slot_map_refuses_keys_that_are_not_non_negative_ints(keys, placement)
     with pytest.raises(InvalidInputError, match="staging keys must be non-negative ints"):
         slots.assign("r", keys)
     assert "r" not in slots and slots.num_free_slots == 8
+
+
+def test_staging_larger_than_the_machine_is_refused_naming_the_setting():
+    with pytest.raises(InvalidInputError, match=r"needs .* GiB, more than this machine's .* "
+                                                r"lower staging_blocks"):
+        Staging(80, 10**12, (16, 8, 2, 128), np.uint16)

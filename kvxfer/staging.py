@@ -10,6 +10,8 @@ reads the newest copy.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -75,6 +77,8 @@ class Staging(SlotMap):
         super().__init__(num_slots, placement)
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = np.dtype(dtype)
+        _check_fits(num_layers * num_slots * math.prod(self.block_shape) * self.dtype.itemsize,
+                    num_layers, num_slots)
         self.regions: list[np.ndarray] = [
             _aligned_region((num_slots, *self.block_shape), self.dtype) for _ in range(num_layers)
         ]
@@ -131,6 +135,20 @@ class Staging(SlotMap):
     def rows(self, layer: int, slots: Sequence[int]) -> np.ndarray:
         """A copy of the blocks in `slots` of one layer, `[len(slots), *block_shape]`."""
         return self.regions[layer][np.asarray(slots, dtype=np.int64)]
+
+
+def _check_fits(nbytes: int, num_layers: int, num_slots: int) -> None:
+    """Refuse, by name, staging larger than this machine's memory (numpy would raise a bare
+    `MemoryError`, or the kernel kill the process as the pages are touched)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # not on this platform: nothing to compare with
+        return
+    if nbytes > total:
+        raise InvalidInputError(
+            f"staging of {num_slots} slots x {num_layers} layers needs {nbytes / 2**30:.1f} GiB, "
+            f"more than this machine's {total / 2**30:.1f} GiB of memory: lower staging_blocks "
+            f"(slots per layer)")
 
 
 def stagings_of(staging: Staging | Sequence[Staging]) -> list[Staging]:

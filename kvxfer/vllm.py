@@ -131,6 +131,9 @@ class Settings:
             raise InvalidInputError(f"kv_connector_extra_config has unknown keys {unknown}; "
                                     f"kvxfer reads {sorted(known)}")
         settings = cls(**{k: extra.pop(k) for k in _ADDRESS if k in extra}, options=extra)
+        if settings.name is not None and not (isinstance(settings.name, str) and settings.name):
+            raise InvalidInputError(f"kv_connector_extra_config 'name' must be a non-empty str "
+                                    f"(or absent, for the default), got {settings.name!r}")
         if not is_int(settings.port) or not 0 < settings.port <= 65535:
             raise InvalidInputError(
                 f"kv_connector_extra_config 'port' must be an int in [1, 65535], got "

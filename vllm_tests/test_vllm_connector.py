@@ -337,3 +337,11 @@ def test_only_true_asks_d_to_load_from_p(value, asks, caplog):
         "do_remote_prefill": value, "num_prompt_tokens": 32})
     assert d.matched_tokens(request, 0) == ((32, True) if asks else (0, False))
     assert ("must be true or false, got 'no'" in caplog.text) == (value == "no")
+
+
+@pytest.mark.parametrize("name", ["", 5])
+def test_an_empty_or_non_str_agent_name_is_refused_not_replaced_by_the_default(name):
+    from kvxfer.vllm import Settings
+
+    with pytest.raises(InvalidInputError, match=f"'name' must be a non-empty str .* got {name!r}"):
+        Settings.from_extra({"name": name})
