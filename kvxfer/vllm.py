@@ -32,9 +32,10 @@ role the way vLLM splits a connector.
   `DecodeConnector` posts reads in `start_load_kv` and, in `get_finished`
   (after the forward pass, before the request is reported received, so no
   forward reads an unfilled block), scatters into `runner.kv_caches` in place
-  and verifies. A failed request is reported received *and* failed, its
-  logical block ids in `get_block_ids_with_load_errors`, which vLLM
-  recomputes under `kv_load_failure_policy="recompute"`.
+  and verifies. A failed request is reported received *and* failed (with,
+  for a model of one KV cache group, its logical block ids in
+  `get_block_ids_with_load_errors`), which vLLM recomputes under
+  `kv_load_failure_policy="recompute"`.
 
 P frees its device blocks at once (`request_finished` returns
 `delay_free=False`): its blocks are in host staging once saved, and only the
@@ -279,7 +280,14 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors()
+        """The logical block ids of failed loads, for a model of one KV cache group.
+
+        vLLM (0.33) maps block ids back to requests only with one group (ids are
+        unique within a group) and raises for several; there a failed request is
+        reported in `failed_recving` alone, which vLLM recomputes from its first token.
+        """
+        errors = self._worker.load_errors()
+        return errors if len(self.groups) == 1 else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         freed = self._worker.take_freed()

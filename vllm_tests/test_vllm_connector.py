@@ -277,6 +277,26 @@ def test_hybrid_full_and_sliding_window_groups(pd, hybrid_model_dir):
     assert_prompt_kv(d, "h-d", prompt, window=SLIDING_WINDOW)
 
 
+def test_a_failed_load_on_a_hybrid_model_is_recomputed_not_an_engine_error(pd, hybrid_model_dir):
+    """vLLM 0.33 raises on block-level failures (invalid_block_ids) for a model with several
+    KV cache groups: kvxfer reports such failures in failed_recving only."""
+    from engine import SLIDING_WINDOW
+
+    p, d = pd(model=hybrid_model_dir, hybrid=True, max_num_batched_tokens=32,
+              d=dict(hybrid=True, extra={"transfer_timeout_s": 3.0}))
+    prompt = _prompt(16, 100)
+    params = p.prefill("h", prompt)
+    p.stop()
+    p.engine.close()  # P is gone before D reads
+    steps = decode(d, "h-d", prompt, params)
+    outs = [r.connector_output for r in steps if r.connector_output]
+    assert any("h-d" in o.failed_recving for o in outs)
+    assert set().union(*(o.invalid_block_ids for o in outs)) == set()
+    _, total = scheduled_tokens(steps, "h-d")
+    assert total >= len(prompt)  # recomputed on D
+    assert_prompt_kv(d, "h-d", prompt, window=SLIDING_WINDOW)
+
+
 @pytest.fixture
 def etcd():
     """A throwaway etcd server; requested before `pd`, so it outlives both engines."""
