@@ -50,9 +50,10 @@ connector base classes at import time; JAX and NIXL load with the role.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -343,6 +344,11 @@ class _SchedulerSide:
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
         self._loads: dict[str, LoadRequest] = {}
+        # P: vLLM's request id -> the transfer id P plans, stages and names in params. A
+        # request id P still holds for D (a proxy that reuses X-Request-Id, a retry) gets a
+        # transfer id of its own, so the two prefills never share slots or params.
+        self._transfers: dict[str, str] = {}
+        self._reuses = itertools.count(1)
 
     # D
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
@@ -368,8 +374,12 @@ class _SchedulerSide:
             return
         if self.prefill is not None and _asks(params, "do_remote_decode", request.request_id):
             req_id = request.request_id
-            if req_id not in self.prefill.tracker and not params.get("_kvxfer_planned"):
-                self.prefill.add_request(req_id, request.num_prompt_tokens)
+            if req_id not in self._transfers and not params.get("_kvxfer_planned"):
+                transfer = req_id
+                while self.prefill.holds(transfer):
+                    transfer = f"{req_id}~{next(self._reuses)}"
+                self.prefill.add_request(transfer, request.num_prompt_tokens)
+                self._transfers[req_id] = transfer
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
         if self.consumer and _asks(params, "do_remote_prefill", request.request_id):
             local = self._local.pop(request.request_id, 0)
@@ -383,7 +393,9 @@ class _SchedulerSide:
     def build(self, so: SchedulerOutput) -> KvxferMetadata:
         meta = KvxferMetadata()
         if self.prefill is not None:
-            meta.save = self.prefill.build_connector_meta(scheduled_requests(so))
+            meta.save = self.prefill.build_connector_meta(
+                [replace(s, req_id=self._transfers[s.req_id]) if s.req_id in self._transfers else s
+                 for s in scheduled_requests(so)])
         meta.loads, self._loads = self._loads, {}
         return meta
 
@@ -395,7 +407,8 @@ class _SchedulerSide:
         self._local.pop(request.request_id, None)
         if self.prefill is None:
             return None
-        params = self.prefill.request_finished(request.request_id)
+        params = self.prefill.request_finished(
+            self._transfers.pop(request.request_id, request.request_id))
         if params is None:
             return None
         return {**params, "do_remote_prefill": True, "do_remote_decode": False,

@@ -297,6 +297,21 @@ def test_a_failed_load_on_a_hybrid_model_is_recomputed_not_an_engine_error(pd, h
     assert_prompt_kv(d, "h-d", prompt, window=SLIDING_WINDOW)
 
 
+def test_a_request_id_p_still_holds_gets_a_transfer_of_its_own(pd):
+    """A proxy that reuses X-Request-Id, or a client retry: P prefills the id again while D
+    has not yet read the first; P's engine goes on and each D request gets its own KV."""
+    p, d = pd()
+    first, second = _prompt(17, 40), _prompt(18, 50)
+    params_1 = p.prefill("r", first)
+    del p.finished["r"]
+    params_2 = p.prefill("r", second)  # the first is still held for D
+    assert params_1["req_id"] == "r" and params_2["req_id"] not in ("r", None)
+    decode(d, "r-d2", second, params_2)
+    assert_prompt_kv(d, "r-d2", second)  # before D frees its blocks for another request
+    decode(d, "r-d1", first, params_1)
+    assert_prompt_kv(d, "r-d1", first)
+
+
 @pytest.fixture
 def etcd():
     """A throwaway etcd server; requested before `pd`, so it outlives both engines."""
@@ -365,3 +380,4 @@ def test_an_empty_or_non_str_agent_name_is_refused_not_replaced_by_the_default(n
 
     with pytest.raises(InvalidInputError, match=f"'name' must be a non-empty str .* got {name!r}"):
         Settings.from_extra({"name": name})
+

@@ -160,11 +160,17 @@ class PrefillScheduler:
         """
         if not isinstance(req_id, str) or not req_id:
             raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
-        if req_id in self._held or req_id in self._params or any(req_id in m for m in self.slot_maps):
+        if self.holds(req_id):
             raise InvalidInputError(
                 f"request {req_id!r} is still held on P for D; it cannot be added again until "
                 f"D has read it or its lease expired (get_finished reports it)")
         self.tracker.add(req_id, num_prompt_tokens)
+
+    def holds(self, req_id: str) -> bool:
+        """Whether P still holds a request of this id (being prefilled, staged, or waiting
+        for D): `add_request` refuses the id until then."""
+        return (req_id in self._held or req_id in self._params or req_id in self.tracker
+                or any(req_id in m for m in self.slot_maps))
 
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
         """This step's saves: kernel ids, kernel positions and staging slots of every group."""
