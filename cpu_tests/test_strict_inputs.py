@@ -367,3 +367,14 @@ def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_
         assert d.pending() == [] and "r" not in d.staging
     finally:
         d.close()
+
+
+def test_a_ucx_tls_ucx_cannot_use_is_refused_by_name_and_frees_the_agent_name():
+    pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.prefill import PrefillTransport
+    from kvxfer.staging import Staging
+
+    with pytest.raises(InvalidInputError, match="ucx_tls='bogus' names on this machine"):
+        PrefillTransport(TransportConfig("tls-check", ucx_tls="bogus"), Staging(1, 4, (8,)), {})
+    PrefillTransport(TransportConfig("tls-check"), Staging(1, 4, (8,)), {}).close()

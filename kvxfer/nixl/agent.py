@@ -198,6 +198,13 @@ def _create_agent(config: TransportConfig) -> tuple[Any, int]:
                     raise TransferError(
                         f"cannot create NIXL agent {config.name!r} on port {port}: {e}"
                     ) from e
+            except Exception as e:  # NIXL's own types: nixlBackendError for a UCX it cannot make
+                if config.ucx_tls is not None:
+                    raise InvalidInputError(
+                        f"cannot create NIXL agent {config.name!r}: UCX has no transports "
+                        f"ucx_tls={config.ucx_tls!r} names on this machine ({e!r}); try "
+                        f"'cma,tcp,self', or None for UCX's own choice") from e
+                raise TransferError(f"cannot create NIXL agent {config.name!r}: {e!r}") from e
         raise AssertionError("unreachable")
     finally:
         for key, value in old.items():
