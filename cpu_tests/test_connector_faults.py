@@ -267,3 +267,20 @@ def test_d_caches_with_another_layer_count_raise_and_lose_nothing(pair):
     with pytest.raises(LayoutMismatchError, match="num_layers=3"):
         pr.d.get_finished(other)
     assert pr.wait(1) == (["r"], [])
+
+
+def test_a_load_into_d_blocks_another_load_still_writes_is_refused_at_once(pair):
+    """Loads into overlapping D blocks were caught only when both finished in one
+    get_finished; a later finisher would overwrite the blocks of an earlier one."""
+    pr = pair()
+    params = {r: prefill(pr, r, table) for r, table in (("w", [1, 2]), ("a", [3, 4]),
+                                                        ("b", [5, 6]))}
+    pr.serve()
+    assert pr.load("w", params["w"], [20, 21]) == (["w"], [])  # D is connected to P
+    with pr._lock:  # P answers nothing meanwhile: "a" stays loading
+        pr.d.start_load_kv({"a": LoadRequest(params["a"], [10, 11])})
+        pr.d.start_load_kv({"b": LoadRequest(params["b"], [11, 12])})
+        assert pr.get_finished() == ([], ["b"])
+        assert pr.d.get_block_ids_with_load_errors() == {11, 12}
+    assert pr.wait(1) == (["a"], [])
+    assert_d_holds(pr, [10, 11], [3, 4])

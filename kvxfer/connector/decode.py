@@ -76,6 +76,7 @@ class DecodeConnector:
             reader=self.hosts.reader,
         )
         self._loads: dict[str, _Load] = {}
+        self._busy: list[dict[int, str]] = [{} for _ in self.layouts]  # per group: kernel id -> load
         self._load_errors: set[int] = set()
         self._refused: list[str] = []  # failed in start_load_kv, reported by get_finished
         self._held_locally: list[str] = []  # nothing to read, reported finished by get_finished
@@ -106,6 +107,7 @@ class DecodeConnector:
                     raise InvalidInputError(f"request {req_id!r}: expected a LoadRequest, got "
                                             f"{request!r:.80}")
                 p, load = self._prepare(req_id, request)
+                self._check_free(req_id, load)
                 if not any(load.keys):
                     self._held_locally.append(req_id)  # D has every block P sends
                     continue
@@ -116,6 +118,25 @@ class DecodeConnector:
                 self._load_errors.update(_table_ids(getattr(request, "table", ())))
                 continue
             self._loads[req_id] = load
+            for busy, ids in zip(self._busy, load.kernel_ids):
+                busy.update(dict.fromkeys(ids, req_id))
+
+    def _check_free(self, req_id: str, load: _Load) -> None:
+        """Refuse a load into D blocks another load still in progress writes into."""
+        for g, (busy, ids) in enumerate(zip(self._busy, load.kernel_ids)):
+            taken = next((k for k in ids if k in busy), None)
+            if taken is not None:
+                raise InvalidInputError(
+                    f"request {req_id!r} group {g}: D's kernel block {taken} is being loaded "
+                    f"for request {busy[taken]!r}")
+
+    def _pop_load(self, req_id: str) -> _Load | None:
+        load = self._loads.pop(req_id, None)
+        if load is not None:
+            for busy, ids in zip(self._busy, load.kernel_ids):
+                for k in ids:
+                    busy.pop(k, None)
+        return load
 
     def _prepare(self, req_id: str, request: LoadRequest) -> tuple[ReadParams, _Load]:
         """Check the params against D's table; place P's positions in D's kernel ids.
@@ -187,9 +208,9 @@ class DecodeConnector:
         local, self._held_locally = self._held_locally, []
         for req_id, logical in failed.items():
             self._load_errors.update(logical)
-            self._loads.pop(req_id, None)
+            self._pop_load(req_id)
             failed_ids.append(req_id)
-        loads = {req_id: self._loads.pop(req_id) for req_id in done if req_id in self._loads}
+        loads = {req_id: self._pop_load(req_id) for req_id in done if req_id in self._loads}
         bad: dict[str, str] = {}
         try:
             for g in range(len(self.layouts)):
