@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,11 @@ class Settings:
                 f"kv_connector_extra_config 'port' must be an int in [1, 65535], got "
                 f"{settings.port!r}")
         settings.connector_config(True)  # every value checked now, on both roles
+        try:  # D connects to it: a name nobody resolves would fail every transfer, later
+            socket.getaddrinfo(settings.host, None)
+        except OSError as e:
+            raise InvalidInputError(f"kv_connector_extra_config 'host' {settings.host!r} does not "
+                                    f"resolve here ({e.strerror or e}); give P's address") from None
         return settings
 
     def connector_config(self, producer: bool) -> ConnectorConfig:

@@ -381,3 +381,11 @@ def test_an_empty_or_non_str_agent_name_is_refused_not_replaced_by_the_default(n
     with pytest.raises(InvalidInputError, match=f"'name' must be a non-empty str .* got {name!r}"):
         Settings.from_extra({"name": name})
 
+
+
+def test_a_host_that_does_not_resolve_is_refused_at_start_up():
+    from kvxfer.vllm import Settings
+
+    with pytest.raises(InvalidInputError, match="'host' 'p.invalid' does not resolve here"):
+        Settings.from_extra({"host": "p.invalid"})
+    assert Settings.from_extra({"host": "localhost"}).host == "localhost"
