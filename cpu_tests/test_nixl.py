@@ -159,6 +159,19 @@ def test_heartbeats_keep_a_lease_alive_until_d_reads(peers):
     assert_read_intact(d, "kept", params, [50, 51], {12: 9, 13: 9})
 
 
+def test_a_cancelled_expectation_stops_heartbeats_and_frees_p_at_once(peers):
+    p, d = peers["P_lease"], peers["D"]
+    connect(d, p, "P_lease")
+    params = stage_and_hold(p, "dropped", [14, 15], seed=10)
+    d.call("expect", params=params)
+    d.call("sleep", s=1.5)  # past the 1 s lease: heartbeats keep it
+    assert "dropped" in p.call("freed")["held"]
+    d.call("cancel", req_id="dropped")
+    d.call("sleep", s=0.3)  # well inside the lease the last heartbeat gave
+    out = p.call("freed")
+    assert "dropped" in out["freed"] and "dropped" not in out["held"]
+
+
 def test_every_expired_lease_is_reaped_not_only_up_to_a_live_one(peers):
     p, d = peers["P_lease"], peers["D"]
     connect(d, p, "P_lease")

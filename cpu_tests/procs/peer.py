@@ -124,6 +124,9 @@ def main():
             elif op == "expect":
                 t.expect(ReadParams.parse(cmd["params"], len(t.stagings)))
                 out = {}
+            elif op == "cancel":
+                t.cancel(cmd["req_id"])
+                out = {}
             elif op == "rows":
                 slots = staging.slots(cmd["req_id"], cmd["keys"])
                 out = {"rows": [base64.b64encode(staging.rows(layer, slots).tobytes()).decode()

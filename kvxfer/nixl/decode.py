@@ -11,6 +11,14 @@ the deadline fail the request alone, in the logical block ids its caller
 gave, and never hang D. D's slots of a failed read are released only once
 NIXL has released its transfers. docs/internals.md ("The NIXL transport")
 says why each rule is there.
+
+Multi-host reads. Params with `sources` name every P process and its units.
+A D process reads from each process holding units it needs exactly those
+units (one descriptor per block, or per run of slots where the ranges match
+whole; of replicas, the one its rank picks), and sends `done` to every P
+process of the request, read from or not, so each frees its slots; the read
+finishes once all of them have acked. Whether every D process finished is
+the engine's to agree on (`kvxfer.connector`).
 """
 
 from __future__ import annotations
@@ -85,14 +93,6 @@ class DecodeTransport:
       for whole blocks.
     - `reader`: `(rank, count)`: this D process among its instance's. P frees a
       request once all `count` have said done.
-
-    Multi-host reads. Params with `sources` name every P process and its
-    units. This D process reads from each process holding units it needs
-    exactly those units (one descriptor per block, or per run of slots where
-    the ranges match whole; of replicas, the one `rank` picks), and sends
-    `done` to every P process of the request, read from or not, so each frees
-    its slots; the read finishes once all of them have acked. Whether every D
-    process finished is the engine's to agree on (`kvxfer.connector`).
     """
 
     def __init__(
@@ -116,6 +116,7 @@ class DecodeTransport:
                            self.piece, on_ack=self._on_ack)
         self._reads: dict[str, _Read] = {}
         self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
+        self._cancelled: list[tuple[str, list[str], str, int]] = []  # the same, to say done for
         self._zombies = _Zombies(self.stagings)
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
@@ -148,6 +149,16 @@ class DecodeTransport:
         """Keep P's lease on a request alive (heartbeats) until `start_read` takes it."""
         p = _check_params(params, len(self.stagings))
         self._expected[p.req_id] = (p.peers, p.instance, p.generation)
+
+    def cancel(self, req_id: str) -> None:
+        """Stop keeping P's lease on an expected request D will not read (aborted, refused),
+        and tell P it may free its slots now (a `done`, sent by the next `poll`).
+
+        `req_id` is P's id, as the params name it; an id not expected is ignored.
+        """
+        entry = self._expected.pop(req_id, None)
+        if entry is not None:
+            self._cancelled.append((req_id, *entry))
 
     def start_read(self, req_id: str, params: ReadParams, logical_ids: Sequence[int]) -> None:
         """Post the READ of `req_id`'s blocks from P into D's staging, under P's keys.
@@ -247,6 +258,7 @@ class DecodeTransport:
                                    read.req_id, {p: leg.state.value for p, leg in read.legs.items()})
                     self._fail(read)
             self._heartbeat(now)
+            self._say_cancelled()
             self._zombies.reap()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
@@ -331,6 +343,11 @@ class DecodeTransport:
             for peer in peers:
                 wanted.setdefault(peer, []).append([req_id, generation])
         for peer, error in self.peers.heartbeat(wanted, now).items():
+            self._drop_peer(peer, error)
+
+    def _say_cancelled(self) -> None:
+        cancelled, self._cancelled = self._cancelled, []
+        for peer, error in self.peers.say_done(cancelled, self.reader).items():
             self._drop_peer(peer, error)
 
     def _fail(self, read: _Read) -> None:

@@ -248,6 +248,24 @@ class Peers:
                 failed[name] = str(e)
         return failed
 
+    def say_done(self, requests: Sequence[tuple[str, list[str], str, int]],
+                 reader: tuple[int, int]) -> dict[str, str]:
+        """`done` for each `(P's request id, P agents, instance, generation)` to each connected
+        agent of that instance (a gone or restarted one lets the lease lapse); returns the
+        peers it failed for, with why."""
+        failed = {}
+        for req_id, names, instance, generation in requests:
+            for name in names:
+                peer = self._peers.get(name)
+                if peer is None or peer.instance != instance or name in failed:
+                    continue
+                try:
+                    send(self.agent, name, "done", req_id=req_id, instance=instance,
+                         generation=generation, readers=reader[1], reader=reader[0])
+                except TransferError as e:
+                    failed[name] = str(e)
+        return failed
+
     def forget(self, peer: str) -> None:
         """Drop NIXL's metadata of `peer`, so the next connect fetches it afresh."""
         try:
