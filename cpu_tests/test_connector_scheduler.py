@@ -124,3 +124,10 @@ def test_releasing_a_request_still_prefilling_keeps_its_staged_blocks():
     params = s.request_finished("r")
     assert params["groups"][0]["keys"] == [0, 1, 2]
     assert params["groups"][0]["slots"][:2] == first.slots["r"][0]
+
+
+def test_holds_refuses_an_id_that_is_not_a_str():
+    s = _prefill_scheduler()
+    assert not s.holds("r")
+    with pytest.raises(KvxferError, match=r"request id must be a str, got \['r'\]"):
+        s.holds(["r"])

@@ -378,3 +378,19 @@ def test_a_ucx_tls_ucx_cannot_use_is_refused_by_name_and_frees_the_agent_name():
     with pytest.raises(InvalidInputError, match="ucx_tls='bogus' names on this machine"):
         PrefillTransport(TransportConfig("tls-check", ucx_tls="bogus"), Staging(1, 4, (8,)), {})
     PrefillTransport(TransportConfig("tls-check"), Staging(1, 4, (8,)), {}).close()
+
+
+def test_cancel_refuses_an_id_that_is_not_a_str():
+    pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.layout import check_block_compatible
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.decode import DecodeTransport
+    from kvxfer.staging import Staging
+
+    d = DecodeTransport(TransportConfig("D-cancel"), Staging(1, 4, (8,)), {}, check_block_compatible)
+    try:
+        with pytest.raises(InvalidInputError, match=r"cancel takes P's request id \(a str\), got \['r'\]"):
+            d.cancel(["r"])
+        d.cancel("never-expected")  # ignored
+    finally:
+        d.close()

@@ -245,19 +245,14 @@ class DecodeConnector:
         ids: list[int] = []
         slots: list[int] = []
         spans: Spans = []
-        taken: set[int] = set()
-        for req_id, load in loads.items():
+        for req_id, load in loads.items():  # their D blocks are disjoint (`_check_free`)
             if req_id in bad or not load.keys[g]:
-                continue
-            if taken.intersection(load.kernel_ids[g]):
-                bad[req_id] = f"group {g}: its D blocks overlap another request's in this step"
                 continue
             try:
                 slots += staging.slots(req_id, load.keys[g])
             except KvxferError as e:
                 bad[req_id] = str(e)
                 continue
-            taken.update(load.kernel_ids[g])
             spans.append((req_id, len(ids), len(load.keys[g])))
             ids += load.kernel_ids[g]
         if not ids:

@@ -169,6 +169,8 @@ class PrefillScheduler:
     def holds(self, req_id: str) -> bool:
         """Whether P still holds a request of this id (being prefilled, staged, or waiting
         for D): `add_request` refuses the id until then."""
+        if not isinstance(req_id, str):
+            raise InvalidInputError(f"request id must be a str, got {req_id!r:.80}")
         return (req_id in self._held or req_id in self._params or req_id in self.tracker
                 or any(req_id in m for m in self.slot_maps))
 

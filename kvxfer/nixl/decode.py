@@ -36,7 +36,7 @@ import numpy as np
 
 from kvxfer.blocks import coalesce_pairs, is_int
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
+from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
 from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
 from kvxfer.staging import Staging, free_in_all, stagings_of
 from kvxfer.wire import ReadParams, Source, check_piece, is_generation, message_field
@@ -156,6 +156,8 @@ class DecodeTransport:
 
         `req_id` is P's id, as the params name it; an id not expected is ignored.
         """
+        if not isinstance(req_id, str):
+            raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}")
         entry = self._expected.pop(req_id, None)
         if entry is not None:
             self._cancelled.append((req_id, *entry))
@@ -304,9 +306,8 @@ class DecodeTransport:
         for leg in read.legs.values():
             if leg.state is LegState.READ:
                 try:
-                    send(self.agent, leg.peer, "done", req_id=read.p_req_id,
-                          instance=read.instance, generation=read.generation,
-                          readers=self.reader[1], reader=self.reader[0])
+                    self.peers.send_done(leg.peer, read.p_req_id, read.instance,
+                                         read.generation, self.reader)
                     leg.state = LegState.ACK
                 except TransferError as e:
                     self._fail(read)

@@ -260,11 +260,17 @@ class Peers:
                 if peer is None or peer.instance != instance or name in failed:
                     continue
                 try:
-                    send(self.agent, name, "done", req_id=req_id, instance=instance,
-                         generation=generation, readers=reader[1], reader=reader[0])
+                    self.send_done(name, req_id, instance, generation, reader)
                 except TransferError as e:
                     failed[name] = str(e)
         return failed
+
+    def send_done(self, name: str, req_id: str, instance: str, generation: int,
+                  reader: tuple[int, int]) -> None:
+        """Tell P agent `name` that D (process `reader[0]` of `reader[1]`) no longer needs
+        P's request `req_id` of that instance and generation; `TransferError` if it fails."""
+        send(self.agent, name, "done", req_id=req_id, instance=instance, generation=generation,
+             readers=reader[1], reader=reader[0])
 
     def forget(self, peer: str) -> None:
         """Drop NIXL's metadata of `peer`, so the next connect fetches it afresh."""
