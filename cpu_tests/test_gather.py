@@ -100,7 +100,7 @@ def test_device_fingerprints_equal_numpy_fingerprints_of_the_bytes(config):
     ids = [2, 11, 2]
     host, fps = gather_blocks(caches, ids, fingerprints=True)
     layout = CacheLayout.from_caches(caches)
-    assert fps.shape == (LAYERS, bucket_size(3))
+    assert fps.shape == (LAYERS, bucket_size(3), 3)
     assert fps.dtype == np.uint32
     received = [np.asarray(h)[:3].copy() for h in host]  # as if read off the network
     np.testing.assert_array_equal(block_fingerprints(layout, received, 3), np.asarray(fps)[:, :3])

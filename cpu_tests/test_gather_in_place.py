@@ -255,7 +255,7 @@ def test_gather_into_writes_exactly_the_blocks_and_returns_their_fingerprints(co
         expected[rows] = _bytes(h)[ids]
         np.testing.assert_array_equal(_bytes(r), expected)
     layout = CacheLayout.from_caches(caches)
-    assert prints.shape == (LAYERS, len(ids)) and prints.dtype == np.uint32
+    assert prints.shape == (LAYERS, len(ids), 3) and prints.dtype == np.uint32
     gathered = gather_blocks(caches, ids, fingerprints=True)
     np.testing.assert_array_equal(prints, np.asarray(gathered.fingerprints)[:, : len(ids)])
     np.testing.assert_array_equal(
@@ -270,7 +270,7 @@ def test_gather_into_of_no_blocks_touches_nothing():
     regions = _staging("attention_int8_dcp_2x4", seed=18)
     before = [r.copy() for r in regions]
     prints = gather_into(caches, [], regions, [])
-    assert prints.shape == (LAYERS, 0)
+    assert prints.shape == (LAYERS, 0, 3)
     for r, b in zip(regions, before):
         np.testing.assert_array_equal(_bytes(r), _bytes(b))
 
@@ -374,10 +374,10 @@ def test_device_fingerprints_are_the_same_under_every_sharding(case):
     np.testing.assert_array_equal(results[name], gathered[:, : len(ids)], err_msg=name)
     layout = CacheLayout.from_caches(caches)
     on_host = block_fingerprints(layout, [h[ids] for h in hosts], len(ids))
-    assert on_host.shape == (LAYERS, len(ids))
+    assert on_host.shape == (LAYERS, len(ids), 3)
     for name, prints in results.items():
         np.testing.assert_array_equal(prints, on_host, err_msg=name)
-    assert len(np.unique(on_host[:, [0, 1, 2, 4, 5]])) == 2 * 5  # distinct blocks differ
+    assert len(np.unique(on_host[:, [0, 1, 2, 4, 5]])) == 2 * 5 * 3  # distinct blocks differ
     np.testing.assert_array_equal(on_host[:, 0], on_host[:, 3])  # same block, same print
 
 
@@ -424,8 +424,8 @@ def test_an_intact_scatter_matches_the_senders_fingerprints(config, path):
 
 
 def test_compare_fingerprints_refuses_arrays_of_different_shape():
-    with pytest.raises(InvalidInputError, match=r"\(2, 3\) cannot be checked against \(2, 4\)"):
-        compare_fingerprints(np.zeros((2, 3), np.uint32), np.zeros((2, 4), np.uint32))
+    with pytest.raises(InvalidInputError, match=r"\(2, 3, 3\) cannot be checked against \(2, 4, 3\)"):
+        compare_fingerprints(np.zeros((2, 3, 3), np.uint32), np.zeros((2, 4, 3), np.uint32))
 
 
 # 7. D's scatter fingerprints the blocks as they landed; tables in any order copy in runs.
@@ -443,7 +443,7 @@ def _scatter_with_prints_checked(config, seed):
         expected[ids] = _bytes(r)[rows]
         np.testing.assert_array_equal(_bytes(o), expected)
     layout = CacheLayout.from_caches(out)
-    assert prints.shape == (LAYERS, len(ids)) and prints.dtype == np.uint32
+    assert prints.shape == (LAYERS, len(ids), 3) and prints.dtype == np.uint32
     np.testing.assert_array_equal(
         prints, block_fingerprints(layout, [r[rows] for r in region], len(ids)))
     return out, region, ids, rows, prints
@@ -454,7 +454,7 @@ def test_scatter_with_fingerprints_gives_those_of_the_blocks_as_they_landed(conf
     out, region, ids, _, prints = _scatter_with_prints_checked(config, seed=28)
     np.testing.assert_array_equal(prints, fingerprint_blocks(out, ids))
     out, none = scatter_blocks(out, region, [], rows=[], fingerprints=True)
-    assert none.shape == (LAYERS, 0)
+    assert none.shape == (LAYERS, 0, 3)
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -108,7 +108,7 @@ def test_check_fingerprints_refuses_a_count_that_is_not_a_non_negative_int(gathe
 def test_fingerprint_count_may_not_exceed_the_rows(gathered):
     layout, out = gathered
     with pytest.raises(InvalidInputError, match="8 rows, fewer than the 9"):
-        check_fingerprints(layout, out.blocks, 9, np.zeros((2, 9), np.uint32))
+        check_fingerprints(layout, out.blocks, 9, np.zeros((2, 9, 3), np.uint32))
     with pytest.raises(InvalidInputError, match="8 rows, fewer than the 9"):
         block_fingerprints(layout, out.blocks, 9)
 

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from kvxfer import _xla
 from kvxfer._rows import RowCopies
 from kvxfer.errors import InvalidInputError
-from kvxfer.fingerprint import fmix32, piece_weights, sums_words
+from kvxfer.fingerprint import SUMS, combine_sums, fmix32, piece_weights, sums_words, word_sums
 from kvxfer.layout import CacheLayout
 
 __all__ = ["BufferHashes", "buffer_view", "copy_then_hash", "fingerprint",
@@ -92,7 +92,7 @@ def scatter(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
 
 def fingerprint(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
                 ids: np.ndarray) -> np.ndarray:
-    """`uint32[num_layers, n]`: the prints of blocks `ids`, summed from the caches' buffers."""
+    """`uint32[num_layers, n, 3]`: the prints of blocks `ids`, summed from the caches' buffers."""
     hashes = BufferHashes.of(layout, ids)
     if hashes is None:
         return np.asarray(_xla.fingerprint_async(layout, mesh, caches, ids))[:, : len(ids)]
@@ -191,12 +191,11 @@ class BufferHashes:
     """Fingerprints summed with numpy from the caches' own buffers (XLA:CPU).
 
     The same values as `kvxfer.fingerprint.device_fingerprint`: each shard's piece of a block is
-    a run of whole 32-bit words, and `np.einsum` sums them against the
-    weights of their indices in the whole block, at about memory speed (an
-    XLA:CPU reduction runs at a fraction of it and materializes the gathered
-    rows). Replicas are skipped: `add` is given each `replica_id == 0` shard
-    of each layer once, and the shards' sums add up as the device's `psum`
-    does. Only for layouts whose pieces are whole words (`of` returns None
+    a run of whole 32-bit words, and `word_sums` sums them against the
+    weights of their indices in the whole block (`np.einsum`; an XLA:CPU
+    reduction runs slower and materializes the gathered rows). Replicas are
+    skipped: `add` is given each `replica_id == 0` shard of each layer once,
+    and the shards' sums combine as the device's `psum` (and XOR) do. Only for layouts whose pieces are whole words (`of` returns None
     otherwise).
     """
 
@@ -204,7 +203,7 @@ class BufferHashes:
 
     def __init__(self, layout: CacheLayout, ids: np.ndarray):
         self.layout, self.ids = layout, ids
-        self.sums = np.zeros((layout.num_layers, len(ids)), np.uint32)
+        self.sums = np.zeros((layout.num_layers, len(ids), SUMS), np.uint32)
         self._lock = threading.Lock()
         self._plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, list | None]] = {}
 
@@ -232,20 +231,22 @@ class BufferHashes:
             return
         words = view.reshape(size, -1).view(np.uint32)
         weights = piece_weights(self.layout, shard.index[1:])
-        got = np.empty(len(at), np.uint32)  # in `at`'s order
+        got = np.empty((len(at), SUMS), np.uint32)  # in `at`'s order
         if runs is not None:
             for i, n in runs:
                 h = int(held[i])
-                np.einsum("ij,j->i", words[h : h + n], weights, out=got[i : i + n])
+                word_sums(words[h : h + n], weights, out=got[i : i + n])
         else:
             for c in range(0, len(at), self._CHUNK):
                 part = slice(c, c + self._CHUNK)
-                np.einsum("ij,j->i", words[held[part]], weights, out=got[part])
+                word_sums(words[held[part]], weights, out=got[part])
         with self._lock:  # shards of one layer are summed on several threads
-            self.sums[layer, at] += got
+            total = self.sums[layer, at]
+            combine_sums(total, got)
+            self.sums[layer, at] = total
 
     def result(self) -> np.ndarray:
-        """`uint32[num_layers, n]`: the fingerprints."""
+        """`uint32[num_layers, n, 3]`: the fingerprints."""
         return fmix32(self.sums)
 
 

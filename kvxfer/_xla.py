@@ -102,13 +102,13 @@ def scatter(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
 
 def fingerprint(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
                 ids: np.ndarray) -> np.ndarray:
-    """`uint32[num_layers, n]`: the prints of blocks `ids`, computed on device."""
+    """`uint32[num_layers, n, 3]`: the prints of blocks `ids`, computed on device."""
     return np.asarray(fingerprint_async(layout, mesh, caches, ids))[:, : len(ids)]
 
 
 def fingerprint_async(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
                       ids: np.ndarray) -> jax.Array:
-    """`fingerprint`, dispatched: `uint32[num_layers, bucket]`, not yet waited for."""
+    """`fingerprint`, dispatched: `uint32[num_layers, bucket, 3]`, not yet waited for."""
     return fingerprint_fn(layout, mesh)(list(caches), bucket_ids(ids, mesh))
 
 
@@ -214,7 +214,8 @@ def fingerprint_fn(layout: CacheLayout, mesh: Mesh):
             h = device_fingerprint(
                 jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0), layout)
             if block_axes:
-                h = lax.psum(jnp.where(inside, h, jnp.uint32(0)), block_axes)
+                # One shard holds each block; the others add zeros (so XOR and sum agree).
+                h = lax.psum(jnp.where(inside[:, None], h, jnp.uint32(0)), block_axes)
             prints.append(h)
         return jnp.stack(prints)
 

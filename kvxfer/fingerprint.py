@@ -1,17 +1,47 @@
-"""Block fingerprints: one 32-bit hash per whole block, whatever its sharding.
+"""Block fingerprints: three 32-bit words per whole block, whatever its sharding.
 
-The hash of a block is `fmix32(sum_j w_j * c_j mod 2**32)` over its
-little-endian 32-bit words `w_j` (C order, zero padded), with odd
-position-dependent weights `c_j = (2*j + 1) * 0x9E3779B1` (`word_weight`). A
-flipped bit changes the sum by an odd multiple of a power of two below
-`2**32`, so it is always caught, and a moved word changes its weight. Sums add
-across any split of a block: each device (or process) sums the words it holds
-by their index in the whole block, and the parts add up to the same value.
+A block is read as little-endian 32-bit words `w_j` (C order, zero padded).
+Its fingerprint is `fmix32` (a bijection) of each of three sums (`word_sums`):
 
-Three places sum: `device_fingerprint` inside the jitted programs, numpy on
-host rows (`host_fingerprint`), and numpy on the caches' own buffers or a
-piece's units (`piece_weights`, used by `kvxfer._host_buffers` and
-`kvxfer.pieces`). All use `word_weight` and `fmix32`, so all agree.
+- `P = XOR_j w_j`;
+- `L = sum_j c_j * (w_j & 0xFFFF) mod 2**32` and `H = sum_j c_j * (w_j >> 16) mod 2**32`,
+  with the odd weights `c_j = (4*j + 1) * 0x9E3779B1 mod 2**32` (`word_weight`).
+
+What it guarantees, for two versions of a block of up to `2**15` words (128 KiB;
+a larger block keeps the same guarantee for the pairs of words whose distance
+is not a multiple of `2**15`):
+
+- Every error that flips an odd number of bits in some bit column (bit `k` of
+  every word) changes `P`: so every 1-bit and 3-bit error, and every 2-bit
+  error whose bits are in different columns.
+- Two flips in one column `k` of words `a != b` leave `P` unchanged and change
+  the half-word sum of that column (`L` if `k < 16`, else `H`) by
+  `2**(k % 16) * (+-c_a +- c_b)`. `c_a - c_b = 4 * K * (a - b)` has 2-adic
+  valuation `2 + v(a - b)` and `c_a + c_b = K * (4 * (a + b) + 2)` valuation 1,
+  so the change is 0 mod `2**32` only if `2**15` divides `a - b`.
+- Swapping words `a != b` that hold `x != y` changes `L` by
+  `(c_a - c_b) * dlo` and `H` by `(c_a - c_b) * dhi`, `dlo, dhi` the differences of
+  their half-words (`|d| < 2**16`, not both 0): valuation at most
+  `2 + v(a - b) + 15 < 32`, so it is caught.
+- Corruption that leaves the block random (independent of what was sent) is
+  missed with probability at most `2**-32`: `P` alone is uniform.
+
+Tests that show it (cpu_tests/test_fingerprint.py): `test_every_1_2_and_3_bit_error_
+in_a_small_block_is_caught`, `test_two_flips_in_one_high_column_of_a_128_kib_block_are_
+caught`, `test_every_swap_of_two_different_words_in_a_small_block_is_caught`,
+`test_swaps_of_high_bit_words_in_a_128_kib_block_are_caught`; and that every place that
+computes it agrees (`test_partial_sums_of_any_split_combine_to_the_whole`, the sharded
+agreement tests in test_gather.py, test_gather_in_place.py and test_pieces.py).
+
+All three sums combine across any split of a block (`combine_sums`: `P` by XOR,
+`L` and `H` by addition): each device, shard or piece sums the words it holds by
+their index in the whole block. Three places sum: `device_fingerprint` inside the
+jitted programs (`psum` for `L`, `H`; an all-gather and XOR for `P`), numpy on
+host rows (`host_fingerprint`), and numpy on the caches' own buffers or a piece's
+units (`piece_weights` and `word_sums`, used by `kvxfer._host_buffers` and
+`kvxfer.pieces`). A piece that is not whole words (an odd number of bf16 on a
+shard) is summed by element: each element's bits shifted to its byte offset in
+its word, into `P` and into the half-word sum its bytes fall in.
 See docs/internals.md ("Gather, scatter and fingerprints") for the figures.
 """
 
@@ -29,20 +59,25 @@ from kvxfer.blocks import cdiv
 from kvxfer.errors import CorruptionError, InvalidInputError
 from kvxfer.layout import CacheLayout
 
-__all__ = ["compare_fingerprints", "device_fingerprint", "fmix32", "host_fingerprint",
-           "piece_weights", "sums_words", "word_weight"]
+__all__ = ["SUMS", "combine_sums", "compare_fingerprints", "device_fingerprint", "fmix32",
+           "host_fingerprint", "piece_weights", "reduce_sums", "sums_words", "word_sums",
+           "word_weight"]
+
+SUMS = 3
+"""Words per fingerprint: `(P, L, H)`, the last axis of every fingerprint array."""
 
 _K = np.uint32(0x9E3779B1)
 _MURMUR_C1 = np.uint32(0x85EBCA6B)
 _MURMUR_C2 = np.uint32(0xC2B2AE35)
+_16 = np.uint32(16)
 
 
 def word_weight(word):
-    """The weight `(2*j + 1) * 0x9E3779B1 mod 2**32` of word `j` of a block.
+    """The weight `(4*j + 1) * 0x9E3779B1 mod 2**32` of word `j` of a block.
 
     `word`: a uint32 numpy or JAX array of word indices; returns the same kind.
     """
-    return (word * np.uint32(2) + np.uint32(1)) * _K
+    return (word * np.uint32(4) + np.uint32(1)) * _K
 
 
 def fmix32(h):
@@ -52,6 +87,39 @@ def fmix32(h):
     h = h ^ (h >> 13)
     h = h * _MURMUR_C2
     return h ^ (h >> 16)
+
+
+def word_sums(words: np.ndarray, weights: np.ndarray, subscripts: str = "ij,j->i",
+              out: np.ndarray | None = None) -> np.ndarray:
+    """The partial sums `(P, L, H)` of runs of words, with numpy: `uint32[..., 3]`.
+
+    `words` (uint32) and `weights` (their `word_weight`s) are contracted over their
+    last axis as `np.einsum(subscripts, ...)` contracts them (`"ij,j->i"`: rows of
+    one piece's words against the piece's weights). `out`, when given, is the
+    `uint32[..., 3]` result written in place.
+    """
+    a = np.einsum(subscripts, words, weights)  # sum c_j w_j = L + 2**16 H
+    high = np.einsum(subscripts, words >> _16, weights)
+    if out is None:
+        out = np.empty((*a.shape, SUMS), np.uint32)
+    np.bitwise_xor.reduce(words, axis=-1, out=out[..., 0])
+    np.subtract(a, high << _16, out=out[..., 1])
+    out[..., 2] = high
+    return out
+
+
+def combine_sums(total: np.ndarray, part: np.ndarray) -> None:
+    """Add partial sums `part` into `total` in place (both `uint32[..., 3]`): `P` by XOR,
+    `L` and `H` mod `2**32`."""
+    total[..., 0] ^= part[..., 0]
+    total[..., 1:] += part[..., 1:]
+
+
+def reduce_sums(parts: np.ndarray, axis: int) -> np.ndarray:
+    """`parts` (`uint32[..., 3]`) combined along `axis` (not the last)."""
+    out = np.add.reduce(parts, axis=axis, dtype=np.uint32)
+    out[..., 0] = np.bitwise_xor.reduce(parts[..., 0], axis=axis)
+    return out
 
 
 def piece_weights(layout: CacheLayout, index: tuple[slice, ...], unit_axis: int | None = None
@@ -85,7 +153,7 @@ def _piece_weights(layout: CacheLayout, key: tuple[tuple[int | None, int | None]
         first = piece.reshape(piece.shape[0], -1)[:, ::per_word]
     else:
         first = piece[..., ::per_word].reshape(-1)
-    return word_weight((first // per_word).astype(np.uint32))
+    return np.ascontiguousarray(word_weight((first // per_word).astype(np.uint32)))
 
 
 def sums_words(layout: CacheLayout, last: int) -> bool:
@@ -96,25 +164,26 @@ def sums_words(layout: CacheLayout, last: int) -> bool:
 
 
 def host_fingerprint(layout: CacheLayout, rows: np.ndarray) -> np.ndarray:
-    """`uint32[n]`: the fingerprints of whole blocks `rows`, `[n, *block_shape]`, with numpy."""
+    """`uint32[n, 3]`: the fingerprints of whole blocks `rows`, `[n, *block_shape]`, with numpy."""
     n = rows.shape[0]
     data = np.ascontiguousarray(rows).view(np.uint8).reshape(n, -1)
-    padded = np.zeros((n, cdiv(data.shape[1], 4) * 4), np.uint8)
-    padded[:, : data.shape[1]] = data
-    words = padded.view("<u4")
-    weights = word_weight(np.arange(words.shape[1], dtype=np.uint32))
-    return fmix32(np.sum(words * weights, axis=1, dtype=np.uint32))
+    if data.shape[1] % 4:
+        padded = np.zeros((n, cdiv(data.shape[1], 4) * 4), np.uint8)
+        padded[:, : data.shape[1]] = data
+        data = padded
+    words = data.view("<u4")
+    return fmix32(word_sums(words, word_weight(np.arange(words.shape[1], dtype=np.uint32))))
 
 
 def device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
-    """`uint32[n]`: the fingerprint of each whole block whose pieces this device holds.
+    """`uint32[n, 3]`: the fingerprint of each whole block whose pieces this device holds.
 
     Inside `shard_map`: `rows` is `[n, *shard_block_shape]` of unsigned ints. Each
-    device sums its words by their index in the whole block and a `psum` over the
-    axes that split a block adds the parts. Where a device's rows of the last axis
-    are whole words (the usual case) it sums words; otherwise it sums elements,
-    each weighted by its word's weight shifted to its byte offset in the word,
-    which is the same sum.
+    device sums its words by their index in the whole block; a `psum` over the
+    axes that split a block adds the parts of `L` and `H`, and an all-gather the
+    parts of `P`, XORed. Where a device's rows of the last axis are whole words
+    (the usual case) it sums words; otherwise it sums elements, each shifted to
+    its byte offset in its word, which gives the same sums.
     """
     n, local = rows.shape[0], rows.shape[1:]
     itemsize = layout.np_dtype.itemsize
@@ -144,31 +213,47 @@ def device_fingerprint(rows: jax.Array, layout: CacheLayout) -> jax.Array:
                 rows.reshape(n, *local[:-1], local[-1] // per_word, per_word), jnp.uint32)
         words = rows.reshape(n, -1)
         weights = word_weight(index // jnp.uint32(per_word))
-    else:
+        low, high = words & jnp.uint32(0xFFFF), words >> _16
+        w_low = w_high = weights[None]
+    else:  # each element lies in one half of its word: weight it there, zero in the other
         words = rows.reshape(n, -1).astype(jnp.uint32)
         byte = index * jnp.uint32(itemsize)
-        weights = word_weight(byte >> 2) << ((byte & 3) * 8)
-    partial = jnp.sum(words * weights[None], axis=1, dtype=jnp.uint32)
+        shift = (byte & jnp.uint32(3)) * jnp.uint32(8)
+        weights = word_weight(byte >> 2)
+        in_high = shift >= _16
+        w_low = jnp.where(in_high, jnp.uint32(0), weights << shift)[None]
+        w_high = jnp.where(in_high, weights << (shift - _16), jnp.uint32(0))[None]
+        low = high = words
+        words = words << shift[None]
+    p = lax.reduce(words, np.uint32(0), lax.bitwise_xor, (1,))
+    lh = jnp.stack([jnp.sum(low * w_low, axis=1, dtype=jnp.uint32),
+                    jnp.sum(high * w_high, axis=1, dtype=jnp.uint32)], axis=1)
     if layout.shard_axes:
-        partial = lax.psum(partial, layout.shard_axes)
-    return fmix32(partial)
+        lh = lax.psum(lh, layout.shard_axes)
+        parts = lax.all_gather(p, layout.shard_axes)  # lax has no XOR all-reduce
+        p = lax.reduce(parts.reshape(-1, n), np.uint32(0), lax.bitwise_xor, (0,))
+    return fmix32(jnp.concatenate([p[:, None], lh], axis=1))
 
 
 def compare_fingerprints(got: np.ndarray, expected: np.ndarray) -> None:
     """Raise `CorruptionError` at the first block where two fingerprint arrays differ.
 
-    Both are `uint32[num_layers, n]` (`fingerprint_blocks` of what arrived, and
+    Both are `uint32[num_layers, n, 3]` (`fingerprint_blocks` of what arrived, and
     what the sender computed); the error names the layer and block row.
     """
     got, expected = np.asarray(got), np.asarray(expected)
-    if got.shape != expected.shape:
+    if got.shape != expected.shape or got.ndim != 3 or got.shape[2] != SUMS:
         raise InvalidInputError(
             f"fingerprints of shape {got.shape} cannot be checked against {expected.shape}")
-    bad = np.argwhere(got != expected)
+    bad = np.argwhere((got != expected).any(axis=2))
     if len(bad):
         layer, row = (int(v) for v in bad[0])
         raise CorruptionError(
             f"block fingerprint mismatch at layer {layer}, block row {row}: received "
-            f"{int(got[layer, row]):#010x}, sender computed {int(expected[layer, row]):#010x} "
+            f"{_hex(got[layer, row])}, sender computed {_hex(expected[layer, row])} "
             f"({len(bad)} mismatching blocks in all)"
         )
+
+
+def _hex(words: np.ndarray) -> str:
+    return "/".join(f"{int(w):08x}" for w in words)

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from kvxfer import _host_buffers, _xla
 from kvxfer._xla import MIN_BUCKET, bucket_size
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import compare_fingerprints, host_fingerprint
+from kvxfer.fingerprint import SUMS, compare_fingerprints, host_fingerprint
 from kvxfer.layout import CacheLayout
 
 __all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_for", "backend_setting",
@@ -82,7 +82,7 @@ class GatheredBlocks(NamedTuple):
     """What `gather_blocks(..., fingerprints=True)` returns.
 
     - `blocks`: per layer, `[bucket, *block_shape]` in pinned host memory.
-    - `fingerprints`: `uint32[num_layers, bucket]` in pinned host memory.
+    - `fingerprints`: `uint32[num_layers, bucket, 3]` in pinned host memory.
     """
 
     blocks: list[jax.Array]
@@ -93,7 +93,7 @@ class ScatteredBlocks(NamedTuple):
     """What `scatter_blocks(..., fingerprints=True)` returns.
 
     - `caches`: the new caches.
-    - `fingerprints`: `uint32[num_layers, n]`, of the blocks as they are in the new
+    - `fingerprints`: `uint32[num_layers, n, 3]`, of the blocks as they are in the new
       caches (what `fingerprint_blocks(caches, block_ids)` gives).
     """
 
@@ -188,7 +188,7 @@ def scatter_blocks(
     src = np.arange(len(ids)) if rows is None else _check_rows(rows, len(ids), num_rows)
     if len(ids) == 0:
         new = list(caches)
-        return ScatteredBlocks(new, np.zeros((layout.num_layers, 0), np.uint32)) \
+        return ScatteredBlocks(new, np.zeros((layout.num_layers, 0, SUMS), np.uint32)) \
             if fingerprints else new
     new, prints = _backend(caches[0].sharding.mesh).scatter(
         layout, caches[0].sharding.mesh, caches, host_blocks, ids, src, fingerprints)
@@ -214,7 +214,7 @@ def gather_into(
 
     **Returns:**
 
-    `uint32[num_layers, n]`: the blocks' fingerprints, computed on device
+    `uint32[num_layers, n, 3]`: the blocks' fingerprints, computed on device
     from the caches (the same values `gather_blocks(..., fingerprints=True)` gives).
     """
     layout = CacheLayout.from_caches(caches)
@@ -227,7 +227,7 @@ def gather_into(
         if not isinstance(region, np.ndarray) or not region.flags.writeable:
             raise InvalidInputError(f"regions[{i}] must be a writable numpy array")
     if len(ids) == 0:
-        return np.zeros((layout.num_layers, 0), np.uint32)
+        return np.zeros((layout.num_layers, 0, SUMS), np.uint32)
     mesh = caches[0].sharding.mesh
     return _backend(mesh).gather_into(layout, mesh, caches, ids, regions, dst)
 
@@ -237,7 +237,7 @@ def fingerprint_blocks(
 ) -> np.ndarray:
     """Fingerprints of blocks as they are in the caches, computed where they are.
 
-    `uint32[num_layers, n]`, the values `gather_blocks(...,
+    `uint32[num_layers, n, 3]`, the values `gather_blocks(...,
     fingerprints=True)` gives for the same bytes: D checks the blocks it wrote
     against P's fingerprints with it, after the scatter.
     """
@@ -264,7 +264,7 @@ def block_fingerprints(
 
     **Returns:**
 
-    `uint32[num_layers, count]`.
+    `uint32[num_layers, count, 3]`.
     """
     count = _check_count(count)
     _check_host_blocks(host_blocks, layout, count)
@@ -285,17 +285,18 @@ def check_fingerprints(
     - `host_blocks`: one array per layer, `[rows, *block_shape]`, `rows >= count`, as
       received.
     - `count`: how many leading rows are real blocks.
-    - `expected`: `uint32[num_layers, rows']`, `rows' >= count`, the
+    - `expected`: `uint32[num_layers, rows', 3]`, `rows' >= count`, the
       fingerprints `gather_blocks` returned at the source.
 
     The error names the first mismatching layer and block row.
     """
     count = _check_count(count)
     expected = np.asarray(expected)
-    if expected.ndim != 2 or expected.shape[0] != layout.num_layers or expected.shape[1] < count:
+    if (expected.ndim != 3 or expected.shape[0] != layout.num_layers
+            or expected.shape[1] < count or expected.shape[2] != SUMS):
         raise InvalidInputError(
             f"expected fingerprints have shape {expected.shape}; need "
-            f"[{layout.num_layers}, >= {count}]"
+            f"[{layout.num_layers}, >= {count}, {SUMS}]"
         )
     compare_fingerprints(block_fingerprints(layout, host_blocks, count), expected[:, :count])
 

@@ -38,7 +38,7 @@ from kvxfer._host_buffers import (
 from kvxfer._rows import RowCopies
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import piece_weights, sums_words
+from kvxfer.fingerprint import SUMS, piece_weights, reduce_sums, sums_words, word_sums
 from kvxfer.gather import backend_for, backend_setting, check_block_ids, check_flag
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
@@ -165,16 +165,16 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
 
     The caches are donated (every process of the instance calls this, with the
     same block ids: the donation is one program over the mesh). Returns the
-    new caches and `uint32[num_layers, n]`: the unmixed sums of what landed in
+    new caches and `uint32[num_layers, n, 3]`: the unmixed sums of what landed in
     this process's shards (one replica of each unit range), to compare with
-    the sum of P's per-unit sums over `[piece.lo, piece.hi)` (`unit_sums`);
+    P's per-unit sums over `[piece.lo, piece.hi)` combined (`unit_sums`);
     None with `sums=False` (nothing is hashed).
     """
     check_flag("sums", sums)
     layout = CacheLayout.from_caches(caches)
     ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
     if len(ids) == 0:
-        return list(caches), np.zeros((layout.num_layers, 0), np.uint32) if sums else None
+        return list(caches), np.zeros((layout.num_layers, 0, SUMS), np.uint32) if sums else None
     threads = host_threads()  # a bad setting is refused before the caches are donated
     new = own_buffers(layout, caches[0].sharding.mesh)(list(caches))
     jax.block_until_ready(new)
@@ -192,9 +192,10 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
 
 
 def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray:
-    """`uint32[num_layers, n]`: each slot's per-unit sums added up (mod 2**32)."""
-    prints = staging.prints[np.asarray(slots, np.int64)]  # [n, units, layers]
-    return prints.sum(axis=1, dtype=np.uint32).T
+    """`uint32[num_layers, n, 3]`: each slot's per-unit sums combined (`P` by XOR, `L` and
+    `H` mod 2**32)."""
+    prints = staging.prints[np.asarray(slots, np.int64)]  # [n, units, layers, 3]
+    return reduce_sums(prints, axis=1).transpose(1, 0, 2)
 
 
 def _check_words(layout: CacheLayout, piece: Piece) -> None:
@@ -275,14 +276,14 @@ def _one_replica(cache: jax.Array, piece: Piece) -> list[jax.Shard]:
 
 def _sum_units(layout: CacheLayout, staging: Staging, layer: int,
                runs: list[tuple[int, int]], piece: Piece) -> None:
-    """`staging.prints[slot, unit, layer]` = the unit's words against their block weights,
-    for the slots in `runs` (`(start, length)`)."""
+    """`staging.prints[slot, unit, layer]` = the sums of the unit's words against their block
+    weights, for the slots in `runs` (`(start, length)`)."""
     weights = _unit_weights(layout, piece)  # [units held, words per unit]
     region = staging.regions[layer]
     words = region.reshape(region.shape[0], piece.count, -1).view(np.uint32)
     for start, length in runs:
-        staging.prints[start : start + length, :, layer] = np.einsum(
-            "suj,uj->su", words[start : start + length], weights)
+        word_sums(words[start : start + length], weights, "suj,uj->su",
+                  out=staging.prints[start : start + length, :, layer])
 
 
 def _unit_weights(layout: CacheLayout, piece: Piece) -> np.ndarray:

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.fingerprint import SUMS
 from kvxfer.slots import Placement, SlotMap
 
 __all__ = ["Staging", "free_in_all", "stagings_of"]
@@ -52,12 +53,12 @@ class Staging(SlotMap):
     - `dtype`: the cache dtype (a numpy dtype; `ml_dtypes` names work once imported).
     - `placement`: `"runs"` (contiguous slots per request) or `"mirror"` (slot = block id).
 
-    Besides the block regions, `prints` (`uint32[num_slots, num_layers]`) holds
+    Besides the block regions, `prints` (`uint32[num_slots, num_layers, 3]`) holds
     each staged block's fingerprints, one row per slot: P writes them where it
     gathers, D reads them with the blocks (one more descriptor per run), so
     they travel with the bytes they vouch for and never through the engine.
-    With `prints_per_layer=k` it is `uint32[num_slots, k, num_layers]`: one
-    sum per unit of a block's piece (`kvxfer.pieces`).
+    With `prints_per_layer=k` it is `uint32[num_slots, k, num_layers, 3]`: one
+    set of sums per unit of a block's piece (`kvxfer.pieces`).
     """
 
     def __init__(
@@ -83,7 +84,8 @@ class Staging(SlotMap):
             _aligned_region((num_slots, *self.block_shape), self.dtype) for _ in range(num_layers)
         ]
         self.prints_per_layer = prints_per_layer
-        per_slot = (num_layers,) if prints_per_layer is None else (prints_per_layer, num_layers)
+        per_slot = ((num_layers, SUMS) if prints_per_layer is None
+                    else (prints_per_layer, num_layers, SUMS))
         self.prints = _aligned_region((num_slots, *per_slot), np.dtype(np.uint32))
         self.block_bytes = self.regions[0][0].nbytes
 

@@ -118,7 +118,7 @@ class OneProcess:
         """Copy blocks `ids` of group `g` into `slots`, with their fingerprints."""
         staging = self.stagings[g]
         prints = gather_into(caches, ids, staging.regions, slots)
-        staging.prints[slots] = prints.T
+        staging.prints[slots] = prints.transpose(1, 0, 2)
 
     def scatter(self, g: int, caches: list[jax.Array], ids: np.ndarray, rows: np.ndarray,
                 spans: Spans, bad: dict[str, str]) -> list[jax.Array]:
@@ -128,7 +128,7 @@ class OneProcess:
         if not self.config.verify_fingerprints:
             return scatter_blocks(caches, staging.regions, ids, rows=rows)
         caches, got = scatter_blocks(caches, staging.regions, ids, rows=rows, fingerprints=True)
-        expected = staging.prints[rows].T  # P's, read with the blocks
+        expected = staging.prints[rows].transpose(1, 0, 2)  # P's, read with the blocks
         for req_id, start, count in spans:
             try:
                 compare_fingerprints(got[:, start : start + count],
