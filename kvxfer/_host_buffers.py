@@ -195,8 +195,8 @@ class BufferHashes:
     weights of their indices in the whole block (`np.einsum`; an XLA:CPU
     reduction runs slower and materializes the gathered rows). Replicas are
     skipped: `add` is given each `replica_id == 0` shard of each layer once,
-    and the shards' sums combine as the device's `psum` (and XOR) do. Only for layouts whose pieces are whole words (`of` returns None
-    otherwise).
+    and the shards' sums combine as the device's `psum` (and XOR) do. Only
+    for layouts whose pieces are whole words (`of` returns None otherwise).
     """
 
     _CHUNK = 64  # rows gathered at a time where ids do not run together
