@@ -116,7 +116,7 @@ def test_fingerprint_count_may_not_exceed_the_rows(gathered):
 def test_fingerprint_count_may_be_a_numpy_int(gathered):
     layout, out = gathered
     check_fingerprints(layout, out.blocks, np.int64(2), out.fingerprints)
-    assert block_fingerprints(layout, out.blocks, np.int32(2)).shape == (2, 2)
+    assert block_fingerprints(layout, out.blocks, np.int32(2)).shape == (2, 2, 3)
 
 
 # cdiv.
