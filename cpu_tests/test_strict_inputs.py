@@ -357,7 +357,7 @@ def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_
     from kvxfer.wire import ReadParams
 
     params = ReadParams.parse({"peer": "P", "instance": "i", "host": "127.0.0.1", "port": 1,
-                               "req_id": "r", "generation": 1,
+                               "req_id": "r", "generation": 1, "secret": "ab" * 16,
                                "groups": [{"keys": [0], "slots": [0]}]}, 1)
     d = DecodeTransport(TransportConfig("D-strict"), Staging(1, 4, (8,)), {}, check_block_compatible)
     try:

@@ -72,7 +72,7 @@ from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillSchedule
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
-from kvxfer.wire import new_instance
+from kvxfer.wire import new_instance, prompt_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Settings", "TPUConnector", "group_specs", "scheduled_requests"]
+__all__ = ["Settings", "TPUConnector", "group_specs", "model_description", "scheduled_requests"]
 
 
 _ADDRESS = ("host", "port", "name")
@@ -202,6 +202,24 @@ def group_specs(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list
     return specs
 
 
+def model_description(vllm_config: VllmConfig, groups: Sequence[GroupSpec]) -> dict[str, Any]:
+    """What P's and D's caches hold, which must be the same on both (checked at handshake):
+    the model, its dtype, KV heads, head size and layers, the cache dtype, and each KV
+    cache group's kind, block size and sliding window. Tensor parallelism and the
+    number of blocks may differ (blocks are staged whole)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    return {
+        "model": str(model.model),
+        "dtype": str(model.dtype),
+        "num_kv_heads": int(model.get_total_num_kv_heads()),
+        "head_size": int(model.get_head_size()),
+        "num_hidden_layers": int(model.get_total_num_hidden_layers()),
+        "cache_dtype": str(cache.cache_dtype),
+        "groups": [{"kind": g.kind, "block_size": g.block_size,
+                    "sliding_window": g.sliding_window} for g in groups],
+    }
+
+
 def scheduled_requests(so: SchedulerOutput) -> list[ScheduledRequest]:
     """Each request of a `SchedulerOutput`, as the save planner reads it (pre-step counts).
 
@@ -255,8 +273,9 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = _SchedulerSide(self.settings, self.groups, self.producer,
                                              self.consumer)
         else:
-            self._worker = _WorkerSide(self.settings, kv_cache_config, self.producer,
-                                       self.consumer)
+            self._worker = _WorkerSide(self.settings, kv_cache_config,
+                                       model_description(vllm_config, self.groups),
+                                       self.producer, self.consumer)
 
     # -- worker side
 
@@ -349,6 +368,7 @@ class _SchedulerSide:
             address=PeerAddress(settings.p_name, settings.host, settings.p_port),
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
+        self._prompts: dict[str, str | None] = {}  # D: the prompt digest, from matched_tokens
         self._loads: dict[str, LoadRequest] = {}
         # P: vLLM's request id -> the transfer id P plans, stages and names in params. A
         # request id P still holds for D (a proxy that reuses X-Request-Id, a retry) gets a
@@ -368,10 +388,17 @@ class _SchedulerSide:
                            request.num_prompt_tokens)
             params["do_remote_prefill"] = False
             return 0, False
+        digest = _prompt_digest(request)
+        if params.get("prompt") != digest:
+            logger.warning("D request %s: its kv_transfer_params are for another prompt (or "
+                           "none); D computes the prompt itself", request.request_id)
+            params["do_remote_prefill"] = False
+            return 0, False
         count = request.num_prompt_tokens - num_computed
         if count <= 0:
             return 0, False
         self._local[request.request_id] = num_computed
+        self._prompts[request.request_id] = digest
         return count, True
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
@@ -384,16 +411,19 @@ class _SchedulerSide:
                 transfer = req_id
                 while self.prefill.holds(transfer):
                     transfer = f"{req_id}~{next(self._reuses)}"
-                self.prefill.add_request(transfer, request.num_prompt_tokens)
+                self.prefill.add_request(transfer, request.num_prompt_tokens,
+                                         request.prompt_token_ids)
                 self._transfers[req_id] = transfer
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
         if self.consumer and _asks(params, "do_remote_prefill", request.request_id):
             local = self._local.pop(request.request_id, 0)
+            digest = self._prompts.pop(request.request_id, None)
             if num_external > 0:
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
                         for g in self.groups]
                 self._loads[request.request_id] = LoadRequest(
-                    dict(params), [list(ids) for ids in blocks.get_block_ids()], have)
+                    dict(params), [list(ids) for ids in blocks.get_block_ids()], have,
+                    digest or _prompt_digest(request))
             params["do_remote_prefill"] = False  # one transfer per request
 
     def build(self, so: SchedulerOutput) -> KvxferMetadata:
@@ -411,6 +441,7 @@ class _SchedulerSide:
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         self._local.pop(request.request_id, None)
+        self._prompts.pop(request.request_id, None)
         if self.prefill is None:
             return None
         params = self.prefill.request_finished(
@@ -422,6 +453,12 @@ class _SchedulerSide:
 
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
+
+
+def _prompt_digest(request: Request) -> str | None:
+    """The digest of a request's prompt token ids (None for a prompt of embeddings)."""
+    ids = request.prompt_token_ids
+    return None if ids is None else prompt_digest(ids)
 
 
 def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:
@@ -437,10 +474,11 @@ def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:
 
 
 class _WorkerSide:
-    def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig, producer: bool,
-                 consumer: bool):
+    def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig,
+                 model: Mapping[str, Any], producer: bool, consumer: bool):
         self.settings = settings
         self.kv_cache_config = kv_cache_config
+        self.model = model
         self.producer, self.consumer = producer, consumer
         self.runner: Any = None
         self._indices: list[list[int]] = []
@@ -461,7 +499,8 @@ class _WorkerSide:
         if self.consumer:
             from kvxfer.connector.decode import DecodeConnector
 
-            self._decode = DecodeConnector(self.settings.connector_config(False), self._caches())
+            self._decode = DecodeConnector(self.settings.connector_config(False), self._caches(),
+                                           model=self.model)
 
     def _caches(self) -> list[list[Any]]:
         caches = self.runner.kv_caches  # donated by every forward: read afresh at each use
@@ -485,7 +524,8 @@ class _WorkerSide:
         if self._prefill is None:
             from kvxfer.connector.prefill import PrefillWorker
 
-            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(), save.instance)
+            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(),
+                                          save.instance, model=self.model)
         if save.blocks or save.holds:
             self._prefill.save(self._caches(), save)
 

@@ -366,10 +366,12 @@ def test_only_true_asks_d_to_load_from_p(value, asks, caplog):
 
     from kvxfer.scheduler import GroupSpec
     from kvxfer.vllm import Settings, _SchedulerSide
+    from kvxfer.wire import prompt_digest
 
     d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
-    request = SimpleNamespace(request_id="r", num_prompt_tokens=32, kv_transfer_params={
-        "do_remote_prefill": value, "num_prompt_tokens": 32})
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=32, prompt_token_ids=list(
+        range(32)), kv_transfer_params={"do_remote_prefill": value, "num_prompt_tokens": 32,
+                                        "prompt": prompt_digest(list(range(32)))})
     assert d.matched_tokens(request, 0) == ((32, True) if asks else (0, False))
     assert ("must be true or false, got 'no'" in caplog.text) == (value == "no")
 
@@ -389,3 +391,21 @@ def test_a_host_that_does_not_resolve_is_refused_at_start_up():
     with pytest.raises(InvalidInputError, match="'host' 'p.invalid' does not resolve here"):
         Settings.from_extra({"host": "p.invalid"})
     assert Settings.from_extra({"host": "localhost"}).host == "localhost"
+
+
+def test_params_for_another_prompt_of_the_same_length_make_d_compute_it_itself(caplog):
+    from types import SimpleNamespace
+
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.vllm import Settings, _SchedulerSide
+    from kvxfer.wire import prompt_digest
+
+    d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
+    for sent in (prompt_digest(list(range(1, 33))), None):
+        request = SimpleNamespace(request_id="r", num_prompt_tokens=32,
+                                  prompt_token_ids=list(range(32)), kv_transfer_params={
+                                      "do_remote_prefill": True, "num_prompt_tokens": 32,
+                                      "prompt": sent})
+        assert d.matched_tokens(request, 0) == (0, False)
+        assert request.kv_transfer_params["do_remote_prefill"] is False
+    assert "are for another prompt" in caplog.text

@@ -64,14 +64,17 @@ class DecodeConnector:
         config: `ConnectorConfig`.
         caches: the current per-layer caches of each group (a plain list of
             arrays when there is one group); only their layouts are kept.
+        model: what the caches hold, which P must describe alike
+            (`kvxfer.layout.advertised`); None: nothing said.
     """
 
     def __init__(self, config: ConnectorConfig,
-                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
+                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+                 model: Mapping[str, Any] | None = None):
         self.hosts = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
         self.transport = DecodeTransport(
-            self.hosts.transport_config, self.stagings, advertised(self.layouts),
+            self.hosts.transport_config, self.stagings, advertised(self.layouts, model),
             layout_check=check_block_compatible, piece=self.hosts.piece,
             reader=self.hosts.reader,
         )
@@ -144,6 +147,11 @@ class DecodeConnector:
         Returns the params to read (without the blocks D already has) and the load.
         """
         p = ReadParams.parse(request.params, len(self.layouts))
+        if request.prompt is not None and p.prompt != request.prompt:
+            raise InvalidInputError(
+                f"request {req_id!r}: its params are for "
+                f"{'another prompt' if p.prompt else 'a prompt P was not given'}; D's prompt "
+                f"differs from the one P computed")
         table, have = request.table, request.have
         tables = [table] if len(self.layouts) == 1 and _is_id_list(table) else table
         if (not isinstance(tables, (list, tuple)) or len(tables) != len(self.layouts)

@@ -271,7 +271,7 @@ def start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[A
     try:
         agent, port = _create_agent(config)
         regs = [(addr, n, 0, "") for s in stagings
-                for addr, n in [*s.region_addresses(), s.prints_address()]]
+                for addr, n in [*s.region_addresses(), s.prints_address(), s.tags_address()]]
         reg = agent.register_memory(regs, "DRAM")
         if config.uses_etcd:
             try:  # under our name, with the registered regions: peers fetch it by name

@@ -21,8 +21,16 @@ from typing import Any
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
-from kvxfer.staging import Staging, free_in_all, stagings_of
-from kvxfer.wire import ReadParams, check_piece, decode_message, is_generation, message_field, new_instance
+from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
+from kvxfer.wire import (
+    ReadParams,
+    check_piece,
+    decode_message,
+    is_generation,
+    message_field,
+    new_instance,
+    new_secret,
+)
 
 __all__ = ["PrefillTransport"]
 
@@ -84,7 +92,7 @@ class PrefillTransport:
             "piece": list(self.piece) if self.piece else None,
             "layout": self.layout,
             "groups": [{"regions": [list(r) for r in s.region_addresses()],
-                        "prints": list(s.prints_address()),
+                        "prints": list(s.prints_address()), "tags": list(s.tags_address()),
                         "block_bytes": s.block_bytes, "num_slots": s.num_slots}
                        for s in self.stagings],
         }
@@ -92,16 +100,20 @@ class PrefillTransport:
     def hold(self, req_id: str, now: float | None = None) -> dict[str, Any]:
         """Start `req_id`'s lease; returns the params D needs to read it.
 
-        Call once the request's last chunk is staged. A request is held once:
+        Call once the request's last chunk is staged: its blocks' tags are written
+        here, from a fresh secret the params carry. A request is held once:
         holding it again before it is freed raises `InvalidInputError`.
         """
         if req_id in self._leases:
             raise InvalidInputError(f"request {req_id!r} is already held for D")
         params = ReadParams.staged(self.stagings, req_id, peer=self.config.name,
                                    instance=self.instance, host=self.config.host,
-                                   port=self.port, generation=self._next_generation)
+                                   port=self.port, generation=self._next_generation,
+                                   secret=new_secret())
         if params is None:
             raise InvalidInputError(f"request {req_id!r} has nothing staged to hold")
+        for g, (staging, keys, slots) in enumerate(zip(self.stagings, params.keys, params.slots)):
+            staging.tags[list(slots)] = block_tags(params.secret, g, keys)
         self.lease(req_id, params.generation, now)
         return params.to_dict()
 
@@ -109,7 +121,8 @@ class PrefillTransport:
         """Start `req_id`'s lease under a `generation` its params already name.
 
         For a caller that made the params itself (vLLM's scheduler process
-        hands them out before the worker has saved the last chunk): the
+        hands them out before the worker has saved the last chunk), and wrote
+        the blocks' tags with their secret (`kvxfer.staging.block_tags`): the
         generation must be fresh for this instance, else a late `done` for an
         earlier hold could free this one.
         """
