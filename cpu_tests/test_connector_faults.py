@@ -217,7 +217,7 @@ def test_d_with_another_sliding_window_than_p_refuses_its_params_at_handshake(pa
     assert pr.load("r", params, [10, 11]) == ([], ["r"])
     assert pr.d.get_block_ids_with_load_errors() == {10, 11}
     with pytest.raises(LayoutMismatchError, match=r"another model .*sliding_window"):
-        pr.d.transport.connect(params["peer"], params["host"], params["port"])
+        pr.d.transport.handshakes.connect(params["peer"], params["host"], params["port"])
 
 
 def test_d_engine_thread_never_waits_for_an_unreachable_p(pair):
@@ -256,6 +256,27 @@ def test_d_engine_thread_never_waits_for_an_unreachable_p(pair):
     late = {"g5": LoadRequest(dict(gone, req_id="g5"), [26, 27])}  # the failure is remembered
     pr.d.start_load_kv(late)
     assert pr.wait(1, timeout=0.5) == ([], ["g5"])
+
+
+def test_a_request_waiting_in_d_queue_past_p_lease_is_kept_and_a_dropped_one_freed(pair):
+    pr = pair(lease=1.0, heartbeat=0.2)
+    kept, dropped = prefill(pr, "kept", [2, 3]), prefill(pr, "dropped", [4, 5])
+    pr.serve()
+    pr.d.expect(kept)
+    pr.d.expect(dropped)
+    start = time.monotonic()
+    while time.monotonic() - start < 2.5:  # D's engine steps; both wait in its queue
+        pr.get_finished()
+        time.sleep(0.01)
+    assert "kept" not in pr.freed and "dropped" not in pr.freed
+    pr.d.cancel(dropped)  # aborted on D: P frees it at once, not at its lease's end
+    start = time.monotonic()
+    while "dropped" not in pr.freed:
+        assert time.monotonic() - start < 0.9
+        pr.get_finished()
+        time.sleep(0.01)
+    assert pr.load("kept", kept, [10, 11]) == (["kept"], [])
+    assert_d_holds(pr, [10, 11], [2, 3])
 
 
 def test_caches_of_another_dtype_raise_before_any_state_changes_and_lose_nothing(pair):

@@ -69,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvxfer.blocks import is_int
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
-from kvxfer.errors import InvalidInputError
+from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
 from kvxfer.wire import new_instance, prompt_digest
@@ -245,6 +245,8 @@ class KvxferMetadata(KVConnectorMetadata):
 
     save: SaveMeta | None = None
     loads: dict[str, LoadRequest] = field(default_factory=dict)
+    expects: list[dict[str, Any]] = field(default_factory=list)  # D: accepted, not yet loaded
+    cancels: list[dict[str, Any]] = field(default_factory=list)  # D: expected, then dropped
 
 
 @dataclass
@@ -369,6 +371,9 @@ class _SchedulerSide:
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
         self._prompts: dict[str, str | None] = {}  # D: the prompt digest, from matched_tokens
+        self._waiting: dict[str, dict[str, Any]] = {}  # D: params accepted, load not started
+        self._expects: list[dict[str, Any]] = []
+        self._cancels: list[dict[str, Any]] = []
         self._loads: dict[str, LoadRequest] = {}
         # P: vLLM's request id -> the transfer id P plans, stages and names in params. A
         # request id P still holds for D (a proxy that reuses X-Request-Id, a retry) gets a
@@ -399,6 +404,9 @@ class _SchedulerSide:
             return 0, False
         self._local[request.request_id] = num_computed
         self._prompts[request.request_id] = digest
+        if request.request_id not in self._waiting:  # P's lease is kept alive from now on
+            self._waiting[request.request_id] = dict(params)
+            self._expects.append(dict(params))
         return count, True
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
@@ -418,6 +426,9 @@ class _SchedulerSide:
         if self.consumer and _asks(params, "do_remote_prefill", request.request_id):
             local = self._local.pop(request.request_id, 0)
             digest = self._prompts.pop(request.request_id, None)
+            waited = self._waiting.pop(request.request_id, None)
+            if num_external <= 0 and waited is not None:
+                self._cancels.append(waited)  # D computes it all itself
             if num_external > 0:
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
                         for g in self.groups]
@@ -433,6 +444,8 @@ class _SchedulerSide:
                 [replace(s, req_id=self._transfers[s.req_id]) if s.req_id in self._transfers else s
                  for s in scheduled_requests(so)])
         meta.loads, self._loads = self._loads, {}
+        meta.expects, self._expects = self._expects, []
+        meta.cancels, self._cancels = self._cancels, []
         return meta
 
     def release(self, freed: set[str]) -> None:
@@ -442,6 +455,9 @@ class _SchedulerSide:
     def finished(self, request: Request) -> dict[str, Any] | None:
         self._local.pop(request.request_id, None)
         self._prompts.pop(request.request_id, None)
+        waited = self._waiting.pop(request.request_id, None)
+        if waited is not None:  # aborted in D's queue: P frees its blocks now
+            self._cancels.append(waited)
         if self.prefill is None:
             return None
         params = self.prefill.request_finished(
@@ -514,6 +530,12 @@ class _WorkerSide:
         self.runner.kv_caches = caches
 
     def start_load(self, meta: KvxferMetadata) -> None:
+        for what, params in [*(("expect", p) for p in meta.expects),
+                             *(("cancel", p) for p in meta.cancels)]:
+            try:
+                getattr(self._decode, what)(params)
+            except KvxferError as e:  # the load itself fails the request, by its own rules
+                logger.warning("D cannot %s a request's params: %s", what, e)
         if meta.loads:
             self._decode.start_load_kv(meta.loads)
 

@@ -92,7 +92,7 @@ def pd(model_dir, engines):
 def decode(d: Engine, req_id: str, prompt: list[int], params: dict, max_tokens: int = 2):
     """Adds the request on D with P's params; steps D until it finishes. Returns every step."""
     d.add_request(req_id, prompt, max_tokens=max_tokens, kv_transfer_params=params)
-    return d.run_until(lambda r: req_id in r.finished, max_steps=400)
+    return d.run_until(lambda r: req_id in r.finished, max_steps=400, min_s=30.0)
 
 
 def assert_prompt_kv(d: Engine, req_id: str, prompt: list[int], window: int | None = None):
@@ -409,3 +409,25 @@ def test_params_for_another_prompt_of_the_same_length_make_d_compute_it_itself(c
         assert d.matched_tokens(request, 0) == (0, False)
         assert request.kv_transfer_params["do_remote_prefill"] is False
     assert "are for another prompt" in caplog.text
+
+
+def test_d_keeps_p_lease_of_a_queued_request_and_releases_it_when_aborted():
+    from types import SimpleNamespace
+
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.vllm import Settings, _SchedulerSide
+    from kvxfer.wire import prompt_digest
+
+    d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
+    params = {"do_remote_prefill": True, "num_prompt_tokens": 32, "req_id": "p-r",
+              "prompt": prompt_digest(list(range(32)))}
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=32,
+                              prompt_token_ids=list(range(32)), kv_transfer_params=params)
+    assert d.matched_tokens(request, 0) == (32, True)
+    assert d.matched_tokens(request, 0) == (32, True)  # still no blocks: asked again
+    so = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})
+    first = d.build(so)
+    assert [p["req_id"] for p in first.expects] == ["p-r"] and first.cancels == []
+    assert d.build(so).expects == []  # expected once
+    d.finished(request)  # aborted while waiting in D's queue
+    assert [p["req_id"] for p in d.build(so).cancels] == ["p-r"]

@@ -64,7 +64,7 @@ class Pair:
 
     def __init__(self, kernel_ratio=1, block_size=16, deadline=10.0, groups=None, shape=SHAPE,
                  p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), layers=2, verify=True,
-                 models=(None, None), handshake=10.0):
+                 models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0):
         n = next(_names)
         groups = groups or [GroupSpec(block_size)]
         cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio)
@@ -74,10 +74,12 @@ class Pair:
         self.d_caches = [caches_on([devices[i] for i in d_devices], seed=2 + 10 * g,
                                    layers=layers, shape=shape) for g in range(len(groups))]
         self.single = len(groups) == 1
-        self.p = PrefillConnector(ConnectorConfig(TransportConfig(f"P{n}"), **cfg),
+        p_transport = TransportConfig(f"P{n}", lease_s=lease, heartbeat_interval_s=heartbeat)
+        self.p = PrefillConnector(ConnectorConfig(p_transport, **cfg),
                                   groups, self.p_caches, model=models[0])
         self.d = DecodeConnector(ConnectorConfig(
-            TransportConfig(f"D{n}", transfer_timeout_s=deadline, handshake_timeout_s=handshake),
+            TransportConfig(f"D{n}", transfer_timeout_s=deadline, handshake_timeout_s=handshake,
+                            heartbeat_interval_s=heartbeat),
             verify_fingerprints=verify,
             **cfg), self.d_caches, model=models[1])
         self.freed, self._stop, self._thread = [], threading.Event(), None

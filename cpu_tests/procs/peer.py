@@ -95,7 +95,7 @@ def main():
                 pump()
                 out = {"freed": freed, "held": t.held(), "free_slots": staging.num_free_slots}
             elif op == "connect":
-                out = {"layout": t.connect(cmd["peer"], cmd["host"], cmd["port"])}
+                out = {"layout": t.handshakes.connect(cmd["peer"], cmd["host"], cmd["port"])}
             elif op == "read":
                 # `logical_ids`: what D reports if the read fails; blocks land under P's keys.
                 t.start_read(cmd["req_id"], ReadParams.parse(cmd["params"], len(t.stagings)),

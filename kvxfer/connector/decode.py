@@ -268,6 +268,17 @@ class DecodeConnector:
         return self.hosts.scatter(g, caches, np.asarray(ids, np.int64),
                                   np.asarray(slots, np.int64), spans, bad)
 
+    def expect(self, params: Any) -> None:
+        """Keep P's lease alive for a request D accepted but has not started loading (waiting
+        in D's queue), from now until `start_load_kv` takes it or `cancel` drops it; P's
+        `kv_transfer_params`, checked (`InvalidInputError`)."""
+        self.transport.expect(ReadParams.parse(params, len(self.layouts)))
+
+    def cancel(self, params: Any) -> None:
+        """D will not load this expected request (aborted, or computed locally): P may free
+        its blocks now. Params not expected are ignored."""
+        self.transport.cancel(ReadParams.parse(params, len(self.layouts)).req_id)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Logical block ids whose load failed since the last call (to recompute)."""
         errors, self._load_errors = self._load_errors, set()

@@ -137,11 +137,6 @@ class DecodeTransport:
         """The first group's staging (the only one for a single-group model)."""
         return self.stagings[0]
 
-    def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
-        """Handshake with P agent `peer` at `host:port` and wait (`Handshakes.connect`); returns
-        its layout."""
-        return self.handshakes.connect(peer, host, port)
-
     def _drop_peer(self, peer: str, why: str) -> None:
         """Disconnect `peer` (gone, restarted or failing); its reads fail with it."""
         if not self.peers.drop(peer):
@@ -154,9 +149,12 @@ class DecodeTransport:
     # -- reads
 
     def expect(self, params: ReadParams) -> None:
-        """Keep P's lease on a request alive (heartbeats) until `start_read` takes it."""
+        """Keep P's lease on a request alive (heartbeats; connecting to P in the background)
+        until `start_read` takes it or `cancel` drops it."""
         p = _check_params(params, len(self.stagings))
         self._expected[p.req_id] = (p.peers, p.instance, p.generation)
+        for peer in p.peers:
+            self.handshakes.begin(peer, p.host, p.port, p.instance)
 
     def cancel(self, req_id: str) -> None:
         """Stop keeping P's lease on an expected request D will not read (aborted, refused),
@@ -204,14 +202,9 @@ class DecodeTransport:
             read.legs = {peer: _Leg(peer, state=LegState.XFER if read.plan[peer] else
                                     LegState.READ) for peer in p.peers}
         except Exception as e:  # any failure here is this request's, not the engine's
-            self._refuse(read, e)
+            self._fail(read, e)
             return
         self._try_post(read)
-
-    def _refuse(self, read: _Read, error: Exception) -> None:
-        logger.warning("D %s cannot read %s from %s: %s", self.config.name, read.req_id,
-                       read.params.peers, error)
-        self._fail(read)
 
     def _try_post(self, read: _Read) -> None:
         """Post `read` once every P agent it names is connected as the instance it names;
@@ -224,14 +217,14 @@ class DecodeTransport:
             self._drop_peer(state, f"params name instance {p.instance}; it does not answer")
             return
         if state is not True:
-            self._refuse(read, state)
+            self._fail(read, state)
             return
         try:
             for source in p.sources or [Source(p.peer, 0, 1)]:
                 self.peers.check_source(p, source)
             read.d_slots = [s.assign(read.req_id, keys) for s, keys in zip(self.stagings, p.keys)]
         except Exception as e:
-            self._refuse(read, e)
+            self._fail(read, e)
             return
         read.waiting = False
         for peer, span in read.plan.items():
@@ -360,9 +353,12 @@ class DecodeTransport:
         for peer, error in self.peers.say_done(cancelled, self.reader).items():
             self._drop_peer(peer, error)
 
-    def _fail(self, read: _Read) -> None:
+    def _fail(self, read: _Read, why: Exception | None = None) -> None:
         if self._reads.pop(read.req_id, None) is None:
             return
+        if why is not None:
+            logger.warning("D %s cannot read %s from %s: %s", self.config.name, read.req_id,
+                           read.params.peers, why)
         self._failed[read.req_id] = list(read.logical_ids)
         _settle_posts(read, self.config.name)
         self._zombies.bury(read.req_id, [leg.handle for leg in read.legs.values()])

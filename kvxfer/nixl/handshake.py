@@ -4,9 +4,10 @@ A handshake fetches P's NIXL metadata (from P's listener, or by name from
 etcd), sends D's own and says `hello`; P's `layout` answer is checked and
 the peer joins `Peers`. `begin` starts one and `advance` (called from D's
 `poll`) moves every one on; neither waits. A handshake that fails is kept
-as the answer for that peer for `handshake_timeout_s`, so every other
-request naming an unreachable P fails at once instead of each waiting out
-its own deadline. `ready` says whether a read's P agents are connected as
+as the answer for that peer and instance for `handshake_timeout_s`, so
+every other request naming an unreachable P fails at once instead of each
+waiting out its own deadline (params of a restarted P, a new instance, try
+afresh). `ready` says whether a read's P agents are connected as
 the instance its params name; when not, it asks the connected one who it is
 (a probe), also without waiting.
 """
@@ -40,6 +41,7 @@ class _Handshake:
     port: int
     deadline: float
     refetch: float  # when to ask for the metadata again
+    instance: str | None = None  # the P instance the params that asked for it name
     hello_sent: bool = False
 
 
@@ -49,7 +51,8 @@ class Handshakes:
     def __init__(self, peers: Peers):
         self.peers, self.agent, self.config = peers, peers.agent, peers.config
         self._under_way: dict[str, _Handshake] = {}
-        self._failed: dict[str, tuple[float, KvxferError]] = {}  # peer -> (until, why)
+        # peer -> (until, the instance asked for, why): a P restarted since is tried afresh
+        self._failed: dict[str, tuple[float, str | None, KvxferError]] = {}
         self._probes: dict[str, Any] = {}  # peer -> answer deadline, or the answer
 
     def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
@@ -70,17 +73,18 @@ class Handshakes:
             raise state
         return self.peers.get(peer).layout
 
-    def begin(self, peer: str, host: str, port: int, now: float | None = None) -> None:
-        """Start a handshake with `peer` (`advance` moves it on), unless it is connected,
-        being connected, or failed within the last `handshake_timeout_s`."""
+    def begin(self, peer: str, host: str, port: int, instance: str | None = None,
+              now: float | None = None) -> None:
+        """Start a handshake with `peer` (`advance` moves it on), for params naming
+        `instance` of it, unless it is connected, being connected, or failed for that
+        instance within the last `handshake_timeout_s`."""
         now = time.monotonic() if now is None else now
-        failed = self._failed.get(peer)
-        if peer in self.peers or peer in self._under_way or (failed and failed[0] > now):
+        if peer in self.peers or peer in self._under_way or self._failure(peer, instance, now):
             return
         self._failed.pop(peer, None)
         self.peers.take_advert(peer)
         handshake = _Handshake(host, port, now + self.config.handshake_timeout_s,
-                               now + _REFETCH_S)
+                               now + _REFETCH_S, instance)
         self._under_way[peer] = handshake
         try:
             if not self.config.uses_etcd and port == 0:
@@ -90,15 +94,21 @@ class Handshakes:
         except Exception as e:
             self._give_up(peer, e, now)
 
-    def status(self, peer: str) -> bool | KvxferError | None:
+    def status(self, peer: str, instance: str | None = None) -> bool | KvxferError | None:
         """True once `peer` is connected; None while a handshake with it is under way (or
-        none was begun); else why the last one failed."""
+        none was begun); else why the last one, for params naming `instance`, failed."""
         if peer in self.peers:
             return True
         if peer in self._under_way:
             return None
+        return self._failure(peer, instance)
+
+    def _failure(self, peer: str, instance: str | None, now: float | None = None
+                 ) -> KvxferError | None:
         failed = self._failed.get(peer)
-        return failed[1] if failed else None
+        if failed is None or failed[1] != instance:
+            return None
+        return failed[2] if now is None or failed[0] > now else None
 
     def ready(self, p: ReadParams) -> bool | KvxferError | str | None:
         """Whether the P agents `p` names are connected as the instance it names: True; None
@@ -108,8 +118,8 @@ class Handshakes:
         for name in p.peers:
             connected = self.peers.get(name)
             if connected is None:
-                self.begin(name, p.host, p.port)
-                state = self.status(name)
+                self.begin(name, p.host, p.port, p.instance)
+                state = self.status(name, p.instance)
                 if state is not True:
                     return state
             elif connected.instance != p.instance:
@@ -198,7 +208,8 @@ class Handshakes:
         if not isinstance(error, KvxferError):
             where = self._where(handshake) if handshake else ""
             error = TransferError(f"handshake with peer {peer!r} {where} failed: {error}")
-        self._failed[peer] = (now + self.config.handshake_timeout_s, error)
+        self._failed[peer] = (now + self.config.handshake_timeout_s,
+                              handshake.instance if handshake else None, error)
         logger.warning("D %s: %s", self.config.name, error)
 
     def _source(self, handshake: _Handshake) -> tuple[Any, ...]:
