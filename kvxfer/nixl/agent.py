@@ -28,13 +28,17 @@ from kvxfer.wire import encode_message
 if TYPE_CHECKING:
     from kvxfer.staging import Staging
 
-__all__ = ["TransportConfig", "claim_name", "close_agent", "free_port", "release_name", "send",
+__all__ = ["MIN_LEASE_S", "TransportConfig", "claim_name", "close_agent", "free_port", "release_name", "send",
            "start_agent"]
 
 logger = logging.getLogger(__name__)
 
 
 _MAX_BIND_TRIES = 8
+
+
+MIN_LEASE_S = 1.0
+"""The shortest `TransportConfig.lease_s` (see there)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,11 @@ class TransportConfig:
     - `listen_port`: NIXL metadata listener port; 0 picks a free one.
     - `handshake_timeout_s`: deadline of `connect`.
     - `transfer_timeout_s`: deadline of one read, from `start_read` to P's ack.
-    - `lease_s`: how long P holds a request's blocks without news from D.
+    - `lease_s`: how long P holds a request's blocks without news from D; at
+      least 1 s (`MIN_LEASE_S`) and twice `heartbeat_interval_s`. A lease must
+      outlast a gap between two of D's polls (an engine step, a GC pause) plus
+      a heartbeat's trip to P; below a second an ordinary step lets it lapse
+      while D still reads. Two heartbeats per lease let one arrive late.
     - `heartbeat_interval_s`: how often D extends leases of requests it still wants.
     - `ucx_tls`: `UCX_TLS` for this agent's UCX context (set only while the agent
       is created); `cma,tcp,self` reads host memory faster between processes
@@ -94,10 +102,16 @@ class TransportConfig:
                 raise InvalidInputError(
                     f"TransportConfig {name} must be a positive finite number of seconds, "
                     f"got {value!r}")
-        if self.heartbeat_interval_s >= self.lease_s:
+        workable = max(MIN_LEASE_S, 2 * self.heartbeat_interval_s)
+        if self.lease_s < MIN_LEASE_S:
             raise InvalidInputError(
-                f"TransportConfig heartbeat_interval_s {self.heartbeat_interval_s} must be shorter "
-                f"than lease_s {self.lease_s}, or heartbeats cannot keep a lease alive")
+                f"TransportConfig lease_s {self.lease_s!r} is below {MIN_LEASE_S} s: every lease "
+                f"would lapse between two of D's polls; give lease_s >= {workable} s")
+        if 2 * self.heartbeat_interval_s > self.lease_s:
+            raise InvalidInputError(
+                f"TransportConfig heartbeat_interval_s {self.heartbeat_interval_s} must be at most "
+                f"half of lease_s {self.lease_s}, or one late heartbeat lets a lease lapse; give "
+                f"heartbeat_interval_s <= {self.lease_s / 2} or lease_s >= {workable}")
         if self.ucx_tls is not None and (not isinstance(self.ucx_tls, str) or not self.ucx_tls):
             raise InvalidInputError(
                 f"TransportConfig ucx_tls must be None or a non-empty str, got {self.ucx_tls!r}")
