@@ -208,6 +208,10 @@ def _create_agent(config: TransportConfig) -> tuple[Any, int]:
                 with _progress_wake(api, config.progress_wake_us):
                     return nixl_agent(config.name, nixl_config), port
             except RuntimeError as e:
+                if "bind" in str(e).lower() and config.listen_port:
+                    raise InvalidInputError(
+                        f"NIXL agent {config.name!r} cannot listen on listen_port {port}: it is "
+                        f"in use ({e}); give a free port, or 0 for one picked here") from e
                 if "bind" not in str(e).lower() or attempt == tries - 1:
                     raise TransferError(
                         f"cannot create NIXL agent {config.name!r} on port {port}: {e}"
