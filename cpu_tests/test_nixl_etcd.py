@@ -15,13 +15,17 @@ import pytest
 
 from kvxfer.bench.hosts import EtcdServer
 from kvxfer.errors import InvalidInputError
-from kvxfer.nixl.agent import TransportConfig
+from kvxfer.nixl.agent import TransportConfig, free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Peer, PeerError  # noqa: E402
 from test_nixl import TIMEOUT, assert_read_intact, read, spec, stage_and_hold  # noqa: E402
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+# P's republishing backs off to 5 s; NIXL's etcd client (gRPC) reconnects with a backoff of
+# its own, a few seconds after an outage this short.
+FOUND_WITHIN_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +96,33 @@ def test_a_killed_ps_stale_record_fails_its_requests_and_a_restart_serves_new_on
     assert_read_intact(d, "r", new, [5, 6], {1: 8, 2: 8})
 
 
+def test_a_p_started_while_etcd_is_down_is_found_once_etcd_is_up():
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    p, d, server = Peer("P", spec("P_early", etcd_endpoints=endpoint)), None, None
+    try:
+        p.port  # noqa: B018 - started, with etcd down
+        server = EtcdServer(port=int(endpoint.rsplit(":", 1)[1]))
+        up = time.monotonic()
+        d = Peer("D", spec("D_late", etcd_endpoints=endpoint))
+        params = stage_and_hold(p, "r", [2], seed=3)
+        while True:  # each try waits up to D's handshake timeout
+            try:
+                connect(d, "P_early")
+                break
+            except PeerError:
+                if time.monotonic() - up > FOUND_WITHIN_S:
+                    raise
+        print(f"found {time.monotonic() - up:.1f} s after etcd came up")
+        assert_read_intact(d, "r", params, [1], {2: 3})
+        assert "P_early's NIXL metadata is not in etcd" in p.stderr()
+    finally:
+        for peer in (d, p):
+            if peer is not None:
+                peer.kill()
+        if server is not None:
+            server.stop()
+
+
 def test_a_listener_d_refuses_params_of_a_p_without_listener(peers):
     p = peers("P", "P_for_listener")
     params = stage_and_hold(p, "r", [1], seed=9)
@@ -105,7 +136,8 @@ def test_a_listener_d_refuses_params_of_a_p_without_listener(peers):
 
 
 @pytest.mark.parametrize("endpoints", ["", "127.0.0.1:2379", "http://", "http://a:1,tcp://b:2",
-                                       5, "http://a:1\n"])
+                                       5, "http://a:1\n", "http://a:port", "http://a:99999",
+                                       "http://:2379", "http://a:1,"])
 def test_bad_etcd_endpoints_are_refused_by_name(endpoints):
     with pytest.raises(InvalidInputError, match="etcd_endpoints must be None or comma-separated"):
         TransportConfig("P", etcd_endpoints=endpoints)

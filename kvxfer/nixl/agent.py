@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import threading
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,10 @@ class TransportConfig:
       agents need no pairwise listener handshake; no listener is started
       (`listen_port` is unused, params still carry `host`). None: D fetches
       from P's listener at `host:listen_port`, as between two processes.
+      A deployment starts P, D and etcd in any order, so an etcd unreachable
+      at start-up is no error: the agent starts, warns, and publishes again
+      from `poll` until etcd holds its record (`kvxfer.nixl.etcd`); an
+      endpoint that is not an `http(s)://host[:port]` URL is refused here.
     """
 
     name: str
@@ -123,8 +128,7 @@ class TransportConfig:
                                     f"[0, 10_000_000], got {self.progress_wake_us!r}")
         if self.etcd_endpoints is not None and not (
                 isinstance(self.etcd_endpoints, str) and self.etcd_endpoints.isprintable()
-                and all(e.startswith(("http://", "https://")) and len(e) > 8
-                        for e in self.etcd_endpoints.split(","))):
+                and all(_is_url(e) for e in self.etcd_endpoints.split(","))):
             raise InvalidInputError(
                 f"TransportConfig etcd_endpoints must be None or comma-separated http(s):// "
                 f"URLs, got {self.etcd_endpoints!r}")
@@ -136,6 +140,16 @@ class TransportConfig:
     @property
     def uses_etcd(self) -> bool:
         return self.etcd_endpoints is not None
+
+
+def _is_url(endpoint: str) -> bool:
+    """Whether `endpoint` is an `http(s)://host[:port]` URL (a port, if any, a number)."""
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        url.port  # noqa: B018 - raises ValueError unless a number in range
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname)
 
 
 def _nixl() -> tuple[Any, Any]:

@@ -37,6 +37,7 @@ import numpy as np
 from kvxfer.blocks import coalesce_pairs, is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
+from kvxfer.nixl.etcd import Publication
 from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
 from kvxfer.staging import Staging, free_in_all, stagings_of
 from kvxfer.wire import ReadParams, Source, check_piece, is_generation, message_field
@@ -112,6 +113,8 @@ class DecodeTransport:
                                     f"got {reader!r:.80}")
         self.reader = (int(reader[0]), int(reader[1]))
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
+        # P fetches D's record from etcd to answer D's hello: D keeps it published too.
+        self._publication = Publication(self.agent, config) if config.uses_etcd else None
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
                            self.piece, on_ack=self._on_ack)
         self._reads: dict[str, _Read] = {}
@@ -262,6 +265,8 @@ class DecodeTransport:
             self._heartbeat(now)
             self._say_cancelled()
             self._zombies.reap()
+            if self._publication is not None:
+                self._publication.tick()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
@@ -371,6 +376,8 @@ class DecodeTransport:
         if self.agent is None:
             return
         self._poster.shutdown(wait=True, cancel_futures=True)  # none may start on a closed agent
+        if self._publication is not None:
+            self._publication.close()
         close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)

@@ -21,6 +21,7 @@ from typing import Any
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
+from kvxfer.nixl.etcd import Publication
 from kvxfer.staging import Staging, free_in_all, stagings_of
 from kvxfer.wire import ReadParams, check_piece, decode_message, is_generation, message_field, new_instance
 
@@ -66,6 +67,7 @@ class PrefillTransport:
         self.piece = check_piece(piece)
         self.instance = instance or new_instance()
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
+        self._publication = Publication(self.agent, config) if config.uses_etcd else None
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
@@ -140,6 +142,8 @@ class PrefillTransport:
                 except TransferError as e:
                     logger.warning("P %s ignores a message: %s", self.config.name, e)
         self._answer_hellos(now)
+        if self._publication is not None:  # until etcd holds P's record, D cannot find P
+            self._publication.tick()
         for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
             logger.debug("P %s lease of %s expired", self.config.name, req_id)
             self._free(req_id)
@@ -212,6 +216,8 @@ class PrefillTransport:
         """Deregister staging and drop the agent (its listener stops with it)."""
         if self.agent is None:
             return
+        if self._publication is not None:
+            self._publication.close()
         close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
