@@ -96,6 +96,15 @@ def test_a_killed_ps_stale_record_fails_its_requests_and_a_restart_serves_new_on
     assert_read_intact(d, "r", new, [5, 6], {1: 8, 2: 8})
 
 
+def test_ps_left_at_the_default_name_are_each_reachable(peers):
+    first, second, d = peers("P", None), peers("P", None), peers("D", "D_defaults")
+    assert first.name != second.name and first.name.startswith("kvxfer-agent-")
+    for seed, p in enumerate((first, second), 20):
+        params = stage_and_hold(p, "r", [5], seed=seed)
+        assert params["peer"] == p.name
+        assert_read_intact(d, "r", params, [1], {5: seed})
+
+
 def test_a_p_started_while_etcd_is_down_is_found_once_etcd_is_up():
     endpoint = f"http://127.0.0.1:{free_port()}"
     p, d, server = Peer("P", spec("P_early", etcd_endpoints=endpoint)), None, None

@@ -1,6 +1,8 @@
 """Inputs kvxfer used to accept silently (cast, round, wrap or crash on) are refused,
 with a kvxfer error naming the value, before any state changes."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -406,3 +408,11 @@ def test_the_shortest_workable_lease_is_accepted():
 
     config = TransportConfig("P", lease_s=MIN_LEASE_S, heartbeat_interval_s=MIN_LEASE_S / 2)
     assert config.lease_s == 1.0
+
+
+def test_agents_left_at_the_default_name_draw_distinct_names():
+    from kvxfer.nixl.agent import TransportConfig
+
+    first, second = TransportConfig(), TransportConfig(etcd_endpoints="http://127.0.0.1:2379")
+    assert first.name != second.name
+    assert f"-{os.getpid()}-" in first.name and first.name.isprintable()

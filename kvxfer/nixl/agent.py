@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -29,8 +30,8 @@ from kvxfer.wire import encode_message
 if TYPE_CHECKING:
     from kvxfer.staging import Staging
 
-__all__ = ["MIN_LEASE_S", "TransportConfig", "claim_name", "close_agent", "free_port", "release_name", "send",
-           "start_agent"]
+__all__ = ["MIN_LEASE_S", "TransportConfig", "claim_name", "close_agent", "default_name",
+           "free_port", "release_name", "send", "start_agent"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,15 @@ MIN_LEASE_S = 1.0
 class TransportConfig:
     """Everything the transport reads, in one place.
 
-    - `name`: this agent's name; P's name is what D connects to. Unique among
-      the live agents of a process.
+    - `name`: this agent's name; P's name is what D connects to (params name
+      it). Unique among the live agents of a process. None (the default)
+      draws `default_name()`: host name, process id and random hex, so agents
+      left at the default never share a name, in etcd neither. A name another
+      live agent already published in etcd is not refused at start-up: NIXL's
+      records carry no lease, so a live agent's record reads the same as one
+      a killed agent left behind, and refusing it would keep a killed P from
+      restarting under its name. Two live agents under one name overwrite each
+      other's record; each warns when it finds the other's (`kvxfer.nixl.etcd`).
     - `host`: the address this agent is reached at (advertised by P in params).
     - `listen_port`: NIXL metadata listener port; 0 picks a free one.
     - `handshake_timeout_s`: deadline of `connect`.
@@ -79,7 +87,7 @@ class TransportConfig:
       endpoint that is not an `http(s)://host[:port]` URL is refused here.
     """
 
-    name: str
+    name: str | None = None
     host: str = "127.0.0.1"
     listen_port: int = 0
     handshake_timeout_s: float = 10.0
@@ -92,6 +100,8 @@ class TransportConfig:
     etcd_endpoints: str | None = None
 
     def __post_init__(self) -> None:
+        if self.name is None:
+            object.__setattr__(self, "name", default_name())
         if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
             raise InvalidInputError(f"TransportConfig name must be a non-empty printable str, "
                                     f"got {self.name!r}")
@@ -140,6 +150,12 @@ class TransportConfig:
     @property
     def uses_etcd(self) -> bool:
         return self.etcd_endpoints is not None
+
+
+def default_name(role: str = "agent") -> str:
+    """A NIXL agent name no other agent draws: `kvxfer-{role}-{host name}-{pid}-{6 hex}`."""
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname())
+    return f"kvxfer-{role}-{host or 'host'}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def _is_url(endpoint: str) -> bool:
