@@ -7,18 +7,23 @@ a deployment meets: a name nobody published, a P that went away cleanly
 restarted under the same name.
 """
 
+import base64
+import json
 import os
 import sys
 import time
+import urllib.request
 
 import pytest
 
 from kvxfer.bench.hosts import EtcdServer
 from kvxfer.errors import InvalidInputError
-from kvxfer.nixl.agent import TransportConfig, free_port
+from kvxfer.nixl import etcd as etcd_records
+from kvxfer.nixl.agent import TransportConfig, close_agent, free_port, release_name, start_agent
+from kvxfer.staging import Staging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.harness import Peer, PeerError  # noqa: E402
+from procs.harness import Peer, PeerError, wait_until  # noqa: E402
 from test_nixl import TIMEOUT, assert_read_intact, read, spec, stage_and_hold  # noqa: E402
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
@@ -130,6 +135,25 @@ def test_a_p_started_while_etcd_is_down_is_found_once_etcd_is_up():
                 peer.kill()
         if server is not None:
             server.stop()
+
+
+def test_a_record_etcd_lost_is_published_again(etcd, monkeypatch):
+    monkeypatch.setattr(etcd_records, "_RECHECK_S", 0.05)
+    config = TransportConfig("P_lost", etcd_endpoints=etcd)
+    agent, _, reg = start_agent(config, [Staging(1, 4, (8,))])
+    publication = etcd_records.Publication(agent, config)
+    key = etcd_records.record_key("P_lost")
+    try:
+        assert wait_until(lambda: publication.tick() or publication.held, 5)
+        body = json.dumps({"key": base64.b64encode(key).decode()}).encode()
+        urllib.request.urlopen(f"{etcd}/v3/kv/deleterange", body, timeout=5).close()
+        assert etcd_records.read_record(etcd, key) is None
+        assert wait_until(lambda: publication.tick() or etcd_records.read_record(etcd, key), 5)
+        assert etcd_records.read_record(etcd, key) == agent.get_agent_metadata()
+    finally:
+        publication.close()
+        close_agent(agent, reg, "P_lost", etcd=True)
+        release_name("P_lost")
 
 
 def test_a_listener_d_refuses_params_of_a_p_without_listener(peers):

@@ -113,8 +113,7 @@ class DecodeTransport:
                                     f"got {reader!r:.80}")
         self.reader = (int(reader[0]), int(reader[1]))
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
-        # P fetches D's record from etcd to answer D's hello: D keeps it published too.
-        self._publication = Publication(self.agent, config) if config.uses_etcd else None
+        self._publication = Publication(self.agent, config)  # P fetches D's from etcd too
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
                            self.piece, on_ack=self._on_ack)
         self._reads: dict[str, _Read] = {}
@@ -265,8 +264,7 @@ class DecodeTransport:
             self._heartbeat(now)
             self._say_cancelled()
             self._zombies.reap()
-            if self._publication is not None:
-                self._publication.tick()
+            self._publication.tick()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
@@ -376,8 +374,7 @@ class DecodeTransport:
         if self.agent is None:
             return
         self._poster.shutdown(wait=True, cancel_futures=True)  # none may start on a closed agent
-        if self._publication is not None:
-            self._publication.close()
+        self._publication.close()
         close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)

@@ -73,24 +73,27 @@ def read_record(endpoints: str, key: bytes, timeout: float = _READ_TIMEOUT_S) ->
 class Publication:
     """Keeps `agent`'s NIXL metadata in etcd under `config.name`; `tick` it from `poll`.
 
-    `held`: whether the last read found this agent's record there.
+    `held`: whether the last read found this agent's record there. Without
+    `config.etcd_endpoints` (a listener serves the metadata) it does nothing.
     """
 
     def __init__(self, agent: Any, config: TransportConfig):
         self.agent, self.config = agent, config
         self.held = False
-        self._key = record_key(config.name)
-        self._metadata = agent.get_agent_metadata()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-etcd-{config.name}")
         self._reading: Future | None = None
-        self._next = time.monotonic() + _FIRST_CHECK_S
-        self._retry_s = _FIRST_CHECK_S
+        self._reader: ThreadPoolExecutor | None = None
+        self._next, self._retry_s = math.inf, _FIRST_CHECK_S
+        if config.uses_etcd:
+            self._key = record_key(config.name)
+            self._metadata = agent.get_agent_metadata()
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-etcd-{config.name}")
+            self._next = time.monotonic() + _FIRST_CHECK_S
 
     def tick(self, now: float | None = None) -> None:
         """Start a read of the record when one is due; act on one that finished. Never raises."""
         now = time.monotonic() if now is None else now
         if self._reading is None:
-            if now >= self._next:
+            if now >= self._next and self._reader is not None:
                 self._reading = self._reader.submit(read_record, self.config.etcd_endpoints,
                                                     self._key)
             return
@@ -129,4 +132,5 @@ class Publication:
         self._retry_s = min(2 * self._retry_s, _MAX_RETRY_S)
 
     def close(self) -> None:
-        self._reader.shutdown(wait=False, cancel_futures=True)
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)

@@ -67,7 +67,7 @@ class PrefillTransport:
         self.piece = check_piece(piece)
         self.instance = instance or new_instance()
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
-        self._publication = Publication(self.agent, config) if config.uses_etcd else None
+        self._publication = Publication(self.agent, config)
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
@@ -142,8 +142,7 @@ class PrefillTransport:
                 except TransferError as e:
                     logger.warning("P %s ignores a message: %s", self.config.name, e)
         self._answer_hellos(now)
-        if self._publication is not None:  # until etcd holds P's record, D cannot find P
-            self._publication.tick()
+        self._publication.tick()  # D cannot find P until etcd holds P's record
         for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
             logger.debug("P %s lease of %s expired", self.config.name, req_id)
             self._free(req_id)
@@ -216,8 +215,7 @@ class PrefillTransport:
         """Deregister staging and drop the agent (its listener stops with it)."""
         if self.agent is None:
             return
-        if self._publication is not None:
-            self._publication.close()
+        self._publication.close()
         close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
