@@ -37,6 +37,10 @@ _RECHECK_S = 30.0  # how often a record that held is read back
 _READ_TIMEOUT_S = 2.0
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Straight to etcd: an `http_proxy` set for the outside world must not route these reads."""
+
+
 class Unreadable(Exception):
     """etcd answered, but would not give the record (an HTTP error: auth, no JSON gateway)."""
 
@@ -59,7 +63,7 @@ def read_record(endpoints: str, key: bytes, timeout: float = _READ_TIMEOUT_S) ->
         request = urllib.request.Request(f"{endpoint.rstrip('/')}/v3/kv/range", body,
                                          {"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
+            with _DIRECT.open(request, timeout=timeout) as answer:
                 kvs = json.loads(answer.read()).get("kvs") or []
         except urllib.error.HTTPError as e:
             raise Unreadable(f"{endpoint} answered HTTP {e.code} {e.reason}") from None
