@@ -8,9 +8,11 @@ restarted under the same name.
 """
 
 import base64
+import http.server
 import json
 import os
 import sys
+import threading
 import time
 import urllib.request
 
@@ -154,6 +156,25 @@ def test_a_record_etcd_lost_is_published_again(etcd, monkeypatch):
         publication.close()
         close_agent(agent, reg, "P_lost", etcd=True)
         release_name("P_lost")
+
+
+@pytest.mark.parametrize("status, raised", [(404, etcd_records.Unreadable), (503, OSError)])
+def test_an_etcd_without_gateway_is_unreadable_for_good_and_a_5xx_is_no_answer(status, raised):
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.send_error(status)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(raised, match=f"answered HTTP {status}"):
+            etcd_records.read_record(f"http://127.0.0.1:{server.server_port}", b"k")
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_listener_d_refuses_params_of_a_p_without_listener(peers):

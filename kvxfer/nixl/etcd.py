@@ -42,7 +42,10 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class Unreadable(Exception):
-    """etcd answered, but would not give the record (an HTTP error: auth, no JSON gateway)."""
+    """etcd answered, but will never give the record here (auth, no JSON gateway)."""
+
+
+_FOR_GOOD = (400, 401, 403, 404, 405, 501)  # HTTP answers that asking again will not change
 
 
 def record_key(name: str) -> bytes:
@@ -55,7 +58,8 @@ def record_key(name: str) -> bytes:
 def read_record(endpoints: str, key: bytes, timeout: float = _READ_TIMEOUT_S) -> bytes | None:
     """The value under `key` in etcd at `endpoints` (comma-separated URLs), None if absent.
 
-    Raises `OSError` when no endpoint answers, `Unreadable` when one answers with an error.
+    Raises `Unreadable` when one answers with an error asking again will not change (auth,
+    no JSON gateway), else `OSError` when none answers with the record (a 5xx counts as none).
     """
     body = json.dumps({"key": base64.b64encode(key).decode()}).encode()
     error: OSError = OSError(f"no etcd endpoint in {endpoints!r}")
@@ -66,7 +70,10 @@ def read_record(endpoints: str, key: bytes, timeout: float = _READ_TIMEOUT_S) ->
             with _DIRECT.open(request, timeout=timeout) as answer:
                 kvs = json.loads(answer.read()).get("kvs") or []
         except urllib.error.HTTPError as e:
-            raise Unreadable(f"{endpoint} answered HTTP {e.code} {e.reason}") from None
+            if e.code in _FOR_GOOD:
+                raise Unreadable(f"{endpoint} answered HTTP {e.code} {e.reason}") from None
+            error = OSError(f"{endpoint} answered HTTP {e.code} {e.reason}")  # 5xx: starting up
+            continue
         except (OSError, ValueError) as e:  # URLError is an OSError; ValueError: not JSON
             error = e if isinstance(e, OSError) else OSError(f"{endpoint}: {e}")
             continue
