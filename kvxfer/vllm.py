@@ -109,7 +109,11 @@ class Settings:
       scheduler names them in params before its worker listens, so P's port
       is fixed (default 5610); D listens on any free port.
     - `name`: the NIXL agent name; default `kvxfer-P-{host}-{port}` on P (D
-      tells P instances apart by it) and `kvxfer-D-{random}` on D.
+      tells P instances apart by it) and `kvxfer-D-{random}` on D. With
+      `etcd_endpoints` no listener port tells P instances apart, so P's
+      default is `kvxfer-P-{host}-{engine_id}`: vLLM's `kv_transfer_config.
+      engine_id`, one per engine and the same in its scheduler and worker
+      processes, which both name P (a random one would differ between them).
     - `options`: every other key, each a field of `kvxfer.connector.config.
       ConnectorConfig` (`staging_blocks`, `kernel_ratio`, `verify_fingerprints`)
       or of `kvxfer.nixl.agent.TransportConfig` (`handshake_timeout_s`,
@@ -123,9 +127,12 @@ class Settings:
     port: int = 5610
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    engine_id: str | None = None
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
+    def from_extra(cls, extra: Mapping[str, Any] | None,
+                   engine_id: str | None = None) -> Settings:
+        """`extra` is `kv_connector_extra_config`; `engine_id` vLLM's `kv_transfer_config.engine_id`."""
         extra = dict(extra or {})
         connector, transport = _option_keys()
         known = {*_ADDRESS, *connector, *transport}
@@ -133,7 +140,8 @@ class Settings:
         if unknown:
             raise InvalidInputError(f"kv_connector_extra_config has unknown keys {unknown}; "
                                     f"kvxfer reads {sorted(known)}")
-        settings = cls(**{k: extra.pop(k) for k in _ADDRESS if k in extra}, options=extra)
+        settings = cls(**{k: extra.pop(k) for k in _ADDRESS if k in extra}, options=extra,
+                       engine_id=engine_id)
         if settings.name is not None and not (isinstance(settings.name, str) and settings.name):
             raise InvalidInputError(f"kv_connector_extra_config 'name' must be a non-empty str "
                                     f"(or absent, for the default), got {settings.name!r}")
@@ -158,7 +166,16 @@ class Settings:
     @property
     def p_name(self) -> str:
         """P's NIXL agent name: what its scheduler side names in params."""
-        return self.name or f"kvxfer-P-{self.host}-{self.port}"
+        if self.name:
+            return self.name
+        if not self.options.get("etcd_endpoints"):
+            return f"kvxfer-P-{self.host}-{self.port}"  # unique: the host's listener holds the port
+        if not (isinstance(self.engine_id, str) and self.engine_id):
+            raise InvalidInputError(
+                f"with etcd_endpoints P's default agent name is made of kv_transfer_config."
+                f"engine_id, which is {self.engine_id!r}: give an engine_id, or a 'name' unique "
+                f"among the P instances of this etcd")
+        return f"kvxfer-P-{self.host}-{self.engine_id}"
 
     def transport(self, producer: bool) -> TransportConfig:
         """This role's `TransportConfig`: P listens on `port` (unless with etcd), D anywhere."""
@@ -268,7 +285,7 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise InvalidInputError("TPUConnector needs the KVCacheConfig (vLLM >= 0.11 passes it)")
         ktc = vllm_config.kv_transfer_config
-        self.settings = Settings.from_extra(ktc.kv_connector_extra_config)
+        self.settings = Settings.from_extra(ktc.kv_connector_extra_config, ktc.engine_id)
         self.groups = group_specs(vllm_config, kv_cache_config)
         self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         if role == KVConnectorRole.SCHEDULER:

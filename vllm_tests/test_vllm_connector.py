@@ -431,3 +431,18 @@ def test_d_keeps_p_lease_of_a_queued_request_and_releases_it_when_aborted():
     assert d.build(so).expects == []  # expected once
     d.finished(request)  # aborted while waiting in D's queue
     assert [p["req_id"] for p in d.build(so).cancels] == ["p-r"]
+
+
+def test_default_p_names_under_etcd_differ_per_engine_and_agree_within_one():
+    from kvxfer.vllm import Settings
+
+    via_etcd = {"etcd_endpoints": "http://127.0.0.1:2379"}
+    one, other = (Settings.from_extra(via_etcd, engine_id).p_name for engine_id in ("e1", "e2"))
+    assert one != other  # the port, the same for every P, no longer tells them apart
+    # The scheduler and the worker build their Settings apart; both name P the same.
+    assert Settings.from_extra(via_etcd, "e1").transport(True).name == one
+    assert Settings.from_extra({}, "e1").p_name == Settings.from_extra({}, "e2").p_name
+    with pytest.raises(InvalidInputError, match="made of kv_transfer_config.engine_id, which is "
+                                                "None: give an engine_id, or a 'name'"):
+        Settings.from_extra(via_etcd)
+    assert Settings.from_extra({**via_etcd, "name": "P7"}).p_name == "P7"

@@ -59,7 +59,7 @@ def main():
         t = PrefillTransport(config, staging, layout)
     else:
         t = DecodeTransport(config, staging, layout, check_block_compatible)
-    print(json.dumps({"port": t.port}), file=answers, flush=True)
+    print(json.dumps({"port": t.port, "name": t.config.name}), file=answers, flush=True)
     finished, failed, freed = [], {}, []
 
     def pump():

@@ -38,6 +38,7 @@ import numpy as np
 from kvxfer.blocks import coalesce_pairs, is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
+from kvxfer.nixl.etcd import Publication
 from kvxfer.nixl.handshake import Handshakes
 from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
 from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
@@ -118,6 +119,7 @@ class DecodeTransport:
                                     f"got {reader!r:.80}")
         self.reader = (int(reader[0]), int(reader[1]))
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
+        self._publication = Publication(self.agent, config)  # P fetches D's from etcd too
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
                            self.piece, on_ack=self._on_ack)
         self.handshakes = Handshakes(self.peers)
@@ -260,6 +262,7 @@ class DecodeTransport:
             self._heartbeat(now)
             self._say_cancelled()
             self._zombies.reap()
+            self._publication.tick()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
@@ -376,6 +379,7 @@ class DecodeTransport:
         if self.agent is None:
             return
         self._poster.shutdown(wait=True, cancel_futures=True)  # none may start on a closed agent
+        self._publication.close()
         close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)

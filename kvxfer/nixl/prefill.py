@@ -21,6 +21,7 @@ from typing import Any
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
+from kvxfer.nixl.etcd import Publication
 from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
 from kvxfer.wire import (
     ReadParams,
@@ -74,6 +75,7 @@ class PrefillTransport:
         self.piece = check_piece(piece)
         self.instance = instance or new_instance()
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
+        self._publication = Publication(self.agent, config)
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
@@ -153,6 +155,7 @@ class PrefillTransport:
                 except TransferError as e:
                     logger.warning("P %s ignores a message: %s", self.config.name, e)
         self._answer_hellos(now)
+        self._publication.tick()  # D cannot find P until etcd holds P's record
         for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
             logger.debug("P %s lease of %s expired", self.config.name, req_id)
             self._free(req_id)
@@ -225,6 +228,7 @@ class PrefillTransport:
         """Deregister staging and drop the agent (its listener stops with it)."""
         if self.agent is None:
             return
+        self._publication.close()
         close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
