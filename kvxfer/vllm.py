@@ -50,6 +50,7 @@ connector base classes at import time; JAX and NIXL load with the role.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import socket
@@ -288,13 +289,14 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = Settings.from_extra(ktc.kv_connector_extra_config, ktc.engine_id)
         self.groups = group_specs(vllm_config, kv_cache_config)
         self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        instance = _p_instance(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(self.settings, self.groups, self.producer,
-                                             self.consumer)
+                                             self.consumer, instance)
         else:
             self._worker = _WorkerSide(self.settings, kv_cache_config,
                                        model_description(vllm_config, self.groups),
-                                       self.producer, self.consumer)
+                                       self.producer, self.consumer, instance)
 
     # -- worker side
 
@@ -378,13 +380,14 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
 
 class _SchedulerSide:
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
-                 consumer: bool):
+                 consumer: bool, instance: str | None = None):
         self.groups = list(groups)
         self.consumer = consumer
         config = settings.connector_config(True)
         self.prefill = PrefillScheduler(
             groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
             address=PeerAddress(settings.p_name, settings.host, settings.p_port),
+            instance=instance,
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
         self._prompts: dict[str, str | None] = {}  # D: the prompt digest, from matched_tokens
@@ -494,6 +497,15 @@ def _prompt_digest(request: Request) -> str | None:
     return None if ids is None else prompt_digest(ids)
 
 
+def _p_instance(vllm_config: VllmConfig) -> str:
+    """P's instance id, the same in vLLM's scheduler and worker processes and new at every
+    start: from the engine id and the config's instance id (a start's time), which vLLM
+    draws once and hands to every process with the config."""
+    ktc = vllm_config.kv_transfer_config
+    seed = f"{ktc.engine_id}/{getattr(vllm_config, 'instance_id', '')}"
+    return hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
+
+
 def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:
     """Whether a request's `kv_transfer_params` set `key` (`do_remote_prefill`,
     `do_remote_decode`) to true: only `True` asks; any other value is logged and ignored."""
@@ -508,14 +520,16 @@ def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:
 
 class _WorkerSide:
     def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig,
-                 model: Mapping[str, Any], producer: bool, consumer: bool):
+                 model: Mapping[str, Any], producer: bool, consumer: bool,
+                 instance: str | None = None):
         self.settings = settings
         self.kv_cache_config = kv_cache_config
         self.model = model
         self.producer, self.consumer = producer, consumer
         self.runner: Any = None
         self._indices: list[list[int]] = []
-        self._prefill: Any = None  # PrefillWorker, started by the first metadata
+        self.instance = instance
+        self._prefill: Any = None  # PrefillWorker, started with the runner
         self._decode: Any = None  # DecodeConnector
         self._freed: set[str] = set()
 
@@ -529,6 +543,11 @@ class _WorkerSide:
                                         f"runner's layer_name_to_kvcache_index")
             self._indices.append(list(dict.fromkeys(index[n] for n in group.layer_names)))
         self.runner = runner
+        if self.producer:  # at start-up: a bad setting fails the engine's start, not a step
+            from kvxfer.connector.prefill import PrefillWorker
+
+            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(),
+                                          self.instance, model=self.model)
         if self.consumer:
             from kvxfer.connector.decode import DecodeConnector
 
@@ -560,11 +579,6 @@ class _WorkerSide:
         save = meta.save
         if save is None:
             return
-        if self._prefill is None:
-            from kvxfer.connector.prefill import PrefillWorker
-
-            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(),
-                                          save.instance, model=self.model)
         if save.blocks or save.holds:
             self._prefill.save(self._caches(), save)
 

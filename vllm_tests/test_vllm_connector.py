@@ -446,3 +446,20 @@ def test_default_p_names_under_etcd_differ_per_engine_and_agree_within_one():
                                                 "None: give an engine_id, or a 'name'"):
         Settings.from_extra(via_etcd)
     assert Settings.from_extra({**via_etcd, "name": "P7"}).p_name == "P7"
+
+
+@pytest.mark.parametrize("bad", ["port", "staging_blocks"])
+def test_p_fails_at_start_up_naming_a_setting_it_cannot_serve_with(engines, model_dir, bad):
+    """P's worker starts its NIXL agent and staging with the runner, not at its first step:
+    a port in use or staging too large for the machine stops the engine's start, by name."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        extra = {"port": taken.getsockname()[1], "staging_blocks": 64} if bad == "port" else {
+            "port": free_port(), "staging_blocks": 10**9}
+        with pytest.raises(InvalidInputError, match=str(extra[bad]) if bad == "port"
+                           else "lower staging_blocks"):
+            engines(model_dir, kv_role="kv_producer", extra_config=extra,
+                    devices=jax.devices()[:4])
