@@ -235,27 +235,31 @@ def test_lease_refuses_a_generation_that_is_not_fresh(pair):
     assert sorted(pr.p.transport.held()) == ["a", "b"]
 
 
-def _posts_held_until(transport, release, seen):
-    """Patch `transport._post`: note the thread each post runs on, wait for `release`."""
-    real = transport._post
+def _posts_held_until(monkeypatch, release, seen):
+    """Patch D's READ posting: note the thread each post runs on, wait for `release`."""
+    import kvxfer.nixl.decode as decode
+
+    real = decode._post
 
     def post(*args):
         seen.append(threading.current_thread().name)
         assert release.wait(10), "the test never released the post"
         return real(*args)
 
-    transport._post = post
+    monkeypatch.setattr(decode, "_post", post)
 
 
-def test_start_load_kv_returns_while_the_read_is_posted_on_a_thread_of_its_own(pair):
+def test_start_load_kv_returns_while_the_read_is_posted_on_a_thread_of_its_own(pair,
+                                                                            monkeypatch):
     """Over UCX `cma` posting a READ copies its bytes; the engine's thread must not wait."""
     pr = pair()
     pr.p.add_request("r", 32)
     pr.save(ScheduledRequest("r", 0, 32, ([4, 5],), full_table=True))
     params = pr.p.request_finished("r")
     pr.serve()
+    pr.d.transport.handshakes.connect(params["peer"], params["host"], params["port"])  # posts at once
     release, seen = threading.Event(), []
-    _posts_held_until(pr.d.transport, release, seen)
+    _posts_held_until(monkeypatch, release, seen)
     pr.d.start_load_kv({"r": LoadRequest(params, [1, 2])})
     assert seen and seen[0] != threading.current_thread().name
     assert seen[0].startswith("kvxfer-post-")
@@ -272,21 +276,22 @@ def test_start_load_kv_returns_while_the_read_is_posted_on_a_thread_of_its_own(p
         assert (as_bits(d_cache)[[1, 2]] == as_bits(p_cache)[[4, 5]]).all()
 
 
-def test_a_post_that_raises_fails_its_request_in_logical_ids_and_d_goes_on(pair):
+def test_a_post_that_raises_fails_its_request_in_logical_ids_and_d_goes_on(pair, monkeypatch):
     pr = pair()
     for req_id, ids in (("bad", [4, 5]), ("good", [8, 9])):
         pr.p.add_request(req_id, 32)
         pr.save(ScheduledRequest(req_id, 0, 32, (ids,), full_table=True))
     params = {r: pr.p.request_finished(r) for r in ("bad", "good")}
     pr.serve()
-    transport = pr.d.transport
-    real = transport._post
+    import kvxfer.nixl.decode as decode
+
+    real = decode._post
 
     def post_once_failing(*args):
-        transport._post = real
+        monkeypatch.setattr(decode, "_post", real)
         raise RuntimeError("NIXL_ERR_BACKEND")
 
-    transport._post = post_once_failing
+    monkeypatch.setattr(decode, "_post", post_once_failing)
     assert pr.load("bad", params["bad"], [1, 2]) == ([], ["bad"])
     assert pr.d.get_block_ids_with_load_errors() == {1, 2}
     assert "bad" not in pr.d.staging  # nothing was posted: its slots are free at once

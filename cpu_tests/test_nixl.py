@@ -6,14 +6,16 @@ hard timeout and children are killed at teardown, so nothing here can hang.
 
 import base64
 import os
+import socket
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from kvxfer.errors import TransferError
-from kvxfer.nixl.agent import free_port
+from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.nixl.agent import TransportConfig, claim_name, free_port, release_name, start_agent
+from kvxfer.staging import Staging
 from kvxfer.wire import decode_message, encode_message
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -356,3 +358,15 @@ def test_p_refuses_to_hold_a_request_twice(peers):
     with pytest.raises(PeerError, match="'twice' is already held") as e:
         p.call("hold", req_id="twice")
     assert e.value.kind == "InvalidInputError"
+
+
+def test_a_listen_port_in_use_is_refused_at_start_up_naming_it():
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(InvalidInputError, match=f"cannot listen on listen_port {port}: it is "
+                                                    f"in use"):
+            start_agent(TransportConfig("P_port_taken", listen_port=port), [Staging(1, 4, (8,))])
+    claim_name("P_port_taken")  # free again: nothing of the failed start is left live
+    release_name("P_port_taken")

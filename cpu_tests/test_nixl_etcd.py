@@ -7,21 +7,32 @@ a deployment meets: a name nobody published, a P that went away cleanly
 restarted under the same name.
 """
 
+import base64
+import http.server
+import json
 import os
 import sys
+import threading
 import time
+import urllib.request
 
 import pytest
 
 from kvxfer.bench.hosts import EtcdServer
 from kvxfer.errors import InvalidInputError
-from kvxfer.nixl.agent import TransportConfig
+from kvxfer.nixl import etcd as etcd_records
+from kvxfer.nixl.agent import TransportConfig, close_agent, free_port, release_name, start_agent
+from kvxfer.staging import Staging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.harness import Peer, PeerError  # noqa: E402
+from procs.harness import Peer, PeerError, wait_until  # noqa: E402
 from test_nixl import TIMEOUT, assert_read_intact, read, spec, stage_and_hold  # noqa: E402
 
 pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+
+# P's republishing backs off to 5 s; NIXL's etcd client (gRPC) reconnects with a backoff of
+# its own, a few seconds after an outage this short.
+FOUND_WITHIN_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +103,80 @@ def test_a_killed_ps_stale_record_fails_its_requests_and_a_restart_serves_new_on
     assert_read_intact(d, "r", new, [5, 6], {1: 8, 2: 8})
 
 
+def test_ps_left_at_the_default_name_are_each_reachable(peers):
+    first, second, d = peers("P", None), peers("P", None), peers("D", "D_defaults")
+    assert first.name != second.name and first.name.startswith("kvxfer-agent-")
+    for seed, p in enumerate((first, second), 20):
+        params = stage_and_hold(p, "r", [5], seed=seed)
+        assert params["peer"] == p.name
+        assert_read_intact(d, "r", params, [1], {5: seed})
+
+
+def test_a_p_started_while_etcd_is_down_is_found_once_etcd_is_up():
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    p, d, server = Peer("P", spec("P_early", etcd_endpoints=endpoint)), None, None
+    try:
+        p.port  # noqa: B018 - started, with etcd down
+        server = EtcdServer(port=int(endpoint.rsplit(":", 1)[1]))
+        up = time.monotonic()
+        d = Peer("D", spec("D_late", etcd_endpoints=endpoint))
+        params = stage_and_hold(p, "r", [2], seed=3)
+        while True:  # each try waits up to D's handshake timeout
+            try:
+                connect(d, "P_early")
+                break
+            except PeerError:
+                if time.monotonic() - up > FOUND_WITHIN_S:
+                    raise
+        print(f"found {time.monotonic() - up:.1f} s after etcd came up")
+        assert_read_intact(d, "r", params, [1], {2: 3})
+        assert "P_early's NIXL metadata is not in etcd" in p.stderr()
+    finally:
+        for peer in (d, p):
+            if peer is not None:
+                peer.kill()
+        if server is not None:
+            server.stop()
+
+
+def test_a_record_etcd_lost_is_published_again(etcd, monkeypatch):
+    monkeypatch.setattr(etcd_records, "_RECHECK_S", 0.05)
+    config = TransportConfig("P_lost", etcd_endpoints=etcd)
+    agent, _, reg = start_agent(config, [Staging(1, 4, (8,))])
+    publication = etcd_records.Publication(agent, config)
+    key = etcd_records.record_key("P_lost")
+    try:
+        assert wait_until(lambda: publication.tick() or publication.held, 5)
+        body = json.dumps({"key": base64.b64encode(key).decode()}).encode()
+        urllib.request.urlopen(f"{etcd}/v3/kv/deleterange", body, timeout=5).close()
+        assert etcd_records.read_record(etcd, key) is None
+        assert wait_until(lambda: publication.tick() or etcd_records.read_record(etcd, key), 5)
+        assert etcd_records.read_record(etcd, key) == agent.get_agent_metadata()
+    finally:
+        publication.close()
+        close_agent(agent, reg, "P_lost", etcd=True)
+        release_name("P_lost")
+
+
+@pytest.mark.parametrize("status, raised", [(404, etcd_records.Unreadable), (503, OSError)])
+def test_an_etcd_without_gateway_is_unreadable_for_good_and_a_5xx_is_no_answer(status, raised):
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.send_error(status)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(raised, match=f"answered HTTP {status}"):
+            etcd_records.read_record(f"http://127.0.0.1:{server.server_port}", b"k")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_listener_d_refuses_params_of_a_p_without_listener(peers):
     p = peers("P", "P_for_listener")
     params = stage_and_hold(p, "r", [1], seed=9)
@@ -105,7 +190,8 @@ def test_a_listener_d_refuses_params_of_a_p_without_listener(peers):
 
 
 @pytest.mark.parametrize("endpoints", ["", "127.0.0.1:2379", "http://", "http://a:1,tcp://b:2",
-                                       5, "http://a:1\n"])
+                                       5, "http://a:1\n", "http://a:port", "http://a:99999",
+                                       "http://:2379", "http://a:1,"])
 def test_bad_etcd_endpoints_are_refused_by_name(endpoints):
     with pytest.raises(InvalidInputError, match="etcd_endpoints must be None or comma-separated"):
         TransportConfig("P", etcd_endpoints=endpoints)

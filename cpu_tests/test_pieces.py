@@ -144,7 +144,7 @@ def test_a_call_with_the_wrong_staging_or_slots_is_refused_by_name():
 
 def params(**extra):
     base = {"peer": "p-0", "instance": "i", "host": "h", "port": 0, "req_id": "r",
-            "generation": 1, "groups": [{"keys": [0], "slots": [0]}]}
+            "generation": 1, "secret": "ab" * 16, "groups": [{"keys": [0], "slots": [0]}]}
     return dict(base, **extra)
 
 

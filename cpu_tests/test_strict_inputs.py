@@ -1,6 +1,8 @@
 """Inputs kvxfer used to accept silently (cast, round, wrap or crash on) are refused,
 with a kvxfer error naming the value, before any state changes."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -302,7 +304,12 @@ def test_demo_block_check_matches_what_p_engine_allocates():
     (dict(name="P", transfer_timeout_s=float("inf")), "transfer_timeout_s .* got inf"),
     (dict(name="P", lease_s=-30.0), "lease_s must be a positive finite number of seconds, got -30"),
     (dict(name="P", lease_s="30"), "lease_s .* got '30'"),
-    (dict(name="P", lease_s=1.0, heartbeat_interval_s=2.0), "must be shorter than lease_s"),
+    (dict(name="P", lease_s=1.0, heartbeat_interval_s=2.0),
+     r"heartbeat_interval_s 2.0 must be at most half of lease_s 1.0.* lease_s >= 4.0"),
+    (dict(name="P", lease_s=3.0, heartbeat_interval_s=2.0), "at most half of lease_s 3.0"),
+    (dict(name="P", lease_s=1e-9, heartbeat_interval_s=1e-10),
+     r"lease_s 1e-09 is below 1.0 s.* give lease_s >= 1.0 s"),
+    (dict(name="P", lease_s=0.5, heartbeat_interval_s=0.1), "lease_s 0.5 is below 1.0 s"),
     (dict(name="P", ucx_tls=""), "ucx_tls must be None or a non-empty str"),
     (dict(name="P", num_threads=-1), "num_threads must be a non-negative int, got -1"),
     (dict(name="P", progress_wake_us=-1), "progress_wake_us must be an int in .* got -1"),
@@ -357,7 +364,7 @@ def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_
     from kvxfer.wire import ReadParams
 
     params = ReadParams.parse({"peer": "P", "instance": "i", "host": "127.0.0.1", "port": 1,
-                               "req_id": "r", "generation": 1,
+                               "req_id": "r", "generation": 1, "secret": "ab" * 16,
                                "groups": [{"keys": [0], "slots": [0]}]}, 1)
     d = DecodeTransport(TransportConfig("D-strict"), Staging(1, 4, (8,)), {}, check_block_compatible)
     try:
@@ -394,3 +401,18 @@ def test_cancel_refuses_an_id_that_is_not_a_str():
         d.cancel("never-expected")  # ignored
     finally:
         d.close()
+
+
+def test_the_shortest_workable_lease_is_accepted():
+    from kvxfer.nixl.agent import MIN_LEASE_S, TransportConfig
+
+    config = TransportConfig("P", lease_s=MIN_LEASE_S, heartbeat_interval_s=MIN_LEASE_S / 2)
+    assert config.lease_s == 1.0
+
+
+def test_agents_left_at_the_default_name_draw_distinct_names():
+    from kvxfer.nixl.agent import TransportConfig
+
+    first, second = TransportConfig(), TransportConfig(etcd_endpoints="http://127.0.0.1:2379")
+    assert first.name != second.name
+    assert f"-{os.getpid()}-" in first.name and first.name.isprintable()

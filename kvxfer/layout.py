@@ -309,9 +309,17 @@ BLOCK_FIELDS = ("block_shape", "dtype", "num_layers", "kernel_ratio")
 """The fields of `CacheLayout.block_fields`."""
 
 
-def advertised(layouts: Sequence[CacheLayout]) -> dict[str, Any]:
-    """What a peer checks at handshake (`check_block_compatible`): each group's block fields."""
-    return {"groups": [layout.block_fields() for layout in layouts]}
+def advertised(layouts: Sequence[CacheLayout], model: Mapping[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """What a peer checks at handshake (`check_block_compatible`): each group's block fields,
+    and `model`, a JSON-able description of what the caches hold (for vLLM: the model,
+    its dtype, heads and layers, and each KV cache group's kind, block size and
+    sliding window; `kvxfer.vllm.model_description`), which must be the same on
+    both sides; None describes nothing (and matches only nothing)."""
+    if model is not None and not isinstance(model, Mapping):
+        raise InvalidInputError(f"model must be None or a dict describing the model, got "
+                                f"{model!r:.80}")
+    return {"groups": [layout.block_fields() for layout in layouts], "model": dict(model or {})}
 
 
 def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
@@ -320,7 +328,8 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
     Both are `advertised(...)` dicts. Every group's blocks must have the same
     bytes (`BLOCK_FIELDS`); the number of blocks and the sharding may differ
     (P at TP 4, D at TP 8: each side stages whole blocks and re-shards). The
-    error lists each differing field of each group with both values.
+    model descriptions must be equal. The error lists each differing field,
+    with both values.
     """
     ours, theirs = local.get("groups"), remote.get("groups")
     if not isinstance(theirs, list) or len(theirs) != len(ours):
@@ -336,6 +345,13 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
     ]
     if diffs:
         raise LayoutMismatchError("peer cache layout differs: " + "; ".join(diffs))
+    ours, theirs = local.get("model") or {}, remote.get("model")
+    theirs = theirs if isinstance(theirs, Mapping) else {"(malformed)": theirs}
+    diffs = [f"{key}: peer={theirs.get(key)!r:.120} local={ours.get(key)!r:.120}"
+             for key in sorted({*ours, *theirs}) if ours.get(key) != theirs.get(key)]
+    if diffs:
+        raise LayoutMismatchError("peer serves another model (or another KV cache of it): "
+                                  + "; ".join(diffs))
 
 
 def _entry_to_spec(entry: tuple[str, ...]) -> str | tuple[str, ...] | None:

@@ -89,9 +89,10 @@ def agree(flags: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.stack(rows)
 
 
-def shared_instance() -> str:
-    """A fresh P instance id drawn by process 0 and handed to every process of the instance."""
+def shared_instance(nbytes: int = 8) -> str:
+    """A fresh random value (hex) drawn by process 0 and handed to every process of the
+    instance: its P instance id, or the key its request secrets are derived from."""
     from jax.experimental import multihost_utils
 
-    drawn = np.frombuffer(secrets.token_bytes(8), np.uint8)
+    drawn = np.frombuffer(secrets.token_bytes(nbytes), np.uint8)
     return bytes(np.asarray(multihost_utils.broadcast_one_to_all(drawn), np.uint8)).hex()

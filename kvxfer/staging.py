@@ -2,9 +2,10 @@
 
 One page-aligned numpy region per layer, `[num_slots, *block_shape]`,
 allocated, touched and registered once and reused for every request, plus a
-fingerprint region (`prints`) that travels with the blocks it vouches for.
-A block copied again by a later chunk goes back to its slot, so D always
-reads the newest copy.
+fingerprint region (`prints`) that travels with the blocks it vouches for,
+and a tag region (`tags`) that binds each slot to the request and position
+it holds (`block_tags`). A block copied again by a later chunk goes back to
+its slot, so D always reads the newest copy.
 """
 
 
@@ -22,9 +23,49 @@ from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import SUMS
 from kvxfer.slots import Placement, SlotMap
 
-__all__ = ["Staging", "free_in_all", "stagings_of"]
+__all__ = ["TAG_WORDS", "Staging", "block_tags", "free_in_all", "stagings_of"]
 
 _ALIGN = 4096  # page-align regions: registration pins whole pages
+
+TAG_WORDS = 2
+"""uint32 words of one slot's tag: a guess passes with probability 2**-64."""
+
+
+def _mix(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer (a bijection of uint32), on numpy arrays."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def block_tags(secret: str, group: int, keys: Sequence[int]) -> np.ndarray:
+    """`uint32[len(keys), TAG_WORDS]`: the tags binding blocks `keys` (kernel positions) of
+    KV cache group `group` to the request whose secret is `secret`.
+
+    P writes them beside the slots it stages, D checks the ones it read against the
+    params' secret and keys: params altered to name another request's slots (whose
+    tags come from another secret), the request's own slots in another order, or a
+    slot another request staged into since, fail. The secret travels only in that
+    request's params and tags are never shown (not in errors either), so without
+    the secret a tag is a 64-bit guess.
+    """
+    if not (isinstance(secret, str) and len(secret) == 32):
+        raise InvalidInputError(f"a request secret is 32 hex digits, got {secret!r:.40}")
+    try:
+        words = np.frombuffer(bytes.fromhex(secret), dtype="<u4")
+    except ValueError:
+        raise InvalidInputError(f"a request secret is 32 hex digits, got {secret!r:.40}") from None
+    k = np.asarray(keys, dtype=np.uint64)
+    lo = (k & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    hi = (k >> np.uint64(32)).astype(np.uint32) ^ np.uint32(group * 0x9E3779B1 % 2**32)
+    out = np.empty((len(k), TAG_WORDS), np.uint32)
+    with np.errstate(over="ignore"):
+        for w in range(TAG_WORDS):
+            h = _mix(lo ^ words[2 * w])
+            out[:, w] = _mix(_mix(h ^ hi ^ words[2 * w + 1]) + np.uint32(w + 1))
+    return out
 
 
 def _aligned_region(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -58,7 +99,9 @@ class Staging(SlotMap):
     gathers, D reads them with the blocks (one more descriptor per run), so
     they travel with the bytes they vouch for and never through the engine.
     With `prints_per_layer=k` it is `uint32[num_slots, k, num_layers, 3]`: one
-    set of sums per unit of a block's piece (`kvxfer.pieces`).
+    set of sums per unit of a block's piece (`kvxfer.pieces`). `tags`
+    (`uint32[num_slots, TAG_WORDS]`) holds each slot's `block_tags`, read by D
+    with the fingerprint rows.
     """
 
     def __init__(
@@ -87,6 +130,7 @@ class Staging(SlotMap):
         per_slot = ((num_layers, SUMS) if prints_per_layer is None
                     else (prints_per_layer, num_layers, SUMS))
         self.prints = _aligned_region((num_slots, *per_slot), np.dtype(np.uint32))
+        self.tags = _aligned_region((num_slots, TAG_WORDS), np.dtype(np.uint32))
         self.block_bytes = self.regions[0][0].nbytes
 
     @property
@@ -100,6 +144,10 @@ class Staging(SlotMap):
     def prints_address(self) -> tuple[int, int]:
         """`(base address, length in bytes)` of the fingerprint region."""
         return self.prints.ctypes.data, self.prints.nbytes
+
+    def tags_address(self) -> tuple[int, int]:
+        """`(base address, length in bytes)` of the tag region."""
+        return self.tags.ctypes.data, self.tags.nbytes
 
     def stage(
         self, req_id: Hashable, kernel_ids: Sequence[int], rows_per_layer: Sequence[Any]

@@ -50,6 +50,7 @@ connector base classes at import time; JAX and NIXL load with the role.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import socket
@@ -69,10 +70,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvxfer.blocks import is_int
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
-from kvxfer.errors import InvalidInputError
+from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
-from kvxfer.wire import new_instance
+from kvxfer.wire import new_instance, prompt_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,7 +85,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Settings", "TPUConnector", "group_specs", "scheduled_requests"]
+__all__ = ["Settings", "TPUConnector", "group_specs", "model_description", "scheduled_requests"]
 
 
 _ADDRESS = ("host", "port", "name")
@@ -109,7 +110,11 @@ class Settings:
       scheduler names them in params before its worker listens, so P's port
       is fixed (default 5610); D listens on any free port.
     - `name`: the NIXL agent name; default `kvxfer-P-{host}-{port}` on P (D
-      tells P instances apart by it) and `kvxfer-D-{random}` on D.
+      tells P instances apart by it) and `kvxfer-D-{random}` on D. With
+      `etcd_endpoints` no listener port tells P instances apart, so P's
+      default is `kvxfer-P-{host}-{engine_id}`: vLLM's `kv_transfer_config.
+      engine_id`, one per engine and the same in its scheduler and worker
+      processes, which both name P (a random one would differ between them).
     - `options`: every other key, each a field of `kvxfer.connector.config.
       ConnectorConfig` (`staging_blocks`, `kernel_ratio`, `verify_fingerprints`)
       or of `kvxfer.nixl.agent.TransportConfig` (`handshake_timeout_s`,
@@ -123,9 +128,12 @@ class Settings:
     port: int = 5610
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    engine_id: str | None = None
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
+    def from_extra(cls, extra: Mapping[str, Any] | None,
+                   engine_id: str | None = None) -> Settings:
+        """`extra` is `kv_connector_extra_config`; `engine_id` vLLM's `kv_transfer_config.engine_id`."""
         extra = dict(extra or {})
         connector, transport = _option_keys()
         known = {*_ADDRESS, *connector, *transport}
@@ -133,7 +141,8 @@ class Settings:
         if unknown:
             raise InvalidInputError(f"kv_connector_extra_config has unknown keys {unknown}; "
                                     f"kvxfer reads {sorted(known)}")
-        settings = cls(**{k: extra.pop(k) for k in _ADDRESS if k in extra}, options=extra)
+        settings = cls(**{k: extra.pop(k) for k in _ADDRESS if k in extra}, options=extra,
+                       engine_id=engine_id)
         if settings.name is not None and not (isinstance(settings.name, str) and settings.name):
             raise InvalidInputError(f"kv_connector_extra_config 'name' must be a non-empty str "
                                     f"(or absent, for the default), got {settings.name!r}")
@@ -158,7 +167,16 @@ class Settings:
     @property
     def p_name(self) -> str:
         """P's NIXL agent name: what its scheduler side names in params."""
-        return self.name or f"kvxfer-P-{self.host}-{self.port}"
+        if self.name:
+            return self.name
+        if not self.options.get("etcd_endpoints"):
+            return f"kvxfer-P-{self.host}-{self.port}"  # unique: the host's listener holds the port
+        if not (isinstance(self.engine_id, str) and self.engine_id):
+            raise InvalidInputError(
+                f"with etcd_endpoints P's default agent name is made of kv_transfer_config."
+                f"engine_id, which is {self.engine_id!r}: give an engine_id, or a 'name' unique "
+                f"among the P instances of this etcd")
+        return f"kvxfer-P-{self.host}-{self.engine_id}"
 
     def transport(self, producer: bool) -> TransportConfig:
         """This role's `TransportConfig`: P listens on `port` (unless with etcd), D anywhere."""
@@ -202,6 +220,24 @@ def group_specs(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list
     return specs
 
 
+def model_description(vllm_config: VllmConfig, groups: Sequence[GroupSpec]) -> dict[str, Any]:
+    """What P's and D's caches hold, which must be the same on both (checked at handshake):
+    the model, its dtype, KV heads, head size and layers, the cache dtype, and each KV
+    cache group's kind, block size and sliding window. Tensor parallelism and the
+    number of blocks may differ (blocks are staged whole)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    return {
+        "model": str(model.model),
+        "dtype": str(model.dtype),
+        "num_kv_heads": int(model.get_total_num_kv_heads()),
+        "head_size": int(model.get_head_size()),
+        "num_hidden_layers": int(model.get_total_num_hidden_layers()),
+        "cache_dtype": str(cache.cache_dtype),
+        "groups": [{"kind": g.kind, "block_size": g.block_size,
+                    "sliding_window": g.sliding_window} for g in groups],
+    }
+
+
 def scheduled_requests(so: SchedulerOutput) -> list[ScheduledRequest]:
     """Each request of a `SchedulerOutput`, as the save planner reads it (pre-step counts).
 
@@ -227,6 +263,8 @@ class KvxferMetadata(KVConnectorMetadata):
 
     save: SaveMeta | None = None
     loads: dict[str, LoadRequest] = field(default_factory=dict)
+    expects: list[dict[str, Any]] = field(default_factory=list)  # D: accepted, not yet loaded
+    cancels: list[dict[str, Any]] = field(default_factory=list)  # D: expected, then dropped
 
 
 @dataclass
@@ -248,15 +286,17 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise InvalidInputError("TPUConnector needs the KVCacheConfig (vLLM >= 0.11 passes it)")
         ktc = vllm_config.kv_transfer_config
-        self.settings = Settings.from_extra(ktc.kv_connector_extra_config)
+        self.settings = Settings.from_extra(ktc.kv_connector_extra_config, ktc.engine_id)
         self.groups = group_specs(vllm_config, kv_cache_config)
         self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        instance = _p_instance(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(self.settings, self.groups, self.producer,
-                                             self.consumer)
+                                             self.consumer, instance)
         else:
-            self._worker = _WorkerSide(self.settings, kv_cache_config, self.producer,
-                                       self.consumer)
+            self._worker = _WorkerSide(self.settings, kv_cache_config,
+                                       model_description(vllm_config, self.groups),
+                                       self.producer, self.consumer, instance)
 
     # -- worker side
 
@@ -340,15 +380,20 @@ class TPUConnector(KVConnectorBase_V1, SupportsHMA):
 
 class _SchedulerSide:
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
-                 consumer: bool):
+                 consumer: bool, instance: str | None = None):
         self.groups = list(groups)
         self.consumer = consumer
         config = settings.connector_config(True)
         self.prefill = PrefillScheduler(
             groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
             address=PeerAddress(settings.p_name, settings.host, settings.p_port),
+            instance=instance,
         ) if producer else None
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
+        self._prompts: dict[str, str | None] = {}  # D: the prompt digest, from matched_tokens
+        self._waiting: dict[str, dict[str, Any]] = {}  # D: params accepted, load not started
+        self._expects: list[dict[str, Any]] = []
+        self._cancels: list[dict[str, Any]] = []
         self._loads: dict[str, LoadRequest] = {}
         # P: vLLM's request id -> the transfer id P plans, stages and names in params. A
         # request id P still holds for D (a proxy that reuses X-Request-Id, a retry) gets a
@@ -368,10 +413,20 @@ class _SchedulerSide:
                            request.num_prompt_tokens)
             params["do_remote_prefill"] = False
             return 0, False
+        digest = _prompt_digest(request)
+        if params.get("prompt") != digest:
+            logger.warning("D request %s: its kv_transfer_params are for another prompt (or "
+                           "none); D computes the prompt itself", request.request_id)
+            params["do_remote_prefill"] = False
+            return 0, False
         count = request.num_prompt_tokens - num_computed
         if count <= 0:
             return 0, False
         self._local[request.request_id] = num_computed
+        self._prompts[request.request_id] = digest
+        if request.request_id not in self._waiting:  # P's lease is kept alive from now on
+            self._waiting[request.request_id] = dict(params)
+            self._expects.append(dict(params))
         return count, True
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
@@ -384,16 +439,22 @@ class _SchedulerSide:
                 transfer = req_id
                 while self.prefill.holds(transfer):
                     transfer = f"{req_id}~{next(self._reuses)}"
-                self.prefill.add_request(transfer, request.num_prompt_tokens)
+                self.prefill.add_request(transfer, request.num_prompt_tokens,
+                                         request.prompt_token_ids)
                 self._transfers[req_id] = transfer
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
         if self.consumer and _asks(params, "do_remote_prefill", request.request_id):
             local = self._local.pop(request.request_id, 0)
+            digest = self._prompts.pop(request.request_id, None)
+            waited = self._waiting.pop(request.request_id, None)
+            if num_external <= 0 and waited is not None:
+                self._cancels.append(waited)  # D computes it all itself
             if num_external > 0:
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
                         for g in self.groups]
                 self._loads[request.request_id] = LoadRequest(
-                    dict(params), [list(ids) for ids in blocks.get_block_ids()], have)
+                    dict(params), [list(ids) for ids in blocks.get_block_ids()], have,
+                    digest or _prompt_digest(request))
             params["do_remote_prefill"] = False  # one transfer per request
 
     def build(self, so: SchedulerOutput) -> KvxferMetadata:
@@ -403,6 +464,8 @@ class _SchedulerSide:
                 [replace(s, req_id=self._transfers[s.req_id]) if s.req_id in self._transfers else s
                  for s in scheduled_requests(so)])
         meta.loads, self._loads = self._loads, {}
+        meta.expects, self._expects = self._expects, []
+        meta.cancels, self._cancels = self._cancels, []
         return meta
 
     def release(self, freed: set[str]) -> None:
@@ -411,6 +474,10 @@ class _SchedulerSide:
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         self._local.pop(request.request_id, None)
+        self._prompts.pop(request.request_id, None)
+        waited = self._waiting.pop(request.request_id, None)
+        if waited is not None:  # aborted in D's queue: P frees its blocks now
+            self._cancels.append(waited)
         if self.prefill is None:
             return None
         params = self.prefill.request_finished(
@@ -422,6 +489,21 @@ class _SchedulerSide:
 
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
+
+
+def _prompt_digest(request: Request) -> str | None:
+    """The digest of a request's prompt token ids (None for a prompt of embeddings)."""
+    ids = request.prompt_token_ids
+    return None if ids is None else prompt_digest(ids)
+
+
+def _p_instance(vllm_config: VllmConfig) -> str:
+    """P's instance id, the same in vLLM's scheduler and worker processes and new at every
+    start: from the engine id and the config's instance id (a start's time), which vLLM
+    draws once and hands to every process with the config."""
+    ktc = vllm_config.kv_transfer_config
+    seed = f"{ktc.engine_id}/{getattr(vllm_config, 'instance_id', '')}"
+    return hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
 
 
 def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:
@@ -437,14 +519,17 @@ def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:
 
 
 class _WorkerSide:
-    def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig, producer: bool,
-                 consumer: bool):
+    def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig,
+                 model: Mapping[str, Any], producer: bool, consumer: bool,
+                 instance: str | None = None):
         self.settings = settings
         self.kv_cache_config = kv_cache_config
+        self.model = model
         self.producer, self.consumer = producer, consumer
         self.runner: Any = None
         self._indices: list[list[int]] = []
-        self._prefill: Any = None  # PrefillWorker, started by the first metadata
+        self.instance = instance
+        self._prefill: Any = None  # PrefillWorker, started with the runner
         self._decode: Any = None  # DecodeConnector
         self._freed: set[str] = set()
 
@@ -458,10 +543,16 @@ class _WorkerSide:
                                         f"runner's layer_name_to_kvcache_index")
             self._indices.append(list(dict.fromkeys(index[n] for n in group.layer_names)))
         self.runner = runner
+        if self.producer:  # at start-up: a bad setting fails the engine's start, not a step
+            from kvxfer.connector.prefill import PrefillWorker
+
+            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(),
+                                          self.instance, model=self.model)
         if self.consumer:
             from kvxfer.connector.decode import DecodeConnector
 
-            self._decode = DecodeConnector(self.settings.connector_config(False), self._caches())
+            self._decode = DecodeConnector(self.settings.connector_config(False), self._caches(),
+                                           model=self.model)
 
     def _caches(self) -> list[list[Any]]:
         caches = self.runner.kv_caches  # donated by every forward: read afresh at each use
@@ -475,6 +566,12 @@ class _WorkerSide:
         self.runner.kv_caches = caches
 
     def start_load(self, meta: KvxferMetadata) -> None:
+        for what, params in [*(("expect", p) for p in meta.expects),
+                             *(("cancel", p) for p in meta.cancels)]:
+            try:
+                getattr(self._decode, what)(params)
+            except KvxferError as e:  # the load itself fails the request, by its own rules
+                logger.warning("D cannot %s a request's params: %s", what, e)
         if meta.loads:
             self._decode.start_load_kv(meta.loads)
 
@@ -482,10 +579,6 @@ class _WorkerSide:
         save = meta.save
         if save is None:
             return
-        if self._prefill is None:
-            from kvxfer.connector.prefill import PrefillWorker
-
-            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(), save.instance)
         if save.blocks or save.holds:
             self._prefill.save(self._caches(), save)
 

@@ -1,9 +1,11 @@
 """What P and D say to each other: transfer params and notification messages (no NIXL).
 
 `ReadParams` are P's `kv_transfer_params` for one request: P's agent,
-instance, address and generation, and per KV cache group the staging keys
-(kernel positions) and P slots of its blocks; with `sources`, every process
-of a multi-host P and the units it stages. They pass through the engine and
+instance, address and generation, the request's secret (which its staged
+blocks' tags are derived from, `kvxfer.staging.block_tags`) and its prompt's
+digest, and per KV cache group the staging keys (kernel positions) and P
+slots of its blocks; with `sources`, every process of a multi-host P and
+the units it stages. They pass through the engine and
 its proxies, so `ReadParams.parse` checks every field. Notifications are a
 magic prefix and versioned JSON (`encode_message`, `decode_message`).
 """
@@ -11,6 +13,8 @@ magic prefix and versioned JSON (`encode_message`, `decode_message`).
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -22,9 +26,10 @@ from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.slots import SlotMap
 
 __all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "check_piece", "decode_message",
-           "encode_message", "is_generation", "message_field", "new_instance", "parse_sources"]
+           "encode_message", "is_generation", "message_field", "new_instance", "new_secret", "parse_sources",
+           "prompt_digest"]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 _MAGIC = b"kvxfer:"
@@ -75,6 +80,37 @@ def new_instance() -> str:
     return secrets.token_hex(8)
 
 
+def new_secret(key: str | None = None, req_id: str = "", count: int = 0) -> str:
+    """A request's secret, 32 hex digits: 128 bits from the OS's CSPRNG or, with `key` (a
+    P instance's own secret key, hex), derived from it, the request id and a count (BLAKE2b
+    keyed), so that every process of a P across hosts derives the same one. It travels
+    only in that request's params; P derives its staged blocks' tags from it."""
+    if key is None:
+        return secrets.token_hex(16)
+    return hashlib.blake2b(f"{req_id}\0{count}".encode(), key=bytes.fromhex(key),
+                           digest_size=16).hexdigest()
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """A digest of a prompt's token ids (BLAKE2b, 128 bits, hex): what binds P's params to
+    the prompt P computed, so D never takes them for another prompt."""
+    try:
+        raw = array.array("q", token_ids).tobytes()
+    except (TypeError, OverflowError):
+        raise InvalidInputError(f"prompt token ids must be ints, got {token_ids!r:.80}") from None
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def _is_hex(value: object, digits: int) -> bool:
+    if not isinstance(value, str) or len(value) != digits:
+        return False
+    try:
+        bytes.fromhex(value)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Source:
     """One P process of a multi-host P instance: its agent and the units `[lo, hi)` it stages."""
@@ -102,6 +138,8 @@ class ReadParams:
     generation: int
     keys: tuple[tuple[int, ...], ...]
     slots: tuple[tuple[int, ...], ...]
+    secret: str
+    prompt: str | None = None
     sources: tuple[Source, ...] = ()
     units: int = 0
 
@@ -149,13 +187,17 @@ class ReadParams:
             generation=get("generation", is_generation, "a positive int"),
             keys=tuple(keys),
             slots=tuple(slots),
+            secret=get("secret", lambda v: _is_hex(v, 32), "32 hex digits"),
+            prompt=get("prompt", lambda v: v is None or _is_hex(v, 32),
+                       "absent or 32 hex digits (a prompt_digest)"),
             sources=sources,
             units=units,
         )
 
     @classmethod
     def staged(cls, slot_maps: Sequence[SlotMap], req_id: str, *, peer: str, instance: str,
-               host: str, port: int, generation: int, sources: Sequence[Source] = (),
+               host: str, port: int, generation: int, secret: str,
+               prompt: str | None = None, sources: Sequence[Source] = (),
                units: int = 0) -> ReadParams | None:
         """The params of everything `req_id` has staged, one slot map per group (None if nothing)."""
         keys = [m.blocks(req_id) if req_id in m else [] for m in slot_maps]
@@ -165,15 +207,17 @@ class ReadParams:
                    generation=generation, keys=tuple(map(tuple, keys)),
                    slots=tuple(tuple(m.slots(req_id, k)) if k else ()
                                for m, k in zip(slot_maps, keys)),
-                   sources=tuple(sources), units=units)
+                   secret=secret, prompt=prompt, sources=tuple(sources), units=units)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able params (what `parse` reads back)."""
         out = {
             "peer": self.peer, "instance": self.instance, "host": self.host, "port": self.port,
-            "req_id": self.req_id, "generation": self.generation,
+            "req_id": self.req_id, "generation": self.generation, "secret": self.secret,
             "groups": [{"keys": list(k), "slots": list(s)} for k, s in zip(self.keys, self.slots)],
         }
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
         if self.sources:
             out["units"] = self.units
             out["sources"] = [{"peer": s.peer, "units": [s.lo, s.hi]} for s in self.sources]

@@ -612,20 +612,25 @@ class Engine:
 
     # ----------------------------------------------------------------- helpers
     def run_until(self, predicate: Callable[[StepResult], bool] | Callable[[], bool],
-                  max_steps: int = 200) -> list[StepResult]:
+                  max_steps: int = 200, min_s: float = 0.0) -> list[StepResult]:
         """Steps until `predicate(result)` (or `predicate()`) is true; returns all results.
 
-        Raises AssertionError after `max_steps` steps without it.
+        Raises AssertionError after `max_steps` steps without it, and at least `min_s`
+        seconds (an engine waiting on a peer steps fast with nothing to do).
         """
         import inspect
+        import time
 
         takes_arg = len(inspect.signature(predicate).parameters) > 0
-        results = []
-        for _ in range(max_steps):
+        results, start, steps = [], time.monotonic(), 0
+        while steps < max_steps or time.monotonic() - start < min_s:
+            steps += 1
             results.append(self.step())
             if predicate(results[-1]) if takes_arg else predicate():
                 return results
-        raise AssertionError(f"predicate not reached in {max_steps} steps")
+            if steps >= max_steps:
+                time.sleep(0.005)
+        raise AssertionError(f"predicate not reached in {steps} steps")
 
     def close(self) -> None:
         if self._closed:

@@ -92,7 +92,7 @@ def pd(model_dir, engines):
 def decode(d: Engine, req_id: str, prompt: list[int], params: dict, max_tokens: int = 2):
     """Adds the request on D with P's params; steps D until it finishes. Returns every step."""
     d.add_request(req_id, prompt, max_tokens=max_tokens, kv_transfer_params=params)
-    return d.run_until(lambda r: req_id in r.finished, max_steps=400)
+    return d.run_until(lambda r: req_id in r.finished, max_steps=400, min_s=30.0)
 
 
 def assert_prompt_kv(d: Engine, req_id: str, prompt: list[int], window: int | None = None):
@@ -366,10 +366,12 @@ def test_only_true_asks_d_to_load_from_p(value, asks, caplog):
 
     from kvxfer.scheduler import GroupSpec
     from kvxfer.vllm import Settings, _SchedulerSide
+    from kvxfer.wire import prompt_digest
 
     d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
-    request = SimpleNamespace(request_id="r", num_prompt_tokens=32, kv_transfer_params={
-        "do_remote_prefill": value, "num_prompt_tokens": 32})
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=32, prompt_token_ids=list(
+        range(32)), kv_transfer_params={"do_remote_prefill": value, "num_prompt_tokens": 32,
+                                        "prompt": prompt_digest(list(range(32)))})
     assert d.matched_tokens(request, 0) == ((32, True) if asks else (0, False))
     assert ("must be true or false, got 'no'" in caplog.text) == (value == "no")
 
@@ -389,3 +391,75 @@ def test_a_host_that_does_not_resolve_is_refused_at_start_up():
     with pytest.raises(InvalidInputError, match="'host' 'p.invalid' does not resolve here"):
         Settings.from_extra({"host": "p.invalid"})
     assert Settings.from_extra({"host": "localhost"}).host == "localhost"
+
+
+def test_params_for_another_prompt_of_the_same_length_make_d_compute_it_itself(caplog):
+    from types import SimpleNamespace
+
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.vllm import Settings, _SchedulerSide
+    from kvxfer.wire import prompt_digest
+
+    d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
+    for sent in (prompt_digest(list(range(1, 33))), None):
+        request = SimpleNamespace(request_id="r", num_prompt_tokens=32,
+                                  prompt_token_ids=list(range(32)), kv_transfer_params={
+                                      "do_remote_prefill": True, "num_prompt_tokens": 32,
+                                      "prompt": sent})
+        assert d.matched_tokens(request, 0) == (0, False)
+        assert request.kv_transfer_params["do_remote_prefill"] is False
+    assert "are for another prompt" in caplog.text
+
+
+def test_d_keeps_p_lease_of_a_queued_request_and_releases_it_when_aborted():
+    from types import SimpleNamespace
+
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.vllm import Settings, _SchedulerSide
+    from kvxfer.wire import prompt_digest
+
+    d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
+    params = {"do_remote_prefill": True, "num_prompt_tokens": 32, "req_id": "p-r",
+              "prompt": prompt_digest(list(range(32)))}
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=32,
+                              prompt_token_ids=list(range(32)), kv_transfer_params=params)
+    assert d.matched_tokens(request, 0) == (32, True)
+    assert d.matched_tokens(request, 0) == (32, True)  # still no blocks: asked again
+    so = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})
+    first = d.build(so)
+    assert [p["req_id"] for p in first.expects] == ["p-r"] and first.cancels == []
+    assert d.build(so).expects == []  # expected once
+    d.finished(request)  # aborted while waiting in D's queue
+    assert [p["req_id"] for p in d.build(so).cancels] == ["p-r"]
+
+
+def test_default_p_names_under_etcd_differ_per_engine_and_agree_within_one():
+    from kvxfer.vllm import Settings
+
+    via_etcd = {"etcd_endpoints": "http://127.0.0.1:2379"}
+    one, other = (Settings.from_extra(via_etcd, engine_id).p_name for engine_id in ("e1", "e2"))
+    assert one != other  # the port, the same for every P, no longer tells them apart
+    # The scheduler and the worker build their Settings apart; both name P the same.
+    assert Settings.from_extra(via_etcd, "e1").transport(True).name == one
+    assert Settings.from_extra({}, "e1").p_name == Settings.from_extra({}, "e2").p_name
+    with pytest.raises(InvalidInputError, match="made of kv_transfer_config.engine_id, which is "
+                                                "None: give an engine_id, or a 'name'"):
+        Settings.from_extra(via_etcd)
+    assert Settings.from_extra({**via_etcd, "name": "P7"}).p_name == "P7"
+
+
+@pytest.mark.parametrize("bad", ["port", "staging_blocks"])
+def test_p_fails_at_start_up_naming_a_setting_it_cannot_serve_with(engines, model_dir, bad):
+    """P's worker starts its NIXL agent and staging with the runner, not at its first step:
+    a port in use or staging too large for the machine stops the engine's start, by name."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        extra = {"port": taken.getsockname()[1], "staging_blocks": 64} if bad == "port" else {
+            "port": free_port(), "staging_blocks": 10**9}
+        with pytest.raises(InvalidInputError, match=str(extra[bad]) if bad == "port"
+                           else "lower staging_blocks"):
+            engines(model_dir, kv_role="kv_producer", extra_config=extra,
+                    devices=jax.devices()[:4])

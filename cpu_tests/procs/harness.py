@@ -25,7 +25,7 @@ class Peer:
     def __init__(self, role, spec, start_timeout=60.0):
         self.role = role
         self.start_timeout = start_timeout
-        self._port = None
+        self._port = self._name = None
         self.log = tempfile.TemporaryFile()
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
@@ -37,8 +37,15 @@ class Peer:
     def port(self):
         """The NIXL listener port; waits for the child to be ready (spawn is async)."""
         if self._port is None:
-            self._port = self._answer(self.start_timeout)["port"]
+            ready = self._answer(self.start_timeout)
+            self._port, self._name = ready["port"], ready.get("name")
         return self._port
+
+    @property
+    def name(self):
+        """The NIXL agent name (drawn by the child when its spec leaves it None)."""
+        self.port  # noqa: B018 - the first answer names it
+        return self._name
 
     def _answer(self, timeout):
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)

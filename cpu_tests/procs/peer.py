@@ -59,7 +59,7 @@ def main():
         t = PrefillTransport(config, staging, layout)
     else:
         t = DecodeTransport(config, staging, layout, check_block_compatible)
-    print(json.dumps({"port": t.port}), file=answers, flush=True)
+    print(json.dumps({"port": t.port, "name": t.config.name}), file=answers, flush=True)
     finished, failed, freed = [], {}, []
 
     def pump():
@@ -95,7 +95,7 @@ def main():
                 pump()
                 out = {"freed": freed, "held": t.held(), "free_slots": staging.num_free_slots}
             elif op == "connect":
-                out = {"layout": t.connect(cmd["peer"], cmd["host"], cmd["port"])}
+                out = {"layout": t.handshakes.connect(cmd["peer"], cmd["host"], cmd["port"])}
             elif op == "read":
                 # `logical_ids`: what D reports if the read fails; blocks land under P's keys.
                 t.start_read(cmd["req_id"], ReadParams.parse(cmd["params"], len(t.stagings)),

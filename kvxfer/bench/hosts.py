@@ -198,15 +198,18 @@ class HostNetwork:
 
 
 class EtcdServer:
-    """`etcd` on `host` (loopback by default); `endpoint` is its client URL. Always `stop()` it."""
+    """`etcd` on `host` (loopback by default); `endpoint` is its client URL. Always `stop()` it.
 
-    def __init__(self, start_timeout=20.0, host="127.0.0.1"):
+    `port`: its client port (None: a free one), for an etcd started after its clients.
+    """
+
+    def __init__(self, start_timeout=20.0, host="127.0.0.1", port=None):
         binary = shutil.which("etcd")
         if binary is None:
             raise SetupError("etcd is not installed: run `bash scripts/test-deps` "
                              "(Debian's etcd-server)")
         self.dir = tempfile.mkdtemp(prefix="kvxfer-etcd-")
-        client, peer = free_port(host), free_port(host)
+        client, peer = port or free_port(host), free_port(host)
         self.endpoint = f"http://{host}:{client}"
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(

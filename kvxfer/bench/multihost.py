@@ -159,7 +159,7 @@ def _config(cfg: MultihostConfig, role: str, etcd: str) -> Any:
 
     transport = TransportConfig(name=role, etcd_endpoints=etcd, ucx_tls=cfg.ucx_tls,
                                 transfer_timeout_s=cfg.timeout_s / 4, lease_s=cfg.timeout_s,
-                                heartbeat_interval_s=5.0)
+                                heartbeat_interval_s=min(5.0, cfg.timeout_s / 4))
     return ConnectorConfig(transport, staging_blocks=cfg.requests * cfg.request_blocks)
 
 

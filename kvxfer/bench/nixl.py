@@ -113,7 +113,7 @@ def run(
         staging = _staging(layers, blocks, block_bytes, placement)
         d = DecodeTransport(TransportConfig(name="bench-D", **common), staging,
                             _advertised(layers, block_bytes), check_block_compatible)
-        d.connect("bench-P", "127.0.0.1", port)
+        d.handshakes.connect("bench-P", "127.0.0.1", port)
         rng = np.random.default_rng(seed + 1)
         src = [np.ones(blocks * block_bytes, np.uint8) for _ in range(layers)]
         dst = [np.zeros(blocks * block_bytes, np.uint8) for _ in range(layers)]

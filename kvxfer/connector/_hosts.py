@@ -113,6 +113,10 @@ class OneProcess:
         """P's instance id: the scheduler side's, or None to draw one."""
         return instance
 
+    def secret_key(self) -> str | None:
+        """The key P's scheduler derives request secrets from; None: it draws its own."""
+        return None
+
     def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
                slots: np.ndarray) -> None:
         """Copy blocks `ids` of group `g` into `slots`, with their fingerprints."""
@@ -194,6 +198,9 @@ class ManyProcesses(OneProcess):
 
     def instance(self, instance: str | None) -> str | None:
         return instance if instance is not None else shared_instance()  # one for every process
+
+    def secret_key(self) -> str | None:
+        return shared_instance(32)  # every process's scheduler derives the same secrets
 
     def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
                slots: np.ndarray) -> None:

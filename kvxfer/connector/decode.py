@@ -64,14 +64,17 @@ class DecodeConnector:
         config: `ConnectorConfig`.
         caches: the current per-layer caches of each group (a plain list of
             arrays when there is one group); only their layouts are kept.
+        model: what the caches hold, which P must describe alike
+            (`kvxfer.layout.advertised`); None: nothing said.
     """
 
     def __init__(self, config: ConnectorConfig,
-                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
+                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+                 model: Mapping[str, Any] | None = None):
         self.hosts = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
         self.transport = DecodeTransport(
-            self.hosts.transport_config, self.stagings, advertised(self.layouts),
+            self.hosts.transport_config, self.stagings, advertised(self.layouts, model),
             layout_check=check_block_compatible, piece=self.hosts.piece,
             reader=self.hosts.reader,
         )
@@ -144,6 +147,11 @@ class DecodeConnector:
         Returns the params to read (without the blocks D already has) and the load.
         """
         p = ReadParams.parse(request.params, len(self.layouts))
+        if request.prompt is not None and p.prompt != request.prompt:
+            raise InvalidInputError(
+                f"request {req_id!r}: its params are for "
+                f"{'another prompt' if p.prompt else 'a prompt P was not given'}; D's prompt "
+                f"differs from the one P computed")
         table, have = request.table, request.have
         tables = [table] if len(self.layouts) == 1 and _is_id_list(table) else table
         if (not isinstance(tables, (list, tuple)) or len(tables) != len(self.layouts)
@@ -259,6 +267,17 @@ class DecodeConnector:
             return caches
         return self.hosts.scatter(g, caches, np.asarray(ids, np.int64),
                                   np.asarray(slots, np.int64), spans, bad)
+
+    def expect(self, params: Any) -> None:
+        """Keep P's lease alive for a request D accepted but has not started loading (waiting
+        in D's queue), from now until `start_load_kv` takes it or `cancel` drops it; P's
+        `kv_transfer_params`, checked (`InvalidInputError`)."""
+        self.transport.expect(ReadParams.parse(params, len(self.layouts)))
+
+    def cancel(self, params: Any) -> None:
+        """D will not load this expected request (aborted, or computed locally): P may free
+        its blocks now. Params not expected are ignored."""
+        self.transport.cancel(ReadParams.parse(params, len(self.layouts)).req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Logical block ids whose load failed since the last call (to recompute)."""

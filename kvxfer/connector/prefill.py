@@ -11,7 +11,7 @@ saved, the engine may free P's device blocks as soon as a request finishes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,7 +25,7 @@ from kvxfer.layout import CacheLayout, advertised
 from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.slots import SlotMap
-from kvxfer.staging import Staging
+from kvxfer.staging import Staging, block_tags
 from kvxfer.wire import Source
 
 __all__ = ["PrefillConnector", "PrefillWorker"]
@@ -39,15 +39,17 @@ class PrefillWorker:
         caches: the current per-layer caches of each group (a plain list of
             arrays when there is one group); only their layouts are kept.
         instance: the scheduler side's P instance (`new_instance()` when None).
+        model: what the caches hold, which D must describe alike
+            (`kvxfer.layout.advertised`); None: nothing said.
     """
 
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
-                 instance: str | None = None):
+                 instance: str | None = None, model: Mapping[str, Any] | None = None):
         self.hosts = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
         self.transport = PrefillTransport(self.hosts.transport_config, self.stagings,
-                                          advertised(self.layouts),
+                                          advertised(self.layouts, model),
                                           instance=self.hosts.instance(instance),
                                           piece=self.hosts.piece)
 
@@ -63,7 +65,8 @@ class PrefillWorker:
 
     def save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
              meta: SaveMeta) -> None:
-        """Copy `meta`'s blocks from the caches into their slots, with their fingerprints.
+        """Copy `meta`'s blocks from the caches into their slots, with their fingerprints
+        and their tags (from each request's secret and the blocks' positions).
 
         One gather per group for every request of the step, straight into the
         regions NIXL reads; a block copied again by a later chunk goes back to
@@ -80,6 +83,9 @@ class PrefillWorker:
                 slots = [s for slots in meta.slots.values() for s in slots[g]]
                 self.hosts.gather(g, group_caches, np.asarray(ids, np.int64),
                                   np.asarray(slots, np.int64))
+                self.stagings[g].tags[slots] = np.concatenate([
+                    block_tags(meta.secrets[req_id], g, [pos for pos, _ in placed[g]])
+                    for req_id, placed in meta.blocks.items() if placed[g]])
         for req_id, generation in meta.holds.items():
             self.transport.lease(req_id, generation)
 
@@ -103,23 +109,25 @@ class PrefillConnector:
         caches: the current per-layer caches of each group, one list per
             `GroupSpec` in order (a plain list of arrays when there is one
             group); only their layouts are kept (the model donates them every step).
+        model: what the caches hold (see `PrefillWorker`).
     """
 
     def __init__(self, config: ConnectorConfig, groups: Sequence[GroupSpec],
-                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]):
+                 caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+                 model: Mapping[str, Any] | None = None):
         if not isinstance(config, ConnectorConfig):
             raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
         groups = list(groups)
         per_group(caches, len(groups), of="the GroupSpecs")
         SaveTracker(groups)  # checks the specs before a NIXL agent starts
         self.config = config
-        self.worker = PrefillWorker(config, caches)
+        self.worker = PrefillWorker(config, caches, model=model)
         try:
             self.scheduler = PrefillScheduler(
                 groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
                 address=self.worker.address, instance=self.worker.transport.instance,
                 sources=self.worker.sources,
-                units=self.worker.hosts.units)
+                units=self.worker.hosts.units, secret_key=self.worker.hosts.secret_key())
         except BaseException:
             self.worker.close()
             raise
@@ -150,9 +158,10 @@ class PrefillConnector:
         """The first group's slot bookkeeping (which request's blocks sit in which slots)."""
         return self.scheduler.slot_maps[0]
 
-    def add_request(self, req_id: str, num_prompt_tokens: int) -> None:
+    def add_request(self, req_id: str, num_prompt_tokens: int,
+                    prompt_token_ids: Sequence[int] | None = None) -> None:
         """See `PrefillScheduler.add_request`."""
-        self.scheduler.add_request(req_id, num_prompt_tokens)
+        self.scheduler.add_request(req_id, num_prompt_tokens, prompt_token_ids)
 
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
         """See `PrefillScheduler.build_connector_meta`."""

@@ -11,7 +11,9 @@ NIXL: vLLM runs this in its scheduler process.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +25,7 @@ from kvxfer.errors import (
 )
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.slots import SlotMap
-from kvxfer.wire import ReadParams, Source, new_instance, parse_sources
+from kvxfer.wire import ReadParams, Source, new_instance, new_secret, parse_sources, prompt_digest
 
 __all__ = ["LoadRequest", "PeerAddress", "Placed", "PrefillScheduler", "SaveMeta"]
 
@@ -43,7 +45,9 @@ class SaveMeta:
     - `holds[req_id]`: the generation under which a request whose prefill
       completes this step is held for D, once its blocks are saved;
     - `instance`: the P instance the params name (the worker's transport is
-      started under it).
+      started under it);
+    - `secrets[req_id]`: the secret of each request with blocks this step, which
+      the worker derives the blocks' tags from (`kvxfer.staging.block_tags`).
 
     Plain data (ints, strs, lists): it crosses vLLM's scheduler -> worker
     boundary as `KVConnectorMetadata`.
@@ -53,6 +57,7 @@ class SaveMeta:
     blocks: dict[str, tuple[Placed, ...]] = field(default_factory=dict)
     slots: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict)
 
     @property
     def completed(self) -> set[str]:
@@ -74,6 +79,8 @@ class LoadRequest:
       (allocated for decode) are ignored.
     - `have`: per group, how many leading table entries D already holds (a local
       prefix-cache hit): blocks P sends for those entries are not read. None: none.
+    - `prompt`: the `kvxfer.wire.prompt_digest` of D's prompt, when D knows it: params
+      P made for another prompt (or without one) are then refused.
 
     Plain data, defined here rather than beside `DecodeConnector` so that vLLM's
     scheduler process, which builds it, loads no JAX.
@@ -82,6 +89,7 @@ class LoadRequest:
     params: Any
     table: Any
     have: Any = None
+    prompt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,11 +135,13 @@ class PrefillScheduler:
             process's agent and the units of each block it stages
             (`PrefillWorker.sources`), named in the params; empty for one.
         units: the units a block is cut into, with `sources`.
+        secret_key: the key (64 hex digits) request secrets are derived from, the same
+            for every process of a P across hosts; None draws one.
     """
 
     def __init__(self, groups: Sequence[GroupSpec], *, staging_blocks: int, kernel_ratio: int,
                  address: PeerAddress, instance: str | None = None,
-                 sources: Sequence[Source] = (), units: int = 0):
+                 sources: Sequence[Source] = (), units: int = 0, secret_key: str | None = None):
         self.tracker = SaveTracker(groups)
         if not isinstance(address, PeerAddress):
             raise InvalidInputError(f"address must be a PeerAddress, got {address!r:.80}")
@@ -150,10 +160,20 @@ class PrefillScheduler:
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
         self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
+        self._secrets: dict[str, str] = {}  # added, not yet freed
+        if secret_key is not None and not (isinstance(secret_key, str) and len(secret_key) == 64
+                                           and all(c in "0123456789abcdef" for c in secret_key)):
+            raise InvalidInputError("secret_key must be None or 64 lowercase hex digits")
+        self._key = secret_key or secrets.token_hex(32)
+        self._added = itertools.count()
+        self._prompts: dict[str, str] = {}  # the prompt digest of those given their prompt
 
-    def add_request(self, req_id: str, num_prompt_tokens: int) -> None:
+    def add_request(self, req_id: str, num_prompt_tokens: int,
+                    prompt_token_ids: Sequence[int] | None = None) -> None:
         """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
 
+        With `prompt_token_ids`, its params carry their `prompt_digest`, and a D
+        that knows its own prompt refuses params computed for another one.
         Refused while P still holds a request of that id (being prefilled,
         staged, or waiting for D): its params could otherwise read the new
         prefill's blocks.
@@ -164,7 +184,17 @@ class PrefillScheduler:
             raise InvalidInputError(
                 f"request {req_id!r} is still held on P for D; it cannot be added again until "
                 f"D has read it or its lease expired (get_finished reports it)")
+        digest = None
+        if prompt_token_ids is not None:
+            if len(prompt_token_ids) != num_prompt_tokens:
+                raise InvalidInputError(
+                    f"request {req_id!r}: {len(prompt_token_ids)} prompt token ids for "
+                    f"{num_prompt_tokens!r} prompt tokens")
+            digest = prompt_digest(prompt_token_ids)
         self.tracker.add(req_id, num_prompt_tokens)
+        self._secrets[req_id] = new_secret(self._key, req_id, next(self._added))
+        if digest is not None:
+            self._prompts[req_id] = digest
 
     def holds(self, req_id: str) -> bool:
         """Whether P still holds a request of this id (being prefilled, staged, or waiting
@@ -181,7 +211,7 @@ class PrefillScheduler:
         restarted = {s.req_id for s in scheduled if s.full_table and s.req_id in self.tracker}
         for req_id, groups in self.tracker.plan_placed(scheduled).items():
             if req_id in restarted:  # new, or resumed after preemption: staged afresh
-                self._free_slots(req_id)
+                self._free_slots(req_id, forget=False)
             placed = tuple(kernel_placement(g, self.kernel_ratio) for g in groups)
             try:
                 slots = tuple(m.assign(req_id, [pos for pos, _ in blocks])
@@ -191,6 +221,7 @@ class PrefillScheduler:
                 self.abort(req_id)
                 continue
             meta.blocks[req_id], meta.slots[req_id] = placed, slots
+            meta.secrets[req_id] = self._secrets[req_id]
             if req_id not in self.tracker:  # its prefill completes this step
                 self._complete(req_id, meta)
         return meta
@@ -199,7 +230,9 @@ class PrefillScheduler:
         a = self.address
         params = ReadParams.staged(self.slot_maps, req_id, peer=a.name, instance=self.instance,
                                    host=a.host, port=a.port, generation=self._next_generation,
-                                   sources=self.sources, units=self.units)
+                                   secret=self._secrets[req_id],
+                                   prompt=self._prompts.get(req_id), sources=self.sources,
+                                   units=self.units)
         if params is None:
             logger.warning("P request %s completed with nothing staged", req_id)
             return
@@ -245,7 +278,12 @@ class PrefillScheduler:
         """Requests handed to D whose slots the worker has not yet freed."""
         return sorted(self._held)
 
-    def _free_slots(self, req_id: str) -> None:
+    def _free_slots(self, req_id: str, forget: bool = True) -> None:
+        """Free a request's slots and, unless it is restarted (staged afresh under its
+        secret), forget it."""
+        if forget:
+            self._secrets.pop(req_id, None)
+            self._prompts.pop(req_id, None)
         for m in self.slot_maps:
             if req_id in m:
                 m.free(req_id)

@@ -14,9 +14,11 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import socket
 import sys
 import threading
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,8 +30,8 @@ from kvxfer.wire import encode_message
 if TYPE_CHECKING:
     from kvxfer.staging import Staging
 
-__all__ = ["TransportConfig", "claim_name", "close_agent", "free_port", "release_name", "send",
-           "start_agent"]
+__all__ = ["MIN_LEASE_S", "TransportConfig", "claim_name", "close_agent", "default_name",
+           "free_port", "release_name", "send", "start_agent"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,17 +39,32 @@ logger = logging.getLogger(__name__)
 _MAX_BIND_TRIES = 8
 
 
+MIN_LEASE_S = 1.0
+"""The shortest `TransportConfig.lease_s` (see there)."""
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     """Everything the transport reads, in one place.
 
-    - `name`: this agent's name; P's name is what D connects to. Unique among
-      the live agents of a process.
+    - `name`: this agent's name; P's name is what D connects to (params name
+      it). Unique among the live agents of a process. None (the default)
+      draws `default_name()`: host name, process id and random hex, so agents
+      left at the default never share a name, in etcd neither. A name another
+      live agent already published in etcd is not refused at start-up: NIXL's
+      records carry no lease, so a live agent's record reads the same as one
+      a killed agent left behind, and refusing it would keep a killed P from
+      restarting under its name. Two live agents under one name overwrite each
+      other's record; each warns when it finds the other's (`kvxfer.nixl.etcd`).
     - `host`: the address this agent is reached at (advertised by P in params).
     - `listen_port`: NIXL metadata listener port; 0 picks a free one.
     - `handshake_timeout_s`: deadline of `connect`.
     - `transfer_timeout_s`: deadline of one read, from `start_read` to P's ack.
-    - `lease_s`: how long P holds a request's blocks without news from D.
+    - `lease_s`: how long P holds a request's blocks without news from D; at
+      least 1 s (`MIN_LEASE_S`) and twice `heartbeat_interval_s`. A lease must
+      outlast a gap between two of D's polls (an engine step, a GC pause) plus
+      a heartbeat's trip to P; below a second an ordinary step lets it lapse
+      while D still reads. Two heartbeats per lease let one arrive late.
     - `heartbeat_interval_s`: how often D extends leases of requests it still wants.
     - `ucx_tls`: `UCX_TLS` for this agent's UCX context (set only while the agent
       is created); `cma,tcp,self` reads host memory faster between processes
@@ -64,9 +81,13 @@ class TransportConfig:
       agents need no pairwise listener handshake; no listener is started
       (`listen_port` is unused, params still carry `host`). None: D fetches
       from P's listener at `host:listen_port`, as between two processes.
+      A deployment starts P, D and etcd in any order, so an etcd unreachable
+      at start-up is no error: the agent starts, warns, and publishes again
+      from `poll` until etcd holds its record (`kvxfer.nixl.etcd`); an
+      endpoint that is not an `http(s)://host[:port]` URL is refused here.
     """
 
-    name: str
+    name: str | None = None
     host: str = "127.0.0.1"
     listen_port: int = 0
     handshake_timeout_s: float = 10.0
@@ -79,6 +100,8 @@ class TransportConfig:
     etcd_endpoints: str | None = None
 
     def __post_init__(self) -> None:
+        if self.name is None:
+            object.__setattr__(self, "name", default_name())
         if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
             raise InvalidInputError(f"TransportConfig name must be a non-empty printable str, "
                                     f"got {self.name!r}")
@@ -94,10 +117,16 @@ class TransportConfig:
                 raise InvalidInputError(
                     f"TransportConfig {name} must be a positive finite number of seconds, "
                     f"got {value!r}")
-        if self.heartbeat_interval_s >= self.lease_s:
+        workable = max(MIN_LEASE_S, 2 * self.heartbeat_interval_s)
+        if self.lease_s < MIN_LEASE_S:
             raise InvalidInputError(
-                f"TransportConfig heartbeat_interval_s {self.heartbeat_interval_s} must be shorter "
-                f"than lease_s {self.lease_s}, or heartbeats cannot keep a lease alive")
+                f"TransportConfig lease_s {self.lease_s!r} is below {MIN_LEASE_S} s: every lease "
+                f"would lapse between two of D's polls; give lease_s >= {workable} s")
+        if 2 * self.heartbeat_interval_s > self.lease_s:
+            raise InvalidInputError(
+                f"TransportConfig heartbeat_interval_s {self.heartbeat_interval_s} must be at most "
+                f"half of lease_s {self.lease_s}, or one late heartbeat lets a lease lapse; give "
+                f"heartbeat_interval_s <= {self.lease_s / 2} or lease_s >= {workable}")
         if self.ucx_tls is not None and (not isinstance(self.ucx_tls, str) or not self.ucx_tls):
             raise InvalidInputError(
                 f"TransportConfig ucx_tls must be None or a non-empty str, got {self.ucx_tls!r}")
@@ -109,8 +138,7 @@ class TransportConfig:
                                     f"[0, 10_000_000], got {self.progress_wake_us!r}")
         if self.etcd_endpoints is not None and not (
                 isinstance(self.etcd_endpoints, str) and self.etcd_endpoints.isprintable()
-                and all(e.startswith(("http://", "https://")) and len(e) > 8
-                        for e in self.etcd_endpoints.split(","))):
+                and all(_is_url(e) for e in self.etcd_endpoints.split(","))):
             raise InvalidInputError(
                 f"TransportConfig etcd_endpoints must be None or comma-separated http(s):// "
                 f"URLs, got {self.etcd_endpoints!r}")
@@ -122,6 +150,22 @@ class TransportConfig:
     @property
     def uses_etcd(self) -> bool:
         return self.etcd_endpoints is not None
+
+
+def default_name(role: str = "agent") -> str:
+    """A NIXL agent name no other agent draws: `kvxfer-{role}-{host name}-{pid}-{6 hex}`."""
+    host = "".join(c if c.isalnum() or c in "-." else "_" for c in socket.gethostname())
+    return f"kvxfer-{role}-{host or 'host'}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _is_url(endpoint: str) -> bool:
+    """Whether `endpoint` is an `http(s)://host[:port]` URL (a port, if any, a number)."""
+    try:
+        url = urllib.parse.urlsplit(endpoint)
+        url.port  # noqa: B018 - raises ValueError unless a number in range
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname)
 
 
 def _nixl() -> tuple[Any, Any]:
@@ -194,6 +238,10 @@ def _create_agent(config: TransportConfig) -> tuple[Any, int]:
                 with _progress_wake(api, config.progress_wake_us):
                     return nixl_agent(config.name, nixl_config), port
             except RuntimeError as e:
+                if "bind" in str(e).lower() and config.listen_port:
+                    raise InvalidInputError(
+                        f"NIXL agent {config.name!r} cannot listen on listen_port {port}: it is "
+                        f"in use ({e}); give a free port, or 0 for one picked here") from e
                 if "bind" not in str(e).lower() or attempt == tries - 1:
                     raise TransferError(
                         f"cannot create NIXL agent {config.name!r} on port {port}: {e}"
@@ -271,7 +319,7 @@ def start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[A
     try:
         agent, port = _create_agent(config)
         regs = [(addr, n, 0, "") for s in stagings
-                for addr, n in [*s.region_addresses(), s.prints_address()]]
+                for addr, n in [*s.region_addresses(), s.prints_address(), s.tags_address()]]
         reg = agent.register_memory(regs, "DRAM")
         if config.uses_etcd:
             try:  # under our name, with the registered regions: peers fetch it by name

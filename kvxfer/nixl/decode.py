@@ -24,9 +24,10 @@ the engine's to agree on (`kvxfer.connector`).
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ import numpy as np
 from kvxfer.blocks import coalesce_pairs, is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
+from kvxfer.nixl.etcd import Publication
+from kvxfer.nixl.handshake import Handshakes
 from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
-from kvxfer.staging import Staging, free_in_all, stagings_of
+from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
 from kvxfer.wire import ReadParams, Source, check_piece, is_generation, message_field
 
 __all__ = ["DecodeTransport", "LegState"]
@@ -75,6 +78,10 @@ class _Read:
     deadline: float
     legs: dict[str, _Leg] = field(default_factory=dict)  # every P agent holding a piece
     started: float = field(default_factory=time.monotonic)
+    params: ReadParams | None = None
+    plan: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # units per P agent
+    waiting: bool = True  # for its peers: nothing posted yet
+    d_slots: list[list[int]] = field(default_factory=list)  # per group, D's slots of `params.keys`
 
 
 class DecodeTransport:
@@ -112,8 +119,10 @@ class DecodeTransport:
                                     f"got {reader!r:.80}")
         self.reader = (int(reader[0]), int(reader[1]))
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
+        self._publication = Publication(self.agent, config)  # P fetches D's from etcd too
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
                            self.piece, on_ack=self._on_ack)
+        self.handshakes = Handshakes(self.peers)
         self._reads: dict[str, _Read] = {}
         self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
         self._cancelled: list[tuple[str, list[str], str, int]] = []  # the same, to say done for
@@ -130,25 +139,24 @@ class DecodeTransport:
         """The first group's staging (the only one for a single-group model)."""
         return self.stagings[0]
 
-    def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
-        """Handshake with P agent `peer` at `host:port` (`Peers.connect`); returns its layout."""
-        return self.peers.connect(peer, host, port)
-
     def _drop_peer(self, peer: str, why: str) -> None:
         """Disconnect `peer` (gone, restarted or failing); its reads fail with it."""
         if not self.peers.drop(peer):
             return
         logger.warning("D %s drops peer %s: %s", self.config.name, peer, why)
-        for read in [r for r in self._reads.values() if peer in r.legs]:
-            self._fail(read)
+        for read in [r for r in self._reads.values() if peer in r.legs and not r.waiting]:
+            self._fail(read)  # those still waiting connect afresh
         self.peers.forget(peer)  # after its reads' posts have settled
 
     # -- reads
 
     def expect(self, params: ReadParams) -> None:
-        """Keep P's lease on a request alive (heartbeats) until `start_read` takes it."""
+        """Keep P's lease on a request alive (heartbeats; connecting to P in the background)
+        until `start_read` takes it or `cancel` drops it."""
         p = _check_params(params, len(self.stagings))
         self._expected[p.req_id] = (p.peers, p.instance, p.generation)
+        for peer in p.peers:
+            self.handshakes.begin(peer, p.host, p.port, p.instance)
 
     def cancel(self, req_id: str) -> None:
         """Stop keeping P's lease on an expected request D will not read (aborted, refused),
@@ -169,7 +177,9 @@ class DecodeTransport:
         land in: what is reported if the read fails. Raises
         `InvalidInputError` for malformed params or a request already being
         read, before any state changes; never raises for a peer problem: the
-        request is then reported failed by `poll`.
+        request is then reported failed by `poll`. Never waits for a peer: a
+        P agent not yet connected is connected to in the background (`poll`
+        moves the handshake on) and the read is posted once it is.
         """
         if req_id in self._reads or req_id in self._zombies:
             raise InvalidInputError(f"request {req_id!r} is already being read")
@@ -182,64 +192,50 @@ class DecodeTransport:
             raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
                                     f"int block ids, got {logical_ids!r:.80}")
         self._expected.pop(p.req_id, None)
-        stale = [peer for peer in p.peers if self._is_stale(peer, p.instance)]
         read = _Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
-                     time.monotonic() + self.config.transfer_timeout_s)
+                     time.monotonic() + self.config.transfer_timeout_s, params=p)
         self._reads[req_id] = read
         try:
-            if stale:
+            past = [peer for peer in p.peers if self.peers.is_past(peer, p.instance)]
+            if past:
                 raise TransferError(f"params of {req_id!r} are from P instance {p.instance} of "
-                                    f"{stale}, which is not the live one (P restarted)")
-            plan = _units_to_read(p, self.piece, self.reader[0])
-            read.legs = {peer: _Leg(peer, state=LegState.XFER if plan[peer] else LegState.READ)
-                         for peer in p.peers}
+                                    f"{past}, which is not the live one (P restarted)")
+            read.plan = _units_to_read(p, self.piece, self.reader[0])
+            read.legs = {peer: _Leg(peer, state=LegState.XFER if read.plan[peer] else
+                                    LegState.READ) for peer in p.peers}
+        except Exception as e:  # any failure here is this request's, not the engine's
+            self._fail(read, e)
+            return
+        self._try_post(read)
+
+    def _try_post(self, read: _Read) -> None:
+        """Post `read` once every P agent it names is connected as the instance it names;
+        until then, move its handshakes (and probes) on. Never waits."""
+        p = read.params
+        state = self.handshakes.ready(p)
+        if state is None:
+            return  # connecting, or asking who the connected P is
+        if isinstance(state, str):  # connects afresh at the next poll
+            self._drop_peer(state, f"params name instance {p.instance}; it does not answer")
+            return
+        if state is not True:
+            self._fail(read, state)
+            return
+        try:
             for source in p.sources or [Source(p.peer, 0, 1)]:
                 self.peers.check_source(p, source)
-            d_slots = [s.assign(req_id, keys) for s, keys in zip(self.stagings, p.keys)]
-        except Exception as e:  # any failure here is this request's, not the engine's
-            logger.warning("D %s cannot read %s from %s: %s", self.config.name, req_id, p.peers, e)
-            self._fail(read)
+            read.d_slots = [s.assign(read.req_id, keys) for s, keys in zip(self.stagings, p.keys)]
+        except Exception as e:
+            self._fail(read, e)
             return
-        for peer, span in plan.items():
-            if span is not None:
+        read.waiting = False
+        for peer, span in read.plan.items():
+            if span is not None:  # the leg reading this process's first units reads the tags
+                descriptors = functools.partial(_descriptors, self.peers.get(peer), self.stagings,
+                                                self.piece, p.slots, read.d_slots, span,
+                                                span[0] == (self.piece or (0,))[0])
                 read.legs[peer].posting = self._poster.submit(
-                    self._post, self.peers.get(peer), p.slots, d_slots, span, req_id)
-
-    def _is_stale(self, peer: str, instance: str) -> bool:
-        """Whether params naming `instance` of `peer` are from a P that is gone."""
-        if self.peers.is_past(peer, instance):
-            return True
-        connected = self.peers.get(peer)
-        if connected is not None and connected.instance != instance:
-            # Params from a restarted P, or stale ones: ask the connected P who it is.
-            if self.peers.probe(connected) == connected.instance:
-                return True  # the connected P is alive: these params are not its own
-            self._drop_peer(peer, f"params name instance {instance}, the connected "
-                                  f"instance {connected.instance} does not answer")
-        return False
-
-    def _post(self, peer: Peer, p_slots: Sequence[Sequence[int]],
-              d_slots: Sequence[Sequence[int]], span: tuple[int, int], req_id: str) -> Any:
-        """Post one READ of units `span` of every slot from `peer` (whole blocks: `(0, 1)`)."""
-        local, remote = _descriptors(peer, self.stagings, self.piece, p_slots, d_slots, span)
-        handle = self.agent.initialize_xfer(
-            "READ",
-            self.agent.get_xfer_descs(local, "DRAM"),
-            self.agent.get_xfer_descs(remote, "DRAM"),
-            peer.name,
-        )
-        try:
-            state = self.agent.transfer(handle)
-        except Exception as e:  # part of it may be posted: `_advance` finds it in error
-            logger.warning("D %s: NIXL raised posting the READ of %s from %s: %s",
-                           self.config.name, req_id, peer.name, e)
-            return handle
-        if state == "ERR":
-            _release(handle)
-            raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer.name!r}")
-        logger.debug("D %s posted READ of %s from %s (%s descriptors)", self.config.name, req_id,
-                     peer.name, len(local))
-        return handle
+                    _post, self.agent, peer, descriptors, read.req_id, self.config.name)
 
     def poll(self, now: float | None = None) -> tuple[list[str], dict[str, list[int]]]:
         """Advance reads; returns `(finished, failed)` since the last call.
@@ -251,9 +247,13 @@ class DecodeTransport:
         """
         now = time.monotonic() if now is None else now
         if not self._posting():
-            self.peers.drain()
+            self.handshakes.advance(now)
             for read in list(self._reads.values()):
-                if read.req_id in self._reads:  # else failed with a peer meanwhile
+                if read.req_id not in self._reads:  # failed with a peer meanwhile
+                    continue
+                if read.waiting:
+                    self._try_post(read)
+                else:
                     self._advance(read)
                 if now > read.deadline and read.req_id in self._reads:
                     logger.warning("D %s read of %s timed out in states %s", self.config.name,
@@ -262,6 +262,7 @@ class DecodeTransport:
             self._heartbeat(now)
             self._say_cancelled()
             self._zombies.reap()
+            self._publication.tick()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
@@ -303,6 +304,11 @@ class DecodeTransport:
                 return
         if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
+        if not _tags_match(self.stagings, read):
+            logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
+                           "altered, or not its own)", self.config.name, read.req_id)
+            self._fail(read)
+            return
         for leg in read.legs.values():
             if leg.state is LegState.READ:
                 try:
@@ -337,10 +343,9 @@ class DecodeTransport:
     def _heartbeat(self, now: float) -> None:
         """Extend P's leases of the requests D still wants (reading or expected)."""
         wanted: dict[str, list[list[Any]]] = {}
-        for read in self._reads.values():
-            for peer in read.legs:
-                wanted.setdefault(peer, []).append([read.p_req_id, read.generation])
-        for req_id, (peers, _, generation) in self._expected.items():
+        for peers, req_id, generation in [*((r.legs, r.p_req_id, r.generation)
+                                            for r in self._reads.values()),
+                                          *((e[0], r, e[2]) for r, e in self._expected.items())]:
             for peer in peers:
                 wanted.setdefault(peer, []).append([req_id, generation])
         for peer, error in self.peers.heartbeat(wanted, now).items():
@@ -351,9 +356,12 @@ class DecodeTransport:
         for peer, error in self.peers.say_done(cancelled, self.reader).items():
             self._drop_peer(peer, error)
 
-    def _fail(self, read: _Read) -> None:
+    def _fail(self, read: _Read, why: Exception | None = None) -> None:
         if self._reads.pop(read.req_id, None) is None:
             return
+        if why is not None:
+            logger.warning("D %s cannot read %s from %s: %s", self.config.name, read.req_id,
+                           read.params.peers, why)
         self._failed[read.req_id] = list(read.logical_ids)
         _settle_posts(read, self.config.name)
         self._zombies.bury(read.req_id, [leg.handle for leg in read.legs.values()])
@@ -371,6 +379,7 @@ class DecodeTransport:
         if self.agent is None:
             return
         self._poster.shutdown(wait=True, cancel_futures=True)  # none may start on a closed agent
+        self._publication.close()
         close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
@@ -419,6 +428,35 @@ def _settle_posts(read: _Read, who: str) -> None:
             leg.handle = posting.result()
 
 
+def _post(agent: Any, peer: str, descriptors: Callable[[], tuple[np.ndarray, np.ndarray]],
+          req_id: str, who: str) -> Any:
+    """Post one READ from `peer` of `descriptors()` (on D's poster thread); returns its
+    transfer handle."""
+    local, remote = descriptors()
+    handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                   agent.get_xfer_descs(remote, "DRAM"), peer)
+    try:
+        state = agent.transfer(handle)
+    except Exception as e:  # part of it may be posted: `_advance` finds it in error
+        logger.warning("D %s: NIXL raised posting the READ of %s from %s: %s", who, req_id,
+                       peer, e)
+        return handle
+    if state == "ERR":
+        _release(handle)
+        raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer!r}")
+    logger.debug("D %s posted READ of %s from %s (%s descriptors)", who, req_id, peer,
+                 len(local))
+    return handle
+
+
+def _tags_match(stagings: Sequence[Staging], read: _Read) -> bool:
+    """Whether every slot read holds the block its params name: the tags P wrote with the
+    request's secret at each block's position (`kvxfer.staging.block_tags`)."""
+    p = read.params
+    return all(not keys or np.array_equal(staging.tags[slots], block_tags(p.secret, g, keys))
+               for g, (staging, keys, slots) in enumerate(zip(stagings, p.keys, read.d_slots)))
+
+
 def _release(handle: Any) -> bool:
     """Release a NIXL transfer; whether NIXL let it go (a READ in flight may not)."""
     try:
@@ -440,12 +478,13 @@ def _check_params(params: object, num_groups: int) -> ReadParams:
 
 def _descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, int, int] | None,
                  p_slots: Sequence[Sequence[int]], d_slots: Sequence[Sequence[int]],
-                 span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+                 span: tuple[int, int], tags: bool) -> tuple[np.ndarray, np.ndarray]:
     """`(local, remote)` NIXL descriptors `[n, 3]` (address, length, device) of one READ.
 
     Units `span` of every slot of every group: the blocks, then the fingerprint
-    rows of the same slots; one descriptor per run of slots contiguous on both
-    sides where a slot is read whole, else one per slot.
+    rows of the same slots, and with `tags` the slots' whole tags; one
+    descriptor per run of slots contiguous on both sides where a slot is read
+    whole, else one per slot.
     """
     theirs_piece, ours_piece = peer.piece or (0, 1, 1), piece or (0, 1, 1)
     local, remote = [], []
@@ -473,6 +512,13 @@ def _descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, int,
                                         0 * lengths], 1))
                 local.append(np.stack([d_base + d_off + runs[:, 1] * d_stride, lengths,
                                        0 * lengths], 1))
+        if tags:
+            row = ours.tags.strides[0]
+            runs = np.asarray(coalesce_pairs(ps, ds), dtype=np.uint64).reshape(-1, 3)
+            remote.append(np.stack([theirs.tags[0] + runs[:, 0] * row, runs[:, 2] * row,
+                                    0 * runs[:, 2]], 1))
+            local.append(np.stack([ours.tags_address()[0] + runs[:, 1] * row, runs[:, 2] * row,
+                                   0 * runs[:, 2]], 1))
     return np.concatenate(local), np.concatenate(remote)
 
 

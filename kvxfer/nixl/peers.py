@@ -1,9 +1,9 @@
 """D's P peers: the handshake, what each P advertised, and which start of it is live.
 
 D fetches P's agent metadata (from P's listener, or by name from etcd),
-makes sure P can answer, then says `hello`; P answers with a `layout`
-message: its instance, its cache layout and, per group, its staging regions.
-D checks them against its own before any read. A P restarted under the same
+makes sure P can answer, then says `hello` (`kvxfer.nixl.handshake`); P
+answers with a `layout` message: its instance, its cache layout and, per
+group, its staging regions. D checks them against its own before any read. A P restarted under the same
 name is a new instance: `is_past` says which instances of a name are gone, so
 params from before a restart are refused.
 """
@@ -11,7 +11,6 @@ params from before a restart are refused.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +24,6 @@ __all__ = ["LayoutCheck", "Peer", "PeerGroup", "Peers"]
 
 logger = logging.getLogger(__name__)
 
-_REFETCH_S = 0.25  # how often `connect` asks for a peer's metadata again
-
 LayoutCheck = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
 """`(local, remote) -> None`, raising `LayoutMismatchError` where P's blocks cannot land in D's
 (`kvxfer.layout.check_block_compatible`)."""
@@ -38,6 +35,7 @@ class PeerGroup:
 
     regions: list[tuple[int, int]]  # per layer, (base address, length in bytes)
     prints: tuple[int, int]  # the fingerprint region
+    tags: tuple[int, int]  # the tag region
     block_bytes: int
     num_slots: int
 
@@ -94,83 +92,19 @@ class Peers:
     def mark_past(self, name: str, instance: str) -> None:
         self._past.setdefault(name, set()).add(instance)
 
-    def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
-        """Handshake with P agent `peer` at `host:port`; returns its layout.
+    def take_advert(self, peer: str) -> dict[str, Any] | TransferError | None:
+        """`peer`'s answer to a `hello` read by `drain`, once (None: none yet)."""
+        return self._adverts.pop(peer, None)
 
-        With `etcd_endpoints`, `peer`'s metadata is fetched by name from etcd
-        (`host` and `port` are unused). Raises `TransferError` if the peer does
-        not answer within `handshake_timeout_s` or sends a bad advertisement,
-        and `LayoutMismatchError` if its layout is incompatible.
-        """
-        if peer in self._peers:
-            return self._peers[peer].layout
-        deadline = time.monotonic() + self.config.handshake_timeout_s
-        self._adverts.pop(peer, None)
-        etcd = self.config.uses_etcd
-        if not etcd and port == 0:
-            raise TransferError(f"peer {peer!r} has no listener (port 0: it publishes its "
-                                f"metadata in etcd); give this D etcd_endpoints")
-        try:
-            self._fetch_metadata(peer, host, port, deadline)
-            if not etcd:
-                self.agent.send_local_metadata(host, port)
-            send(self.agent, peer, "hello", agent=self.config.name)
-        except TransferError:
-            self.forget(peer)
-            raise
-        except Exception as e:
-            self.forget(peer)
-            raise TransferError(f"handshake with peer {peer!r} at {host}:{port} failed: {e}") from e
-        try:
-            self._peers[peer] = self._accept(peer, self._await_layout(peer, host, port, deadline))
-        except Exception:
-            self.forget(peer)
-            raise
-        instance = self._peers[peer].instance
+    def connected(self, peer: str, advert: dict[str, Any]) -> Peer:
+        """Accept `peer`'s advertisement (`LayoutMismatchError` if D cannot read from it)."""
+        accepted = self._accept(peer, advert)
+        self._peers[peer] = accepted
+        instance = accepted.instance
         if self._instances.get(peer, instance) != instance:  # a new start of that P
             self.mark_past(peer, self._instances[peer])
         self._instances[peer] = instance
-        logger.debug("D %s connected to %s (instance %s) at %s:%s", self.config.name, peer,
-                     instance, host, port)
-        return self._peers[peer].layout
-
-    def _where(self, host: str, port: int) -> str:
-        if self.config.uses_etcd:
-            return f"in etcd at {self.config.etcd_endpoints}"
-        return f"at {host}:{port}"
-
-    def _fetch_metadata(self, peer: str, host: str, port: int, deadline: float) -> None:
-        """Fetch `peer`'s NIXL metadata: from its listener, or by name from etcd."""
-        source = () if self.config.uses_etcd else (host, port)
-        self.agent.fetch_remote_metadata(peer, *source)
-        refetch = time.monotonic() + _REFETCH_S
-        while not self.agent.check_remote_metadata(peer):
-            now = time.monotonic()
-            if now > deadline:
-                raise TransferError(
-                    f"peer {peer!r} {self._where(host, port)} sent no NIXL metadata within "
-                    f"{self.config.handshake_timeout_s}s (unknown peer or not "
-                    f"{'published' if self.config.uses_etcd else 'listening'})")
-            if now > refetch:
-                # NIXL may first spend a fetch on a cached socket to a previous
-                # listener at that address (a restarted P), which it then closes;
-                # a P starting up may not have published yet.
-                self.agent.fetch_remote_metadata(peer, *source)
-                refetch = now + _REFETCH_S
-            time.sleep(0.002)
-
-    def _await_layout(self, peer: str, host: str, port: int, deadline: float) -> dict[str, Any]:
-        """P's answer to `hello`: its advertisement."""
-        while peer not in self._adverts:
-            if time.monotonic() > deadline:
-                raise TransferError(f"peer {peer!r} {self._where(host, port)} sent no layout "
-                                    f"within {self.config.handshake_timeout_s}s")
-            self.drain()
-            time.sleep(0.002)
-        advert = self._adverts.pop(peer)
-        if isinstance(advert, TransferError):
-            raise advert
-        return advert
+        return accepted
 
     def _accept(self, peer: str, advert: dict[str, Any]) -> Peer:
         """Check P's advertisement against D's staging and layout."""
@@ -181,6 +115,7 @@ class Peers:
                 raise ValueError(f"instance {instance!r}")
             groups = [PeerGroup([(int(a), int(n)) for a, n in g["regions"]],
                                 (int(g["prints"][0]), int(g["prints"][1])),
+                                (int(g["tags"][0]), int(g["tags"][1])),
                                 int(g["block_bytes"]), int(g["num_slots"]))
                       for g in advert["groups"]]
             piece = check_piece(advert.get("piece"))
@@ -210,13 +145,17 @@ class Peers:
                 raise LayoutMismatchError(
                     f"peer {peer!r} group {g} advertises a {theirs.prints[1]}-byte fingerprint "
                     f"region for {theirs.num_slots} slots of {ours.num_layers} layers")
+            if theirs.tags[1] != theirs.num_slots * ours.tags.strides[0]:
+                raise LayoutMismatchError(
+                    f"peer {peer!r} group {g} advertises a {theirs.tags[1]}-byte tag region for "
+                    f"{theirs.num_slots} slots")
         return Peer(peer, instance, groups, layout, piece)
 
     def check_source(self, p: ReadParams, source: Source) -> None:
-        """Connect to `source`'s P agent and check it is the instance and piece the params name."""
-        if source.peer not in self._peers:
-            self.connect(source.peer, p.host, p.port)
+        """Check connected `source`'s P agent is the instance and piece the params name."""
         peer = self.get(source.peer)
+        if peer is None:
+            raise TransferError(f"P agent {source.peer!r} of {p.req_id!r} is not connected")
         if peer.instance != p.instance:
             self.mark_past(source.peer, p.instance)
             raise TransferError(
@@ -282,28 +221,6 @@ class Peers:
     def drop(self, peer: str) -> bool:
         """Disconnect `peer` (`forget` it once its reads are settled); whether it was connected."""
         return self._peers.pop(peer, None) is not None
-
-    def probe(self, peer: Peer) -> str | None:
-        """The instance answering a fresh `hello` over the current connection, or None.
-
-        Waits up to `handshake_timeout_s`; a dead or replaced peer does not answer.
-        """
-        self._adverts.pop(peer.name, None)
-        deadline = time.monotonic() + self.config.handshake_timeout_s
-        try:
-            send(self.agent, peer.name, "hello", agent=self.config.name)
-        except TransferError:
-            return None
-        while time.monotonic() < deadline:
-            self.drain()
-            advert = self._adverts.pop(peer.name, None)
-            if isinstance(advert, dict):
-                instance = advert.get("instance")
-                return instance if isinstance(instance, str) else None
-            if advert is not None:
-                return None
-            time.sleep(0.002)
-        return None
 
     def drain(self) -> None:
         """Read D's notifications: advertisements for the handshake, acks to `on_ack`.

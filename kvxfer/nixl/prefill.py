@@ -21,8 +21,17 @@ from typing import Any
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
-from kvxfer.staging import Staging, free_in_all, stagings_of
-from kvxfer.wire import ReadParams, check_piece, decode_message, is_generation, message_field, new_instance
+from kvxfer.nixl.etcd import Publication
+from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
+from kvxfer.wire import (
+    ReadParams,
+    check_piece,
+    decode_message,
+    is_generation,
+    message_field,
+    new_instance,
+    new_secret,
+)
 
 __all__ = ["PrefillTransport"]
 
@@ -66,6 +75,7 @@ class PrefillTransport:
         self.piece = check_piece(piece)
         self.instance = instance or new_instance()
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
+        self._publication = Publication(self.agent, config)
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
@@ -84,7 +94,7 @@ class PrefillTransport:
             "piece": list(self.piece) if self.piece else None,
             "layout": self.layout,
             "groups": [{"regions": [list(r) for r in s.region_addresses()],
-                        "prints": list(s.prints_address()),
+                        "prints": list(s.prints_address()), "tags": list(s.tags_address()),
                         "block_bytes": s.block_bytes, "num_slots": s.num_slots}
                        for s in self.stagings],
         }
@@ -92,16 +102,20 @@ class PrefillTransport:
     def hold(self, req_id: str, now: float | None = None) -> dict[str, Any]:
         """Start `req_id`'s lease; returns the params D needs to read it.
 
-        Call once the request's last chunk is staged. A request is held once:
+        Call once the request's last chunk is staged: its blocks' tags are written
+        here, from a fresh secret the params carry. A request is held once:
         holding it again before it is freed raises `InvalidInputError`.
         """
         if req_id in self._leases:
             raise InvalidInputError(f"request {req_id!r} is already held for D")
         params = ReadParams.staged(self.stagings, req_id, peer=self.config.name,
                                    instance=self.instance, host=self.config.host,
-                                   port=self.port, generation=self._next_generation)
+                                   port=self.port, generation=self._next_generation,
+                                   secret=new_secret())
         if params is None:
             raise InvalidInputError(f"request {req_id!r} has nothing staged to hold")
+        for g, (staging, keys, slots) in enumerate(zip(self.stagings, params.keys, params.slots)):
+            staging.tags[list(slots)] = block_tags(params.secret, g, keys)
         self.lease(req_id, params.generation, now)
         return params.to_dict()
 
@@ -109,7 +123,8 @@ class PrefillTransport:
         """Start `req_id`'s lease under a `generation` its params already name.
 
         For a caller that made the params itself (vLLM's scheduler process
-        hands them out before the worker has saved the last chunk): the
+        hands them out before the worker has saved the last chunk), and wrote
+        the blocks' tags with their secret (`kvxfer.staging.block_tags`): the
         generation must be fresh for this instance, else a late `done` for an
         earlier hold could free this one.
         """
@@ -140,6 +155,7 @@ class PrefillTransport:
                 except TransferError as e:
                     logger.warning("P %s ignores a message: %s", self.config.name, e)
         self._answer_hellos(now)
+        self._publication.tick()  # D cannot find P until etcd holds P's record
         for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
             logger.debug("P %s lease of %s expired", self.config.name, req_id)
             self._free(req_id)
@@ -212,6 +228,7 @@ class PrefillTransport:
         """Deregister staging and drop the agent (its listener stops with it)."""
         if self.agent is None:
             return
+        self._publication.close()
         close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)

@@ -1,0 +1,221 @@
+"""D's handshakes with P agents, moved on in the background so the engine never waits.
+
+A handshake fetches P's NIXL metadata (from P's listener, or by name from
+etcd), sends D's own and says `hello`; P's `layout` answer is checked and
+the peer joins `Peers`. `begin` starts one and `advance` (called from D's
+`poll`) moves every one on; neither waits. A handshake that fails is kept
+as the answer for that peer and instance for `handshake_timeout_s`, so
+every other request naming an unreachable P fails at once instead of each
+waiting out its own deadline (params of a restarted P, a new instance, try
+afresh). `ready` says whether a read's P agents are connected as
+the instance its params name; when not, it asks the connected one who it is
+(a probe), also without waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.errors import KvxferError, TransferError
+from kvxfer.nixl.agent import send
+from kvxfer.nixl.peers import Peer, Peers
+from kvxfer.wire import ReadParams
+
+__all__ = ["Handshakes"]
+
+logger = logging.getLogger(__name__)
+
+_REFETCH_S = 0.25  # how often a handshake asks for a peer's metadata again
+
+_NO_ANSWER = object()  # a probe's answer: none within the deadline
+
+
+@dataclass
+class _Handshake:
+    """A handshake under way: fetching P's metadata, then waiting for its `layout`."""
+
+    host: str
+    port: int
+    deadline: float
+    refetch: float  # when to ask for the metadata again
+    instance: str | None = None  # the P instance the params that asked for it name
+    hello_sent: bool = False
+
+
+class Handshakes:
+    """The handshakes and probes of D's `Peers`, none of which waits."""
+
+    def __init__(self, peers: Peers):
+        self.peers, self.agent, self.config = peers, peers.agent, peers.config
+        self._under_way: dict[str, _Handshake] = {}
+        # peer -> (until, the instance asked for, why): a P restarted since is tried afresh
+        self._failed: dict[str, tuple[float, str | None, KvxferError]] = {}
+        self._probes: dict[str, Any] = {}  # peer -> answer deadline, or the answer
+
+    def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
+        """Handshake with P agent `peer` at `host:port` and wait for it; returns its layout.
+
+        With `etcd_endpoints`, `peer`'s metadata is fetched by name from etcd
+        (`host` and `port` are unused). Raises `TransferError` if the peer does
+        not answer within `handshake_timeout_s` or sends a bad advertisement,
+        and `LayoutMismatchError` if its layout is incompatible. For tools and
+        tests: an engine thread uses `begin` and `status`, which never wait.
+        """
+        self._failed.pop(peer, None)  # asked for by name: try afresh
+        self.begin(peer, host, port)
+        while (state := self.status(peer)) is None:
+            self.advance()
+            time.sleep(0.002)
+        if state is not True:
+            raise state
+        return self.peers.get(peer).layout
+
+    def begin(self, peer: str, host: str, port: int, instance: str | None = None,
+              now: float | None = None) -> None:
+        """Start a handshake with `peer` (`advance` moves it on), for params naming
+        `instance` of it, unless it is connected, being connected, or failed for that
+        instance within the last `handshake_timeout_s`."""
+        now = time.monotonic() if now is None else now
+        if peer in self.peers or peer in self._under_way or self._failure(peer, instance, now):
+            return
+        self._failed.pop(peer, None)
+        self.peers.take_advert(peer)
+        handshake = _Handshake(host, port, now + self.config.handshake_timeout_s,
+                               now + _REFETCH_S, instance)
+        self._under_way[peer] = handshake
+        try:
+            if not self.config.uses_etcd and port == 0:
+                raise TransferError(f"peer {peer!r} has no listener (port 0: it publishes its "
+                                    f"metadata in etcd); give this D etcd_endpoints")
+            self.agent.fetch_remote_metadata(peer, *self._source(handshake))
+        except Exception as e:
+            self._give_up(peer, e, now)
+
+    def status(self, peer: str, instance: str | None = None) -> bool | KvxferError | None:
+        """True once `peer` is connected; None while a handshake with it is under way (or
+        none was begun); else why the last one, for params naming `instance`, failed."""
+        if peer in self.peers:
+            return True
+        if peer in self._under_way:
+            return None
+        return self._failure(peer, instance)
+
+    def _failure(self, peer: str, instance: str | None, now: float | None = None
+                 ) -> KvxferError | None:
+        failed = self._failed.get(peer)
+        if failed is None or failed[1] != instance:
+            return None
+        return failed[2] if now is None or failed[0] > now else None
+
+    def ready(self, p: ReadParams) -> bool | KvxferError | str | None:
+        """Whether the P agents `p` names are connected as the instance it names: True; None
+        while connecting to them or asking one who it is; an error that fails the read;
+        or the name of a connected peer that did not answer for itself (drop it, and the
+        read connects afresh)."""
+        for name in p.peers:
+            connected = self.peers.get(name)
+            if connected is None:
+                self.begin(name, p.host, p.port, p.instance)
+                state = self.status(name, p.instance)
+                if state is not True:
+                    return state
+            elif connected.instance != p.instance:
+                # Params from a restarted P, or stale ones: ask the connected P who it is.
+                answer = self._probe(connected)
+                if answer is False:
+                    return None
+                if answer != connected.instance:
+                    return name
+                self.peers.mark_past(name, p.instance)  # alive: these params are not its own
+                return TransferError(f"params of {p.req_id!r} are from P instance "
+                                     f"{p.instance} of {name!r}, which is not the live one "
+                                     f"(P restarted)")
+        return True
+
+    def advance(self, now: float | None = None) -> None:
+        """Read notifications and move every handshake and probe on; never waits."""
+        self.peers.drain()
+        now = time.monotonic() if now is None else now
+        for peer, handshake in list(self._under_way.items()):
+            try:
+                self._step(peer, handshake, now)
+            except Exception as e:
+                self._give_up(peer, e, now)
+        for peer, deadline in list(self._probes.items()):
+            if not isinstance(deadline, float):
+                continue
+            advert = self.peers.take_advert(peer)
+            if advert is not None or now > deadline:
+                instance = advert.get("instance") if isinstance(advert, dict) else None
+                self._probes[peer] = instance if isinstance(instance, str) else _NO_ANSWER
+
+    def _step(self, peer: str, handshake: _Handshake, now: float) -> None:
+        if not handshake.hello_sent:
+            if self.agent.check_remote_metadata(peer):
+                if not self.config.uses_etcd:
+                    self.agent.send_local_metadata(handshake.host, handshake.port)
+                send(self.agent, peer, "hello", agent=self.config.name)
+                handshake.hello_sent = True
+            elif now > handshake.deadline:
+                raise TransferError(
+                    f"peer {peer!r} {self._where(handshake)} sent no NIXL metadata within "
+                    f"{self.config.handshake_timeout_s}s (unknown peer or not "
+                    f"{'published' if self.config.uses_etcd else 'listening'})")
+            elif now > handshake.refetch:
+                # NIXL may first spend a fetch on a cached socket to a previous
+                # listener at that address (a restarted P), which it then closes;
+                # a P starting up may not have published yet.
+                self.agent.fetch_remote_metadata(peer, *self._source(handshake))
+                handshake.refetch = now + _REFETCH_S
+            return
+        advert = self.peers.take_advert(peer)
+        if advert is None:
+            if now > handshake.deadline:
+                raise TransferError(f"peer {peer!r} {self._where(handshake)} sent no layout "
+                                    f"within {self.config.handshake_timeout_s}s")
+            return
+        if isinstance(advert, TransferError):
+            raise advert
+        accepted = self.peers.connected(peer, advert)
+        del self._under_way[peer]
+        logger.debug("D %s connected to %s (instance %s) %s", self.config.name, peer,
+                     accepted.instance, self._where(handshake))
+
+    def _probe(self, peer: Peer) -> str | None | bool:
+        """Who answered a fresh `hello` over the connection to `peer`: its instance, None if
+        none did within `handshake_timeout_s`, or False while waiting (the first call sends
+        the hello). A dead or replaced peer does not answer. Each answer is given once."""
+        state = self._probes.get(peer.name)
+        if state is None:
+            self.peers.take_advert(peer.name)
+            try:
+                send(self.agent, peer.name, "hello", agent=self.config.name)
+            except TransferError:
+                return None
+            self._probes[peer.name] = time.monotonic() + self.config.handshake_timeout_s
+            return False
+        if isinstance(state, float):
+            return False
+        del self._probes[peer.name]
+        return None if state is _NO_ANSWER else state
+
+    def _give_up(self, peer: str, error: Exception, now: float) -> None:
+        handshake = self._under_way.pop(peer, None)
+        self.peers.forget(peer)
+        if not isinstance(error, KvxferError):
+            where = self._where(handshake) if handshake else ""
+            error = TransferError(f"handshake with peer {peer!r} {where} failed: {error}")
+        self._failed[peer] = (now + self.config.handshake_timeout_s,
+                              handshake.instance if handshake else None, error)
+        logger.warning("D %s: %s", self.config.name, error)
+
+    def _source(self, handshake: _Handshake) -> tuple[Any, ...]:
+        return () if self.config.uses_etcd else (handshake.host, handshake.port)
+
+    def _where(self, handshake: _Handshake) -> str:
+        if self.config.uses_etcd:
+            return f"in etcd at {self.config.etcd_endpoints}"
+        return f"at {handshake.host}:{handshake.port}"
