@@ -37,12 +37,10 @@ role the way vLLM splits a connector.
   `get_block_ids_with_load_errors`), which vLLM recomputes under
   `kv_load_failure_policy="recompute"`.
 
-P frees its device blocks at once (`request_finished` returns
-`delay_free=False`): its blocks are in host staging once saved, and only the
-staging waits for D. The worker reports the requests D has read (or whose
-lease expired) as worker metadata, so the scheduler side reuses their slots;
-`has_pending_push_work` keeps the engine stepping while any request is held,
-so P keeps answering D while it has nothing else to do.
+P frees its device blocks at once (`delay_free=False`): only its host staging
+waits for D. The worker reports the requests D has read (or whose lease
+expired), so the scheduler side reuses their slots; `has_pending_push_work`
+keeps P stepping, answering D, while any request is held.
 
 This module is imported by vLLM's API process too: it imports only vLLM's
 connector base classes at import time; JAX and NIXL load with the role.
@@ -221,10 +219,8 @@ def group_specs(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list
 
 
 def model_description(vllm_config: VllmConfig, groups: Sequence[GroupSpec]) -> dict[str, Any]:
-    """What P's and D's caches hold, which must be the same on both (checked at handshake):
-    the model, its dtype, KV heads, head size and layers, the cache dtype, and each KV
-    cache group's kind, block size and sliding window. Tensor parallelism and the
-    number of blocks may differ (blocks are staged whole)."""
+    """What P's and D's caches hold, the same on both (checked at handshake); tensor
+    parallelism and the number of blocks may differ (blocks are staged whole)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     return {
         "model": str(model.model),
@@ -416,7 +412,7 @@ class _SchedulerSide:
         digest = _prompt_digest(request)
         if params.get("prompt") != digest:
             logger.warning("D request %s: its kv_transfer_params are for another prompt (or "
-                           "none); D computes the prompt itself", request.request_id)
+                           "none); D computes it itself", request.request_id)
             params["do_remote_prefill"] = False
             return 0, False
         count = request.num_prompt_tokens - num_computed
@@ -498,9 +494,8 @@ def _prompt_digest(request: Request) -> str | None:
 
 
 def _p_instance(vllm_config: VllmConfig) -> str:
-    """P's instance id, the same in vLLM's scheduler and worker processes and new at every
-    start: from the engine id and the config's instance id (a start's time), which vLLM
-    draws once and hands to every process with the config."""
+    """P's instance id, the same in vLLM's scheduler and worker processes, new at every start:
+    from the engine id and the config's instance id (drawn once, sent with the config)."""
     ktc = vllm_config.kv_transfer_config
     seed = f"{ktc.engine_id}/{getattr(vllm_config, 'instance_id', '')}"
     return hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
