@@ -29,6 +29,7 @@ __all__ = ["Handshakes"]
 logger = logging.getLogger(__name__)
 
 _REFETCH_S = 0.25  # how often a handshake asks for a peer's metadata again
+_REHELLO_S = 1.0  # how long a handshake waits for P's answer before fetching afresh
 
 _NO_ANSWER = object()  # a probe's answer: none within the deadline
 
@@ -43,6 +44,7 @@ class _Handshake:
     refetch: float  # when to ask for the metadata again
     instance: str | None = None  # the P instance the params that asked for it name
     hello_sent: bool = False
+    hello_at: float = 0.0
 
 
 class Handshakes:
@@ -158,7 +160,7 @@ class Handshakes:
                 if not self.config.uses_etcd:
                     self.agent.send_local_metadata(handshake.host, handshake.port)
                 send(self.agent, peer, "hello", agent=self.config.name)
-                handshake.hello_sent = True
+                handshake.hello_sent, handshake.hello_at = True, now
             elif now > handshake.deadline:
                 raise TransferError(
                     f"peer {peer!r} {self._where(handshake)} sent no NIXL metadata within "
@@ -176,6 +178,12 @@ class Handshakes:
             if now > handshake.deadline:
                 raise TransferError(f"peer {peer!r} {self._where(handshake)} sent no layout "
                                     f"within {self.config.handshake_timeout_s}s")
+            if now > handshake.hello_at + _REHELLO_S:
+                # No answer: the metadata may be a dead P's (a stale etcd record, a listener
+                # since restarted). Fetch it afresh and say hello again.
+                self.peers.forget(peer)
+                self.agent.fetch_remote_metadata(peer, *self._source(handshake))
+                handshake.hello_sent, handshake.refetch = False, now + _REFETCH_S
             return
         if isinstance(advert, TransferError):
             raise advert
