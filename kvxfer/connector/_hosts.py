@@ -248,7 +248,7 @@ class ManyProcesses(OneProcess):
             if (column == 2).any():
                 if req_id not in agreed_failed:
                     agreed_failed[req_id] = list(loads[req_id].logical_ids)
-                    free(req_id)  # read here, failed elsewhere
+                    free(req_id)  # read (or still reading) here, failed elsewhere
                 self._read_here.discard(req_id)
             elif (column == 1).all():
                 agreed_done.append(req_id)

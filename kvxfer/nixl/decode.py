@@ -135,8 +135,7 @@ class DecodeTransport:
         self._failed: dict[str, list[int]] = {}
 
     @property
-    def staging(self) -> Staging:
-        """The first group's staging (the only one for a single-group model)."""
+    def staging(self) -> Staging:  # the first group's (the only one of a single-group model)
         return self.stagings[0]
 
     def _drop_peer(self, peer: str, why: str) -> None:
@@ -160,10 +159,8 @@ class DecodeTransport:
 
     def cancel(self, req_id: str) -> None:
         """Stop keeping P's lease on an expected request D will not read (aborted, refused),
-        and tell P it may free its slots now (a `done`, sent by the next `poll`).
-
-        `req_id` is P's id, as the params name it; an id not expected is ignored.
-        """
+        and tell P it may free its slots now (a `done`, sent by the next `poll`). `req_id` is
+        P's id, as the params name it; an id not expected is ignored."""
         if not isinstance(req_id, str):
             raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}")
         entry = self._expected.pop(req_id, None)
@@ -367,8 +364,12 @@ class DecodeTransport:
         self._zombies.bury(read.req_id, [leg.handle for leg in read.legs.values()])
 
     def free(self, req_id: str) -> None:
-        """Release the staging of a finished request, once its blocks are copied out."""
-        free_in_all(self.stagings, req_id)
+        """Release a request's staging: finished, its blocks copied out, or given up on (the
+        instance failed it elsewhere): a read still in progress then stops, unreported."""
+        if (read := self._reads.get(req_id)) is None:
+            return free_in_all(self.stagings, req_id)
+        self._fail(read)  # its slots are freed once NIXL lets its transfers go
+        self._failed.pop(req_id, None)
 
     def pending(self) -> list[str]:
         """Request ids with a read in progress."""
