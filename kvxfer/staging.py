@@ -20,7 +20,7 @@ import numpy as np
 
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import SUMS
+from kvxfer.fingerprint import SUMS, fmix32
 from kvxfer.slots import Placement, SlotMap
 
 __all__ = ["TAG_WORDS", "Staging", "block_tags", "free_in_all", "stagings_of"]
@@ -29,15 +29,6 @@ _ALIGN = 4096  # page-align regions: registration pins whole pages
 
 TAG_WORDS = 2
 """uint32 words of one slot's tag: a guess passes with probability 2**-64."""
-
-
-def _mix(h: np.ndarray) -> np.ndarray:
-    """MurmurHash3's 32-bit finalizer (a bijection of uint32), on numpy arrays."""
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
 
 
 def block_tags(secret: str, group: int, keys: Sequence[int]) -> np.ndarray:
@@ -63,8 +54,8 @@ def block_tags(secret: str, group: int, keys: Sequence[int]) -> np.ndarray:
     out = np.empty((len(k), TAG_WORDS), np.uint32)
     with np.errstate(over="ignore"):
         for w in range(TAG_WORDS):
-            h = _mix(lo ^ words[2 * w])
-            out[:, w] = _mix(_mix(h ^ hi ^ words[2 * w + 1]) + np.uint32(w + 1))
+            h = fmix32(lo ^ words[2 * w])
+            out[:, w] = fmix32(fmix32(h ^ hi ^ words[2 * w + 1]) + np.uint32(w + 1))
     return out
 
 
