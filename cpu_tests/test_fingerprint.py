@@ -5,6 +5,7 @@ missed two flips of bit 31 and swaps of words that differ only in their high bit
 """
 
 import itertools
+import shutil
 
 import jax
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvxfer import fingerprint
 from kvxfer.fingerprint import (
     combine_sums,
     fmix32,
@@ -134,3 +136,43 @@ def test_sums_are_the_xor_and_the_weighted_half_word_sums(layout):
                         axis=1).astype(np.uint32)
     got = host_fingerprint(layout, words.astype(np.uint32))
     np.testing.assert_array_equal(got, fmix32(expected))
+
+
+def test_the_one_pass_sums_are_built_wherever_a_c_compiler_is():
+    """`pip install` builds kvxfer._sums where there is a compiler (the extension is optional,
+    so a failed build would otherwise go unnoticed and D would verify at numpy's speed)."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine: numpy sums the fingerprints")
+    assert fingerprint.COMPILED
+
+
+@pytest.mark.parametrize("order", ["rows", "picked_rows", "units", "strided_out", "unaligned"])
+def test_one_pass_sums_equal_numpys_three_passes(order):
+    rng = np.random.default_rng(7)
+    words = rng.integers(0, 1 << 32, (9, 3, 70), dtype=np.uint64).astype(np.uint32)
+    weights = word_weight(rng.permutation(1 << 12)[: 3 * 70].astype(np.uint32)).reshape(3, 70)
+
+    def numpy(w, c, subscripts):
+        out = np.empty((*w.shape[: fingerprint._LEAD[subscripts]], 3), np.uint32)
+        fingerprint._numpy_sums(w, c, subscripts, out)
+        return out
+
+    if order == "rows":
+        got, expected = word_sums(words[:, 1], weights[1]), numpy(words[:, 1], weights[1], "ij,j->i")
+    elif order == "picked_rows":
+        rows = np.array([4, 0, 4, -1, 2])  # repeated, negative, out of order
+        got = word_sums(words[:, 2], weights[2], rows=rows)
+        expected = numpy(words[rows, 2], weights[2], "ij,j->i")
+    elif order == "units":
+        got, expected = word_sums(words, weights, "suj,uj->su"), numpy(words, weights, "suj,uj->su")
+    elif order == "strided_out":  # as kvxfer.pieces writes staging.prints[slots, :, layer]
+        prints = np.zeros((9, 3, 4, 3), np.uint32)
+        word_sums(words, weights, "suj,uj->su", out=prints[:, :, 2])
+        got, expected = prints[:, :, 2], numpy(words, weights, "suj,uj->su")
+        assert not prints[:, :, [0, 1, 3]].any()
+    else:  # words at an odd byte offset: numpy's path, the same values
+        raw = np.zeros(9 * 70 * 4 + 1, np.uint8)[1:].view(np.uint32).reshape(9, 70)
+        raw[...] = words[:, 0]
+        assert not raw.flags.aligned
+        got, expected = word_sums(raw, weights[0]), numpy(words[:, 0], weights[0], "ij,j->i")
+    np.testing.assert_array_equal(got, expected)

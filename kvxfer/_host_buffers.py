@@ -199,7 +199,6 @@ class BufferHashes:
     for layouts whose pieces are whole words (`of` returns None otherwise).
     """
 
-    _CHUNK = 64  # rows gathered at a time where ids do not run together
 
     def __init__(self, layout: CacheLayout, ids: np.ndarray):
         self.layout, self.ids = layout, ids
@@ -237,9 +236,7 @@ class BufferHashes:
                 h = int(held[i])
                 word_sums(words[h : h + n], weights, out=got[i : i + n])
         else:
-            for c in range(0, len(at), self._CHUNK):
-                part = slice(c, c + self._CHUNK)
-                word_sums(words[held[part]], weights, out=got[part])
+            word_sums(words, weights, out=got, rows=held)
         with self._lock:  # shards of one layer are summed on several threads
             total = self.sums[layer, at]
             combine_sums(total, got)

@@ -47,6 +47,7 @@ See docs/internals.md ("Gather, scatter and fingerprints") for the figures.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
@@ -59,7 +60,7 @@ from kvxfer.blocks import cdiv
 from kvxfer.errors import CorruptionError, InvalidInputError
 from kvxfer.layout import CacheLayout
 
-__all__ = ["SUMS", "combine_sums", "compare_fingerprints", "device_fingerprint", "fmix32",
+__all__ = ["COMPILED", "SUMS", "combine_sums", "compare_fingerprints", "device_fingerprint", "fmix32",
            "host_fingerprint", "piece_weights", "reduce_sums", "sums_words", "word_sums",
            "word_weight"]
 
@@ -90,22 +91,87 @@ def fmix32(h):
 
 
 def word_sums(words: np.ndarray, weights: np.ndarray, subscripts: str = "ij,j->i",
-              out: np.ndarray | None = None) -> np.ndarray:
-    """The partial sums `(P, L, H)` of runs of words, with numpy: `uint32[..., 3]`.
+              out: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+    """The partial sums `(P, L, H)` of runs of words: `uint32[..., 3]`.
 
     `words` (uint32) and `weights` (their `word_weight`s) are contracted over their
-    last axis as `np.einsum(subscripts, ...)` contracts them (`"ij,j->i"`: rows of
-    one piece's words against the piece's weights). `out`, when given, is the
-    `uint32[..., 3]` result written in place.
+    last axis as `np.einsum(subscripts, ...)` contracts them: `"ij,j->i"` (rows of
+    one piece's words against the piece's weights) or `"suj,uj->su"` (slots of
+    units, each unit against its own weights). `rows`, when given, picks rows of
+    `words`' first axis (as `words[rows]`, without copying them). `out`, when
+    given, is the `uint32[..., 3]` result written in place.
+
+    One pass over the words in C (`kvxfer/_sums.c`) where that module was built and
+    the arrays are aligned runs of uint32; numpy otherwise (three passes, the
+    same values).
     """
+    if subscripts not in _LEAD:
+        raise InvalidInputError(f"word_sums sums {sorted(_LEAD)}, not {subscripts!r}")
+    lead = words.shape[: _LEAD[subscripts]] if rows is None else (len(rows), *words.shape[1:-1])
+    if out is None:
+        out = np.empty((*lead, SUMS), np.uint32)
+    if _KERNEL is None or not _compiled_sums(words, weights, subscripts, out, rows):
+        _numpy_sums(words if rows is None else words[rows], weights, subscripts, out)
+    return out
+
+
+_LEAD = {"ij,j->i": 1, "suj,uj->su": 2}  # the subscripts word_sums takes: leading axes of out
+
+
+def _numpy_sums(words: np.ndarray, weights: np.ndarray, subscripts: str, out: np.ndarray) -> None:
     a = np.einsum(subscripts, words, weights)  # sum c_j w_j = L + 2**16 H
     high = np.einsum(subscripts, words >> _16, weights)
-    if out is None:
-        out = np.empty((*a.shape, SUMS), np.uint32)
     np.bitwise_xor.reduce(words, axis=-1, out=out[..., 0])
     np.subtract(a, high << _16, out=out[..., 1])
     out[..., 2] = high
-    return out
+
+
+def _load_kernel():
+    """`kvxfer_word_sums` from the built `kvxfer._sums`, or None where it was not built."""
+    try:
+        from kvxfer import _sums
+    except ImportError:
+        return None
+    kernel = ctypes.CDLL(_sums.__file__).kvxfer_word_sums  # ctypes releases the GIL in the call
+    size, ssize, ptr = ctypes.c_size_t, ctypes.c_ssize_t, ctypes.c_void_p
+    kernel.argtypes = [ptr, ptr, ssize, ssize, size, size, ptr, ssize, size, ptr, ssize, ssize]
+    kernel.restype = None
+    return kernel
+
+
+_KERNEL = _load_kernel()
+COMPILED = _KERNEL is not None
+"""Whether `word_sums` sums in one compiled pass (`kvxfer._sums` was built at install)."""
+
+
+def _compiled_sums(words: np.ndarray, weights: np.ndarray, subscripts: str, out: np.ndarray,
+                   rows: np.ndarray | None) -> bool:
+    """Sum with the C kernel, where the arrays suit it; False (nothing written) otherwise."""
+    if subscripts == "ij,j->i":
+        words, weights, out = words[:, None], weights[None], out[:, None]
+    arrays = (words, weights, out)
+    if (any(a.dtype != np.uint32 or not a.flags.aligned or a.strides[-1] != 4 for a in arrays)
+            or words.ndim != 3 or weights.shape != words.shape[1:] or out.shape[-1] != SUMS
+            or out.shape[1] != words.shape[1] or any(s % 4 for a in arrays for s in a.strides)):
+        return False
+    if rows is None:
+        num_s, row_ptr = words.shape[0], None
+    else:
+        rows = np.ascontiguousarray(rows, np.int64)
+        if len(rows) and (rows.min() < -words.shape[0] or rows.max() >= words.shape[0]):
+            return False  # numpy's indexing names the bad row
+        rows = np.where(rows < 0, rows + words.shape[0], rows)
+        num_s, row_ptr = len(rows), rows.ctypes.data
+    if out.shape[0] != num_s:
+        return False
+    step = [s // 4 for a in arrays for s in a.strides[:-1]]
+    if num_s and words.shape[1] and words.shape[2]:
+        _KERNEL(words.ctypes.data, row_ptr, step[0], step[1], num_s, words.shape[1],
+                weights.ctypes.data, 0 if weights.shape[0] == 1 else step[2], words.shape[2],
+                out.ctypes.data, step[3], step[4])
+    elif num_s and words.shape[1]:
+        out[...] = 0
+    return True
 
 
 def combine_sums(total: np.ndarray, part: np.ndarray) -> None:
