@@ -1,0 +1,100 @@
+"""Through `kvxfer proxy`, D decodes from P's KV exactly as P answers alone.
+
+The stack: P (TP 2) and D (TP 1) as `vllm serve` on tpu-inference's own runner, kvxfer's
+connector in both, an 80-token chunk budget (blocks of 64 straddle chunk boundaries). The
+model's logits are peaky (`scripts/tiny-model`), so greedy tokens are compared exactly and
+logprobs to float32 rounding. The last test kills P: keep it last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+
+import numpy as np
+import pytest
+from conftest import TIMEOUT_S, post
+
+LOGPROB_TOL = 1e-3
+LENGTHS = [5, 63, 64, 65, 150, 400, 900]  # under a block, at its edges, to most of the 1,024 context
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()  # no special tokens
+
+
+def _same_answer(got: dict, expected: dict) -> None:
+    g, e = got["choices"][0], expected["choices"][0]
+    assert g["token_ids"] == e["token_ids"]
+    np.testing.assert_allclose(g["logprobs"]["token_logprobs"], e["logprobs"]["token_logprobs"],
+                               atol=LOGPROB_TOL)
+    for top_g, top_e in zip(g["logprobs"]["top_logprobs"], e["logprobs"]["top_logprobs"]):
+        assert top_g.keys() == top_e.keys()
+        np.testing.assert_allclose([top_g[k] for k in top_e], list(top_e.values()), atol=LOGPROB_TOL)
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a Prometheus counter's samples at `url`/metrics (0 when absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=TIMEOUT_S) as response:
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_d_decodes_from_p_s_kv_as_p_answers_alone(tp_stack, length):
+    prompt = _prompt(length, seed=length)
+    external = _metric(tp_stack.d_url, "vllm:external_prefix_cache_hits_total")
+    got = tp_stack.complete(tp_stack.proxy_url, prompt)  # cold on P and on D
+    # D took the prompt's KV from P instead of computing it.
+    assert _metric(tp_stack.d_url, "vllm:external_prefix_cache_hits_total") - external >= length - 1
+    _same_answer(got, tp_stack.complete(tp_stack.p_url, prompt))
+
+
+def test_a_prompt_sent_twice_is_a_prefix_hit_on_d_and_answers_alike(tp_stack):
+    prompt = _prompt(300, seed=1)
+    first = tp_stack.complete(tp_stack.proxy_url, prompt)
+    local = _metric(tp_stack.d_url, "vllm:prefix_cache_hits_total")
+    second = tp_stack.complete(tp_stack.proxy_url, prompt)
+    assert _metric(tp_stack.d_url, "vllm:prefix_cache_hits_total") - local >= 256  # 4 blocks of 64
+    _same_answer(second, first)
+    _same_answer(second, tp_stack.complete(tp_stack.p_url, prompt))
+
+
+def test_streaming_through_the_proxy_gives_p_alone_s_text(tp_stack):
+    prompt = _prompt(200, seed=2)
+    body = {"model": tp_stack.model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "stream": True}
+    request = urllib.request.Request(tp_stack.proxy_url + "/v1/completions",
+                                     json.dumps(body).encode(), {"Content-Type": "application/json"})
+    pieces = []
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        for line in response:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    assert len(pieces) > 1  # relayed as chunks, not one answer
+    alone = post(tp_stack.p_url + "/v1/completions", {**body, "stream": False})
+    assert "".join(pieces) == alone["choices"][0]["text"]
+
+
+def test_chat_completions_through_the_proxy_answer_as_p_alone(tp_stack):
+    body = {"model": tp_stack.model, "messages": [{"role": "user", "content": "hello world " * 20}],
+            "max_tokens": 8, "temperature": 0}
+    got = post(tp_stack.proxy_url + "/v1/chat/completions", body)
+    alone = post(tp_stack.p_url + "/v1/chat/completions", body)
+    assert got["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_p_killed_between_prefill_and_decode_is_recomputed_on_d(tp_stack):
+    """Last: P stays dead. D's load fails and, under `kv_load_failure_policy=recompute`,
+    D computes the prompt itself and answers as P did."""
+    prompt = _prompt(330, seed=3)
+    alone = tp_stack.complete(tp_stack.p_url, prompt)
+    prefill = tp_stack.complete(tp_stack.p_url, prompt, max_tokens=1,
+                                kv_transfer_params={"do_remote_decode": True})
+    os.killpg(tp_stack.pid("P"), signal.SIGKILL)
+    params = prefill["kv_transfer_params"]
+    _same_answer(tp_stack.complete(tp_stack.d_url, prompt, kv_transfer_params=params), alone)

@@ -1,0 +1,37 @@
+"""D under `kv_load_failure_policy=fail`: a load from a dead P is a clear error, and D serves on."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+from conftest import http_error
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+
+
+def test_a_load_from_a_killed_p_is_an_error_and_d_keeps_serving(fail_stack):
+    prompt = _prompt(200, seed=5)
+    before = fail_stack.complete(fail_stack.proxy_url, prompt)  # the pair works
+    assert len(before["choices"][0]["token_ids"]) == 8
+    prefill = fail_stack.complete(fail_stack.p_url, _prompt(150, seed=6), max_tokens=1,
+                                  kv_transfer_params={"do_remote_decode": True})
+    os.killpg(fail_stack.pid("P"), signal.SIGKILL)
+
+    try:
+        answer = fail_stack.complete(fail_stack.d_url, _prompt(150, seed=6),
+                                     kv_transfer_params=prefill["kv_transfer_params"])
+    except Exception as e:  # an error status: what a client should see
+        assert getattr(e, "code", 0) >= 400, e
+    else:  # or an answer that says it is not one
+        assert answer["choices"][0]["finish_reason"] not in ("stop", "length"), answer
+
+    # D serves on: a request of its own, and the same prompt again without P's params.
+    again = fail_stack.complete(fail_stack.d_url, prompt)
+    assert again["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+    # The proxy names the P it cannot reach.
+    error = http_error(lambda: fail_stack.complete(fail_stack.proxy_url, prompt))
+    assert error.code == 502 and fail_stack.p_url in error.read().decode()
