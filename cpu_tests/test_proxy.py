@@ -15,14 +15,13 @@ import subprocess
 import sys
 from typing import Any
 
+import aiohttp  # the `test` extra installs it, as the `proxy` extra does for users
 import pytest
+from aiohttp import web
 
-aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
-
-from kvxfer import cli  # noqa: E402
-from kvxfer.errors import InvalidInputError  # noqa: E402
-from kvxfer.proxy import ProxyConfig, build_app, parse_urls  # noqa: E402
+from kvxfer import cli
+from kvxfer.errors import InvalidInputError
+from kvxfer.proxy import ProxyConfig, build_app, parse_urls
 
 WAIT_S = 10  # bounds a wait that only a broken proxy would exhaust; nothing asserts on time
 
@@ -35,8 +34,9 @@ class FakeVllm:
     """
 
     def __init__(self, name: str, fail: tuple[int, str] | None = None, params: bool = True,
-                 health: int = 200) -> None:
+                 health: int = 200, break_after: int | None = None) -> None:
         self.name, self.fail, self.params, self.health = name, fail, params, health
+        self.break_after = break_after  # streamed chunks sent before D drops the connection
         self.seen: list[tuple[str, dict, Any]] = []
         self.events: list[str] = []
         self.chunk_seen: list[asyncio.Event] = []
@@ -75,6 +75,9 @@ class FakeVllm:
         for i in range(3):
             await out.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
             self.events.append(f"D sent {i}")
+            if i + 1 == self.break_after:
+                request.transport.close()
+                return out
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.chunk_seen[i].wait(), WAIT_S)
         await out.write(b"data: [DONE]\n\n")
@@ -203,6 +206,22 @@ def test_streamed_chunks_reach_the_client_in_order_as_d_sends_them():
     assert d.events == ["D sent 0", "client got 0", "D sent 1", "client got 1", "D sent 2",
                         "client got 2"]
     assert p.seen[0][1]["stream"] is False and d.seen[0][1]["stream"] is True
+
+
+def test_a_stream_d_breaks_off_is_not_ended_cleanly_for_the_client():
+    p, d = FakeVllm("P"), FakeVllm("D", break_after=1)
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+                assert resp.status == 200
+                received = b""
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for data in resp.content.iter_any():
+                        received += data
+                return received
+
+    assert run(go()).startswith(b"data: ")
 
 
 def test_takes_p_instances_and_d_instances_in_turn_independently():
@@ -365,6 +384,43 @@ def test_cli_without_aiohttp_says_how_to_install_it():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "pip install 'kvxfer[proxy]'" in out.stderr
+
+
+def test_the_cli_serves_until_terminated():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with serving(p.app()) as p_url, serving(d.app()) as d_url:
+            port = closed_port_url().rsplit(":", 1)[1]
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvxfer.cli", "proxy", "--prefill", p_url, "--decode", d_url,
+                "--port", port, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                async with aiohttp.ClientSession() as session:
+                    url = f"http://127.0.0.1:{port}"
+                    await _until_healthy(session, url, proc)
+                    async with session.post(url + "/v1/completions", json=BODY) as resp:
+                        answer = await resp.json()
+            finally:
+                proc.terminate()
+                out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+            return answer, proc.returncode, out.decode(), port
+
+    answer, returncode, out, port = run(go())
+    assert answer == {"choices": [{"text": "decoded by D"}]}
+    assert returncode == 0 and f"kvxfer proxy on http://127.0.0.1:{port}" in out
+
+
+async def _until_healthy(session, url: str, proc) -> None:
+    """Poll the proxy's `/health` until it answers 200 (bounded: the child may be slow to import)."""
+    for _ in range(600):
+        assert proc.returncode is None, "the proxy exited before it was healthy"
+        with contextlib.suppress(aiohttp.ClientConnectionError):
+            async with session.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{url}/health did not answer 200")
 
 
 def test_kvxfer_and_its_cli_do_not_import_aiohttp():

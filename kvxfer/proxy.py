@@ -34,7 +34,7 @@ import aiohttp
 from aiohttp import web
 
 from kvxfer.blocks import is_int
-from kvxfer.errors import InvalidInputError
+from kvxfer.errors import InvalidInputError, SetupError
 
 __all__ = ["ProxyConfig", "build_app", "parse_urls", "serve"]
 
@@ -120,7 +120,14 @@ class _Upstreams:
         self.config = config
         self._next_prefill = itertools.cycle(config.prefill)
         self._next_decode = itertools.cycle(config.decode)
-        self.session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise SetupError("the proxy's upstream session opens when its app starts "
+                             "(serve, or an aiohttp.web.AppRunner)")
+        return self._session
 
     def prefill(self) -> str:
         return next(self._next_prefill)
@@ -130,14 +137,14 @@ class _Upstreams:
 
     async def open(self) -> None:
         # No limit on connections: each streamed answer holds one for its whole generation.
-        self.session = aiohttp.ClientSession(
+        self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
-            auto_decompress=False)
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s))
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 _UPSTREAMS = web.AppKey("upstreams", _Upstreams)
@@ -158,6 +165,7 @@ def _unreachable(role: str, url: str, exc: BaseException) -> web.Response:
 def _upstream_headers(request: web.Request, request_id: str) -> dict[str, str]:
     headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
     headers[_REQUEST_ID] = request_id
+    headers["Accept-Encoding"] = "identity"  # bodies are relayed as they come, never re-encoded
     return headers
 
 
@@ -180,7 +188,6 @@ async def _prefill(upstreams: _Upstreams, path: str, body: dict[str, Any],
                    headers: dict[str, str]) -> dict[str, Any] | web.Response:
     """Run P's part; return P's `kv_transfer_params`, or the answer the client gets instead."""
     url = upstreams.prefill()
-    assert upstreams.session is not None  # opened on start-up
     try:
         async with upstreams.session.post(url + path, json=_prefill_body(body), headers=headers) as resp:
             data = await resp.read()
@@ -207,10 +214,8 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
     out = web.StreamResponse(status=resp.status, reason=resp.reason)
     if "Content-Type" in resp.headers:
         out.headers["Content-Type"] = resp.headers["Content-Type"]
-    if "Content-Encoding" in resp.headers:
-        out.headers["Content-Encoding"] = resp.headers["Content-Encoding"]
     out.headers[_REQUEST_ID] = request_id
-    if resp.content_length is not None:
+    if resp.content_length is not None and "Content-Encoding" not in resp.headers:
         out.content_length = resp.content_length
     await out.prepare(request)
     async for chunk in resp.content.iter_any():
@@ -222,7 +227,6 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
 async def _decode(request: web.Request, upstreams: _Upstreams, body: dict[str, Any],
                   headers: dict[str, str]) -> web.StreamResponse:
     url = upstreams.decode()
-    assert upstreams.session is not None  # opened on start-up
     try:
         resp = await upstreams.session.post(url + request.path, json=body, headers=headers)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -260,7 +264,6 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 async def _models(request: web.Request) -> web.Response:
     upstreams = request.app[_UPSTREAMS]
     url = upstreams.decode()
-    assert upstreams.session is not None  # opened on start-up
     headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
     try:
         async with upstreams.session.get(url + "/v1/models", headers=headers) as resp:
@@ -284,7 +287,6 @@ async def _health(request: web.Request) -> web.Response:
     """200 when every P and D instance answers its `/health`, else 503 naming those down."""
     upstreams = request.app[_UPSTREAMS]
     config = upstreams.config
-    assert upstreams.session is not None  # opened on start-up
     roles = [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
     reasons = await asyncio.gather(*(_down_reason(upstreams.session, url, config.health_timeout_s)
                                      for _, url in roles))
