@@ -1,4 +1,4 @@
-"""The `kvxfer` command: `kvxfer demo`, `kvxfer plan` and `kvxfer bench ...`."""
+"""The `kvxfer` command: `kvxfer demo`, `kvxfer plan`, `kvxfer proxy` and `kvxfer bench ...`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from kvxfer.blocks import cdiv, is_int
-from kvxfer.errors import InvalidInputError, KvxferError
+from kvxfer.errors import InvalidInputError, KvxferError, SetupError
 from kvxfer.scheduler import GroupSpec, SaveTracker
 from kvxfer.simulate import SimEngine
 
@@ -158,6 +158,19 @@ def _cmd_kvbytes(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    try:
+        proxy = importlib.import_module("kvxfer.proxy")
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "aiohttp":
+            raise
+        raise SetupError("kvxfer proxy needs aiohttp: pip install 'kvxfer[proxy]'") from None
+    proxy.serve(proxy.ProxyConfig(prefill=proxy.parse_urls("--prefill", args.prefill),
+                                  decode=proxy.parse_urls("--decode", args.decode),
+                                  host=args.host, port=args.port))
+    return 0
+
+
 _BENCHES = {
     "plan": "kvxfer.bench.plan",
     "gather": "kvxfer.bench.gather",
@@ -232,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--cached", type=int, default=0, help="prefix-cache hit, in tokens")
     plan.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     plan.set_defaults(func=_cmd_plan)
+
+    proxy = sub.add_parser("proxy", help="an OpenAI-compatible router in front of P and D `vllm "
+                           "serve` instances: prefill on P, decode on D with P's kv_transfer_params")
+    proxy.add_argument("--prefill", required=True, help="P base URLs, comma-separated "
+                       "(e.g. http://10.0.0.5:8100,http://10.0.0.6:8100); taken in turn")
+    proxy.add_argument("--decode", required=True, help="D base URLs, comma-separated; taken in turn")
+    proxy.add_argument("--port", type=int, required=True, help="port to listen on")
+    proxy.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    proxy.set_defaults(func=_cmd_proxy)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
     bench.add_argument("what", choices=sorted(_BENCHES))

@@ -1,0 +1,429 @@
+"""`kvxfer proxy` against fake P and D `vllm serve` instances on ephemeral ports.
+
+Each fake is an aiohttp app that records what it received and answers as a
+vLLM instance would (P: one token plus `kv_transfer_params`; D: the
+completion, streamed as server-sent events when asked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import aiohttp  # the `test` extra installs it, as the `proxy` extra does for users
+import pytest
+from aiohttp import web
+
+from kvxfer import cli
+from kvxfer.errors import InvalidInputError
+from kvxfer.proxy import ProxyConfig, build_app, parse_urls
+
+WAIT_S = 10  # bounds a wait that only a broken proxy would exhaust; nothing asserts on time
+
+
+class FakeVllm:
+    """A stand-in `vllm serve`: records `(path, body, headers)` of each request; answers as set.
+
+    `fail` is `(status, body)` to answer every completion with; `params`
+    False makes a P that returns `kv_transfer_params: null` (not a kv_producer).
+    """
+
+    def __init__(self, name: str, fail: tuple[int, str] | None = None, params: bool = True,
+                 health: int = 200, break_after: int | None = None) -> None:
+        self.name, self.fail, self.params, self.health = name, fail, params, health
+        self.break_after = break_after  # streamed chunks sent before D drops the connection
+        self.seen: list[tuple[str, dict, Any]] = []
+        self.events: list[str] = []
+        self.chunk_seen: list[asyncio.Event] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=self.health)
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": f"model-on-{self.name}"}]})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append((request.path, body, request.headers.copy()))  # case-insensitive
+        if self.fail:
+            return web.Response(status=self.fail[0], text=self.fail[1], content_type="application/json")
+        if body.get("kv_transfer_params", {}).get("do_remote_decode"):  # P's part
+            params = {"remote_host": self.name, "remote_block_ids": [3, 4]} if self.params else None
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": f"decoded by {self.name}"}]})
+        return await self._stream(request)
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        """Three SSE chunks; before each next one, wait (bounded) until the client has the last."""
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        self.chunk_seen = [asyncio.Event() for _ in range(3)]
+        for i in range(3):
+            await out.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
+            self.events.append(f"D sent {i}")
+            if i + 1 == self.break_after:
+                request.transport.close()
+                return out
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.chunk_seen[i].wait(), WAIT_S)
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application):
+    """Serve `app` on an ephemeral port of 127.0.0.1; yield its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def closed_port_url() -> str:
+    """A URL on which nothing listens (a port just bound and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def pd(prefills: list[FakeVllm], decodes: list[FakeVllm], extra_prefill=(), extra_decode=()):
+    """Start the fakes and a proxy in front of them; yield a client session and the proxy's URL."""
+    async with contextlib.AsyncExitStack() as stack:
+        p_urls = [await stack.enter_async_context(serving(f.app())) for f in prefills]
+        d_urls = [await stack.enter_async_context(serving(f.app())) for f in decodes]
+        config = ProxyConfig(prefill=tuple(p_urls) + tuple(extra_prefill),
+                             decode=tuple(d_urls) + tuple(extra_decode))
+        url = await stack.enter_async_context(serving(build_app(config)))
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        yield session, url
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 40, "min_tokens": 2,
+        "temperature": 0.0, "stream_options": {"include_usage": True}}
+
+
+def test_prefills_one_unstreamed_token_on_p_and_decodes_the_original_request_on_d():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                return resp.status, await resp.json()
+
+    status, answer = run(go())
+    assert (status, answer) == (200, {"choices": [{"text": "decoded by D"}]})
+    [(p_path, p_body, _)] = p.seen
+    assert p_path == "/v1/completions"
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert "stream_options" not in p_body and "min_tokens" not in p_body
+    assert p_body["prompt"] == BODY["prompt"] and p_body["temperature"] == 0.0
+    [(d_path, d_body, _)] = d.seen
+    assert d_path == "/v1/completions"
+    assert d_body == {**BODY, "kv_transfer_params": {"remote_host": "P", "remote_block_ids": [3, 4]}}
+
+
+def test_chat_prefill_caps_max_completion_tokens_too():
+    p, d = FakeVllm("P"), FakeVllm("D")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/chat/completions", json=chat) as resp:
+                return resp.status
+
+    assert run(go()) == 200
+    assert p.seen[0][0] == "/v1/chat/completions"
+    assert p.seen[0][1]["max_completion_tokens"] == 1 and p.seen[0][1]["max_tokens"] == 1
+    assert d.seen[0][0] == "/v1/chat/completions"
+    assert d.seen[0][1]["max_completion_tokens"] == 9 and "max_tokens" not in d.seen[0][1]
+
+
+@pytest.mark.parametrize("client_id", ["req-from-client", None])
+def test_p_and_d_share_one_request_id_and_the_clients_authorization(client_id):
+    p, d = FakeVllm("P"), FakeVllm("D")
+    headers = {"Authorization": "Bearer sk-test"} | ({"X-Request-Id": client_id} if client_id else {})
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY, headers=headers) as resp:
+                return resp.headers.get("X-Request-Id")
+
+    returned = run(go())
+    p_headers, d_headers = p.seen[0][2], d.seen[0][2]
+    assert p_headers["X-Request-Id"] == d_headers["X-Request-Id"] == returned
+    assert returned == client_id if client_id else returned
+    assert p_headers["Authorization"] == d_headers["Authorization"] == "Bearer sk-test"
+
+
+def test_streamed_chunks_reach_the_client_in_order_as_d_sends_them():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                buffer, texts = b"", []
+                async for data in resp.content.iter_any():
+                    buffer += data
+                    *events, buffer = buffer.split(b"\n\n")
+                    for event in events:
+                        payload = event.decode().removeprefix("data: ")
+                        if payload == "[DONE]":
+                            texts.append(payload)
+                            continue
+                        i = int(json.loads(payload)["choices"][0]["text"])
+                        texts.append(str(i))
+                        d.events.append(f"client got {i}")
+                        d.chunk_seen[i].set()
+                return texts
+
+    assert run(go()) == ["0", "1", "2", "[DONE]"]
+    # A buffering proxy would hold chunk 0 until D had sent them all.
+    assert d.events == ["D sent 0", "client got 0", "D sent 1", "client got 1", "D sent 2",
+                        "client got 2"]
+    assert p.seen[0][1]["stream"] is False and d.seen[0][1]["stream"] is True
+
+
+def test_a_stream_d_breaks_off_is_not_ended_cleanly_for_the_client():
+    p, d = FakeVllm("P"), FakeVllm("D", break_after=1)
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+                assert resp.status == 200
+                received = b""
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for data in resp.content.iter_any():
+                        received += data
+                return received
+
+    assert run(go()).startswith(b"data: ")
+
+
+def test_takes_p_instances_and_d_instances_in_turn_independently():
+    ps, ds = [FakeVllm("P0"), FakeVllm("P1")], [FakeVllm("D0"), FakeVllm("D1")]
+
+    async def go():
+        async with pd(ps, ds) as (session, url):
+            answers = []
+            for i in range(4):
+                async with session.post(url + "/v1/completions", json={**BODY, "prompt": f"q{i}"}) as r:
+                    answers.append((await r.json())["choices"][0]["text"])
+            return answers
+
+    assert run(go()) == ["decoded by D0", "decoded by D1", "decoded by D0", "decoded by D1"]
+    assert [[b["prompt"] for _, b, _ in f.seen] for f in ps + ds] == [["q0", "q2"], ["q1", "q3"]] * 2
+    assert [b["kv_transfer_params"]["remote_host"] for _, b, _ in ds[0].seen] == ["P0", "P0"]
+
+
+@pytest.mark.parametrize("status", [400, 503])
+def test_p_error_reaches_the_client_with_its_status_and_body_and_d_is_not_asked(status):
+    body = json.dumps({"error": {"message": f"P says {status}"}})
+    p, d = FakeVllm("P", fail=(status, body)), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                return resp.status, await resp.text()
+
+    assert run(go()) == (status, body)
+    assert d.seen == []
+
+
+@pytest.mark.parametrize("status", [400, 500])
+@pytest.mark.parametrize("stream", [False, True])
+def test_d_error_reaches_the_client_with_its_status_and_body(status, stream):
+    body = json.dumps({"error": {"message": f"D says {status}"}})
+    p, d = FakeVllm("P"), FakeVllm("D", fail=(status, body))
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json={**BODY, "stream": stream}) as resp:
+                return resp.status, await resp.text()
+
+    assert run(go()) == (status, body)
+
+
+@pytest.mark.parametrize("dead", ["prefill", "decode"])
+def test_an_unreachable_upstream_is_a_502_naming_its_url(dead):
+    gone = closed_port_url()
+    alive = [FakeVllm("P")] if dead == "decode" else []
+    decodes = [FakeVllm("D")] if dead == "prefill" else []
+
+    async def go():
+        extra = {"extra_prefill": [gone]} if dead == "prefill" else {"extra_decode": [gone]}
+        async with pd(alive, decodes, **extra) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                return resp.status, await resp.json()
+
+    status, answer = run(go())
+    assert status == 502
+    assert gone in answer["error"]["message"] and dead in answer["error"]["message"]
+    assert answer["error"]["upstream"] == gone
+
+
+def test_a_p_that_returns_no_kv_transfer_params_is_a_502_saying_so():
+    p, d = FakeVllm("P", params=False), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                return resp.status, await resp.json()
+
+    status, answer = run(go())
+    assert status == 502 and "kv_transfer_params" in answer["error"]["message"]
+    assert "kv_producer" in answer["error"]["message"]
+    assert d.seen == []
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]"])
+def test_a_body_that_is_not_a_json_object_is_a_400(raw):
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", data=raw,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                return resp.status, await resp.json()
+
+    status, answer = run(go())
+    assert status == 400 and "JSON" in answer["error"]["message"]
+    assert p.seen == [] and d.seen == []
+
+
+def test_health_is_200_when_every_upstream_answers():
+    async def go():
+        async with pd([FakeVllm("P")], [FakeVllm("D")]) as (session, url):
+            async with session.get(url + "/health") as resp:
+                return resp.status, await resp.json()
+
+    status, answer = run(go())
+    assert status == 200 and answer["status"] == "ok" and answer["down"] == []
+
+
+def test_health_is_503_naming_the_upstreams_down():
+    gone = closed_port_url()
+
+    async def go():
+        async with pd([FakeVllm("P", health=500)], [FakeVllm("D")], extra_decode=[gone]) as (session, url):
+            async with session.get(url + "/health") as resp:
+                return resp.status, await resp.json()
+
+    status, answer = run(go())
+    assert status == 503 and answer["status"] == "unhealthy"
+    assert [(x["role"], x["url"] == gone) for x in answer["down"]] == [("prefill", False),
+                                                                        ("decode", True)]
+    assert "500" in answer["down"][0]["reason"]
+
+
+def test_models_is_answered_by_a_d_instance():
+    async def go():
+        async with pd([FakeVllm("P")], [FakeVllm("D")]) as (session, url):
+            async with session.get(url + "/v1/models") as resp:
+                return resp.status, await resp.json()
+
+    assert run(go()) == (200, {"object": "list", "data": [{"id": "model-on-D"}]})
+
+
+@pytest.mark.parametrize("url", ["ftp://h:8100", "http://", "localhost:8100", "http://h:99999",
+                                 "http://h:8100/v1", "http://h:8100?x=1", "h"])
+def test_bad_urls_are_refused_naming_them(url):
+    with pytest.raises(InvalidInputError, match="--prefill") as e:
+        parse_urls("--prefill", f"http://ok:8100,{url}")
+    assert repr(url) in str(e.value)
+    with pytest.raises(InvalidInputError, match="--decode"):
+        ProxyConfig(prefill=("http://ok:8100",), decode=(url,))
+
+
+def test_urls_lose_their_trailing_slash_and_empty_lists_are_refused():
+    assert parse_urls("--decode", "http://a:1/, https://b:2") == ("http://a:1", "https://b:2")
+    with pytest.raises(InvalidInputError, match="at least one URL"):
+        parse_urls("--decode", " , ")
+
+
+@pytest.mark.parametrize("port", [0, 65536, -1, "8000"])
+def test_a_port_out_of_range_is_refused(port):
+    with pytest.raises(InvalidInputError, match="--port"):
+        ProxyConfig(prefill=("http://p:8100",), decode=("http://d:8200",), port=port)
+
+
+def test_cli_refuses_a_bad_url_or_port_before_listening(capsys):
+    assert cli.main(["proxy", "--prefill", "ftp://p:1", "--decode", "http://d:2", "--port", "8000"]) == 2
+    assert "'ftp://p:1'" in capsys.readouterr().err
+    assert cli.main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_cli_without_aiohttp_says_how_to_install_it():
+    probe = ("import sys; sys.modules['aiohttp'] = None; from kvxfer import cli; sys.exit(cli.main("
+             "['proxy', '--prefill', 'http://p:1', '--decode', 'http://d:2', '--port', '8000']))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "pip install 'kvxfer[proxy]'" in out.stderr
+
+
+def test_the_cli_serves_until_terminated():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with serving(p.app()) as p_url, serving(d.app()) as d_url:
+            port = closed_port_url().rsplit(":", 1)[1]
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvxfer.cli", "proxy", "--prefill", p_url, "--decode", d_url,
+                "--port", port, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                async with aiohttp.ClientSession() as session:
+                    url = f"http://127.0.0.1:{port}"
+                    await _until_healthy(session, url, proc)
+                    async with session.post(url + "/v1/completions", json=BODY) as resp:
+                        answer = await resp.json()
+            finally:
+                proc.terminate()
+                out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
+            return answer, proc.returncode, out.decode(), port
+
+    answer, returncode, out, port = run(go())
+    assert answer == {"choices": [{"text": "decoded by D"}]}
+    assert returncode == 0 and f"kvxfer proxy on http://127.0.0.1:{port}" in out
+
+
+async def _until_healthy(session, url: str, proc) -> None:
+    """Poll the proxy's `/health` until it answers 200 (bounded: the child may be slow to import)."""
+    for _ in range(600):
+        assert proc.returncode is None, "the proxy exited before it was healthy"
+        with contextlib.suppress(aiohttp.ClientConnectionError):
+            async with session.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{url}/health did not answer 200")
+
+
+def test_kvxfer_and_its_cli_do_not_import_aiohttp():
+    probe = "import kvxfer, kvxfer.cli, sys; print('aiohttp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
