@@ -223,3 +223,13 @@ def test_an_unwritable_profile_directory_is_refused_before_any_child_starts(
     assert main(["bench", "e2e", "--json"]) == 2
     assert f"KVXFER_PROFILE={str(blocked / 'prof')!r} is not a writable directory" in \
         capsys.readouterr().err
+
+
+def test_bench_serve_without_the_serving_environment_says_what_is_missing(monkeypatch, capsys,
+                                                                          tmp_path):
+    import kvxfer.bench.serve as serve
+
+    monkeypatch.setattr(serve, "ROOT", tmp_path)  # no scripts/pd-up, no .venv-tpu
+    assert main(["bench", "serve", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "bash scripts/tpu-inference-env" in err and str(tmp_path / "scripts" / "pd-up") in err

@@ -177,6 +177,7 @@ _BENCHES = {
     "nixl": "kvxfer.bench.nixl",
     "e2e": "kvxfer.bench.e2e",
     "multihost": "kvxfer.bench.multihost",
+    "serve": "kvxfer.bench.serve",
 }
 
 
