@@ -14,6 +14,8 @@ without TPUs, by changing as little as possible:
 - `general()`, a `vllm.general_plugins` entry point (vLLM calls those in the engine-core and
   worker processes before it builds the model), swaps the Pallas ragged paged attention kernel
   for the pure-JAX `attention.ragged_paged_attention`.
+- `torchvision_hook`, installed by a `.pth` file: the torchvision shim, which must be in place
+  before vLLM loads any plugin (see its docstring for the process that needs it).
 - the `tokamax` package beside this one is a stub of the two names tpu-inference imports from
   tokamax (which needs Python >= 3.12); see its docstring.
 

@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tpu_cpu import attention
 from tpu_inference.kernels.ragged_paged_attention.v3.kernel import (
     get_kv_cache_shape,
     ref_ragged_paged_attention,
 )
-
-from tpu_cpu import attention
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, PAGES, MAX_SEQS, PAGES_PER_SEQ, TOKENS = 4, 2, 128, 16, 64, 4, 8, 40
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}

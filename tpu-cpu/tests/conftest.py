@@ -1,4 +1,4 @@
-"""Run with .venv-tpu: `.venv-tpu/bin/python -m pytest tpu_cpu/tests -q`."""
+"""Run with .venv-tpu: `.venv-tpu/bin/python -m pytest tpu-cpu/tests -q`."""
 
 from tpu_cpu import patches
 
