@@ -332,8 +332,10 @@ class Engine:
         if enable_prefix_caching or self.connector is not None:
             hash_fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
             init_none_hash(hash_fn)
+            # vLLM 0.33 hashes speculative lookahead tokens too; 0.32 has no such argument.
+            lookahead = getattr(self.vllm_config, "num_hash_lookahead_tokens", None)
             self._block_hasher = get_request_block_hasher(
-                hash_block_size, hash_fn, self.vllm_config.num_hash_lookahead_tokens)
+                hash_block_size, hash_fn, *(() if lookahead is None else (lookahead,)))
 
         # --- Worker side (tpu-inference TPUModelRunner + its connector) ----
         self.runner = self._make_runner(devices)

@@ -1,0 +1,1 @@
+"""Stub of tokamax (see tokamax/_src/ops/experimental/gmm_v2/gmm_v2.py)."""

@@ -1,0 +1,58 @@
+"""tpu_cpu: tpu-inference 0.32's real engine (vLLM's TPU backend) on JAX's CPU backend.
+
+A vLLM plugin package for kvxfer's serving tests, installed only into `.venv-tpu`
+(`scripts/tpu-inference-env`); it is not part of kvxfer. It lets `vllm serve` run
+tpu-inference's own `TPUModelRunner`, metadata, `shard_map`s and KV cache allocation on a machine
+without TPUs, by changing as little as possible:
+
+- `platform()`, a `vllm.platform_plugins` entry point, selects tpu-inference's `TpuPlatform`.
+  vLLM's built-in TPU plugin selects it only if `import libtpu` works; this one does exactly when
+  that fails, so the two never both activate. Before answering, it applies `patches.install()`
+  (device topology and kind, TPU-only compiler options, two torch-side import fixes): vLLM calls
+  platform plugins in every process before it imports the platform class, which is before
+  anything imports tpu-inference.
+- `general()`, a `vllm.general_plugins` entry point (vLLM calls those in the engine-core and
+  worker processes before it builds the model), swaps the Pallas ragged paged attention kernel
+  for the pure-JAX `attention.ragged_paged_attention`.
+- `torchvision_hook`, installed by a `.pth` file: the torchvision shim, which must be in place
+  before vLLM loads any plugin (see its docstring for the process that needs it).
+- the `tokamax` package beside this one is a stub of the two names tpu-inference imports from
+  tokamax (which needs Python >= 3.12); see its docstring.
+
+With libtpu importable (a real TPU host) both entry points do nothing.
+
+Deliberately absent: anything that changes how tpu-inference's own KV connector runs (its copy
+kernels, the order vLLM 0.32 calls `start_load_kv` in). Those belong to the benchmark that
+compares connectors, not to the default serving path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+PLATFORM = "tpu_inference.platforms.tpu_platform.TpuPlatform"
+
+
+def active() -> bool:
+    """True where vLLM's own TPU plugin stays inactive: this process cannot import libtpu."""
+    return importlib.util.find_spec("libtpu") is None
+
+
+def platform() -> str | None:
+    """vLLM platform plugin: tpu-inference's `TpuPlatform` on CPU, after the process-wide shims."""
+    if not active():
+        return None
+    from tpu_cpu import patches
+
+    patches.install()
+    return PLATFORM
+
+
+def general() -> None:
+    """vLLM general plugin: the pure-JAX attention stand-in in place of the Pallas kernel."""
+    if not active():
+        return
+    from tpu_cpu import attention, patches
+
+    patches.install()
+    attention.install()
