@@ -57,7 +57,8 @@ def post(url: str, body: dict, headers: dict | None = None) -> dict:
 def _start(name: str, **env: str) -> Iterator[Stack]:
     run_dir = ROOT / ".pd" / f"serve_tests-{name}"
     environ = {**os.environ, "PD_DIR": str(run_dir), "PD_CHUNK": str(CHUNK),
-               "PD_TIMEOUT": str(START_S), "PD_MODEL_NAME": "tiny", **env}
+               "PD_TIMEOUT": str(START_S), "PD_MODEL_NAME": "tiny",
+               "PD_EXTRA_ARGS": "--enable-prompt-tokens-details", **env}  # stats on: /metrics
     model = ROOT / ".pd" / "serve_tests-model"  # built once, shared by every stack
     if not (model / "config.json").exists():
         subprocess.run([ROOT / ".venv-tpu/bin/python", "scripts/tiny-model", str(model)],

@@ -6,7 +6,7 @@ chunk budget) with that connector; `scripts/pd-down` stops it. tpu-inference's o
 `TPUConnector` is configured as its docs say (module
 `tpu_inference.distributed.tpu_connector`, its side-channel and transfer ports per
 process); the one patch it gets beyond the CPU shims is the load order it needs
-(`PD_LOAD_BEFORE_FORWARD=1`, tpu_cpu's `load_before_forward`): vLLM 0.32 calls
+(tpu_cpu's `tpu_connector.load_before_forward`, with `PD_CONNECTOR=tpu`): vLLM 0.32 calls
 `start_load_kv` after the forward, where that connector inserts the KV it pulled.
 
 Per prompt length, a warm-up request (compiles) and then `rounds` requests, each a fresh
@@ -39,7 +39,7 @@ __all__ = ["run"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (64, 256, 512, 900)
-CONNECTORS = {"kvxfer": {}, "tpu_inference": {"PD_CONNECTOR": "tpu", "PD_LOAD_BEFORE_FORWARD": "1"}}
+CONNECTORS = {"kvxfer": {}, "tpu_inference": {"PD_CONNECTOR": "tpu"}}
 TIMEOUT_S = 120
 
 

@@ -21,14 +21,15 @@ without TPUs, by changing as little as possible:
 
 With libtpu importable (a real TPU host) both entry points do nothing.
 
-Deliberately absent: anything that changes how tpu-inference's own KV connector runs (its copy
-kernels, the order vLLM 0.32 calls `start_load_kv` in). Those belong to the benchmark that
-compares connectors, not to the default serving path.
+Off by default: what tpu-inference's own KV connector needs (`tpu_connector`: its copy kernels
+in plain JAX, and the order it needs vLLM 0.32 to call `start_load_kv` in), installed only with
+`TPU_CPU_TPU_CONNECTOR=1`, for the benchmark that compares connectors (`kvxfer bench serve`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 PLATFORM = "tpu_inference.platforms.tpu_platform.TpuPlatform"
 
@@ -49,10 +50,16 @@ def platform() -> str | None:
 
 
 def general() -> None:
-    """vLLM general plugin: the pure-JAX attention stand-in in place of the Pallas kernel."""
+    """vLLM general plugin: the pure-JAX attention stand-in in place of the Pallas kernel (and,
+    with `TPU_CPU_TPU_CONNECTOR=1`, what tpu-inference's own connector needs: `tpu_connector`)."""
     if not active():
         return
     from tpu_cpu import attention, patches
 
     patches.install()
     attention.install()
+    if os.environ.get("TPU_CPU_TPU_CONNECTOR") == "1":
+        from tpu_cpu import tpu_connector
+
+        tpu_connector.install_copies()
+        tpu_connector.load_before_forward()
