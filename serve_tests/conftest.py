@@ -1,97 +1,22 @@
-"""A real P/D pair for the serving tests: `vllm serve` on tpu-inference's runner (JAX CPU).
-
-Each stack is started by `scripts/pd-up` (P `kv_producer`, D `kv_consumer` with kvxfer's
-connector, `kvxfer proxy` in front) in a run directory of its own, and stopped by
-`scripts/pd-down` when its tests are done, whatever they did. Every wait is bounded: pd-up's
-(`PD_TIMEOUT`), and each request's (`TIMEOUT_S`). Runs from `.venv-tpu`
-(`scripts/tpu-inference-env`); its python runs these tests too.
-"""
+"""The serving tests' stacks, one per module that asks for it (see serve_stack.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 120  # one request, prefill and decode included
-START_S = 300  # pd-up's bound on the stack becoming healthy (compiles included)
-CHUNK = 80  # tokens per prefill step: not a multiple of the 64-token block, so blocks straddle
-
-
-@dataclass
-class Stack:
-    """A running P/D pair and its proxy (the addresses pd-up recorded)."""
-
-    dir: Path
-    model: str  # served model name
-    p_url: str
-    d_url: str
-    proxy_url: str
-
-    def complete(self, url: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
-        """A greedy `/v1/completions` of token ids `prompt` at `url`, with top-3 logprobs;
-        raises `urllib.error.HTTPError` for an error status (its body readable)."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "logprobs": 3, "return_token_ids": True, **extra}
-        return post(url + "/v1/completions", body)
-
-    def pid(self, name: str) -> int:
-        return int((self.dir / f"{name}.pid").read_text())
-
-
-def post(url: str, body: dict, headers: dict | None = None) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-        return json.loads(response.read())
-
-
-def _start(name: str, **env: str) -> Iterator[Stack]:
-    run_dir = ROOT / ".pd" / f"serve_tests-{name}"
-    environ = {**os.environ, "PD_DIR": str(run_dir), "PD_CHUNK": str(CHUNK),
-               "PD_TIMEOUT": str(START_S), "PD_MODEL_NAME": "tiny",
-               "PD_EXTRA_ARGS": "--enable-prompt-tokens-details", **env}  # stats on: /metrics
-    model = ROOT / ".pd" / "serve_tests-model"  # built once, shared by every stack
-    if not (model / "config.json").exists():
-        subprocess.run([ROOT / ".venv-tpu/bin/python", "scripts/tiny-model", str(model)],
-                       cwd=ROOT, check=True, timeout=300)
-    try:
-        subprocess.run(["bash", "scripts/pd-up", str(model)], cwd=ROOT, env=environ, check=True,
-                       timeout=START_S + 60)
-        recorded = dict(line.split("=", 1) for line in
-                        (run_dir / "stack.env").read_text().splitlines() if "=" in line)
-        yield Stack(run_dir, recorded["MODEL_NAME"], recorded["P_URL"], recorded["D_URL"],
-                    recorded["PROXY_URL"])
-    finally:
-        subprocess.run(["bash", "scripts/pd-down"], cwd=ROOT, env=environ, timeout=120)
+from serve_stack import Stack, start
 
 
 @pytest.fixture(scope="module")
 def tp_stack() -> Iterator[Stack]:
     """P at TP 2, D at TP 1 (forced CPU devices), D recomputing a failed load."""
-    yield from _start("tp", PD_P_TP="2", PD_D_TP="1", PD_D_POLICY="recompute",
-                      PD_P_PORT="8110", PD_D_PORT="8210", PD_PROXY_PORT="8010", PD_KV_PORT="5611")
+    yield from start("tp", PD_P_TP="2", PD_D_TP="1", PD_D_POLICY="recompute",
+                     PD_P_PORT="8110", PD_D_PORT="8210", PD_PROXY_PORT="8010", PD_KV_PORT="5611")
 
 
 @pytest.fixture(scope="module")
 def fail_stack() -> Iterator[Stack]:
     """P and D at TP 1, D failing a request whose load failed (`kv_load_failure_policy=fail`)."""
-    yield from _start("fail", PD_D_POLICY="fail", PD_P_PORT="8120", PD_D_PORT="8220",
-                      PD_PROXY_PORT="8020", PD_KV_PORT="5612")
-
-
-def http_error(call) -> urllib.error.HTTPError:
-    """The HTTP error `call()` raises (fails the test if it answers)."""
-    try:
-        answer = call()
-    except urllib.error.HTTPError as e:
-        return e
-    pytest.fail(f"expected an error status, got an answer: {json.dumps(answer)[:300]}")
+    yield from start("fail", PD_D_POLICY="fail", PD_P_PORT="8120", PD_D_PORT="8220",
+                     PD_PROXY_PORT="8020", PD_KV_PORT="5612")

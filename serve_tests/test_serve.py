@@ -15,7 +15,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import TIMEOUT_S, post
+from serve_stack import TIMEOUT_S, post
 
 LOGPROB_TOL = 1e-3
 LENGTHS = [5, 63, 64, 65, 150, 400, 900]  # under a block, at its edges, to most of the 1,024 context

@@ -6,7 +6,7 @@ import os
 import signal
 
 import numpy as np
-from conftest import http_error
+from serve_stack import http_error
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -1,0 +1,85 @@
+"""A real P/D pair for the serving tests: `vllm serve` on tpu-inference's runner (JAX CPU).
+
+The fixtures that start one per test module are in conftest.py.
+
+Each stack is started by `scripts/pd-up` (P `kv_producer`, D `kv_consumer` with kvxfer's
+connector, `kvxfer proxy` in front) in a run directory of its own, and stopped by
+`scripts/pd-down` when its tests are done, whatever they did. Every wait is bounded: pd-up's
+(`PD_TIMEOUT`), and each request's (`TIMEOUT_S`). Runs from `.venv-tpu`
+(`scripts/tpu-inference-env`); its python runs these tests too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 120  # one request, prefill and decode included
+START_S = 300  # pd-up's bound on the stack becoming healthy (compiles included)
+CHUNK = 80  # tokens per prefill step: not a multiple of the 64-token block, so blocks straddle
+
+
+@dataclass
+class Stack:
+    """A running P/D pair and its proxy (the addresses pd-up recorded)."""
+
+    dir: Path
+    model: str  # served model name
+    p_url: str
+    d_url: str
+    proxy_url: str
+
+    def complete(self, url: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
+        """A greedy `/v1/completions` of token ids `prompt` at `url`, with top-3 logprobs;
+        raises `urllib.error.HTTPError` for an error status (its body readable)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "logprobs": 3, "return_token_ids": True, **extra}
+        return post(url + "/v1/completions", body)
+
+    def pid(self, name: str) -> int:
+        return int((self.dir / f"{name}.pid").read_text())
+
+
+def post(url: str, body: dict, headers: dict | None = None) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        return json.loads(response.read())
+
+
+def start(name: str, **env: str) -> Iterator[Stack]:
+    run_dir = ROOT / ".pd" / f"serve_tests-{name}"
+    environ = {**os.environ, "PD_DIR": str(run_dir), "PD_CHUNK": str(CHUNK),
+               "PD_TIMEOUT": str(START_S), "PD_MODEL_NAME": "tiny",
+               "PD_EXTRA_ARGS": "--enable-prompt-tokens-details", **env}  # stats on: /metrics
+    model = ROOT / ".pd" / "serve_tests-model"  # built once, shared by every stack
+    if not (model / "config.json").exists():
+        subprocess.run([ROOT / ".venv-tpu/bin/python", "scripts/tiny-model", str(model)],
+                       cwd=ROOT, check=True, timeout=300)
+    try:
+        subprocess.run(["bash", "scripts/pd-up", str(model)], cwd=ROOT, env=environ, check=True,
+                       timeout=START_S + 60)
+        recorded = dict(line.split("=", 1) for line in
+                        (run_dir / "stack.env").read_text().splitlines() if "=" in line)
+        yield Stack(run_dir, recorded["MODEL_NAME"], recorded["P_URL"], recorded["D_URL"],
+                    recorded["PROXY_URL"])
+    finally:
+        subprocess.run(["bash", "scripts/pd-down"], cwd=ROOT, env=environ, timeout=120)
+
+
+def http_error(call) -> urllib.error.HTTPError:
+    """The HTTP error `call()` raises (fails the test if it answers)."""
+    try:
+        answer = call()
+    except urllib.error.HTTPError as e:
+        return e
+    pytest.fail(f"expected an error status, got an answer: {json.dumps(answer)[:300]}")
