@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -68,16 +69,17 @@ def _one_connector(name: str, env: dict[str, str], rounds: int, lengths: tuple[i
     model = ROOT / ".pd" / "bench-model"
     if not (model / "config.json").exists():
         subprocess.run([str(ROOT / ".venv-tpu/bin/python"), "scripts/tiny-model", str(model)],
-                       cwd=ROOT, check=True, timeout=300)
+                       cwd=ROOT, check=True, timeout=300, stdout=sys.stderr)
     environ = {**os.environ, "PD_DIR": str(run_dir), "PD_MODEL_NAME": "tiny", **env}
     try:
         subprocess.run(["bash", "scripts/pd-up", str(model)], cwd=ROOT, env=environ,
-                       check=True, timeout=600)
+                       check=True, timeout=600, stdout=sys.stderr)  # stdout: the figures only
         urls = dict(line.split("=", 1) for line in (run_dir / "stack.env").read_text().splitlines()
                     if "=" in line)
         return _measure(urls["P_URL"], urls["D_URL"], model, rounds, lengths)
     finally:
-        subprocess.run(["bash", "scripts/pd-down"], cwd=ROOT, env=environ, timeout=120)
+        subprocess.run(["bash", "scripts/pd-down"], cwd=ROOT, env=environ, timeout=120,
+                       stdout=sys.stderr)
 
 
 def _measure(p_url: str, d_url: str, model: Path, rounds: int, lengths: tuple[int, ...]
@@ -138,10 +140,10 @@ def _stream(url: str, prompt: list[int], max_tokens: int, params: dict | None
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            text = json.loads(line[6:])["choices"][0]["text"]
-            if text and first is None:
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if first is None:  # a token's chunk (its text may be empty: part of a UTF-8 character)
                 first = time.perf_counter() - start
-            pieces.append(text)
+            pieces.append(choices[0].get("text", ""))
     if first is None:
         raise InvalidInputError(f"D at {url} streamed no token")
     return first, "".join(pieces)
