@@ -69,13 +69,14 @@ class Trace:
     wall: float = 0.0
     _t0: float = field(default_factory=time.monotonic, repr=False)
 
-    def stage(self, name: str, start: float, end: float | None = None) -> None:
-        """Add stage `name` from monotonic time `start` to `end` (now when None)."""
+    def stage(self, name: str, start: float, end: float | None = None) -> float:
+        """Add stage `name` from monotonic time `start` to `end` (now when None); returns `end`."""
         end = time.monotonic() if end is None else end
         if start < self._t0 and not self.stages:  # begun before the trace was made
             self.started -= self._t0 - start
             self._t0 = start
         self.stages.append([name, round(start - self._t0, 6), round(max(end - start, 0.0), 6)])
+        return end
 
     def extend(self, name: str, start: float, end: float | None = None) -> None:
         """Stage `name` again (a request gathered over several steps): one stage from its

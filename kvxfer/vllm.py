@@ -71,6 +71,7 @@ from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillSchedule
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
+from kvxfer.vllm_metrics import StatsReporting
 from kvxfer.wire import new_instance, prompt_digest
 
 if TYPE_CHECKING:
@@ -273,8 +274,8 @@ class FreedMetadata(KVConnectorWorkerMetadata):
         return FreedMetadata(self.freed | getattr(other, "freed", set()))
 
 
-class TPUConnector(KVConnectorBase_V1, SupportsHMA):
-    """kvxfer's P/D transfer for vLLM-TPU; see the module docstring."""
+class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
+    """kvxfer's P/D transfer for vLLM-TPU (stats: `kvxfer.vllm_metrics`); see the module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):

@@ -27,7 +27,7 @@ import enum
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -165,9 +165,8 @@ class DecodeTransport:
             self.handshakes.begin(peer, p.host, p.port, p.instance)
 
     def cancel(self, req_id: str) -> None:
-        """Stop keeping P's lease on an expected request D will not read (aborted, refused),
-        and tell P it may free its slots now (a `done`, sent by the next `poll`). `req_id` is
-        P's id, as the params name it; an id not expected is ignored."""
+        """Stop keeping P's lease on an expected request D will not read (aborted, refused): P
+        may free it (a `done`, sent by the next `poll`). `req_id` is P's; unknown ids are ignored."""
         if not isinstance(req_id, str):
             raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}")
         entry = self._expected.pop(req_id, None)
@@ -184,9 +183,8 @@ class DecodeTransport:
         read, before any state changes; never raises for a peer problem: the
         request is then reported failed by `poll`. Never waits for a peer: a
         P agent not yet connected is connected to in the background (`poll`
-        moves the handshake on) and the read is posted once it is. `trace`
-        gets the read's stages (`connect`, `read`, `ack`) and, if it fails, its
-        outcome.
+        moves the handshake on) and the read is posted once it is. `trace` gets
+        its stages (`connect`, `read`, `ack`) and, if it fails, its outcome.
         """
         if req_id in self._reads or req_id in self._zombies:
             raise InvalidInputError(f"request {req_id!r} is already being read")
@@ -201,8 +199,7 @@ class DecodeTransport:
         self._expected.pop(p.req_id, None)
         read = _Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,
-                     trace=trace or Trace(req_id, "D", p.req_id))
-        read.trace.p, read.trace.d = p.peer, self.config.name
+                     trace=trace or Trace(req_id, "D", p.req_id, p.peer, self.config.name))
         self._reads[req_id] = read
         try:
             past = [peer for peer in p.peers if self.peers.is_past(peer, p.instance)]
@@ -228,8 +225,7 @@ class DecodeTransport:
             self._drop_peer(state, f"params name instance {p.instance}; it does not answer")
             return
         if state is not True:
-            self._fail(read, state,
-                       "refused" if isinstance(state, LayoutMismatchError) else "peer_gone")
+            self._fail(read, state)
             return
         try:
             for source in p.sources or [Source(p.peer, 0, 1)]:
@@ -239,8 +235,7 @@ class DecodeTransport:
             self._fail(read, e, "refused")
             return
         read.waiting = False
-        read.mark = time.monotonic()
-        read.trace.stage("connect", read.started, read.mark)
+        read.mark = read.trace.stage("connect", read.started)
         for peer, span in read.plan.items():
             if span is not None:  # the leg reading this process's first units reads the tags
                 descriptors = functools.partial(_descriptors, self.peers.get(peer), self.stagings,
@@ -259,7 +254,7 @@ class DecodeTransport:
         slots are freed here.
         """
         now = time.monotonic() if now is None else now
-        if not self._posting():
+        if not _posting(self._reads.values()):
             self.handshakes.advance(now)
             for read in list(self._reads.values()):
                 if read.req_id not in self._reads:  # failed with a peer meanwhile
@@ -272,22 +267,13 @@ class DecodeTransport:
                     logger.warning("D %s read of %s timed out in states %s", self.config.name,
                                    read.req_id, {p: leg.state.value for p, leg in read.legs.items()})
                     self._fail(read, reason="deadline")
-            self._heartbeat(now)
             self.recorder.gauge("d_requests_waiting", len(self._reads) + len(self._expected))
-            self._say_cancelled()
+            self._heartbeat(now)
             self._zombies.reap()
             self._publication.tick()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
-
-    def _posting(self) -> bool:
-        """Whether the poster thread is inside NIXL. Over UCX `cma` a post copies the
-        bytes while holding the agent, so any NIXL call from this thread would wait for
-        the whole copy: `poll` leaves the agent alone until it is done (notifications
-        wait in UCX; deadlines are checked at the next poll)."""
-        return any(leg.posting is not None and not leg.posting.done()
-                   for read in self._reads.values() for leg in read.legs.values())
 
     def _advance(self, read: _Read) -> None:
         """Check `read`'s posted READs; once all are done, say done to every P agent."""
@@ -319,7 +305,7 @@ class DecodeTransport:
         if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
         if read.trace.stages[-1][0] == "connect":
-            self._trace_read(read)
+            _trace_read(read, self.recorder)
         if not _tags_match(self.stagings, read):
             logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
                            "altered, or not its own)", self.config.name, read.req_id)
@@ -335,18 +321,6 @@ class DecodeTransport:
                     self._fail(read, reason="peer_gone")
                     self._drop_peer(leg.peer, str(e))
                     return
-
-    def _trace_read(self, read: _Read) -> None:
-        """Every leg's READ is done: the `read` stage, from the first post to now, with what
-        the posts moved (the poster wrote `posted` into each leg before its future was done)."""
-        posted = [leg.posted for leg in read.legs.values() if leg.posted is not None]
-        start = min((t0 for t0, _, _, _ in posted), default=read.mark)
-        read.trace.stage("read", start)
-        for t0, t1, descriptors, nbytes in posted:
-            self.recorder.observe("d_post_s", t1 - t0)
-            read.trace.descriptors += descriptors
-            read.trace.wire_bytes += nbytes
-        read.mark = time.monotonic()
 
     def _on_ack(self, sender: str, msg: dict[str, Any]) -> None:
         req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
@@ -370,24 +344,19 @@ class DecodeTransport:
                          time.monotonic() - read.started)
 
     def _heartbeat(self, now: float) -> None:
-        """Extend P's leases of the requests D still wants (reading or expected)."""
-        wanted: dict[str, list[list[Any]]] = {}
-        for peers, req_id, generation in [*((r.legs, r.p_req_id, r.generation)
-                                            for r in self._reads.values()),
-                                          *((e[0], r, e[2]) for r, e in self._expected.items())]:
-            for peer in peers:
-                wanted.setdefault(peer, []).append([req_id, generation])
-        for peer, error in self.peers.heartbeat(wanted, now).items():
-            self._drop_peer(peer, error)
-
-    def _say_cancelled(self) -> None:
+        """Extend P's leases of the requests D still wants (reading or expected), and say
+        done for those cancelled."""
         cancelled, self._cancelled = self._cancelled, []
-        for peer, error in self.peers.say_done(cancelled, self.reader).items():
-            self._drop_peer(peer, error)
+        for say in (lambda: self.peers.heartbeat(_wanted(self._reads, self._expected), now),
+                    lambda: self.peers.say_done(cancelled, self.reader)):  # after those drops
+            for peer, error in say().items():
+                self._drop_peer(peer, error)
 
     def _fail(self, read: _Read, why: Exception | None = None, reason: str = "peer_gone") -> None:
         if self._reads.pop(read.req_id, None) is None:
             return
+        if isinstance(why, LayoutMismatchError):
+            reason = "refused"  # P's caches cannot land in D's
         read.trace.outcome = read.trace.outcome or reason
         if why is not None:
             logger.warning("D %s cannot read %s from %s: %s", self.config.name, read.req_id,
@@ -443,6 +412,40 @@ class _Zombies:
         for req_id in {r for r, _ in self._held} - {r for r, _ in still}:
             free_in_all(self.stagings, req_id)
         self._held = still
+
+
+def _wanted(reads: Mapping[str, _Read], expected: Mapping[str, tuple[list[str], str, int]]
+            ) -> dict[str, list[list[Any]]]:
+    """Per P agent, the `[P's request id, generation]` of each request D reads from it or
+    expects."""
+    wanted: dict[str, list[list[Any]]] = {}
+    for peers, req_id, generation in [*((r.legs, r.p_req_id, r.generation)
+                                        for r in reads.values()),
+                                      *((e[0], r, e[2]) for r, e in expected.items())]:
+        for peer in peers:
+            wanted.setdefault(peer, []).append([req_id, generation])
+    return wanted
+
+
+def _posting(reads: Iterable[_Read]) -> bool:
+    """Whether the poster thread is inside NIXL. Over UCX `cma` a post copies the bytes
+    while holding the agent, so any NIXL call from the engine's thread would wait for the
+    whole copy: `poll` leaves the agent alone until it is done (notifications wait in UCX;
+    deadlines are checked at the next poll)."""
+    return any(leg.posting is not None and not leg.posting.done()
+               for read in reads for leg in read.legs.values())
+
+
+def _trace_read(read: _Read, recorder: Recorder) -> None:
+    """Every leg's READ is done: the `read` stage, from the first post to now, with what the
+    posts moved (the poster wrote `posted` into each leg before its future was done)."""
+    posted = [leg.posted for leg in read.legs.values() if leg.posted is not None]
+    read.trace.stage("read", min((t0 for t0, _, _, _ in posted), default=read.mark))
+    for t0, t1, descriptors, nbytes in posted:
+        recorder.observe("d_post_s", t1 - t0)
+        read.trace.descriptors += descriptors
+        read.trace.wire_bytes += nbytes
+    read.mark = time.monotonic()
 
 
 def _settle_posts(read: _Read, who: str) -> None:
