@@ -43,7 +43,7 @@ expired), so the scheduler side reuses their slots; `has_pending_push_work`
 keeps P stepping, answering D, while any request is held.
 
 This module is imported by vLLM's API process too: it imports only vLLM's
-connector base classes at import time; JAX and NIXL load with the role.
+connector and metric base classes at import time; JAX and NIXL load with the role.
 """
 
 from __future__ import annotations
