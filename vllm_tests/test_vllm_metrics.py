@@ -126,6 +126,9 @@ def test_through_vllm_counts_and_bytes_equal_what_was_moved(pd):
     assert p_got["counters"]["p_requests_ok"] == 3
     assert p_got["counters"]["p_bytes"] == p_got["counters"]["p_blocks"] * block
     assert p_got["counters"]["p_blocks"] >= blocks
+    # P's scheduler side reports its staging: every slot back once D has read them all.
+    assert KvxferStats(p_got).gauge("p_staging_slots_in_use") == 0
+    assert KvxferStats(p_got).gauge("p_requests_held_for_d") == 0
     # vLLM's own consumers of the payload: the periodic log line and /metrics.
     logging = KVConnectorLogging(d.vllm_config.kv_transfer_config)
     for r in steps:
