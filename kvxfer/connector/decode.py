@@ -256,8 +256,9 @@ class DecodeConnector:
             else:
                 finished.append(req_id)
                 self._finish(req_id, load, "ok", 0, start)
-        self.recorder.gauge("d_staging_slots_in_use",
-                            sum(s.num_slots - s.num_free_slots for s in self.stagings))
+        if self._loads or loads or failed_ids:  # else no slot was taken or freed since
+            self.recorder.gauge("d_staging_slots_in_use",
+                                sum(s.num_slots - s.num_free_slots for s in self.stagings))
         return (groups[0] if single else groups), finished, failed_ids
 
     def _finish(self, req_id: str, load: _Load | None, outcome: str, recompute: int = 0,
