@@ -10,7 +10,8 @@ which imports `kvxfer.connector.scheduler`) loads neither JAX nor NIXL.
 Modules, in dependency order: `blocks`, `scheduler` (save plans), `slots`,
 `wire` (what P and D say), `layout`, `fingerprint`, `gather` (with its
 backends `_xla` and `_host_buffers`), `staging`, `pieces` and `multihost`
-(instances across hosts), `nixl` (the transport), `connector`, `vllm`, `cli`.
+(instances across hosts), `nixl` (the transport), `stats` (counters and traces),
+`connector`, `vllm` (with `vllm_metrics`), `cli`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.scheduler import GroupSpec, ScheduledRequest
+    from kvxfer.stats import Stats, Trace
 
 _LAZY = {
     "ConnectorConfig": "kvxfer.connector.config",
@@ -45,6 +47,8 @@ _LAZY = {
     "PrefillWorker": "kvxfer.connector.prefill",
     "SaveMeta": "kvxfer.connector.scheduler",
     "ScheduledRequest": "kvxfer.scheduler",
+    "Stats": "kvxfer.stats",
+    "Trace": "kvxfer.stats",
     "TransportConfig": "kvxfer.nixl.agent",
 }
 
@@ -63,6 +67,8 @@ __all__ = [
     "PrefillWorker",
     "SaveMeta",
     "ScheduledRequest",
+    "Stats",
+    "Trace",
     "TransferError",
     "TransportConfig",
 ]

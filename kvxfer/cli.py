@@ -195,13 +195,27 @@ def _emulate_cpu_devices(count: int = 8) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     _emulate_cpu_devices()
+    if (args.trace or args.no_stats) and args.what != "e2e":
+        raise InvalidInputError("--trace and --no-stats are options of `kvxfer bench e2e`")
+    if args.trace and args.no_stats:
+        raise InvalidInputError("--trace needs stats: give --trace or --no-stats, not both")
     module = importlib.import_module(_BENCHES[args.what])
-    result = module.run(verbose=False) if args.what == "nixl" else module.run()
+    if args.what == "e2e":
+        result = module.run(module.E2EConfig(stats=not args.no_stats, trace=args.trace))
+    else:
+        result = module.run(verbose=False) if args.what == "nixl" else module.run()
     if args.json:
         print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
+        return 1 if result.get("ok") is False else 0
+    traces = result.pop("traces", [])
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    if traces:
+        from kvxfer.bench.traces import table, timeline
+
+        print("\n".join(["", *table(traces)]))
+        png = timeline(traces, os.path.abspath("kvxfer-trace.png"))
+        print(f"timeline: {png}" if png else "timeline: not drawn (matplotlib is not installed)")
     return 1 if result.get("ok") is False else 0
 
 
@@ -260,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
     bench.add_argument("what", choices=sorted(_BENCHES))
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--trace", type=int, default=0, metavar="N",
+                       help="e2e: print the stages of the last N latency requests on P and D, "
+                            "and draw them in kvxfer-trace.png (with matplotlib)")
+    bench.add_argument("--no-stats", action="store_true",
+                       help="e2e: collect no counters or traces (what collecting costs)")
     bench.set_defaults(func=_cmd_bench)
     return parser
 

@@ -43,7 +43,7 @@ expired), so the scheduler side reuses their slots; `has_pending_push_work`
 keeps P stepping, answering D, while any request is held.
 
 This module is imported by vLLM's API process too: it imports only vLLM's
-connector base classes at import time; JAX and NIXL load with the role.
+connector and metric base classes at import time; JAX and NIXL load with the role.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillSchedule
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
+from kvxfer.vllm_metrics import StatsReporting
 from kvxfer.wire import new_instance, prompt_digest
 
 if TYPE_CHECKING:
@@ -273,8 +274,8 @@ class FreedMetadata(KVConnectorWorkerMetadata):
         return FreedMetadata(self.freed | getattr(other, "freed", set()))
 
 
-class TPUConnector(KVConnectorBase_V1, SupportsHMA):
-    """kvxfer's P/D transfer for vLLM-TPU; see the module docstring."""
+class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
+    """kvxfer's P/D transfer for vLLM-TPU (stats: `kvxfer.vllm_metrics`); see the module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):

@@ -240,6 +240,7 @@ class StepResult:
     new_tokens: dict[str, list[int]] = field(default_factory=dict)
     connector_output: KVConnectorOutput | None = None
     model_runner_output: ModelRunnerOutput | None = None
+    scheduler_stats: Any = None  # vLLM's SchedulerStats (with `log_stats=True`)
 
 
 class Engine:
@@ -265,6 +266,7 @@ class Engine:
         kv_connector: str = "TPUConnector",
         kv_connector_module_path: str = "kvxfer.vllm",
         engine_id: str | None = None,
+        log_stats: bool = False,
     ) -> None:
         self.block_size = block_size
         self.dtype = jnp.dtype(dtype)
@@ -323,7 +325,7 @@ class Engine:
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=sched_block_size, hash_block_size=hash_block_size, log_stats=False,
+            block_size=sched_block_size, hash_block_size=hash_block_size, log_stats=log_stats,
         )
         self.connector = self.scheduler.connector
 
@@ -493,6 +495,7 @@ class Engine:
 
         result = StepResult(scheduler_output=so, connector_output=kv_out, model_runner_output=mro)
         for eco in outs.values():
+            result.scheduler_stats = eco.scheduler_stats or result.scheduler_stats
             for o in eco.outputs:
                 if o.new_token_ids:
                     result.new_tokens.setdefault(o.request_id, []).extend(o.new_token_ids)

@@ -187,9 +187,9 @@ def test_prefix_cache_hit_on_d_reads_only_what_d_lacks(pd, monkeypatch):
     read = {}
     real = DecodeTransport.start_read
 
-    def spy(self, req_id, params, logical_ids):
+    def spy(self, req_id, params, logical_ids, *rest):
         read[req_id] = [list(k) for k in params.keys]
-        return real(self, req_id, params, logical_ids)
+        return real(self, req_id, params, logical_ids, *rest)
 
     monkeypatch.setattr(DecodeTransport, "start_read", spy)
     steps = decode(d, "b-d", second, p.prefill("b", second))

@@ -64,10 +64,10 @@ class Pair:
 
     def __init__(self, kernel_ratio=1, block_size=16, deadline=10.0, groups=None, shape=SHAPE,
                  p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), layers=2, verify=True,
-                 models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0):
+                 models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0, stats=True):
         n = next(_names)
         groups = groups or [GroupSpec(block_size)]
-        cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio)
+        cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio, stats=stats)
         devices = jax.devices()
         self.p_caches = [caches_on([devices[i] for i in p_devices], seed=1 + 10 * g,
                                    layers=layers, shape=shape) for g in range(len(groups))]
@@ -123,6 +123,16 @@ class Pair:
             f, x = self.get_finished()
             finished, failed = finished + f, failed + x
         return finished, failed
+
+    def wait_freed(self, count, timeout=20.0):
+        """Wait until P's serving thread has freed `count` requests; the ids freed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if len(self.freed) >= count:
+                    return list(self.freed)
+            time.sleep(0.005)
+        return list(self.freed)
 
     def load(self, req_id, params, d_ids, timeout=20.0):
         return self.load_all({req_id: (params, d_ids)}, 1, timeout)

@@ -30,6 +30,11 @@ would. Both sides have 8 layers of 2,048 blocks of `[16, 8, 2, 128]` bf16
 3. **Scatter.** 64 blocks into 256-block and 4,096-block caches on D's mesh:
    the cost must not grow with the cache.
 
+With `stats=False` neither side collects counters or traces (`ConnectorConfig.
+stats`), to measure what collecting costs; `trace=N` returns the P and D
+traces of the last N latency requests (`traces`), which `kvxfer bench e2e
+--trace N` prints as a table and draws as a timeline.
+
 The reference is numpy's copy of a 256 MiB buffer into another, measured in D's
 process before and after the stream (median); `*_over_memcpy` divide by it.
 """
@@ -74,6 +79,8 @@ class E2EConfig:
     scatter_caches: tuple[int, int] = (256, 4096)
     seed: int = 0
     timeout_s: float = 600.0
+    stats: bool = True
+    trace: int = 0
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -113,7 +120,8 @@ class _Prefill:
         self.cfg, self.out = cfg, out
         self.caches = _caches(cfg, cfg.tp_p, cfg.num_blocks, seed=1)
         self.conn = PrefillConnector(
-            ConnectorConfig(TransportConfig("P", lease_s=600.0), staging_blocks=cfg.num_blocks),
+            ConnectorConfig(TransportConfig("P", lease_s=600.0), staging_blocks=cfg.num_blocks,
+                            stats=cfg.stats),
             [GroupSpec(cfg.block_size)], self.caches)
         self.free = deque(range(1, cfg.num_blocks))
         self.pool, self.committed = len(self.free), 0
@@ -187,6 +195,8 @@ def _serve_p(cfg: E2EConfig, out: Any) -> None:
                     p.add(f"{msg['name']}{i}", prompt)
             elif "report" in msg:
                 say(out, forward_s=p.forward_s, save_s=p.save_s)
+            elif "traces" in msg:
+                say(out, traces=[t.to_dict() for t in p.conn.traces()[-msg["traces"]:]])
         p.step()
         if not p.busy:
             time.sleep(0.0005)
@@ -204,8 +214,8 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
 
     memcpy = [memcpy_gbps(_MEMCPY_BYTES)]
     caches = _caches(cfg, cfg.tp_d, cfg.num_blocks, seed=2)
-    conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks),
-                           caches)
+    conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks,
+                                           stats=cfg.stats), caches)
     free = deque(range(cfg.num_blocks - 1, 0, -1))  # D's ids differ from P's
     loads: dict[str, list[int]] = {}
     held: dict[str, float] = {}  # seconds the engine's thread spent in kvxfer while reading
@@ -219,6 +229,8 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
         for msg in msgs:
             if "params" in msg:
                 waiting.append(msg)
+            elif "traces" in msg:
+                say(out, traces=[t.to_dict() for t in conn.traces()[-msg["traces"]:]])
             elif "scatter" in msg:
                 memcpy.append(memcpy_gbps(_MEMCPY_BYTES))
                 say(out, memcpy_gbps=statistics.median(memcpy), **_scatter_figures(cfg))
@@ -363,6 +375,11 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
             holds.append(got["held_s"])
         lat_bytes = cdiv(cfg.latency_prompt, cfg.block_size) * cfg.layers * cfg.block_bytes
 
+        traces = []
+        if cfg.trace:
+            for proc in (p, d):
+                proc.send(traces=cfg.trace)
+                traces += proc.read()["traces"]
         d.send(scatter=True)
         figures = d.read()
     finally:
@@ -390,6 +407,8 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
         "stream_wall_s": round(wall, 3),
         "p_forward_s": round(forward_s, 3),
         "p_save_s": round(after["save_s"] - before["save_s"], 3),
+        "stats": cfg.stats,
+        **({"traces": traces} if cfg.trace else {}),
     }
 
 

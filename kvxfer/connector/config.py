@@ -19,12 +19,15 @@ class ConnectorConfig:
     - `staging_blocks`: kernel blocks per layer each group's host staging holds.
     - `kernel_ratio`: kernel blocks per logical (engine) block, for every group.
     - `verify_fingerprints`: D checks every received block against P's fingerprints.
+    - `stats`: collect counters, timings and traces (`stats()`, `traces()`); False
+      collects none (traces are still logged at DEBUG).
     """
 
     transport: TransportConfig
     staging_blocks: int = 4096
     kernel_ratio: int = 1
     verify_fingerprints: bool = True
+    stats: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, TransportConfig):
@@ -34,6 +37,7 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise InvalidInputError(f"ConnectorConfig {name} must be a positive int, got {value!r}")
-        if not isinstance(self.verify_fingerprints, bool):
-            raise InvalidInputError(
-                f"ConnectorConfig verify_fingerprints must be a bool, got {self.verify_fingerprints!r}")
+        for name in ("verify_fingerprints", "stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(
+                    f"ConnectorConfig {name} must be a bool, got {getattr(self, name)!r}")

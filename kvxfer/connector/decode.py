@@ -15,6 +15,7 @@ ids (`get_block_ids_with_load_errors`), and frees every slot it took.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,6 +31,7 @@ from kvxfer.errors import InvalidInputError, KvxferError, LayoutMismatchError
 from kvxfer.layout import CacheLayout, advertised, check_block_compatible
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.staging import Staging
+from kvxfer.stats import Recorder, Stats, Trace
 from kvxfer.wire import ReadParams
 
 __all__ = ["DecodeConnector"]
@@ -73,11 +75,13 @@ class DecodeConnector:
                  model: Mapping[str, Any] | None = None):
         self.hosts = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
+        self.recorder = Recorder(config.stats)
         self.transport = DecodeTransport(
             self.hosts.transport_config, self.stagings, advertised(self.layouts, model),
             layout_check=check_block_compatible, piece=self.hosts.piece,
-            reader=self.hosts.reader,
+            reader=self.hosts.reader, recorder=self.recorder,
         )
+        self._traces: dict[str, Trace] = {}  # loads under way (read, or held locally)
         self._loads: dict[str, _Load] = {}
         self._busy: list[dict[int, str]] = [{} for _ in self.layouts]  # per group: kernel id -> load
         self._load_errors: set[int] = set()
@@ -105,21 +109,28 @@ class DecodeConnector:
             if req_id in self._loads or req_id in self._refused or req_id in self._held_locally:
                 raise InvalidInputError(f"request {req_id!r} is already loading")
         for req_id, request in requests.items():
+            trace = Trace(req_id, "D", d=self.transport.config.name)
             try:
                 if not isinstance(request, LoadRequest):
                     raise InvalidInputError(f"request {req_id!r}: expected a LoadRequest, got "
                                             f"{request!r:.80}")
                 p, load = self._prepare(req_id, request)
+                trace.p_req_id, trace.p = p.req_id, p.peer
                 self._check_free(req_id, load)
                 if not any(load.keys):
                     self._held_locally.append(req_id)  # D has every block P sends
+                    self._traces[req_id] = trace
                     continue
-                self.transport.start_read(req_id, p, load.logical_ids)
+                self.transport.start_read(req_id, p, load.logical_ids, trace)
             except KvxferError as e:
                 logger.warning("D refuses request %s: %s", req_id, e)
                 self._refused.append(req_id)
-                self._load_errors.update(_table_ids(getattr(request, "table", ())))
+                ids = _table_ids(getattr(request, "table", ()))
+                self._load_errors.update(ids)
+                self.recorder.count("d_recompute_blocks", len(ids))
+                self.recorder.finish(trace, "refused")
                 continue
+            self._traces[req_id] = trace
             self._loads[req_id] = load
             for busy, ids in zip(self._busy, load.kernel_ids):
                 busy.update(dict.fromkeys(ids, req_id))
@@ -218,8 +229,10 @@ class DecodeConnector:
             self._load_errors.update(logical)
             self._pop_load(req_id)
             failed_ids.append(req_id)
+            self._finish(req_id, None, "other_process", len(logical))
         loads = {req_id: self._pop_load(req_id) for req_id in done if req_id in self._loads}
         bad: dict[str, str] = {}
+        start = time.monotonic()
         try:
             for g in range(len(self.layouts)):
                 old = groups[g]
@@ -229,15 +242,52 @@ class DecodeConnector:
             for req_id in loads:
                 self.transport.free(req_id)
         self.hosts.agree_bad(loads, bad)  # a block bad on one host is bad on every host
+        if loads:
+            self.recorder.observe("d_step_scatter_s", time.monotonic() - start)
         finished = local
+        for req_id in local:
+            self._finish(req_id, None, "ok")
         for req_id, load in loads.items():
             if req_id in bad:
                 logger.error("D request %s failed after its read: %s", req_id, bad[req_id])
                 self._load_errors.update(load.logical_ids)
                 failed_ids.append(req_id)
+                self._finish(req_id, load, "corruption", len(load.logical_ids), start)
             else:
                 finished.append(req_id)
+                self._finish(req_id, load, "ok", 0, start)
+        if self._loads or loads or failed_ids:  # else no slot was taken or freed since
+            self.recorder.gauge("d_staging_slots_in_use",
+                                sum(s.num_slots - s.num_free_slots for s in self.stagings))
         return (groups[0] if single else groups), finished, failed_ids
+
+    def _finish(self, req_id: str, load: _Load | None, outcome: str, recompute: int = 0,
+                scattered: float | None = None) -> None:
+        """A load ended: its trace's last stage (`scatter`, which checks the fingerprints as
+        the blocks land), its bytes, and its outcome (the transport's reason, if it failed
+        there) go to the recorder."""
+        trace = self._traces.pop(req_id, None)
+        if trace is None:
+            return
+        if scattered is not None:
+            trace.stage("scatter", scattered)
+        if load is not None:
+            trace.blocks = sum(len(keys) for keys in load.keys)
+            trace.bytes = sum(len(keys) * s.block_bytes * s.num_layers
+                              for keys, s in zip(load.keys, self.stagings))
+        if outcome != "ok" and trace.outcome not in (None, "cancelled"):
+            outcome = trace.outcome  # why the transport failed it
+        self.recorder.count("d_recompute_blocks", recompute)
+        self.recorder.finish(trace, outcome)
+
+    def stats(self, take: bool = False) -> Stats:
+        """Counters, totals and gauges since start (`kvxfer.stats.Stats`; the README lists
+        them); with `take`, also the series observed since the last take."""
+        return self.recorder.stats(take)
+
+    def traces(self) -> list[Trace]:
+        """The last finished loads' traces (a bounded ring), oldest first."""
+        return self.recorder.traces()
 
     def _write_group(self, g: int, caches: list[jax.Array], loads: Mapping[str, _Load],
                      bad: dict[str, str]) -> list[jax.Array]:

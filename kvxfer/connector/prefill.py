@@ -11,6 +11,7 @@ saved, the engine may free P's device blocks as soon as a request finishes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.slots import SlotMap
 from kvxfer.staging import Staging, block_tags
+from kvxfer.stats import Recorder, Stats, Trace
 from kvxfer.wire import Source
 
 __all__ = ["PrefillConnector", "PrefillWorker"]
@@ -48,10 +50,12 @@ class PrefillWorker:
                  instance: str | None = None, model: Mapping[str, Any] | None = None):
         self.hosts = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
+        self.recorder = Recorder(config.stats)
         self.transport = PrefillTransport(self.hosts.transport_config, self.stagings,
                                           advertised(self.layouts, model),
                                           instance=self.hosts.instance(instance),
-                                          piece=self.hosts.piece)
+                                          piece=self.hosts.piece, recorder=self.recorder)
+        self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
 
     @property
     def address(self) -> PeerAddress:
@@ -77,6 +81,7 @@ class PrefillWorker:
                 f"metadata is for P instance {meta.instance!r}, this worker serves "
                 f"{self.transport.instance!r}")
         groups, _ = per_group(caches, len(self.layouts))
+        start = time.monotonic()
         for g, group_caches in enumerate(groups):
             ids = [k for placed in meta.blocks.values() for _, k in placed[g]]
             if ids:
@@ -86,8 +91,36 @@ class PrefillWorker:
                 self.stagings[g].tags[slots] = np.concatenate([
                     block_tags(meta.secrets[req_id], g, [pos for pos, _ in placed[g]])
                     for req_id, placed in meta.blocks.items() if placed[g]])
+        if meta.blocks:
+            self._trace_gathers(meta, start)
         for req_id, generation in meta.holds.items():
-            self.transport.lease(req_id, generation)
+            self.transport.lease(req_id, generation, trace=self._traces.pop(req_id, None))
+
+    def _trace_gathers(self, meta: SaveMeta, start: float) -> None:
+        """Each request of the step waited for the step's gather: one `gather` stage per
+        request (summed over its steps), with its blocks and bytes."""
+        end = time.monotonic()
+        self.recorder.observe("p_step_gather_s", end - start)
+        for req_id, placed in meta.blocks.items():
+            trace = self._traces.get(req_id)
+            if trace is None:
+                trace = self._traces[req_id] = Trace(req_id, "P", req_id,
+                                                     p=self.transport.config.name)
+                while len(self._traces) > self.config.staging_blocks:  # aborted ones
+                    del self._traces[next(iter(self._traces))]
+            trace.extend("gather", start, end)
+            for g, staging in enumerate(self.stagings):
+                trace.blocks += len(placed[g])
+                trace.bytes += len(placed[g]) * staging.block_bytes * staging.num_layers
+
+    def stats(self, take: bool = False) -> Stats:
+        """Counters, totals and gauges since start (`kvxfer.stats.Stats`; the README lists
+        them); with `take`, also the series observed since the last take."""
+        return self.recorder.stats(take)
+
+    def traces(self) -> list[Trace]:
+        """The last finished transfers' traces (a bounded ring), oldest first."""
+        return self.recorder.traces()
 
     def poll(self) -> list[str]:
         """Requests D has read, or whose lease expired: their slots may be reused."""
@@ -190,6 +223,16 @@ class PrefillConnector:
         released = self.worker.hosts.released(self.worker.poll(), self.scheduler.held())
         self.scheduler.release(released)
         return released
+
+    def stats(self, take: bool = False) -> Stats:
+        """See `PrefillWorker.stats`; with the scheduler side's staging slots in use."""
+        stats = self.worker.stats(take)
+        stats.gauges.update(self.scheduler.gauges())
+        return stats
+
+    def traces(self) -> list[Trace]:
+        """See `PrefillWorker.traces`."""
+        return self.worker.traces()
 
     def close(self) -> None:
         self.worker.close()

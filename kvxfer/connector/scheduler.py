@@ -278,6 +278,11 @@ class PrefillScheduler:
         """Requests handed to D whose slots the worker has not yet freed."""
         return sorted(self._held)
 
+    def gauges(self) -> dict[str, float]:
+        """`p_staging_slots_in_use` (every group's) and `p_requests_held_for_d` now."""
+        used = sum(m.num_slots - m.num_free_slots for m in self.slot_maps)
+        return {"p_staging_slots_in_use": used, "p_requests_held_for_d": len(self._held)}
+
     def _free_slots(self, req_id: str, forget: bool = True) -> None:
         """Free a request's slots and, unless it is restarted (staged afresh under its
         secret), forget it."""

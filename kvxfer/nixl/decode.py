@@ -27,7 +27,7 @@ import enum
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,12 +36,13 @@ from typing import Any
 import numpy as np
 
 from kvxfer.blocks import coalesce_pairs, is_int
-from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
 from kvxfer.nixl.etcd import Publication
 from kvxfer.nixl.handshake import Handshakes
 from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
 from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
+from kvxfer.stats import Recorder, Trace
 from kvxfer.wire import ReadParams, Source, check_piece, is_generation, message_field
 
 __all__ = ["DecodeTransport", "LegState"]
@@ -66,6 +67,7 @@ class _Leg:
     handle: Any = None
     posting: Future | None = None  # the poster thread's `_post`, until `_advance` takes its handle
     state: LegState = LegState.XFER
+    posted: tuple[float, float, int, int] | None = None  # the poster's (start, end, descs, bytes)
 
 
 @dataclass
@@ -82,6 +84,8 @@ class _Read:
     plan: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # units per P agent
     waiting: bool = True  # for its peers: nothing posted yet
     d_slots: list[list[int]] = field(default_factory=list)  # per group, D's slots of `params.keys`
+    trace: Trace | None = None
+    mark: float = 0.0  # when the stage under way began (posted, done sent)
 
 
 class DecodeTransport:
@@ -100,6 +104,7 @@ class DecodeTransport:
       for whole blocks.
     - `reader`: `(rank, count)`: this D process among its instance's. P frees a
       request once all `count` have said done.
+    - `recorder`: where handshake timings go (`kvxfer.stats`); None: one of its own.
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class DecodeTransport:
         layout_check: LayoutCheck,
         piece: tuple[int, int, int] | None = None,
         reader: tuple[int, int] = (0, 1),
+        recorder: Recorder | None = None,
     ):
         self.config, self.stagings, self.layout = config, stagings_of(staging), dict(layout)
         self.piece = check_piece(piece)
@@ -122,7 +128,8 @@ class DecodeTransport:
         self._publication = Publication(self.agent, config)  # P fetches D's from etcd too
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
                            self.piece, on_ack=self._on_ack)
-        self.handshakes = Handshakes(self.peers)
+        self.recorder = recorder or Recorder()
+        self.handshakes = Handshakes(self.peers, self.recorder)
         self._reads: dict[str, _Read] = {}
         self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
         self._cancelled: list[tuple[str, list[str], str, int]] = []  # the same, to say done for
@@ -144,7 +151,7 @@ class DecodeTransport:
             return
         logger.warning("D %s drops peer %s: %s", self.config.name, peer, why)
         for read in [r for r in self._reads.values() if peer in r.legs and not r.waiting]:
-            self._fail(read)  # those still waiting connect afresh
+            self._fail(read, reason="peer_gone")  # those still waiting connect afresh
         self.peers.forget(peer)  # after its reads' posts have settled
 
     # -- reads
@@ -158,16 +165,16 @@ class DecodeTransport:
             self.handshakes.begin(peer, p.host, p.port, p.instance)
 
     def cancel(self, req_id: str) -> None:
-        """Stop keeping P's lease on an expected request D will not read (aborted, refused),
-        and tell P it may free its slots now (a `done`, sent by the next `poll`). `req_id` is
-        P's id, as the params name it; an id not expected is ignored."""
+        """Stop keeping P's lease on an expected request D will not read (aborted, refused): P
+        may free it (a `done`, sent by the next `poll`). `req_id` is P's; unknown ids are ignored."""
         if not isinstance(req_id, str):
             raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}")
         entry = self._expected.pop(req_id, None)
         if entry is not None:
             self._cancelled.append((req_id, *entry))
 
-    def start_read(self, req_id: str, params: ReadParams, logical_ids: Sequence[int]) -> None:
+    def start_read(self, req_id: str, params: ReadParams, logical_ids: Sequence[int],
+                   trace: Trace | None = None) -> None:
         """Post the READ of `req_id`'s blocks from P into D's staging, under P's keys.
 
         `logical_ids` are the engine's (D's) block ids the request's blocks
@@ -176,7 +183,8 @@ class DecodeTransport:
         read, before any state changes; never raises for a peer problem: the
         request is then reported failed by `poll`. Never waits for a peer: a
         P agent not yet connected is connected to in the background (`poll`
-        moves the handshake on) and the read is posted once it is.
+        moves the handshake on) and the read is posted once it is. `trace` gets
+        its stages (`connect`, `read`, `ack`) and, if it fails, its outcome.
         """
         if req_id in self._reads or req_id in self._zombies:
             raise InvalidInputError(f"request {req_id!r} is already being read")
@@ -190,7 +198,8 @@ class DecodeTransport:
                                     f"int block ids, got {logical_ids!r:.80}")
         self._expected.pop(p.req_id, None)
         read = _Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
-                     time.monotonic() + self.config.transfer_timeout_s, params=p)
+                     time.monotonic() + self.config.transfer_timeout_s, params=p,
+                     trace=trace or Trace(req_id, "D", p.req_id, p.peer, self.config.name))
         self._reads[req_id] = read
         try:
             past = [peer for peer in p.peers if self.peers.is_past(peer, p.instance)]
@@ -201,7 +210,7 @@ class DecodeTransport:
             read.legs = {peer: _Leg(peer, state=LegState.XFER if read.plan[peer] else
                                     LegState.READ) for peer in p.peers}
         except Exception as e:  # any failure here is this request's, not the engine's
-            self._fail(read, e)
+            self._fail(read, e, "refused")
             return
         self._try_post(read)
 
@@ -223,16 +232,18 @@ class DecodeTransport:
                 self.peers.check_source(p, source)
             read.d_slots = [s.assign(read.req_id, keys) for s, keys in zip(self.stagings, p.keys)]
         except Exception as e:
-            self._fail(read, e)
+            self._fail(read, e, "refused")
             return
         read.waiting = False
+        read.mark = read.trace.stage("connect", read.started)
         for peer, span in read.plan.items():
             if span is not None:  # the leg reading this process's first units reads the tags
                 descriptors = functools.partial(_descriptors, self.peers.get(peer), self.stagings,
                                                 self.piece, p.slots, read.d_slots, span,
                                                 span[0] == (self.piece or (0,))[0])
                 read.legs[peer].posting = self._poster.submit(
-                    _post, self.agent, peer, descriptors, read.req_id, self.config.name)
+                    _post, self.agent, read.legs[peer], descriptors, read.req_id,
+                    self.config.name)
 
     def poll(self, now: float | None = None) -> tuple[list[str], dict[str, list[int]]]:
         """Advance reads; returns `(finished, failed)` since the last call.
@@ -243,7 +254,7 @@ class DecodeTransport:
         slots are freed here.
         """
         now = time.monotonic() if now is None else now
-        if not self._posting():
+        if not _posting(self._reads.values()):
             self.handshakes.advance(now)
             for read in list(self._reads.values()):
                 if read.req_id not in self._reads:  # failed with a peer meanwhile
@@ -255,22 +266,14 @@ class DecodeTransport:
                 if now > read.deadline and read.req_id in self._reads:
                     logger.warning("D %s read of %s timed out in states %s", self.config.name,
                                    read.req_id, {p: leg.state.value for p, leg in read.legs.items()})
-                    self._fail(read)
+                    self._fail(read, reason="deadline")
+            self.recorder.gauge("d_requests_waiting", len(self._reads) + len(self._expected))
             self._heartbeat(now)
-            self._say_cancelled()
             self._zombies.reap()
             self._publication.tick()
         done, self._done = self._done, []
         failed, self._failed = self._failed, {}
         return done, failed
-
-    def _posting(self) -> bool:
-        """Whether the poster thread is inside NIXL. Over UCX `cma` a post copies the
-        bytes while holding the agent, so any NIXL call from this thread would wait for
-        the whole copy: `poll` leaves the agent alone until it is done (notifications
-        wait in UCX; deadlines are checked at the next poll)."""
-        return any(leg.posting is not None and not leg.posting.done()
-                   for read in self._reads.values() for leg in read.legs.values())
 
     def _advance(self, read: _Read) -> None:
         """Check `read`'s posted READs; once all are done, say done to every P agent."""
@@ -284,7 +287,7 @@ class DecodeTransport:
                 try:
                     leg.handle = posting.result()
                 except Exception as e:
-                    self._fail(read)
+                    self._fail(read, reason="peer_gone")
                     self._drop_peer(leg.peer, f"posting the READ of {read.req_id} failed: {e}")
                     return
             try:
@@ -296,15 +299,17 @@ class DecodeTransport:
                 _release(leg.handle)
                 leg.handle, leg.state = None, LegState.READ
             elif state == "ERR":
-                self._fail(read)
+                self._fail(read, reason="peer_gone")
                 self._drop_peer(leg.peer, f"READ of {read.req_id} failed")
                 return
         if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
+        if read.trace.stages[-1][0] == "connect":
+            _trace_read(read, self.recorder)
         if not _tags_match(self.stagings, read):
             logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
                            "altered, or not its own)", self.config.name, read.req_id)
-            self._fail(read)
+            self._fail(read, reason="binding")
             return
         for leg in read.legs.values():
             if leg.state is LegState.READ:
@@ -313,7 +318,7 @@ class DecodeTransport:
                                          read.generation, self.reader)
                     leg.state = LegState.ACK
                 except TransferError as e:
-                    self._fail(read)
+                    self._fail(read, reason="peer_gone")
                     self._drop_peer(leg.peer, str(e))
                     return
 
@@ -328,34 +333,31 @@ class DecodeTransport:
         if not ok:
             logger.warning("D %s: P %s no longer held %s (lease expired or P restarted)",
                            self.config.name, sender, read.req_id)
-            self._fail(read)
+            self._fail(read, reason="lease_expired")
             return
         read.legs[sender].state = LegState.OK
         if all(leg.state is LegState.OK for leg in read.legs.values()):
+            read.trace.stage("ack", read.mark)
             del self._reads[read.req_id]
             self._done.append(read.req_id)
             logger.debug("D %s read %s in %.4fs", self.config.name, read.req_id,
                          time.monotonic() - read.started)
 
     def _heartbeat(self, now: float) -> None:
-        """Extend P's leases of the requests D still wants (reading or expected)."""
-        wanted: dict[str, list[list[Any]]] = {}
-        for peers, req_id, generation in [*((r.legs, r.p_req_id, r.generation)
-                                            for r in self._reads.values()),
-                                          *((e[0], r, e[2]) for r, e in self._expected.items())]:
-            for peer in peers:
-                wanted.setdefault(peer, []).append([req_id, generation])
-        for peer, error in self.peers.heartbeat(wanted, now).items():
-            self._drop_peer(peer, error)
-
-    def _say_cancelled(self) -> None:
+        """Extend P's leases of the requests D still wants (reading or expected), and say
+        done for those cancelled."""
         cancelled, self._cancelled = self._cancelled, []
-        for peer, error in self.peers.say_done(cancelled, self.reader).items():
-            self._drop_peer(peer, error)
+        for say in (lambda: self.peers.heartbeat(_wanted(self._reads, self._expected), now),
+                    lambda: self.peers.say_done(cancelled, self.reader)):  # after those drops
+            for peer, error in say().items():
+                self._drop_peer(peer, error)
 
-    def _fail(self, read: _Read, why: Exception | None = None) -> None:
+    def _fail(self, read: _Read, why: Exception | None = None, reason: str = "peer_gone") -> None:
         if self._reads.pop(read.req_id, None) is None:
             return
+        if isinstance(why, LayoutMismatchError):
+            reason = "refused"  # P's caches cannot land in D's
+        read.trace.outcome = read.trace.outcome or reason
         if why is not None:
             logger.warning("D %s cannot read %s from %s: %s", self.config.name, read.req_id,
                            read.params.peers, why)
@@ -368,7 +370,7 @@ class DecodeTransport:
         instance failed it elsewhere): a read still in progress then stops, unreported."""
         if (read := self._reads.get(req_id)) is None:
             return free_in_all(self.stagings, req_id)
-        self._fail(read)  # its slots are freed once NIXL lets its transfers go
+        self._fail(read, reason="cancelled")  # its slots are freed once NIXL lets them go
         self._failed.pop(req_id, None)
 
     def pending(self) -> list[str]:
@@ -412,6 +414,40 @@ class _Zombies:
         self._held = still
 
 
+def _wanted(reads: Mapping[str, _Read], expected: Mapping[str, tuple[list[str], str, int]]
+            ) -> dict[str, list[list[Any]]]:
+    """Per P agent, the `[P's request id, generation]` of each request D reads from it or
+    expects."""
+    wanted: dict[str, list[list[Any]]] = {}
+    for peers, req_id, generation in [*((r.legs, r.p_req_id, r.generation)
+                                        for r in reads.values()),
+                                      *((e[0], r, e[2]) for r, e in expected.items())]:
+        for peer in peers:
+            wanted.setdefault(peer, []).append([req_id, generation])
+    return wanted
+
+
+def _posting(reads: Iterable[_Read]) -> bool:
+    """Whether the poster thread is inside NIXL. Over UCX `cma` a post copies the bytes
+    while holding the agent, so any NIXL call from the engine's thread would wait for the
+    whole copy: `poll` leaves the agent alone until it is done (notifications wait in UCX;
+    deadlines are checked at the next poll)."""
+    return any(leg.posting is not None and not leg.posting.done()
+               for read in reads for leg in read.legs.values())
+
+
+def _trace_read(read: _Read, recorder: Recorder) -> None:
+    """Every leg's READ is done: the `read` stage, from the first post to now, with what the
+    posts moved (the poster wrote `posted` into each leg before its future was done)."""
+    posted = [leg.posted for leg in read.legs.values() if leg.posted is not None]
+    read.trace.stage("read", min((t0 for t0, _, _, _ in posted), default=read.mark))
+    for t0, t1, descriptors, nbytes in posted:
+        recorder.observe("d_post_s", t1 - t0)
+        read.trace.descriptors += descriptors
+        read.trace.wire_bytes += nbytes
+    read.mark = time.monotonic()
+
+
 def _settle_posts(read: _Read, who: str) -> None:
     """Cancel a failed read's posts not started and wait for those under way, so every leg's
     transfer handle is known."""
@@ -429,10 +465,11 @@ def _settle_posts(read: _Read, who: str) -> None:
             leg.handle = posting.result()
 
 
-def _post(agent: Any, peer: str, descriptors: Callable[[], tuple[np.ndarray, np.ndarray]],
+def _post(agent: Any, leg: _Leg, descriptors: Callable[[], tuple[np.ndarray, np.ndarray]],
           req_id: str, who: str) -> Any:
-    """Post one READ from `peer` of `descriptors()` (on D's poster thread); returns its
-    transfer handle."""
+    """Post one READ from `leg.peer` of `descriptors()` (on D's poster thread); returns its
+    transfer handle. Writes only `leg.posted`, which the engine's thread reads once done."""
+    start, peer = time.monotonic(), leg.peer
     local, remote = descriptors()
     handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
                                    agent.get_xfer_descs(remote, "DRAM"), peer)
@@ -445,6 +482,7 @@ def _post(agent: Any, peer: str, descriptors: Callable[[], tuple[np.ndarray, np.
     if state == "ERR":
         _release(handle)
         raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer!r}")
+    leg.posted = (start, time.monotonic(), len(local), int(local[:, 1].sum()))
     logger.debug("D %s posted READ of %s from %s (%s descriptors)", who, req_id, peer,
                  len(local))
     return handle

@@ -22,6 +22,7 @@ from typing import Any
 from kvxfer.errors import KvxferError, TransferError
 from kvxfer.nixl.agent import send
 from kvxfer.nixl.peers import Peer, Peers
+from kvxfer.stats import Recorder
 from kvxfer.wire import ReadParams
 
 __all__ = ["Handshakes"]
@@ -45,13 +46,16 @@ class _Handshake:
     instance: str | None = None  # the P instance the params that asked for it name
     hello_sent: bool = False
     hello_at: float = 0.0
+    began: float = 0.0
 
 
 class Handshakes:
-    """The handshakes and probes of D's `Peers`, none of which waits."""
+    """The handshakes and probes of D's `Peers`, none of which waits; their times, failures
+    and retries go to `recorder` (`d_handshake_s`, `d_handshake_failures`, `d_handshake_retries`)."""
 
-    def __init__(self, peers: Peers):
+    def __init__(self, peers: Peers, recorder: Recorder | None = None):
         self.peers, self.agent, self.config = peers, peers.agent, peers.config
+        self.recorder = recorder or Recorder()
         self._under_way: dict[str, _Handshake] = {}
         # peer -> (until, the instance asked for, why): a P restarted since is tried afresh
         self._failed: dict[str, tuple[float, str | None, KvxferError]] = {}
@@ -86,7 +90,7 @@ class Handshakes:
         self._failed.pop(peer, None)
         self.peers.take_advert(peer)
         handshake = _Handshake(host, port, now + self.config.handshake_timeout_s,
-                               now + _REFETCH_S, instance)
+                               now + _REFETCH_S, instance, began=now)
         self._under_way[peer] = handshake
         try:
             if not self.config.uses_etcd and port == 0:
@@ -184,11 +188,13 @@ class Handshakes:
                 self.peers.forget(peer)
                 self.agent.fetch_remote_metadata(peer, *self._source(handshake))
                 handshake.hello_sent, handshake.refetch = False, now + _REFETCH_S
+                self.recorder.count("d_handshake_retries")
             return
         if isinstance(advert, TransferError):
             raise advert
         accepted = self.peers.connected(peer, advert)
         del self._under_way[peer]
+        self.recorder.observe("d_handshake_s", now - handshake.began)
         logger.debug("D %s connected to %s (instance %s) %s", self.config.name, peer,
                      accepted.instance, self._where(handshake))
 
@@ -213,6 +219,7 @@ class Handshakes:
     def _give_up(self, peer: str, error: Exception, now: float) -> None:
         handshake = self._under_way.pop(peer, None)
         self.peers.forget(peer)
+        self.recorder.count("d_handshake_failures")
         if not isinstance(error, KvxferError):
             where = self._where(handshake) if handshake else ""
             error = TransferError(f"handshake with peer {peer!r} {where} failed: {error}")

@@ -23,6 +23,7 @@ from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
 from kvxfer.nixl.etcd import Publication
 from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
+from kvxfer.stats import Recorder, Trace
 from kvxfer.wire import (
     ReadParams,
     check_piece,
@@ -43,6 +44,8 @@ class _Lease:
     generation: int
     expires: float
     done_by: set[int] = field(default_factory=set)  # D processes (readers) that said done
+    trace: Trace | None = None
+    held_at: float = 0.0
 
 
 class PrefillTransport:
@@ -60,6 +63,7 @@ class PrefillTransport:
     - `piece`: `(lo, hi, units)` for one process of a multi-host P, whose
       staging holds units `[lo, hi)` of each block (`kvxfer.pieces`); None
       for whole blocks.
+    - `recorder`: where finished leases' traces go (`kvxfer.stats`); None: one of its own.
 
     With several D processes (readers), P frees a request's slots once every
     one of them has said done (each names itself and their count), or when
@@ -68,8 +72,9 @@ class PrefillTransport:
 
     def __init__(self, config: TransportConfig, staging: Staging | Sequence[Staging],
                  layout: Mapping[str, Any], instance: str | None = None,
-                 piece: tuple[int, int, int] | None = None):
+                 piece: tuple[int, int, int] | None = None, recorder: Recorder | None = None):
         self.config, self.stagings, self.layout = config, stagings_of(staging), dict(layout)
+        self.recorder = recorder or Recorder()
         if instance is not None and (not isinstance(instance, str) or not instance):
             raise InvalidInputError(f"instance must be a non-empty str, got {instance!r}")
         self.piece = check_piece(piece)
@@ -119,14 +124,16 @@ class PrefillTransport:
         self.lease(req_id, params.generation, now)
         return params.to_dict()
 
-    def lease(self, req_id: str, generation: int, now: float | None = None) -> None:
+    def lease(self, req_id: str, generation: int, now: float | None = None,
+              trace: Trace | None = None) -> None:
         """Start `req_id`'s lease under a `generation` its params already name.
 
         For a caller that made the params itself (vLLM's scheduler process
         hands them out before the worker has saved the last chunk), and wrote
         the blocks' tags with their secret (`kvxfer.staging.block_tags`): the
         generation must be fresh for this instance, else a late `done` for an
-        earlier hold could free this one.
+        earlier hold could free this one. `trace`: the request's so far (its
+        gathers), finished with a `staged` stage when the lease ends.
         """
         now = time.monotonic() if now is None else now
         if req_id in self._leases:
@@ -135,7 +142,10 @@ class PrefillTransport:
             raise InvalidInputError(f"request {req_id!r}: generation {generation!r} is not "
                                     f"fresh (next is {self._next_generation})")
         self._next_generation = generation + 1
-        self._leases[req_id] = _Lease(generation, now + self.config.lease_s)
+        trace = trace or Trace(req_id, "P", req_id)
+        trace.p = self.config.name
+        self._leases[req_id] = _Lease(generation, now + self.config.lease_s, trace=trace,
+                                      held_at=time.monotonic())
         logger.debug("P %s holds %s gen %s", self.config.name, req_id, generation)
 
     def held(self) -> list[str]:
@@ -158,8 +168,9 @@ class PrefillTransport:
         self._publication.tick()  # D cannot find P until etcd holds P's record
         for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
             logger.debug("P %s lease of %s expired", self.config.name, req_id)
-            self._free(req_id)
+            self._free(req_id, "lease_expired")
         freed, self._freed = self._freed, []
+        self.recorder.gauge("p_requests_held", len(self._leases))
         return freed
 
     def _handle(self, sender: str, msg: dict[str, Any], now: float) -> None:
@@ -185,8 +196,9 @@ class PrefillTransport:
                   and lease.generation == generation)
             if ok:
                 lease.done_by.add(reader)
+                lease.trace.d = sender
                 if len(lease.done_by) >= readers:  # every D process has read its units
-                    self._free(req_id)
+                    self._free(req_id, "ok")
             logger.debug("P %s done %s gen %s from %s ok=%s", self.config.name, req_id,
                          generation, sender, ok)
             try:
@@ -219,10 +231,12 @@ class PrefillTransport:
                 del self._hellos[peer]
                 logger.warning("P %s: no metadata from %s, hello dropped", self.config.name, peer)
 
-    def _free(self, req_id: str) -> None:
-        del self._leases[req_id]
+    def _free(self, req_id: str, outcome: str) -> None:
+        lease = self._leases.pop(req_id)
         free_in_all(self.stagings, req_id)
         self._freed.append(req_id)
+        lease.trace.stage("staged", lease.held_at)
+        self.recorder.finish(lease.trace, outcome)
 
     def close(self) -> None:
         """Deregister staging and drop the agent (its listener stops with it)."""

@@ -1,0 +1,164 @@
+"""kvxfer's stats through vLLM: `KvxferStats` aggregation and `KvxferPromMetrics` series."""
+
+import functools
+import pickle
+import time
+
+import msgspec
+import pytest
+import test_vllm_connector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from test_vllm_connector import _prompt, decode
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorLogging,
+    KVConnectorProm,
+)
+
+from kvxfer.vllm import TPUConnector
+from kvxfer.vllm_metrics import HISTOGRAMS, KvxferStats
+
+LABELS = ["model_name", "engine"]
+pd = test_vllm_connector.pd  # the P/D pair fixture
+
+
+def _report(counters=None, series=None, gauges=None):
+    return KvxferStats({"counters": dict(counters or {}), "series": dict(series or {}),
+                        "gauges": dict(gauges or {})})
+
+
+def test_aggregate_adds_counters_extends_series_and_keeps_each_sources_latest_gauge():
+    worker0_step1 = _report({"d_requests_ok": 2, "d_bytes": 100}, {"d_read_s": [0.1, 0.2]},
+                            {"D-0": {"d_staging_slots_in_use": 8}})
+    worker1_step1 = _report({"d_requests_ok": 1, "d_bytes": 50}, {"d_read_s": [0.3]},
+                            {"D-1": {"d_staging_slots_in_use": 4}})
+    worker0_step2 = _report({"d_failed_deadline": 1}, {"d_read_s": [0.4]},
+                            {"D-0": {"d_staging_slots_in_use": 2}})
+    total = TPUConnector.build_kv_connector_stats()
+    for report in (worker0_step1, worker1_step1, worker0_step2):
+        total = total.aggregate(report)
+    assert total.data["counters"] == {"d_requests_ok": 3, "d_bytes": 150, "d_failed_deadline": 1}
+    assert sorted(total.data["series"]["d_read_s"]) == [0.1, 0.2, 0.3, 0.4]
+    assert total.gauge("d_staging_slots_in_use") == 2 + 4  # worker 0's latest, plus worker 1's
+    assert not total.is_empty()
+    total.reset()
+    assert total.is_empty() and TPUConnector.build_kv_connector_stats().is_empty()
+
+
+def test_reduce_summarizes_the_interval_for_the_log_line():
+    stats = _report({"d_requests_ok": 4, "d_requests_failed": 1, "d_bytes": 4 * 2**20,
+                     "d_failed_peer_gone": 1},
+                    {"d_read_s": [0.001, 0.002, 0.003, 0.002], "d_wall_s": [0.01] * 4})
+    summary = stats.reduce()
+    assert summary["D transfers"] == 4 and summary["D failed"] == 1 and summary["D MB"] == 4.0
+    assert summary["Avg read (ms)"] == 2.0 and summary["Read throughput (MB/s)"] == 500.0
+    assert summary["Failed peer_gone (D)"] == 1 and "P transfers" not in summary
+
+
+def test_the_payload_is_plain_data_that_crosses_processes():
+    stats = _report({"p_requests_ok": 1}, {"p_gather_s": [0.5]}, {"P": {"p_requests_held": 3}})
+    for codec in (pickle, msgspec.msgpack):
+        back = TPUConnector.build_kv_connector_stats(codec.decode(codec.encode(stats.data))
+                                                     if codec is msgspec.msgpack else
+                                                     codec.loads(codec.dumps(stats.data)))
+        assert back.data == stats.data
+
+
+def _registry_metric_types():
+    registry = CollectorRegistry()
+    return registry, {cls: functools.partial(cls, registry=registry)
+                      for cls in (Gauge, Counter, Histogram)}
+
+
+def test_build_prom_metrics_registers_and_observes_with_the_engine_labels(model_dir, engines):
+    engine = engines(model_dir, kv_role="kv_consumer", extra_config={"staging_blocks": 8})
+    registry, types = _registry_metric_types()
+    prom = TPUConnector.build_prom_metrics(engine.vllm_config, types, LABELS,
+                                           {0: ["m", "0"], 1: ["m", "1"]})
+    prom.observe(_report({"d_requests_ok": 2, "d_bytes": 4096, "d_failed_corruption": 1},
+                         {"d_read_s": [0.002, 0.004], "d_request_bytes": [2048, 2048]},
+                         {"D-0": {"d_requests_waiting": 3}}).data, engine_idx=1)
+    prom.observe(_report(gauges={"D-1": {"d_requests_waiting": 1}}).data, engine_idx=1)
+    one = {"model_name": "m", "engine": "1"}
+    value = registry.get_sample_value
+    assert value("vllm:kvxfer_read_time_seconds_count", one) == 2
+    assert value("vllm:kvxfer_read_time_seconds_sum", one) == pytest.approx(0.006)
+    assert value("vllm:kvxfer_bytes_transferred_sum", one) == 4096
+    assert value("vllm:kvxfer_num_transfers_total", {**one, "role": "D"}) == 2
+    assert value("vllm:kvxfer_kv_bytes_total", {**one, "role": "D"}) == 4096
+    assert value("vllm:kvxfer_num_failed_transfers_total",
+                 {**one, "role": "D", "reason": "corruption"}) == 1
+    assert value("vllm:kvxfer_requests_waiting", {**one, "role": "D"}) == 3 + 1
+    assert value("vllm:kvxfer_read_time_seconds_count", {"model_name": "m", "engine": "0"}) is None
+    names = {m.name for m in registry.collect()}
+    assert {f"vllm:kvxfer_{n}" for n in HISTOGRAMS} <= names
+
+
+def _stats_of(steps):
+    """Every step's kv_connector_stats (worker and scheduler side, as vLLM's scheduler
+    aggregated them), folded into one."""
+    total = TPUConnector.build_kv_connector_stats()
+    for r in steps:
+        data = r.scheduler_stats.kv_connector_stats if r.scheduler_stats else None
+        if data:
+            total = total.aggregate(TPUConnector.build_kv_connector_stats(data))
+    return total
+
+
+def test_through_vllm_counts_and_bytes_equal_what_was_moved(pd):
+    p, d = pd(log_stats=True, d=dict(log_stats=True))
+    prompts = {"a": _prompt(30, 50), "b": _prompt(31, 33), "c": _prompt(32, 70)}
+    steps = []
+    for req_id, prompt in prompts.items():
+        params = p.prefill(req_id, prompt)
+        steps += decode(d, f"{req_id}-d", prompt, params)
+    blocks = sum(-(-len(prompt) // d.block_size) for prompt in prompts.values())
+    staging = d.worker._worker._decode.staging
+    block = staging.block_bytes * staging.num_layers
+    got = _stats_of(steps).data["counters"]
+    assert got["d_requests_ok"] == 3 and got["d_blocks"] == blocks
+    assert got["d_bytes"] == blocks * block
+    deadline = time.monotonic() + 10
+    while p.call(p.engine.connector.has_pending_push_work):
+        assert time.monotonic() < deadline, "P never learned that D read its staging"
+        time.sleep(0.01)
+    time.sleep(0.05)  # a step after the release reports it
+    p_got = _stats_of(p.call(list, p.steps)).data
+    assert p_got["counters"]["p_requests_ok"] == 3
+    assert p_got["counters"]["p_bytes"] == p_got["counters"]["p_blocks"] * block
+    assert p_got["counters"]["p_blocks"] >= blocks
+    # P's scheduler side reports its staging: every slot back once D has read them all.
+    assert KvxferStats(p_got).gauge("p_staging_slots_in_use") == 0
+    assert KvxferStats(p_got).gauge("p_requests_held_for_d") == 0
+    # vLLM's own consumers of the payload: the periodic log line and /metrics.
+    logging = KVConnectorLogging(d.vllm_config.kv_transfer_config)
+    for r in steps:
+        if r.scheduler_stats and r.scheduler_stats.kv_connector_stats:
+            logging.observe(r.scheduler_stats.kv_connector_stats)
+    lines = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1 and "D transfers=3" in lines[0]
+    registry, types = _registry_metric_types()
+
+    class Prom(KVConnectorProm):
+        _gauge_cls, _counter_cls, _histogram_cls = types[Gauge], types[Counter], types[Histogram]
+
+    prom = Prom(d.vllm_config, LABELS, {0: ["toy", "0"]})
+    for r in steps:
+        if r.scheduler_stats and r.scheduler_stats.kv_connector_stats:
+            prom.observe(r.scheduler_stats.kv_connector_stats, 0)
+    labels = {"model_name": "toy", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvxfer_kv_bytes_total",
+                                     {**labels, "role": "D"}) == blocks * block
+    assert registry.get_sample_value("vllm:kvxfer_read_time_seconds_count", labels) == 3
+
+
+def test_through_vllm_a_p_gone_counts_as_a_failure_with_its_reason(pd):
+    p, d = pd(d=dict(log_stats=True, extra={"transfer_timeout_s": 3.0}))
+    prompt = _prompt(33, 40)
+    params = p.prefill("r", prompt)
+    p.stop()
+    p.engine.close()
+    steps = decode(d, "r-d", prompt, params)
+    got = _stats_of(steps).data["counters"]
+    assert got["d_requests_failed"] == 1 and got["d_failed_peer_gone"] == 1
+    assert got["d_recompute_blocks"] == -(-len(prompt) // d.block_size)
