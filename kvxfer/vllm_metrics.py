@@ -179,7 +179,8 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                           "corruption, binding, refused, lease_expired, other_process")
         self.kv_bytes = self._counter_cls(
             name="vllm:kvxfer_kv_bytes", labelnames=role,
-            documentation="KV bytes of delivered transfers (blocks x block bytes)")
+            documentation="KV bytes of finished transfers, blocks x block bytes: read into D's "
+                          "caches (D); staged, re-copied straddling blocks included (P)")
         self.recomputed = self._counter_cls(
             name="vllm:kvxfer_num_recomputed_blocks", labelnames=labelnames,
             documentation="D: blocks reported for recomputation (failed loads)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import urllib.request
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from serve_stack import TIMEOUT_S, post
 
 LOGPROB_TOL = 1e-3
+BLOCK = 64  # tokens per block: tpu-inference's page size for this model on CPU
 LENGTHS = [5, 63, 64, 65, 150, 400, 900]  # under a block, at its edges, to most of the 1,024 context
 
 
@@ -35,12 +37,31 @@ def _same_answer(got: dict, expected: dict) -> None:
         np.testing.assert_allclose([top_g[k] for k in top_e], list(top_e.values()), atol=LOGPROB_TOL)
 
 
-def _metric(url: str, name: str) -> float:
-    """The sum of a Prometheus counter's samples at `url`/metrics (0 when absent)."""
+def _metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus series' samples at `url`/metrics that carry `labels` (0 when
+    there are none)."""
     with urllib.request.urlopen(url + "/metrics", timeout=TIMEOUT_S) as response:
         lines = response.read().decode().splitlines()
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines
-               if line.startswith(name + "{") or line.startswith(name + " "))
+               if (line.startswith(name + "{") or line.startswith(name + " "))
+               and all(w in line.split("}")[0] for w in wanted))
+
+
+def _until(read, expected: float, timeout_s: float = 30.0) -> float:
+    """`read()` once it equals `expected` (stats reach /metrics a step or two later), or its
+    last value after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return value
+
+
+def _block_bytes(stack) -> int:
+    """One 64-token block of every layer, K and V, float32, head_dim padded to 128."""
+    config = json.loads((stack.dir.parent / "serve_tests-model" / "config.json").read_text())
+    return (config["num_hidden_layers"] * BLOCK * 2 * config["num_key_value_heads"]
+            * max(config["head_dim"], 128) * 4)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -88,6 +109,29 @@ def test_chat_completions_through_the_proxy_answer_as_p_alone(tp_stack):
     assert got["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
 
 
+def test_p_s_and_d_s_metrics_count_exactly_the_kv_that_moved(tp_stack):
+    """kvxfer's series in vLLM's /metrics: transfers and bytes (blocks x block bytes) on both."""
+    def counts():
+        return [_metric(url, f"vllm:kvxfer_{name}_total", role=role)
+                for url, role in ((tp_stack.p_url, "P"), (tp_stack.d_url, "D"))
+                for name in ("num_transfers", "kv_bytes")]
+
+    before = counts()
+    lengths = [100, 200, 300]
+    for n in lengths:  # fresh prompts: D reads every block of each
+        tp_stack.complete(tp_stack.proxy_url, _prompt(n, seed=1000 + n), max_tokens=2)
+    block = _block_bytes(tp_stack)
+    moved = sum(-(-n // BLOCK) for n in lengths) * block
+    settled = [before[0] + 3, before[2] + 3, before[3] + moved]  # P's bytes aside: see below
+    _until(lambda: [counts()[i] for i in (0, 2, 3)], settled)
+    after = counts()
+    figures = {"before": before, "after": after, "moved": moved}
+    assert after[0] - before[0] == 3 and after[2] - before[2] == 3, figures
+    assert after[3] - before[3] == moved, figures  # D: exactly the prompts' blocks
+    staged = after[1] - before[1]  # P: those blocks, and each straddling block again per chunk
+    assert staged >= moved and staged % block == 0, figures
+
+
 def test_p_killed_between_prefill_and_decode_is_recomputed_on_d(tp_stack):
     """Last: P stays dead. D's load fails and, under `kv_load_failure_policy=recompute`,
     D computes the prompt itself and answers as P did."""
@@ -95,6 +139,12 @@ def test_p_killed_between_prefill_and_decode_is_recomputed_on_d(tp_stack):
     alone = tp_stack.complete(tp_stack.p_url, prompt)
     prefill = tp_stack.complete(tp_stack.p_url, prompt, max_tokens=1,
                                 kv_transfer_params={"do_remote_decode": True})
+    failed = _metric(tp_stack.d_url, "vllm:kvxfer_num_failed_transfers_total", role="D")
     os.killpg(tp_stack.pid("P"), signal.SIGKILL)
     params = prefill["kv_transfer_params"]
     _same_answer(tp_stack.complete(tp_stack.d_url, prompt, kv_transfer_params=params), alone)
+    # The failure is counted under its reason: P's agent is gone (or never answered in time).
+    reasons = {reason: _metric(tp_stack.d_url, "vllm:kvxfer_num_failed_transfers_total",
+                               role="D", reason=reason) for reason in ("peer_gone", "deadline")}
+    assert _until(lambda: _metric(tp_stack.d_url, "vllm:kvxfer_num_failed_transfers_total",
+                                  role="D"), failed + 1) == failed + 1, reasons
