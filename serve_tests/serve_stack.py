@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +48,11 @@ class Stack:
 
     def pid(self, name: str) -> int:
         return int((self.dir / f"{name}.pid").read_text())
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """`n` token ids of the tiny model's vocabulary, none of them special."""
+    return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
 
 def post(url: str, body: dict, headers: dict | None = None) -> dict:

@@ -16,15 +16,12 @@ import urllib.request
 
 import numpy as np
 import pytest
-from serve_stack import TIMEOUT_S, post
+from serve_stack import TIMEOUT_S, post, random_prompt
 
 LOGPROB_TOL = 1e-3
 BLOCK = 64  # tokens per block: tpu-inference's page size for this model on CPU
 LENGTHS = [5, 63, 64, 65, 150, 400, 900]  # under a block, at its edges, to most of the 1,024 context
 
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()  # no special tokens
 
 
 def _same_answer(got: dict, expected: dict) -> None:
@@ -66,7 +63,7 @@ def _block_bytes(stack) -> int:
 
 @pytest.mark.parametrize("length", LENGTHS)
 def test_d_decodes_from_p_s_kv_as_p_answers_alone(tp_stack, length):
-    prompt = _prompt(length, seed=length)
+    prompt = random_prompt(length, seed=length)
     external = _metric(tp_stack.d_url, "vllm:external_prefix_cache_hits_total")
     got = tp_stack.complete(tp_stack.proxy_url, prompt)  # cold on P and on D
     # D took the prompt's KV from P instead of computing it.
@@ -75,7 +72,7 @@ def test_d_decodes_from_p_s_kv_as_p_answers_alone(tp_stack, length):
 
 
 def test_a_prompt_sent_twice_is_a_prefix_hit_on_d_and_answers_alike(tp_stack):
-    prompt = _prompt(300, seed=1)
+    prompt = random_prompt(300, seed=1)
     first = tp_stack.complete(tp_stack.proxy_url, prompt)
     local = _metric(tp_stack.d_url, "vllm:prefix_cache_hits_total")
     second = tp_stack.complete(tp_stack.proxy_url, prompt)
@@ -85,7 +82,7 @@ def test_a_prompt_sent_twice_is_a_prefix_hit_on_d_and_answers_alike(tp_stack):
 
 
 def test_streaming_through_the_proxy_gives_p_alone_s_text(tp_stack):
-    prompt = _prompt(200, seed=2)
+    prompt = random_prompt(200, seed=2)
     body = {"model": tp_stack.model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
             "stream": True}
     request = urllib.request.Request(tp_stack.proxy_url + "/v1/completions",
@@ -119,7 +116,7 @@ def test_p_s_and_d_s_metrics_count_exactly_the_kv_that_moved(tp_stack):
     before = counts()
     lengths = [100, 200, 300]
     for n in lengths:  # fresh prompts: D reads every block of each
-        tp_stack.complete(tp_stack.proxy_url, _prompt(n, seed=1000 + n), max_tokens=2)
+        tp_stack.complete(tp_stack.proxy_url, random_prompt(n, seed=1000 + n), max_tokens=2)
     block = _block_bytes(tp_stack)
     moved = sum(-(-n // BLOCK) for n in lengths) * block
     settled = [before[0] + 3, before[2] + 3, before[3] + moved]  # P's bytes aside: see below
@@ -135,7 +132,7 @@ def test_p_s_and_d_s_metrics_count_exactly_the_kv_that_moved(tp_stack):
 def test_p_killed_between_prefill_and_decode_is_recomputed_on_d(tp_stack):
     """Last: P stays dead. D's load fails and, under `kv_load_failure_policy=recompute`,
     D computes the prompt itself and answers as P did."""
-    prompt = _prompt(330, seed=3)
+    prompt = random_prompt(330, seed=3)
     alone = tp_stack.complete(tp_stack.p_url, prompt)
     prefill = tp_stack.complete(tp_stack.p_url, prompt, max_tokens=1,
                                 kv_transfer_params={"do_remote_decode": True})

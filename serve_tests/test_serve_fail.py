@@ -5,24 +5,19 @@ from __future__ import annotations
 import os
 import signal
 
-import numpy as np
-from serve_stack import http_error
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 500, n).tolist()
+from serve_stack import http_error, random_prompt
 
 
 def test_a_load_from_a_killed_p_is_an_error_and_d_keeps_serving(fail_stack):
-    prompt = _prompt(200, seed=5)
+    prompt = random_prompt(200, seed=5)
     before = fail_stack.complete(fail_stack.proxy_url, prompt)  # the pair works
     assert len(before["choices"][0]["token_ids"]) == 8
-    prefill = fail_stack.complete(fail_stack.p_url, _prompt(150, seed=6), max_tokens=1,
+    prefill = fail_stack.complete(fail_stack.p_url, random_prompt(150, seed=6), max_tokens=1,
                                   kv_transfer_params={"do_remote_decode": True})
     os.killpg(fail_stack.pid("P"), signal.SIGKILL)
 
     try:
-        answer = fail_stack.complete(fail_stack.d_url, _prompt(150, seed=6),
+        answer = fail_stack.complete(fail_stack.d_url, random_prompt(150, seed=6),
                                      kv_transfer_params=prefill["kv_transfer_params"])
     except Exception as e:  # an error status: what a client should see
         assert getattr(e, "code", 0) >= 400, e
