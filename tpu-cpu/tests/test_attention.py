@@ -90,3 +90,51 @@ def test_install_replaces_the_kernel_tpu_inference_calls():
     assert attention_interface.ragged_paged_attention is attention.ragged_paged_attention
     with pytest.raises(NotImplementedError, match="head_dim 128"):
         attention_interface.ragged_paged_attention_hd64()
+
+
+def test_matches_reference_on_metadata_padded_as_tpu_inference_pads_it_over_garbage():
+    # As tpu-inference's `_prepare_inputs` lays a step out: decodes first, then prefills and
+    # chunks; cu_q_lens repeats its last value, seq_lens is 0 and block-table rows are 0 for the
+    # unused sequence slots; a live row keeps stale page ids past the request's allocation. Every
+    # page no live sequence reads (page 0 included) holds NaN and Inf, as stale or uninitialised
+    # memory may: the kernel never reads them, and neither may the stand-in (0 * NaN is NaN).
+    q_lens, kv_lens = [1, 1, 13, 7], [17, 40, 13, 56]
+    rng = np.random.default_rng(3)
+    cu_q_lens = np.zeros(MAX_SEQS + 1, np.int32)
+    cu_q_lens[1:] = np.cumsum(q_lens + [0] * (MAX_SEQS - len(q_lens)))
+    lens = np.array(kv_lens + [0] * (MAX_SEQS - len(kv_lens)), np.int32)
+    table = np.zeros((MAX_SEQS, PAGES_PER_SEQ), np.int32)
+    free = list(rng.permutation(np.arange(1, PAGES)))
+    live_pages = set()
+    for i, kv in enumerate(kv_lens):
+        need = -(-kv // PAGE_SIZE)
+        table[i, :need] = [free.pop() for _ in range(need)]
+        live_pages |= set(table[i, :need].tolist())
+        table[i, need:] = rng.integers(0, PAGES, PAGES_PER_SEQ - need)  # stale ids
+    shape = get_kv_cache_shape(PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, jnp.float32)
+    cache = rng.standard_normal(shape).astype(np.float32)
+    for page in range(PAGES):
+        if page not in live_pages:
+            cache[page] = np.nan
+            cache[page, ::3] = np.inf
+    for i, kv in enumerate(kv_lens):  # the live pages' slots past kv_len: garbage too
+        last, used = table[i, (kv - 1) // PAGE_SIZE], (kv - 1) % PAGE_SIZE + 1
+        cache[last, used:] = np.nan
+    args = (
+        jnp.asarray(rng.standard_normal((TOKENS, Q_HEADS, HEAD_DIM)), jnp.float32),
+        jnp.asarray(rng.standard_normal((TOKENS, KV_HEADS, HEAD_DIM)), jnp.float32),
+        jnp.asarray(rng.standard_normal((TOKENS, KV_HEADS, HEAD_DIM)), jnp.float32),
+        jnp.asarray(cache),
+        jnp.asarray(lens),
+        jnp.asarray(table.reshape(-1)),
+        jnp.asarray(cu_q_lens),
+        jnp.asarray([2, 2, len(q_lens)], jnp.int32),
+    )
+    live = int(cu_q_lens[len(q_lens)])
+    (expected_out, expected_cache), (out, cache_out) = run_both(args, sm_scale=HEAD_DIM**-0.5)
+    assert not bool(jnp.isnan(expected_out[:live]).any())
+    assert not bool(jnp.isnan(out).any())
+    assert max_diff(out[:live], expected_out[:live]) < TOLERANCE[jnp.float32]
+    same = (cache_out == expected_cache) | (jnp.isnan(cache_out) & jnp.isnan(expected_cache))
+    assert bool(same.all())
+    assert float(jnp.max(jnp.abs(out[live:]))) == 0

@@ -129,6 +129,9 @@ def ragged_paged_attention(
     visible = visible[:, None, None, :]
     weights = jax.nn.softmax(jnp.where(visible, logits, mask_value), axis=-1)
     weights = jnp.where(visible, weights, 0.0)
+    # Slots past a sequence's kv_len (stale tokens, pages past its allocation, page 0 of padding
+    # rows) may hold anything, NaN included, and 0 * NaN is NaN: the kernel never reads them.
+    v = jnp.where((slot < kv_len[:, None])[:, :, None, None], v, 0.0)
     out = jnp.einsum("tkgs,tskd->tkgd", weights, v).reshape(num_tokens, num_q_heads, head_dim)
     if v_scale is not None:
         out = out * v_scale

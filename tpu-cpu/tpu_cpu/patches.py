@@ -7,8 +7,8 @@ tpu-inference reads device kinds while it builds its mesh), which is why the pla
 imports the platform class) is what calls `install()`.
 
 None of them touches the model's numerics or the KV cache: they answer questions a TPU would
-answer (topology, kind), drop TPU-only compiler options, and keep two unrelated torch-side
-imports from failing.
+answer (topology, kind), drop TPU-only compiler options, make host-to-device puts copy as they do
+on a TPU, and keep two unrelated torch-side imports from failing.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def install() -> None:
     patch_device_topology()
     patch_device_kind()
     patch_compile_options()
+    patch_device_put_copies_host_arrays()
     patch_torch_named_overloads()
     patch_torchvision_register_fake()
 
@@ -105,6 +106,41 @@ def patch_compile_options() -> None:
 
     get_compile_options._tpu_cpu = True
     compiler.get_compile_options = get_compile_options
+
+
+def patch_device_put_copies_host_arrays() -> None:
+    """Makes `jax.device_put` copy numpy arrays before putting them, so the result never aliases them.
+
+    Why: on a TPU, `device_put` always copies host memory into HBM. On JAX's CPU backend it may
+    wrap the numpy memory itself (zero-copy; e.g. any 1-D int32 view put with a
+    `PartitionSpec("data")` sharding on a 2-device mesh). tpu-inference builds every step's
+    inputs (token ids, positions, `query_start_loc`, `seq_lens`, block tables: one
+    `DeviceBuffer`) in persistent numpy buffers that it rewrites in place for the next step, and
+    with async scheduling (vLLM's default) it prepares step N+1 while step N still runs. Aliased,
+    step N's attention then reads step N+1's metadata halfway through: K/V land in the wrong slots
+    or pages, cached prefix pages are corrupted, and later requests, even single ones, come out
+    different (1e-2..1 in logprob) depending on what ran before. Copying restores TPU semantics.
+    Arrays already on a device, and calls that pass `may_alias`, are left alone.
+    """
+    import jax
+    import numpy as np
+
+    original = jax.device_put
+    if getattr(original, "_tpu_cpu", False):
+        return
+
+    def device_put(x, *args, **kwargs):
+        if kwargs.get("may_alias") is None:
+            # A private copy per call: whatever JAX then aliases is memory no one else writes.
+            # (`may_alias=False` alone still aliases some sharded puts in JAX 0.10.)
+            x = jax.tree_util.tree_map(
+                lambda leaf: np.array(leaf, copy=True) if isinstance(leaf, np.ndarray) else leaf, x
+            )
+        return original(x, *args, **kwargs)
+
+    device_put._tpu_cpu = True
+    device_put.__wrapped__ = original
+    jax.device_put = device_put
 
 
 class _MissingOverload:
