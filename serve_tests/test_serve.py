@@ -13,6 +13,7 @@ import os
 import signal
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -69,6 +70,16 @@ def test_d_decodes_from_p_s_kv_as_p_answers_alone(tp_stack, length):
     # D took the prompt's KV from P instead of computing it.
     assert _metric(tp_stack.d_url, "vllm:external_prefix_cache_hits_total") - external >= length - 1
     _same_answer(got, tp_stack.complete(tp_stack.p_url, prompt))
+
+
+def test_concurrent_requests_through_the_proxy_each_answer_as_p_alone(tp_stack):
+    """Six at once, of mixed lengths: batched on P and on D, each answers as P alone (the
+    test bed once drifted after such batches: tpu_cpu.patches' copying device_put)."""
+    prompts = [random_prompt(n, seed=2000 + n) for n in (5, 7, 30, 64, 100, 200)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: tp_stack.complete(tp_stack.proxy_url, p), prompts))
+    for prompt, answer in zip(prompts, answers):
+        _same_answer(answer, tp_stack.complete(tp_stack.p_url, prompt))
 
 
 def test_a_prompt_sent_twice_is_a_prefix_hit_on_d_and_answers_alike(tp_stack):
