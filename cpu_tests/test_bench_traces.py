@@ -40,7 +40,8 @@ def test_timeline_writes_a_png_where_matplotlib_is_installed(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["bench", "plan", "--trace", "2"],
-                                  ["bench", "e2e", "--trace", "2", "--no-stats"]])
+                                  ["bench", "e2e", "--trace", "2", "--no-stats"],
+                                  ["bench", "e2e", "--trace", "-1"]])
 def test_trace_flags_are_refused_where_they_do_not_apply(argv, capsys):
     assert cli.main(argv) == 2
     assert "--trace" in capsys.readouterr().err

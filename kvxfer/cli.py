@@ -197,6 +197,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     _emulate_cpu_devices()
     if (args.trace or args.no_stats) and args.what != "e2e":
         raise InvalidInputError("--trace and --no-stats are options of `kvxfer bench e2e`")
+    if args.trace < 0:
+        raise InvalidInputError(f"--trace takes a number of requests, 0 or more, got {args.trace}")
     if args.trace and args.no_stats:
         raise InvalidInputError("--trace needs stats: give --trace or --no-stats, not both")
     module = importlib.import_module(_BENCHES[args.what])
