@@ -35,8 +35,19 @@ def prefill(pr, req_id, table, tokens=32):
 
 
 def batch_transport_results(d, count):
-    """Hold the transport's results until `count` requests are done, so they reach one call."""
+    """Hold the transport's results (and the blocks that arrived) until `count` requests are
+    done, so they reach one call."""
     real, done, failed = d.transport.poll, [], {}
+    real_arrived, arrived, ready = d.transport.arrived, {}, []
+
+    def take_arrived():
+        arrived.update(real_arrived())
+        if not ready:
+            return {}
+        out = dict(arrived)
+        arrived.clear()
+        ready.clear()
+        return out
 
     def poll(now=None):
         got_done, got_failed = real(now)
@@ -47,9 +58,11 @@ def batch_transport_results(d, count):
         out = (list(done), dict(failed))
         done.clear()
         failed.clear()
+        ready.append(True)
         return out
 
     d.transport.poll = poll
+    d.transport.arrived = take_arrived
 
 
 def assert_d_holds(pr, d_ids, p_ids, group=0):

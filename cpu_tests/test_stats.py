@@ -54,7 +54,7 @@ def test_taking_the_series_returns_each_observation_once(pair):
     assert pr.d.stats().counters == taken.counters  # counters stay, since start
 
 
-def test_trace_of_a_request_has_every_stage_in_order_within_its_wall_time(pair):
+def test_trace_of_a_request_has_every_stage_within_its_wall_time_scatter_during_the_ack(pair):
     pr = pair()
     params = _staged(pr, "r", [1, 2, 3])
     pr.serve()
@@ -62,11 +62,12 @@ def test_trace_of_a_request_has_every_stage_in_order_within_its_wall_time(pair):
     (trace,) = pr.d.traces()
     assert (trace.req_id, trace.role, trace.outcome) == ("r", "D", "ok")
     assert trace.p == pr.p.transport.config.name and trace.d == pr.d.transport.config.name
-    assert [s[0] for s in trace.stages] == ["connect", "read", "ack", "scatter"]
-    ends = [start + duration for _, start, duration in trace.stages]
-    for (_, start, _), end_before in zip(trace.stages[1:], ends):
-        assert start >= end_before - 1e-6  # each stage starts once the one before it ended
-    assert sum(d for _, _, d in trace.stages) <= trace.wall and ends[-1] <= trace.wall + 1e-6
+    # D writes the blocks as soon as they are read and checked, while its `done` and P's
+    # ack travel: scatter lies within the ack stage, both after the read.
+    assert [s[0] for s in trace.stages] == ["connect", "read", "scatter", "ack"]
+    (_, c0, cd), (_, r0, rd), (_, s0, sd), (_, a0, ad) = trace.stages
+    assert r0 >= c0 + cd - 1e-6 and s0 >= r0 + rd - 1e-6 and a0 >= r0 + rd - 1e-6
+    assert max(start + d for _, start, d in trace.stages) <= trace.wall + 1e-6
     assert trace.bytes == 3 * pr.d.staging.block_bytes * pr.d.staging.num_layers
     pr.wait_freed(1)
     (p_trace,) = pr.p.traces()

@@ -25,11 +25,11 @@ from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.slots import SlotMap
 
-__all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "check_piece", "decode_message",
-           "encode_message", "is_generation", "message_field", "new_instance", "new_secret", "parse_sources",
-           "prompt_digest"]
+__all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "StreamParams", "check_piece",
+           "decode_message", "encode_message", "is_generation", "is_stream_id", "message_field",
+           "new_instance", "new_secret", "new_stream_id", "parse_sources", "prompt_digest"]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 _MAGIC = b"kvxfer:"
@@ -91,6 +91,18 @@ def new_secret(key: str | None = None, req_id: str = "", count: int = 0) -> str:
                            digest_size=16).hexdigest()
 
 
+def new_stream_id() -> str:
+    """A fresh stream id, 32 hex digits (128 bits from the OS's CSPRNG): what a router gives
+    P (`PrefillScheduler.add_request(..., stream=)`) and D (`StreamParams`) for one request,
+    so D can read its blocks while P still prefills it. Whoever knows it may read that
+    request's KV: it travels only to the P and the D of that request."""
+    return secrets.token_hex(16)
+
+
+def is_stream_id(value: object) -> bool:
+    return _is_hex(value, 32)
+
+
 def prompt_digest(token_ids: Sequence[int]) -> str:
     """A digest of a prompt's token ids (BLAKE2b, 128 bits, hex): what binds P's params to
     the prompt P computed, so D never takes them for another prompt."""
@@ -118,6 +130,43 @@ class Source:
     peer: str
     lo: int
     hi: int
+
+
+@dataclass(frozen=True)
+class StreamParams:
+    """What D needs to read a request while P still prefills it: P's agent and address and
+    the request's stream id (the router gave P the same id). P names each block as it
+    becomes final (`chunk` notifications), with the request's secret, instance and, with
+    its last chunk, the generation D's `done` names (`kvxfer.nixl.prefill`)."""
+
+    peer: str
+    host: str
+    port: int
+    stream: str
+
+    @classmethod
+    def parse(cls, params: object) -> StreamParams:
+        """Check every field; `InvalidInputError` naming the first bad one."""
+        if not isinstance(params, Mapping):
+            raise InvalidInputError(f"stream params must be a dict, got {type(params).__name__}")
+        checks: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+            ("peer", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
+            ("host", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
+            ("port", lambda v: is_int(v) and 0 <= v <= 65535, "an int port"),
+            ("stream", is_stream_id, "32 hex digits (a stream id)"))
+        for key, check, what in checks:
+            if not check(params.get(key)):
+                raise InvalidInputError(f"stream params field {key!r} must be {what}, "
+                                        f"got {params.get(key)!r:.80}")
+        return cls(params["peer"], params["host"], params["port"], params["stream"])
+
+    @staticmethod
+    def given(params: object) -> bool:
+        """Whether `params` ask for a stream (they name one) rather than P's finished params."""
+        return isinstance(params, Mapping) and "stream" in params and "groups" not in params
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peer": self.peer, "host": self.host, "port": self.port, "stream": self.stream}
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from kvxfer.layout import CacheLayout, advertised, check_block_compatible
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.staging import Staging
 from kvxfer.stats import Recorder, Stats, Trace
-from kvxfer.wire import ReadParams
+from kvxfer.wire import ReadParams, StreamParams
 
 __all__ = ["DecodeConnector"]
 
@@ -41,9 +41,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Load:
-    keys: list[list[int]]  # per group, P's kernel positions
+    keys: list[list[int]]  # per group, P's kernel positions (a stream's: those arrived so far)
     kernel_ids: list[list[int]]  # per group, D's kernel ids, aligned with keys
     logical_ids: list[int]  # D's logical ids, all groups: what a failure reports
+    tables: list[list[int]] | None = None  # a stream's: D's table per group, to place its blocks
 
 
 def _table_ids(table: object) -> list[int]:
@@ -96,7 +97,10 @@ class DecodeConnector:
     def start_load_kv(self, requests: Mapping[str, LoadRequest]) -> None:
         """Start reading each request: `{req_id: LoadRequest(params, table, have)}`.
 
-        Each block P sends lands in the entry of D's table at its position. A
+        Each block P sends lands in the entry of D's table at its position. With
+        `kvxfer.wire.StreamParams` as params, D reads the request while P still
+        prefills it, each block as soon as P names it final, and writes it into
+        the caches as it arrives (a D of one process). A
         request whose params or table are bad (or that is not a `LoadRequest`) is
         failed alone, reported by the next `get_finished`; a request id already
         loading raises `InvalidInputError` before anything starts.
@@ -114,6 +118,9 @@ class DecodeConnector:
                 if not isinstance(request, LoadRequest):
                     raise InvalidInputError(f"request {req_id!r}: expected a LoadRequest, got "
                                             f"{request!r:.80}")
+                if StreamParams.given(request.params):
+                    self._start_stream(req_id, request, trace)
+                    continue
                 p, load = self._prepare(req_id, request)
                 trace.p_req_id, trace.p = p.req_id, p.peer
                 self._check_free(req_id, load)
@@ -134,6 +141,53 @@ class DecodeConnector:
             self._loads[req_id] = load
             for busy, ids in zip(self._busy, load.kernel_ids):
                 busy.update(dict.fromkeys(ids, req_id))
+
+    def _start_stream(self, req_id: str, request: LoadRequest, trace: Trace) -> None:
+        """Subscribe to a streamed request: D's blocks past `have` are all reserved for it
+        (P names which it sends only as it goes), and fail with it."""
+        s = StreamParams.parse(request.params)
+        tables, have = self._tables(req_id, request)
+        load = _Load([[] for _ in tables], [], [], tables=tables)
+        for table, h, layout in zip(tables, have, self.layouts):
+            entries = [(i, b) for i, b in enumerate(table) if i >= h and b != NULL_BLOCK]
+            load.kernel_ids.append([k for _, k in kernel_placement(entries, layout.kernel_ratio)])
+            load.logical_ids += [b for _, b in entries if b not in load.logical_ids]
+        self._check_free(req_id, load)
+        trace.p = s.peer
+        self.transport.start_stream(req_id, s, load.logical_ids,
+                                    [h * layout.kernel_ratio for h, layout in zip(have, self.layouts)],
+                                    request.prompt, trace)
+        self._traces[req_id] = trace
+        self._loads[req_id] = load
+        for busy, ids in zip(self._busy, load.kernel_ids):
+            busy.update(dict.fromkeys(ids, req_id))
+        load.kernel_ids = [[] for _ in tables]  # those of the blocks arrived, aligned with keys
+
+    def _arrived(self, req_id: str, keys: list[list[int]]) -> _Load:
+        """What to write of `keys` (per group) of a load now in staging: for a stream, placed
+        in D's table now (and added to the load's)."""
+        load = self._loads[req_id]
+        if load.tables is None:
+            return load
+        part = _Load([], [], load.logical_ids)
+        for g, (group_keys, table, layout) in enumerate(zip(keys, load.tables, self.layouts)):
+            ratio = layout.kernel_ratio
+            try:
+                entries = table_entries(dict.fromkeys(k // ratio for k in group_keys), table)
+            except InvalidInputError as e:
+                raise InvalidInputError(f"request {req_id!r} group {g}: P sends a block D "
+                                        f"cannot place: {e}") from None
+            at = dict(kernel_placement(entries, ratio))
+            ids = [at[k] for k in group_keys]
+            bad = [k for k in ids if k >= layout.num_blocks]
+            if bad:
+                raise InvalidInputError(f"request {req_id!r} group {g}: D block ids past D's "
+                                        f"{layout.num_blocks // ratio} blocks")
+            part.keys.append(list(group_keys))
+            part.kernel_ids.append(ids)
+            load.keys[g] += group_keys
+            load.kernel_ids[g] += ids
+        return part
 
     def _check_free(self, req_id: str, load: _Load) -> None:
         """Refuse a load into D blocks another load still in progress writes into."""
@@ -163,18 +217,7 @@ class DecodeConnector:
                 f"request {req_id!r}: its params are for "
                 f"{'another prompt' if p.prompt else 'a prompt P was not given'}; D's prompt "
                 f"differs from the one P computed")
-        table, have = request.table, request.have
-        tables = [table] if len(self.layouts) == 1 and _is_id_list(table) else table
-        if (not isinstance(tables, (list, tuple)) or len(tables) != len(self.layouts)
-                or not all(_is_id_list(t) for t in tables)):
-            raise InvalidInputError(
-                f"request {req_id!r}: D's block table must be {len(self.layouts)} list(s) of "
-                f"non-negative int block ids, got {table!r:.120}")
-        have = [0] * len(self.layouts) if have is None else have
-        if (not isinstance(have, (list, tuple)) or len(have) != len(self.layouts)
-                or not all(is_int(h) and h >= 0 for h in have)):
-            raise InvalidInputError(f"request {req_id!r}: 'have' must be {len(self.layouts)} "
-                                    f"non-negative int(s), got {have!r:.80}")
+        tables, have = self._tables(req_id, request)
         load = _Load([], [], [])
         keep_keys, keep_slots = [], []
         logical: dict[int, None] = {}
@@ -204,6 +247,22 @@ class DecodeConnector:
         load.logical_ids = list(logical)
         return replace(p, keys=tuple(keep_keys), slots=tuple(keep_slots)), load
 
+    def _tables(self, req_id: str, request: LoadRequest) -> tuple[list[list[int]], list[int]]:
+        """D's block table per group, and how many leading entries of each D holds, checked."""
+        table, have = request.table, request.have
+        tables = [table] if len(self.layouts) == 1 and _is_id_list(table) else table
+        if (not isinstance(tables, (list, tuple)) or len(tables) != len(self.layouts)
+                or not all(_is_id_list(t) for t in tables)):
+            raise InvalidInputError(
+                f"request {req_id!r}: D's block table must be {len(self.layouts)} list(s) of "
+                f"non-negative int block ids, got {table!r:.120}")
+        have = [0] * len(self.layouts) if have is None else have
+        if (not isinstance(have, (list, tuple)) or len(have) != len(self.layouts)
+                or not all(is_int(h) and h >= 0 for h in have)):
+            raise InvalidInputError(f"request {req_id!r}: 'have' must be {len(self.layouts)} "
+                                    f"non-negative int(s), got {have!r:.80}")
+        return [list(t) for t in tables], list(have)
+
     def get_finished(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
                      ) -> tuple[Any, list[str], list[str]]:
         """Advance reads; scatter the completed ones into the caches.
@@ -223,6 +282,10 @@ class DecodeConnector:
                                           f"was built for {layout}")
         done, failed = self.hosts.agree_reads(*self.transport.poll(), self._loads,
                                               self.transport.free)
+        # One process writes blocks as they arrive (while the ack travels, or P prefills the
+        # rest of a stream); across hosts, once every process has all of them.
+        early = self.hosts.piece is None
+        arrived = self.transport.arrived() if early else {}
         failed_ids, self._refused = self._refused, []
         local, self._held_locally = self._held_locally, []
         for req_id, logical in failed.items():
@@ -230,47 +293,64 @@ class DecodeConnector:
             self._pop_load(req_id)
             failed_ids.append(req_id)
             self._finish(req_id, None, "other_process", len(logical))
-        loads = {req_id: self._pop_load(req_id) for req_id in done if req_id in self._loads}
         bad: dict[str, str] = {}
+        writes: dict[str, _Load] = {}
+        for req_id, keys in arrived.items():
+            if req_id in self._loads:
+                try:
+                    writes[req_id] = self._arrived(req_id, keys)
+                except KvxferError as e:
+                    bad[req_id] = str(e)
+        loads = {req_id: self._pop_load(req_id) for req_id in done if req_id in self._loads}
+        if not early:
+            writes = dict(loads)
         start = time.monotonic()
         try:
             for g in range(len(self.layouts)):
                 old = groups[g]
-                groups[g] = self._write_group(g, old, loads, bad)
+                groups[g] = self._write_group(g, old, writes, bad)
                 _follow_donations([c for h, c in enumerate(groups) if h != g], old, groups[g])
         finally:
             for req_id in loads:
                 self.transport.free(req_id)
-        self.hosts.agree_bad(loads, bad)  # a block bad on one host is bad on every host
-        if loads:
-            self.recorder.observe("d_step_scatter_s", time.monotonic() - start)
+        self.hosts.agree_bad(writes, bad)  # a block bad on one host is bad on every host
+        if writes:
+            end = time.monotonic()
+            self.recorder.observe("d_step_scatter_s", end - start)
+            for req_id in writes:
+                if req_id in self._traces:
+                    self._traces[req_id].extend("scatter", start, end)
         finished = local
         for req_id in local:
             self._finish(req_id, None, "ok")
+        for req_id in [r for r in bad if r not in loads and r in self._loads]:
+            logger.error("D request %s failed as its blocks arrived: %s", req_id, bad[req_id])
+            self.transport.free(req_id)  # stops its read
+            load = self._pop_load(req_id)
+            self._load_errors.update(load.logical_ids)
+            failed_ids.append(req_id)
+            self._finish(req_id, load, "corruption", len(load.logical_ids))
         for req_id, load in loads.items():
             if req_id in bad:
                 logger.error("D request %s failed after its read: %s", req_id, bad[req_id])
                 self._load_errors.update(load.logical_ids)
                 failed_ids.append(req_id)
-                self._finish(req_id, load, "corruption", len(load.logical_ids), start)
+                self._finish(req_id, load, "corruption", len(load.logical_ids))
             else:
                 finished.append(req_id)
-                self._finish(req_id, load, "ok", 0, start)
-        if self._loads or loads or failed_ids:  # else no slot was taken or freed since
+                self._finish(req_id, load, "ok", 0)
+        if self._loads or loads or failed_ids or writes:  # else no slot was taken or freed since
             self.recorder.gauge("d_staging_slots_in_use",
                                 sum(s.num_slots - s.num_free_slots for s in self.stagings))
         return (groups[0] if single else groups), finished, failed_ids
 
-    def _finish(self, req_id: str, load: _Load | None, outcome: str, recompute: int = 0,
-                scattered: float | None = None) -> None:
-        """A load ended: its trace's last stage (`scatter`, which checks the fingerprints as
-        the blocks land), its bytes, and its outcome (the transport's reason, if it failed
+    def _finish(self, req_id: str, load: _Load | None, outcome: str, recompute: int = 0) -> None:
+        """A load ended: its trace (whose `scatter` stages checked the fingerprints as the
+        blocks landed), its bytes, and its outcome (the transport's reason, if it failed
         there) go to the recorder."""
         trace = self._traces.pop(req_id, None)
         if trace is None:
             return
-        if scattered is not None:
-            trace.stage("scatter", scattered)
         if load is not None:
             trace.blocks = sum(len(keys) for keys in load.keys)
             trace.bytes = sum(len(keys) * s.block_bytes * s.num_layers

@@ -81,6 +81,8 @@ class PrefillWorker:
                 f"metadata is for P instance {meta.instance!r}, this worker serves "
                 f"{self.transport.instance!r}")
         groups, _ = per_group(caches, len(self.layouts))
+        for req_id in meta.cancels:
+            self.transport.cancel_stream(req_id)
         start = time.monotonic()
         for g, group_caches in enumerate(groups):
             ids = [k for placed in meta.blocks.values() for _, k in placed[g]]
@@ -95,6 +97,13 @@ class PrefillWorker:
             self._trace_gathers(meta, start)
         for req_id, generation in meta.holds.items():
             self.transport.lease(req_id, generation, trace=self._traces.pop(req_id, None))
+        for req_id, (stream, prompt) in meta.streams.items():
+            final = meta.final[req_id]
+            slot_of = [dict(zip([pos for pos, _ in placed], slots))
+                       for placed, slots in zip(meta.blocks[req_id], meta.slots[req_id])]
+            self.transport.publish(req_id, stream, meta.secrets[req_id], prompt, final,
+                                   [[at[k] for k in keys] for at, keys in zip(slot_of, final)],
+                                   last=req_id in meta.holds)
 
     def _trace_gathers(self, meta: SaveMeta, start: float) -> None:
         """Each request of the step waited for the step's gather: one `gather` stage per
@@ -192,9 +201,10 @@ class PrefillConnector:
         return self.scheduler.slot_maps[0]
 
     def add_request(self, req_id: str, num_prompt_tokens: int,
-                    prompt_token_ids: Sequence[int] | None = None) -> None:
+                    prompt_token_ids: Sequence[int] | None = None,
+                    stream: str | None = None) -> None:
         """See `PrefillScheduler.add_request`."""
-        self.scheduler.add_request(req_id, num_prompt_tokens, prompt_token_ids)
+        self.scheduler.add_request(req_id, num_prompt_tokens, prompt_token_ids, stream)
 
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
         """See `PrefillScheduler.build_connector_meta`."""

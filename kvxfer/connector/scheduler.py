@@ -25,7 +25,15 @@ from kvxfer.errors import (
 )
 from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.slots import SlotMap
-from kvxfer.wire import ReadParams, Source, new_instance, new_secret, parse_sources, prompt_digest
+from kvxfer.wire import (
+    ReadParams,
+    Source,
+    is_stream_id,
+    new_instance,
+    new_secret,
+    parse_sources,
+    prompt_digest,
+)
 
 __all__ = ["LoadRequest", "PeerAddress", "Placed", "PrefillScheduler", "SaveMeta"]
 
@@ -48,6 +56,11 @@ class SaveMeta:
       started under it);
     - `secrets[req_id]`: the secret of each request with blocks this step, which
       the worker derives the blocks' tags from (`kvxfer.staging.block_tags`).
+    - `streams[req_id]`: `[stream id, prompt digest or None]` of a streamed request
+      with blocks this step; `final[req_id][g]`: the kernel positions of group `g`,
+      among this step's, that no later step copies again (the worker names them to
+      D now); `cancels`: streamed requests P gave up on (aborted, or preempted)
+      whose slots the worker frees once their D let go of them.
 
     Plain data (ints, strs, lists): it crosses vLLM's scheduler -> worker
     boundary as `KVConnectorMetadata`.
@@ -58,6 +71,9 @@ class SaveMeta:
     slots: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)
+    streams: dict[str, list[str | None]] = field(default_factory=dict)
+    final: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    cancels: list[str] = field(default_factory=list)
 
     @property
     def completed(self) -> set[str]:
@@ -167,19 +183,30 @@ class PrefillScheduler:
         self._key = secret_key or secrets.token_hex(32)
         self._added = itertools.count()
         self._prompts: dict[str, str] = {}  # the prompt digest of those given their prompt
+        self._streams: dict[str, tuple[str, int]] = {}  # streamed: (stream id, prompt tokens)
+        self._cancels: list[str] = []  # streams given up on, for the next meta
 
     def add_request(self, req_id: str, num_prompt_tokens: int,
-                    prompt_token_ids: Sequence[int] | None = None) -> None:
+                    prompt_token_ids: Sequence[int] | None = None,
+                    stream: str | None = None) -> None:
         """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
 
         With `prompt_token_ids`, its params carry their `prompt_digest`, and a D
         that knows its own prompt refuses params computed for another one.
-        Refused while P still holds a request of that id (being prefilled,
-        staged, or waiting for D): its params could otherwise read the new
-        prefill's blocks.
+        With `stream` (a `kvxfer.wire.new_stream_id` the router also gave D), D
+        may read each block as soon as it is final, while P still prefills the
+        rest (`kvxfer.wire.StreamParams`); its params are made as usual, for a D
+        that does not stream. Refused while P still holds a request of that id
+        (being prefilled, staged, or waiting for D): its params could otherwise
+        read the new prefill's blocks.
         """
         if not isinstance(req_id, str) or not req_id:
             raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
+        if stream is not None and not is_stream_id(stream):
+            raise InvalidInputError(f"request {req_id!r}: stream must be None or 32 hex digits "
+                                    f"(kvxfer.wire.new_stream_id), got {stream!r:.80}")
+        if stream is not None and any(s == stream for s, _ in self._streams.values()):
+            raise InvalidInputError(f"request {req_id!r}: stream {stream} is another request's")
         if self.holds(req_id):
             raise InvalidInputError(
                 f"request {req_id!r} is still held on P for D; it cannot be added again until "
@@ -195,6 +222,8 @@ class PrefillScheduler:
         self._secrets[req_id] = new_secret(self._key, req_id, next(self._added))
         if digest is not None:
             self._prompts[req_id] = digest
+        if stream is not None:
+            self._streams[req_id] = (stream, num_prompt_tokens)
 
     def holds(self, req_id: str) -> bool:
         """Whether P still holds a request of this id (being prefilled, staged, or waiting
@@ -209,6 +238,11 @@ class PrefillScheduler:
         scheduled = list(scheduled)
         meta = SaveMeta(instance=self.instance)
         restarted = {s.req_id for s in scheduled if s.full_table and s.req_id in self.tracker}
+        for req_id in restarted & self._held:  # D may have read its blocks: it cannot restage
+            logger.warning("P drops streamed request %s, preempted mid-prefill; D will compute "
+                           "its prompt", req_id)
+            self.abort(req_id)
+        ends = {s.req_id: s.num_computed_tokens + s.num_scheduled_tokens for s in scheduled}
         for req_id, groups in self.tracker.plan_placed(scheduled).items():
             if req_id in restarted:  # new, or resumed after preemption: staged afresh
                 self._free_slots(req_id, forget=False)
@@ -222,9 +256,30 @@ class PrefillScheduler:
                 continue
             meta.blocks[req_id], meta.slots[req_id] = placed, slots
             meta.secrets[req_id] = self._secrets[req_id]
+            if req_id in self._streams and (any(placed) or (
+                    req_id in self._held and req_id not in self.tracker)):
+                self._stream_step(req_id, placed, ends[req_id], meta)
             if req_id not in self.tracker:  # its prefill completes this step
                 self._complete(req_id, meta)
+        meta.cancels, self._cancels = self._cancels, []
         return meta
+
+    def _stream_step(self, req_id: str, placed: tuple[Placed, ...], end: int,
+                     meta: SaveMeta) -> None:
+        """Name the blocks of a streamed request no later step copies again: whole blocks
+        before the chunk's end (the straddling one waits for the chunk that completes
+        it), every block once the prompt is done. From its first staged block D may read
+        its slots, so they are held for D from then on."""
+        stream, prompt = self._streams[req_id]
+        done = req_id not in self.tracker
+        final = []
+        for spec, blocks in zip(self.tracker.groups, placed):
+            tpb = spec.tokens_per_block
+            final.append([pos for pos, _ in blocks if done or (
+                spec.kind != "mamba" and (pos // self.kernel_ratio + 1) * tpb <= min(end, prompt))])
+        meta.streams[req_id] = [stream, self._prompts.get(req_id)]
+        meta.final[req_id] = tuple(final)
+        self._held.add(req_id)
 
     def _complete(self, req_id: str, meta: SaveMeta) -> None:
         a = self.address
@@ -254,10 +309,15 @@ class PrefillScheduler:
         return self._params.pop(req_id, None)
 
     def abort(self, req_id: str) -> None:
-        """Drop an aborted request's plan state and slots (not those D may be reading)."""
+        """Drop an aborted request's plan state and slots (not those D may be reading: a
+        streamed request's are freed once the worker says its D let go of them)."""
+        streaming = req_id in self.tracker and req_id in self._held
         self.tracker.abort(req_id)
         self._params.pop(req_id, None)
-        if req_id not in self._held:
+        self._streams.pop(req_id, None)
+        if streaming:
+            self._cancels.append(req_id)
+        elif req_id not in self._held:
             self._free_slots(req_id)
 
     def release(self, freed: Iterable[str]) -> None:
@@ -289,6 +349,7 @@ class PrefillScheduler:
         if forget:
             self._secrets.pop(req_id, None)
             self._prompts.pop(req_id, None)
+            self._streams.pop(req_id, None)
         for m in self.slot_maps:
             if req_id in m:
                 m.free(req_id)

@@ -19,6 +19,15 @@ whole; of replicas, the one its rank picks), and sends `done` to every P
 process of the request, read from or not, so each frees its slots; the read
 finishes once all of them have acked. Whether every D process finished is
 the engine's to agree on (`kvxfer.connector`).
+
+Streams (`start_stream`). D subscribes to P with the request's stream id
+(`want`, once connected) and reads each `chunk` of blocks P names final, one
+READ at a time (chunks that arrived meanwhile in one), checking each
+chunk's tags as it lands; after the last chunk it says `done` under the
+generation P named with it. Each chunk moves the read's deadline on. Every
+read's blocks, streamed or not, are reported as they arrive and check
+(`arrived`), before `done` is even sent: the caller may write them out while
+the ack travels, and reports the request only once `poll` says it finished.
 """
 
 from __future__ import annotations
@@ -30,20 +39,28 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from kvxfer.blocks import coalesce_pairs, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
-from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
+from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
 from kvxfer.nixl.etcd import Publication
 from kvxfer.nixl.handshake import Handshakes
 from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
 from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
 from kvxfer.stats import Recorder, Trace
-from kvxfer.wire import ReadParams, Source, check_piece, is_generation, message_field
+from kvxfer.wire import (
+    ReadParams,
+    Source,
+    StreamParams,
+    check_piece,
+    is_generation,
+    is_stream_id,
+    message_field,
+)
 
 __all__ = ["DecodeTransport", "LegState"]
 
@@ -86,6 +103,13 @@ class _Read:
     d_slots: list[list[int]] = field(default_factory=list)  # per group, D's slots of `params.keys`
     trace: Trace | None = None
     mark: float = 0.0  # when the stage under way began (posted, done sent)
+    stream: StreamParams | None = None  # streamed: P names its blocks chunk by chunk
+    skip: list[int] = field(default_factory=list)  # streamed: per group, keys below are D's own
+    prompt: str | None = None  # streamed: the prompt digest P's must equal, if known
+    secret: str = ""  # streamed: the request's, from its first chunk
+    chunks: list[ReadParams] = field(default_factory=list)  # streamed: named, not yet posted
+    last: bool = False  # streamed: P named its last chunk
+    landed: bool = False  # its posted READs are done, their blocks not yet checked
 
 
 class DecodeTransport:
@@ -127,7 +151,7 @@ class DecodeTransport:
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
         self._publication = Publication(self.agent, config)  # P fetches D's from etcd too
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
-                           self.piece, on_ack=self._on_ack)
+                           self.piece, on_ack=self._on_ack, on_chunk=self._on_chunk)
         self.recorder = recorder or Recorder()
         self.handshakes = Handshakes(self.peers, self.recorder)
         self._reads: dict[str, _Read] = {}
@@ -140,6 +164,7 @@ class DecodeTransport:
         self._poster = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-post-{config.name}")
         self._done: list[str] = []
         self._failed: dict[str, list[int]] = {}
+        self._arrived: dict[str, list[list[int]]] = {}  # req -> per group, keys read and checked
 
     @property
     def staging(self) -> Staging:  # the first group's (the only one of a single-group model)
@@ -214,6 +239,141 @@ class DecodeTransport:
             return
         self._try_post(read)
 
+    def start_stream(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
+                     skip: Sequence[int] | None = None, prompt: str | None = None,
+                     trace: Trace | None = None) -> None:
+        """Read `req_id` while P still prefills it: subscribe to its stream, read each chunk
+        P names final as it is named (`arrived` reports them), and finish after the last.
+
+        `skip`: per group, the kernel positions below which D holds the blocks itself
+        (not read); `prompt`: D's prompt digest, which P's must equal. Failures are as
+        for `start_read`'s, in `logical_ids`; P giving up on the request fails it too.
+        """
+        if req_id in self._reads or req_id in self._zombies:
+            raise InvalidInputError(f"request {req_id!r} is already being read")
+        if any(req_id in s for s in self.stagings):
+            raise InvalidInputError(
+                f"request {req_id!r} still holds D staging from an earlier read; free it first")
+        if not isinstance(params, StreamParams):
+            raise InvalidInputError(f"params must be StreamParams, got {type(params).__name__}")
+        if any(r.stream is not None and r.stream.stream == params.stream
+               for r in self._reads.values()):
+            raise InvalidInputError(f"stream {params.stream} is already being read")
+        skip = [0] * len(self.stagings) if skip is None else list(skip)
+        if len(skip) != len(self.stagings) or not all(is_int(k) and k >= 0 for k in skip):
+            raise InvalidInputError(f"skip must be {len(self.stagings)} non-negative ints, got "
+                                    f"{skip!r:.80}")
+        read = _Read(req_id, "", "", 0, list(logical_ids),
+                     time.monotonic() + self.config.transfer_timeout_s,
+                     legs={params.peer: _Leg(params.peer, state=LegState.READ)},
+                     stream=params, skip=skip, prompt=prompt,
+                     trace=trace or Trace(req_id, "D", "", params.peer, self.config.name))
+        self._reads[req_id] = read
+        if self.piece is not None:
+            self._fail(read, TransferError("streams are read by a D of one process"), "refused")
+            return
+        self._try_subscribe(read)
+
+    def _try_subscribe(self, read: _Read) -> None:
+        """Once P's agent is connected, subscribe to the read's stream. Never waits."""
+        s = read.stream
+        self.handshakes.begin(s.peer, s.host, s.port)
+        state = self.handshakes.status(s.peer)
+        if state is None:
+            return
+        if state is not True:
+            self._fail(read, state)
+            return
+        try:
+            send(self.agent, s.peer, "want", stream=s.stream)
+        except TransferError as e:
+            self._fail(read, reason="peer_gone")
+            self._drop_peer(s.peer, str(e))
+            return
+        read.waiting = False
+        read.instance = self.peers.get(s.peer).instance
+        read.mark = read.trace.stage("connect", read.started)
+
+    def _on_chunk(self, sender: str, msg: dict[str, Any]) -> None:
+        """P names blocks of a stream final (or gives the stream up): queue them to read."""
+        stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
+        read = next((r for r in self._reads.values() if r.stream is not None
+                     and r.stream.stream == stream and r.stream.peer == sender), None)
+        if read is None or read.waiting:
+            return
+        if msg.get("aborted") is True:
+            self._fail(read, TransferError(f"P gave up on stream {stream}"), "refused")
+            return
+        n = len(self.stagings)
+
+        def groups(v: object) -> bool:
+            return (isinstance(v, list) and len(v) == n and all(
+                isinstance(g, list) and all(is_int(x) and x >= 0 for x in g) for g in v))
+
+        keys = message_field(msg, "keys", groups, f"{n} lists of keys", sender)
+        slots = message_field(msg, "slots", groups, f"{n} lists of slots", sender)
+        fields = {key: message_field(msg, key, check, what, sender) for key, check, what in (
+            ("req_id", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
+            ("instance", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
+            ("secret", lambda v: is_stream_id(v), "32 hex digits"),
+            ("prompt", lambda v: v is None or is_stream_id(v), "absent or 32 hex digits"),
+            ("last", lambda v: isinstance(v, bool), "a bool"))}
+        last = fields["last"]
+        generation = message_field(msg, "generation", lambda v: v is None or is_generation(v),
+                                   "a positive int or None", sender)
+        if any(len(k) != len(s) for k, s in zip(keys, slots)) or (last and generation is None):
+            raise TransferError(f"chunk of stream {stream} from {sender!r} is malformed")
+        if read.last:
+            raise TransferError(f"chunk of stream {stream} from {sender!r} after its last")
+        why = None
+        if not read.p_req_id:  # the first chunk: what the request is
+            if fields["instance"] != read.instance:
+                why = f"P instance {fields['instance']} is not the one D connected to"
+            elif read.prompt is not None and fields["prompt"] != read.prompt:
+                why = "D's prompt differs from the one P computed"
+            read.p_req_id, read.secret = fields["req_id"], fields["secret"]
+            read.trace.p_req_id = read.p_req_id
+        elif (fields["req_id"], fields["instance"], fields["secret"]) != (
+                read.p_req_id, read.instance, read.secret):
+            why = "a chunk names another request"
+        if why is not None:
+            self._fail(read, TransferError(f"stream {stream} of {read.req_id!r}: {why}"),
+                       "refused")
+            return
+        kept = [[(k, s) for k, s in zip(gk, gs) if k >= skip]
+                for gk, gs, skip in zip(keys, slots, read.skip)]
+        read.chunks.append(ReadParams(
+            sender, read.instance, read.stream.host, read.stream.port, read.p_req_id,
+            generation or 1, tuple(tuple(k for k, _ in g) for g in kept),
+            tuple(tuple(s for _, s in g) for g in kept), read.secret, fields["prompt"]))
+        if last:
+            read.last, read.generation = True, generation
+        read.deadline = time.monotonic() + self.config.transfer_timeout_s  # P is alive
+
+    def _next_chunk(self, read: _Read) -> bool:
+        """Post the stream's chunks named since its last READ, as one READ; whether one
+        was posted."""
+        chunks, read.chunks = read.chunks, []
+        keys = tuple(tuple(k for c in chunks for k in c.keys[g]) for g in range(len(self.stagings)))
+        if not any(keys):
+            return False
+        p = replace(chunks[0], keys=keys,
+                    slots=tuple(tuple(s for c in chunks for s in c.slots[g])
+                                for g in range(len(self.stagings))))
+        if any(set(k) & set(s.blocks(read.req_id) if read.req_id in s else ())
+               for k, s in zip(keys, self.stagings)):
+            raise TransferError(f"stream of {read.req_id!r} names a block twice")
+        self.peers.check_source(p, Source(p.peer, 0, 1))
+        read.params = p
+        read.d_slots = [s.assign(read.req_id, k) for s, k in zip(self.stagings, keys)]
+        leg = read.legs[p.peer]
+        leg.state, leg.posted = LegState.XFER, None
+        descriptors = functools.partial(_descriptors, self.peers.get(p.peer), self.stagings,
+                                        self.piece, p.slots, read.d_slots, (0, 1), True)
+        leg.posting = self._poster.submit(_post, self.agent, leg, descriptors, read.req_id,
+                                          self.config.name)
+        return True
+
     def _try_post(self, read: _Read) -> None:
         """Post `read` once every P agent it names is connected as the instance it names;
         until then, move its handshakes (and probes) on. Never waits."""
@@ -260,7 +420,7 @@ class DecodeTransport:
                 if read.req_id not in self._reads:  # failed with a peer meanwhile
                     continue
                 if read.waiting:
-                    self._try_post(read)
+                    (self._try_subscribe if read.stream else self._try_post)(read)
                 else:
                     self._advance(read)
                 if now > read.deadline and read.req_id in self._reads:
@@ -297,20 +457,32 @@ class DecodeTransport:
                 state = "ERR"
             if state == "DONE":
                 _release(leg.handle)
-                leg.handle, leg.state = None, LegState.READ
+                leg.handle, leg.state, read.landed = None, LegState.READ, True
             elif state == "ERR":
                 self._fail(read, reason="peer_gone")
                 self._drop_peer(leg.peer, f"READ of {read.req_id} failed")
                 return
         if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
-        if read.trace.stages[-1][0] == "connect":
+        if read.landed or (read.params is not None and not read.stream
+                           and read.trace.stages[-1][0] == "connect"):  # nothing to read here
+            read.landed = False
             _trace_read(read, self.recorder)
-        if not _tags_match(self.stagings, read):
-            logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
-                           "altered, or not its own)", self.config.name, read.req_id)
-            self._fail(read, reason="binding")
-            return
+            if not _tags_match(self.stagings, read):
+                logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
+                               "altered, or not its own)", self.config.name, read.req_id)
+                self._fail(read, reason="binding")
+                return
+            arrived = self._arrived.setdefault(read.req_id, [[] for _ in self.stagings])
+            for into, keys in zip(arrived, read.params.keys):
+                into += keys
+        if read.stream is not None:
+            try:
+                if self._next_chunk(read) or not read.last:
+                    return
+            except Exception as e:
+                self._fail(read, e, "refused")
+                return
         for leg in read.legs.values():
             if leg.state is LegState.READ:
                 try:
@@ -360,10 +532,23 @@ class DecodeTransport:
         read.trace.outcome = read.trace.outcome or reason
         if why is not None:
             logger.warning("D %s cannot read %s from %s: %s", self.config.name, read.req_id,
-                           read.params.peers, why)
+                           read.params.peers if read.params else read.stream.peer, why)
         self._failed[read.req_id] = list(read.logical_ids)
+        self._arrived.pop(read.req_id, None)
+        if read.stream is not None and not read.waiting and read.stream.peer in self.peers:
+            try:  # P frees a stream it gave up on once D let go of it
+                send(self.agent, read.stream.peer, "drop", stream=read.stream.stream)
+            except TransferError as e:
+                logger.warning("D %s: %s", self.config.name, e)
         _settle_posts(read, self.config.name)
         self._zombies.bury(read.req_id, [leg.handle for leg in read.legs.values()])
+
+    def arrived(self) -> dict[str, list[list[int]]]:
+        """Per request, per group, the keys whose blocks landed in staging and checked since
+        the last call (the request is not finished until `poll` says so; until then, or a
+        failure, its slots stay as they are)."""
+        arrived, self._arrived = self._arrived, {}
+        return arrived
 
     def free(self, req_id: str) -> None:
         """Release a request's staging: finished, its blocks copied out, or given up on (the
@@ -422,6 +607,8 @@ def _wanted(reads: Mapping[str, _Read], expected: Mapping[str, tuple[list[str], 
     for peers, req_id, generation in [*((r.legs, r.p_req_id, r.generation)
                                         for r in reads.values()),
                                       *((e[0], r, e[2]) for r, e in expected.items())]:
+        if not generation:  # a stream before its last chunk: P holds it without a lease
+            continue
         for peer in peers:
             wanted.setdefault(peer, []).append([req_id, generation])
     return wanted
@@ -438,9 +625,10 @@ def _posting(reads: Iterable[_Read]) -> bool:
 
 def _trace_read(read: _Read, recorder: Recorder) -> None:
     """Every leg's READ is done: the `read` stage, from the first post to now, with what the
-    posts moved (the poster wrote `posted` into each leg before its future was done)."""
+    posts moved (the poster wrote `posted` into each leg before its future was done); a
+    stream's reads add up in one."""
     posted = [leg.posted for leg in read.legs.values() if leg.posted is not None]
-    read.trace.stage("read", min((t0 for t0, _, _, _ in posted), default=read.mark))
+    read.trace.extend("read", min((t0 for t0, _, _, _ in posted), default=read.mark))
     for t0, t1, descriptors, nbytes in posted:
         recorder.observe("d_post_s", t1 - t0)
         read.trace.descriptors += descriptors

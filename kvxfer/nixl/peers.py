@@ -63,6 +63,7 @@ class Peers:
     - `piece`: `(lo, hi, units)` D's staging holds of each block; None for whole blocks.
     - `on_ack`: `(sender, message)`, called with each `ack` as it is read (D's read
       state machine); a `TransferError` it raises is a malformed message.
+    - `on_chunk`: the same for each `chunk` of a stream.
 
     Notifications are read here (`drain`), wherever D waits for a peer.
     """
@@ -70,10 +71,11 @@ class Peers:
     def __init__(self, agent: Any, config: TransportConfig, stagings: Sequence[Staging],
                  layout: Mapping[str, Any], layout_check: LayoutCheck,
                  piece: tuple[int, int, int] | None,
-                 on_ack: Callable[[str, dict[str, Any]], None]):
+                 on_ack: Callable[[str, dict[str, Any]], None],
+                 on_chunk: Callable[[str, dict[str, Any]], None] | None = None):
         self.agent, self.config, self.stagings = agent, config, stagings
         self.layout, self.layout_check, self.piece = dict(layout), layout_check, piece
-        self.on_ack = on_ack
+        self.on_ack, self.on_chunk = on_ack, on_chunk
         self._peers: dict[str, Peer] = {}
         self._instances: dict[str, str] = {}  # peer -> the instance last connected to
         self._past: dict[str, set[str]] = {}  # peer -> instances known to be gone
@@ -236,6 +238,8 @@ class Peers:
                         self._adverts[sender] = msg
                     elif msg["t"] == "ack":
                         self.on_ack(sender, msg)
+                    elif msg["t"] == "chunk" and self.on_chunk is not None:
+                        self.on_chunk(sender, msg)
                     else:
                         logger.warning("D %s ignores %r message from %s", self.config.name,
                                        msg["t"], sender)

@@ -1,0 +1,193 @@
+"""Streams: D reads each block as soon as P names it final, while P still prefills.
+
+Connectors in one process (P on devices 0-3, D on 4-7), two NIXL agents; P's
+steps and polls run on the test's thread, between D's polls.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer.connector.scheduler import LoadRequest
+from kvxfer.errors import InvalidInputError
+from kvxfer.scheduler import GroupSpec, ScheduledRequest
+from kvxfer.wire import StreamParams, new_stream_id, prompt_digest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.pair import as_bits, copy_block  # noqa: E402
+
+
+def _stream(pr, stream):
+    a = pr.p.worker.address
+    return StreamParams(a.name, a.host, a.port, stream).to_dict()
+
+
+def _drive(pr, until, timeout=20.0):
+    """Poll P and D on this thread until `until(finished, failed)`; `(finished, failed)`."""
+    finished, failed = [], []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pr.freed += pr.p.get_finished()
+        f, x = pr.get_finished()
+        finished, failed = finished + f, failed + x
+        if until(finished, failed):
+            break
+        time.sleep(0.001)
+    return finished, failed
+
+
+def _same(pr, d_ids, p_ids):
+    return all((as_bits(d)[d_ids] == as_bits(p)[p_ids]).all()
+               for p, d in zip(pr.p_caches[0], pr.d_caches[0]))
+
+
+def test_d_writes_each_final_block_while_p_prefills_and_the_straddling_one_once_complete(pair):
+    pr = pair()
+    stream = new_stream_id()
+    pr.p.add_request("r", 40, stream=stream)
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [20, 21, 22])})
+    meta = pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
+    assert meta.final == {"r": ([0],)}  # block 1 straddles the chunk's end: not yet final
+    finished, failed = _drive(pr, lambda f, x: f or x or _same(pr, [20], [5]), timeout=10)
+    assert (finished, failed) == ([], []) and _same(pr, [20], [5])
+    assert not _same(pr, [21], [9])  # the half-written block is not read before it is final
+    # The next chunk completes block 9 (new bytes) and writes block 12.
+    pr.p_caches[0] = [copy_block(c, 9, 7) for c in pr.p_caches[0]]
+    meta = pr.save(ScheduledRequest("r", 24, 16, ([12],)))
+    assert meta.final == {"r": ([1, 2],)} and meta.completed == {"r"}
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["r"], [])
+    assert _same(pr, [20, 21, 22], [5, 7, 12])
+    assert pr.d.get_block_ids_with_load_errors() == set()
+    # P frees the request once D said done; its params, asked for later, name a freed hold.
+    _drive(pr, lambda f, x: "r" in pr.freed, timeout=5)
+    assert "r" in pr.freed and "r" not in pr.p.slot_map
+
+
+def test_d_subscribing_late_gets_every_block_named_so_far(pair):
+    pr = pair()
+    stream = new_stream_id()
+    pr.p.add_request("r", 64, stream=stream)
+    pr.save(ScheduledRequest("r", 0, 40, ([3, 4, 5, 6],), full_table=True))
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [26, 27, 28, 29])})
+    _drive(pr, lambda f, x: _same(pr, [26, 27], [3, 4]), timeout=10)
+    pr.save(ScheduledRequest("r", 40, 24, None))
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["r"], []) and _same(pr, [26, 27, 28, 29], [3, 4, 5, 6])
+
+
+def test_p_giving_up_mid_stream_fails_d_in_logical_ids_and_frees_p_once_d_let_go(pair):
+    pr = pair(kernel_ratio=2, block_size=32)
+    stream = new_stream_id()
+    pr.p.add_request("r", 100, stream=stream)
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [7, 8, 9, 10])})
+    pr.save(ScheduledRequest("r", 0, 40, ([3, 4],), full_table=True))
+    _drive(pr, lambda f, x: _same(pr, [14, 15], [6, 7]), timeout=10)
+    pr.p.abort("r")
+    assert "r" in pr.p.slot_map  # D may be reading its slots
+    pr.save()  # the next step tells the worker
+    finished, failed = _drive(pr, lambda f, x: x and "r" in pr.freed)
+    assert (finished, failed) == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {7, 8, 9, 10}
+    assert "r" not in pr.p.slot_map and pr.p.request_finished("r") is None
+
+
+def test_preempted_streamed_request_is_dropped_and_d_recomputes(pair):
+    pr = pair()
+    stream = new_stream_id()
+    pr.p.add_request("r", 40, stream=stream)
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2, 3])})
+    pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
+    _drive(pr, lambda f, x: _same(pr, [1], [5]), timeout=10)
+    meta = pr.save(ScheduledRequest("r", 0, 40, ([2, 3, 4],), full_table=True))
+    assert meta.cancels == ["r"] and "r" not in meta.blocks
+    finished, failed = _drive(pr, lambda f, x: x)
+    assert (finished, failed) == ([], ["r"])
+    assert pr.p.request_finished("r") is None
+
+
+def test_stream_for_another_prompt_is_refused(pair):
+    pr = pair()
+    stream = new_stream_id()
+    pr.p.add_request("r", 32, list(range(32)), stream=stream)
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2],
+                                         prompt=prompt_digest(list(range(1, 33))))})
+    pr.save(ScheduledRequest("r", 0, 32, ([5, 6],), full_table=True))
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == ([], ["r"])
+    assert not _same(pr, [1], [5])
+
+
+def test_stream_p_never_had_fails_d_without_hanging(pair):
+    pr = pair(lease=2.0, heartbeat=0.5)  # P waits a lease for the request, then refuses
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, new_stream_id()), [1, 2])})
+    finished, failed = _drive(pr, lambda f, x: f or x, timeout=8)  # D's own deadline is 10 s
+    assert (finished, failed) == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {1, 2}
+
+
+def test_d_that_does_not_stream_reads_a_streamed_request_by_its_params(pair):
+    pr = pair()
+    pr.p.add_request("r", 40, stream=new_stream_id())
+    pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
+    pr.save(ScheduledRequest("r", 24, 16, ([12],)))
+    params = pr.p.request_finished("r")
+    pr.d.start_load_kv({"r": LoadRequest(params, [20, 21, 22])})
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["r"], []) and _same(pr, [20, 21, 22], [5, 9, 12])
+
+
+def test_d_skips_blocks_it_holds_of_a_stream(pair):
+    pr = pair()
+    stream = new_stream_id()
+    pr.p.add_request("r", 48, stream=stream)
+    before = [as_bits(c)[[1]].copy() for c in pr.d_caches[0]]
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2, 3], have=[1])})
+    pr.save(ScheduledRequest("r", 0, 48, ([5, 6, 7],), full_table=True))
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["r"], []) and _same(pr, [2, 3], [6, 7])
+    assert all((as_bits(c)[[1]] == b).all() for c, b in zip(pr.d_caches[0], before))
+
+
+@pytest.mark.parametrize("bad", [
+    {"peer": "P", "host": "127.0.0.1", "port": 1, "stream": "xyz"},
+    {"peer": "", "host": "127.0.0.1", "port": 1, "stream": "0" * 32},
+    {"peer": "P", "host": "127.0.0.1", "port": -1, "stream": "0" * 32},
+])
+def test_malformed_stream_params_fail_that_request_alone(pair, bad):
+    pr = pair()
+    with pytest.raises(InvalidInputError, match="stream params field"):
+        StreamParams.parse(bad)
+    pr.d.start_load_kv({"r": LoadRequest(bad, [1, 2])})
+    assert pr.get_finished() == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {1, 2}
+
+
+def test_p_refuses_a_stream_id_that_is_not_one_or_taken(pair):
+    pr = pair()
+    with pytest.raises(InvalidInputError, match="stream must be"):
+        pr.p.add_request("r", 16, stream="not-hex")
+    stream = new_stream_id()
+    pr.p.add_request("a", 16, stream=stream)
+    with pytest.raises(InvalidInputError, match="another request"):
+        pr.p.add_request("b", 16, stream=stream)
+
+
+def test_final_blocks_follow_the_chunk_end_in_every_group_and_kernel_ratio():
+    from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
+
+    groups = [GroupSpec(16), GroupSpec(16, kind="mamba"), GroupSpec(16, dcp_size=2)]
+    s = PrefillScheduler(groups, staging_blocks=64, kernel_ratio=2,
+                         address=PeerAddress("P", "127.0.0.1", 1))
+    s.add_request("r", 70, stream=new_stream_id())
+    meta = s.build_connector_meta([ScheduledRequest("r", 0, 40, ([4, 5, 6], [7, 8, 9], [2, 3]),
+                                                    full_table=True)])
+    # Full attention: entries 0 and 1 (tokens 0-31) are whole, entry 2 straddles; kernel
+    # positions 2i, 2i+1. Mamba: nothing before the end. DCP 2: 32 tokens per entry.
+    assert meta.final["r"] == ([0, 1, 2, 3], [], [0, 1])
+    meta = s.build_connector_meta([ScheduledRequest("r", 40, 30, ([10, 11], [10, 11], [4]))])
+    assert meta.final["r"] == ([4, 5, 6, 7, 8, 9], [8, 9], [2, 3, 4, 5])
+    assert np.array_equal(sorted(meta.holds), ["r"])
