@@ -146,12 +146,8 @@ class DecodeConnector:
         """Subscribe to a streamed request: D's blocks past `have` are all reserved for it
         (P names which it sends only as it goes), and fail with it."""
         s = StreamParams.parse(request.params)
-        tables, have = self._tables(req_id, request)
-        load = _Load([[] for _ in tables], [], [], tables=tables)
-        for table, h, layout in zip(tables, have, self.layouts):
-            entries = [(i, b) for i, b in enumerate(table) if i >= h and b != NULL_BLOCK]
-            load.kernel_ids.append([k for _, k in kernel_placement(entries, layout.kernel_ratio)])
-            load.logical_ids += [b for _, b in entries if b not in load.logical_ids]
+        tables, have = _tables(self.layouts, req_id, request)
+        load = _reserved(self.layouts, tables, have)
         self._check_free(req_id, load)
         trace.p = s.peer
         self.transport.start_stream(req_id, s, load.logical_ids,
@@ -162,32 +158,6 @@ class DecodeConnector:
         for busy, ids in zip(self._busy, load.kernel_ids):
             busy.update(dict.fromkeys(ids, req_id))
         load.kernel_ids = [[] for _ in tables]  # those of the blocks arrived, aligned with keys
-
-    def _arrived(self, req_id: str, keys: list[list[int]]) -> _Load:
-        """What to write of `keys` (per group) of a load now in staging: for a stream, placed
-        in D's table now (and added to the load's)."""
-        load = self._loads[req_id]
-        if load.tables is None:
-            return load
-        part = _Load([], [], load.logical_ids)
-        for g, (group_keys, table, layout) in enumerate(zip(keys, load.tables, self.layouts)):
-            ratio = layout.kernel_ratio
-            try:
-                entries = table_entries(dict.fromkeys(k // ratio for k in group_keys), table)
-            except InvalidInputError as e:
-                raise InvalidInputError(f"request {req_id!r} group {g}: P sends a block D "
-                                        f"cannot place: {e}") from None
-            at = dict(kernel_placement(entries, ratio))
-            ids = [at[k] for k in group_keys]
-            bad = [k for k in ids if k >= layout.num_blocks]
-            if bad:
-                raise InvalidInputError(f"request {req_id!r} group {g}: D block ids past D's "
-                                        f"{layout.num_blocks // ratio} blocks")
-            part.keys.append(list(group_keys))
-            part.kernel_ids.append(ids)
-            load.keys[g] += group_keys
-            load.kernel_ids[g] += ids
-        return part
 
     def _check_free(self, req_id: str, load: _Load) -> None:
         """Refuse a load into D blocks another load still in progress writes into."""
@@ -217,51 +187,21 @@ class DecodeConnector:
                 f"request {req_id!r}: its params are for "
                 f"{'another prompt' if p.prompt else 'a prompt P was not given'}; D's prompt "
                 f"differs from the one P computed")
-        tables, have = self._tables(req_id, request)
+        tables, have = _tables(self.layouts, req_id, request)
         load = _Load([], [], [])
         keep_keys, keep_slots = [], []
         logical: dict[int, None] = {}
         for g, (keys, slots, ours) in enumerate(zip(p.keys, p.slots, self.layouts)):
-            ratio = ours.kernel_ratio
-            kept = [(key, slot) for key, slot in zip(keys, slots) if key // ratio >= have[g]]
-            try:
-                entries = table_entries(dict.fromkeys(key // ratio for key, _ in kept), tables[g])
-            except InvalidInputError as e:
-                raise InvalidInputError(f"request {req_id!r} group {g}: P sends a block D "
-                                        f"cannot place: {e}") from None
-            at = dict(kernel_placement(entries, ratio))
-            kernel_ids = [at[key] for key, _ in kept]
+            kept = [(key, slot) for key, slot in zip(keys, slots)
+                    if key // ours.kernel_ratio >= have[g]]
+            kernel_ids, entries = _place(req_id, g, [k for k, _ in kept], tables[g], ours)
             logical.update(dict.fromkeys(block for _, block in entries))
-            bad = [k for k in kernel_ids if k >= ours.num_blocks]
-            if bad:
-                raise InvalidInputError(f"request {req_id!r} group {g}: D block ids "
-                                        f"{sorted({k // ratio for k in bad})[:8]} are past D's "
-                                        f"{ours.num_blocks // ratio} blocks")
-            if len(set(kernel_ids)) != len(kernel_ids):
-                raise InvalidInputError(f"request {req_id!r} group {g}: D's table repeats a block "
-                                        f"id at the positions P sends")
             keep_keys.append(tuple(k for k, _ in kept))
             keep_slots.append(tuple(s for _, s in kept))
             load.keys.append([k for k, _ in kept])
             load.kernel_ids.append(kernel_ids)
         load.logical_ids = list(logical)
         return replace(p, keys=tuple(keep_keys), slots=tuple(keep_slots)), load
-
-    def _tables(self, req_id: str, request: LoadRequest) -> tuple[list[list[int]], list[int]]:
-        """D's block table per group, and how many leading entries of each D holds, checked."""
-        table, have = request.table, request.have
-        tables = [table] if len(self.layouts) == 1 and _is_id_list(table) else table
-        if (not isinstance(tables, (list, tuple)) or len(tables) != len(self.layouts)
-                or not all(_is_id_list(t) for t in tables)):
-            raise InvalidInputError(
-                f"request {req_id!r}: D's block table must be {len(self.layouts)} list(s) of "
-                f"non-negative int block ids, got {table!r:.120}")
-        have = [0] * len(self.layouts) if have is None else have
-        if (not isinstance(have, (list, tuple)) or len(have) != len(self.layouts)
-                or not all(is_int(h) and h >= 0 for h in have)):
-            raise InvalidInputError(f"request {req_id!r}: 'have' must be {len(self.layouts)} "
-                                    f"non-negative int(s), got {have!r:.80}")
-        return [list(t) for t in tables], list(have)
 
     def get_finished(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
                      ) -> tuple[Any, list[str], list[str]]:
@@ -298,7 +238,7 @@ class DecodeConnector:
         for req_id, keys in arrived.items():
             if req_id in self._loads:
                 try:
-                    writes[req_id] = self._arrived(req_id, keys)
+                    writes[req_id] = _arrived(self._loads[req_id], self.layouts, req_id, keys)
                 except KvxferError as e:
                     bad[req_id] = str(e)
         loads = {req_id: self._pop_load(req_id) for req_id in done if req_id in self._loads}
@@ -430,6 +370,75 @@ def _follow_donations(others: list[list[jax.Array]], old: Sequence[jax.Array],
     if replaced:
         for caches in others:
             caches[:] = [replaced.get(id(a), a) for a in caches]
+
+
+def _reserved(layouts: Sequence[CacheLayout], tables: list[list[int]], have: list[int]) -> _Load:
+    """A stream's load before any block arrived: every kernel id of D's tables past `have`
+    (P names what it sends only as it goes), and their logical ids."""
+    load = _Load([[] for _ in tables], [], [], tables=tables)
+    for table, h, layout in zip(tables, have, layouts):
+        entries = [(i, b) for i, b in enumerate(table) if i >= h and b != NULL_BLOCK]
+        load.kernel_ids.append([k for _, k in kernel_placement(entries, layout.kernel_ratio)])
+        load.logical_ids += [b for _, b in entries if b not in load.logical_ids]
+    return load
+
+
+def _arrived(load: _Load, layouts: Sequence[CacheLayout], req_id: str,
+             keys: list[list[int]]) -> _Load:
+    """What to write of `keys` (per group) of a load now in staging: a stream's placed in D's
+    table now (and added to the load's)."""
+    if load.tables is None:
+        return load
+    part = _Load([], [], load.logical_ids)
+    for g, (group_keys, table, layout) in enumerate(zip(keys, load.tables, layouts)):
+        ids, _ = _place(req_id, g, group_keys, table, layout)
+        part.keys.append(list(group_keys))
+        part.kernel_ids.append(ids)
+        load.keys[g] += group_keys
+        load.kernel_ids[g] += ids
+    return part
+
+
+def _place(req_id: str, g: int, keys: Sequence[int], table: Sequence[int],
+           layout: CacheLayout) -> tuple[list[int], list[tuple[int, int]]]:
+    """D's kernel ids of P's `keys` (kernel positions) of group `g`, placed at the same
+    positions of D's `table`, and the table entries they fall in; `InvalidInputError`
+    where D's table cannot hold one (too short, the null block, past D's blocks, an id twice)."""
+    ratio = layout.kernel_ratio
+    try:
+        entries = table_entries(dict.fromkeys(k // ratio for k in keys), table)
+    except InvalidInputError as e:
+        raise InvalidInputError(f"request {req_id!r} group {g}: P sends a block D "
+                                f"cannot place: {e}") from None
+    at = dict(kernel_placement(entries, ratio))
+    kernel_ids = [at[k] for k in keys]
+    bad = [k for k in kernel_ids if k >= layout.num_blocks]
+    if bad:
+        raise InvalidInputError(f"request {req_id!r} group {g}: D block ids "
+                                f"{sorted({k // ratio for k in bad})[:8]} are past D's "
+                                f"{layout.num_blocks // ratio} blocks")
+    if len(set(kernel_ids)) != len(kernel_ids):
+        raise InvalidInputError(f"request {req_id!r} group {g}: D's table repeats a block "
+                                f"id at the positions P sends")
+    return kernel_ids, entries
+
+
+def _tables(layouts: Sequence[CacheLayout], req_id: str, request: LoadRequest
+        ) -> tuple[list[list[int]], list[int]]:
+    """D's block table per group, and how many leading entries of each D holds, checked."""
+    table, have = request.table, request.have
+    tables = [table] if len(layouts) == 1 and _is_id_list(table) else table
+    if (not isinstance(tables, (list, tuple)) or len(tables) != len(layouts)
+            or not all(_is_id_list(t) for t in tables)):
+        raise InvalidInputError(
+            f"request {req_id!r}: D's block table must be {len(layouts)} list(s) of "
+            f"non-negative int block ids, got {table!r:.120}")
+    have = [0] * len(layouts) if have is None else have
+    if (not isinstance(have, (list, tuple)) or len(have) != len(layouts)
+            or not all(is_int(h) and h >= 0 for h in have)):
+        raise InvalidInputError(f"request {req_id!r}: 'have' must be {len(layouts)} "
+                                f"non-negative int(s), got {have!r:.80}")
+    return [list(t) for t in tables], list(have)
 
 
 def _is_id_list(value: object) -> bool:

@@ -32,33 +32,38 @@ the ack travels, and reports the request only once `poll` says it finished.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
-from kvxfer.blocks import coalesce_pairs, is_int
+from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
-from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
+from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
 from kvxfer.nixl.etcd import Publication
 from kvxfer.nixl.handshake import Handshakes
-from kvxfer.nixl.peers import LayoutCheck, Peer, Peers
-from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
+from kvxfer.nixl.peers import LayoutCheck, Peers
+from kvxfer.nixl.reads import (
+    Leg,
+    LegState,
+    Read,
+    Zombies,
+    posting,
+    read_descriptors,
+    release,
+    settle_posts,
+)
+from kvxfer.nixl.reads import post as _post
+from kvxfer.nixl.streams import StreamReading
+from kvxfer.staging import Staging, free_in_all, stagings_of
 from kvxfer.stats import Recorder, Trace
 from kvxfer.wire import (
     ReadParams,
     Source,
-    StreamParams,
     check_piece,
     is_generation,
-    is_stream_id,
     message_field,
 )
 
@@ -67,52 +72,7 @@ __all__ = ["DecodeTransport", "LegState"]
 logger = logging.getLogger(__name__)
 
 
-class LegState(enum.Enum):
-    """Where one P agent's part of a read stands."""
-
-    XFER = "xfer"  # READ posted (or being posted)
-    READ = "read"  # nothing (more) to read; `done` not yet sent
-    ACK = "ack"  # `done` sent, waiting for P's ack
-    OK = "ok"  # P acked: its part is delivered
-
-
-@dataclass
-class _Leg:
-    """One P agent's part of a read: what D reads from it, and where its `done` stands."""
-
-    peer: str
-    handle: Any = None
-    posting: Future | None = None  # the poster thread's `_post`, until `_advance` takes its handle
-    state: LegState = LegState.XFER
-    posted: tuple[float, float, int, int] | None = None  # the poster's (start, end, descs, bytes)
-
-
-@dataclass
-class _Read:
-    req_id: str  # D's id (the caller's)
-    p_req_id: str  # P's id, from the params: what every message to P names
-    instance: str
-    generation: int
-    logical_ids: list[int]
-    deadline: float
-    legs: dict[str, _Leg] = field(default_factory=dict)  # every P agent holding a piece
-    started: float = field(default_factory=time.monotonic)
-    params: ReadParams | None = None
-    plan: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # units per P agent
-    waiting: bool = True  # for its peers: nothing posted yet
-    d_slots: list[list[int]] = field(default_factory=list)  # per group, D's slots of `params.keys`
-    trace: Trace | None = None
-    mark: float = 0.0  # when the stage under way began (posted, done sent)
-    stream: StreamParams | None = None  # streamed: P names its blocks chunk by chunk
-    skip: list[int] = field(default_factory=list)  # streamed: per group, keys below are D's own
-    prompt: str | None = None  # streamed: the prompt digest P's must equal, if known
-    secret: str = ""  # streamed: the request's, from its first chunk
-    chunks: list[ReadParams] = field(default_factory=list)  # streamed: named, not yet posted
-    last: bool = False  # streamed: P named its last chunk
-    landed: bool = False  # its posted READs are done, their blocks not yet checked
-
-
-class DecodeTransport:
+class DecodeTransport(StreamReading):
     """D side: handshakes with P peers, reads requests into staging, reports outcomes.
 
     **Arguments:**
@@ -154,10 +114,10 @@ class DecodeTransport:
                            self.piece, on_ack=self._on_ack, on_chunk=self._on_chunk)
         self.recorder = recorder or Recorder()
         self.handshakes = Handshakes(self.peers, self.recorder)
-        self._reads: dict[str, _Read] = {}
+        self._reads: dict[str, Read] = {}
         self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
         self._cancelled: list[tuple[str, list[str], str, int]] = []  # the same, to say done for
-        self._zombies = _Zombies(self.stagings)
+        self._zombies = Zombies(self.stagings)
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
         # engine's thread for the whole read.
@@ -222,7 +182,7 @@ class DecodeTransport:
             raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
                                     f"int block ids, got {logical_ids!r:.80}")
         self._expected.pop(p.req_id, None)
-        read = _Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
+        read = Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,
                      trace=trace or Trace(req_id, "D", p.req_id, p.peer, self.config.name))
         self._reads[req_id] = read
@@ -232,149 +192,14 @@ class DecodeTransport:
                 raise TransferError(f"params of {req_id!r} are from P instance {p.instance} of "
                                     f"{past}, which is not the live one (P restarted)")
             read.plan = _units_to_read(p, self.piece, self.reader[0])
-            read.legs = {peer: _Leg(peer, state=LegState.XFER if read.plan[peer] else
+            read.legs = {peer: Leg(peer, state=LegState.XFER if read.plan[peer] else
                                     LegState.READ) for peer in p.peers}
         except Exception as e:  # any failure here is this request's, not the engine's
             self._fail(read, e, "refused")
             return
         self._try_post(read)
 
-    def start_stream(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
-                     skip: Sequence[int] | None = None, prompt: str | None = None,
-                     trace: Trace | None = None) -> None:
-        """Read `req_id` while P still prefills it: subscribe to its stream, read each chunk
-        P names final as it is named (`arrived` reports them), and finish after the last.
-
-        `skip`: per group, the kernel positions below which D holds the blocks itself
-        (not read); `prompt`: D's prompt digest, which P's must equal. Failures are as
-        for `start_read`'s, in `logical_ids`; P giving up on the request fails it too.
-        """
-        if req_id in self._reads or req_id in self._zombies:
-            raise InvalidInputError(f"request {req_id!r} is already being read")
-        if any(req_id in s for s in self.stagings):
-            raise InvalidInputError(
-                f"request {req_id!r} still holds D staging from an earlier read; free it first")
-        if not isinstance(params, StreamParams):
-            raise InvalidInputError(f"params must be StreamParams, got {type(params).__name__}")
-        if any(r.stream is not None and r.stream.stream == params.stream
-               for r in self._reads.values()):
-            raise InvalidInputError(f"stream {params.stream} is already being read")
-        skip = [0] * len(self.stagings) if skip is None else list(skip)
-        if len(skip) != len(self.stagings) or not all(is_int(k) and k >= 0 for k in skip):
-            raise InvalidInputError(f"skip must be {len(self.stagings)} non-negative ints, got "
-                                    f"{skip!r:.80}")
-        read = _Read(req_id, "", "", 0, list(logical_ids),
-                     time.monotonic() + self.config.transfer_timeout_s,
-                     legs={params.peer: _Leg(params.peer, state=LegState.READ)},
-                     stream=params, skip=skip, prompt=prompt,
-                     trace=trace or Trace(req_id, "D", "", params.peer, self.config.name))
-        self._reads[req_id] = read
-        if self.piece is not None:
-            self._fail(read, TransferError("streams are read by a D of one process"), "refused")
-            return
-        self._try_subscribe(read)
-
-    def _try_subscribe(self, read: _Read) -> None:
-        """Once P's agent is connected, subscribe to the read's stream. Never waits."""
-        s = read.stream
-        self.handshakes.begin(s.peer, s.host, s.port)
-        state = self.handshakes.status(s.peer)
-        if state is None:
-            return
-        if state is not True:
-            self._fail(read, state)
-            return
-        try:
-            send(self.agent, s.peer, "want", stream=s.stream)
-        except TransferError as e:
-            self._fail(read, reason="peer_gone")
-            self._drop_peer(s.peer, str(e))
-            return
-        read.waiting = False
-        read.instance = self.peers.get(s.peer).instance
-        read.mark = read.trace.stage("connect", read.started)
-
-    def _on_chunk(self, sender: str, msg: dict[str, Any]) -> None:
-        """P names blocks of a stream final (or gives the stream up): queue them to read."""
-        stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
-        read = next((r for r in self._reads.values() if r.stream is not None
-                     and r.stream.stream == stream and r.stream.peer == sender), None)
-        if read is None or read.waiting:
-            return
-        if msg.get("aborted") is True:
-            self._fail(read, TransferError(f"P gave up on stream {stream}"), "refused")
-            return
-        n = len(self.stagings)
-
-        def groups(v: object) -> bool:
-            return (isinstance(v, list) and len(v) == n and all(
-                isinstance(g, list) and all(is_int(x) and x >= 0 for x in g) for g in v))
-
-        keys = message_field(msg, "keys", groups, f"{n} lists of keys", sender)
-        slots = message_field(msg, "slots", groups, f"{n} lists of slots", sender)
-        fields = {key: message_field(msg, key, check, what, sender) for key, check, what in (
-            ("req_id", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
-            ("instance", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
-            ("secret", lambda v: is_stream_id(v), "32 hex digits"),
-            ("prompt", lambda v: v is None or is_stream_id(v), "absent or 32 hex digits"),
-            ("last", lambda v: isinstance(v, bool), "a bool"))}
-        last = fields["last"]
-        generation = message_field(msg, "generation", lambda v: v is None or is_generation(v),
-                                   "a positive int or None", sender)
-        if any(len(k) != len(s) for k, s in zip(keys, slots)) or (last and generation is None):
-            raise TransferError(f"chunk of stream {stream} from {sender!r} is malformed")
-        if read.last:
-            raise TransferError(f"chunk of stream {stream} from {sender!r} after its last")
-        why = None
-        if not read.p_req_id:  # the first chunk: what the request is
-            if fields["instance"] != read.instance:
-                why = f"P instance {fields['instance']} is not the one D connected to"
-            elif read.prompt is not None and fields["prompt"] != read.prompt:
-                why = "D's prompt differs from the one P computed"
-            read.p_req_id, read.secret = fields["req_id"], fields["secret"]
-            read.trace.p_req_id = read.p_req_id
-        elif (fields["req_id"], fields["instance"], fields["secret"]) != (
-                read.p_req_id, read.instance, read.secret):
-            why = "a chunk names another request"
-        if why is not None:
-            self._fail(read, TransferError(f"stream {stream} of {read.req_id!r}: {why}"),
-                       "refused")
-            return
-        kept = [[(k, s) for k, s in zip(gk, gs) if k >= skip]
-                for gk, gs, skip in zip(keys, slots, read.skip)]
-        read.chunks.append(ReadParams(
-            sender, read.instance, read.stream.host, read.stream.port, read.p_req_id,
-            generation or 1, tuple(tuple(k for k, _ in g) for g in kept),
-            tuple(tuple(s for _, s in g) for g in kept), read.secret, fields["prompt"]))
-        if last:
-            read.last, read.generation = True, generation
-        read.deadline = time.monotonic() + self.config.transfer_timeout_s  # P is alive
-
-    def _next_chunk(self, read: _Read) -> bool:
-        """Post the stream's chunks named since its last READ, as one READ; whether one
-        was posted."""
-        chunks, read.chunks = read.chunks, []
-        keys = tuple(tuple(k for c in chunks for k in c.keys[g]) for g in range(len(self.stagings)))
-        if not any(keys):
-            return False
-        p = replace(chunks[0], keys=keys,
-                    slots=tuple(tuple(s for c in chunks for s in c.slots[g])
-                                for g in range(len(self.stagings))))
-        if any(set(k) & set(s.blocks(read.req_id) if read.req_id in s else ())
-               for k, s in zip(keys, self.stagings)):
-            raise TransferError(f"stream of {read.req_id!r} names a block twice")
-        self.peers.check_source(p, Source(p.peer, 0, 1))
-        read.params = p
-        read.d_slots = [s.assign(read.req_id, k) for s, k in zip(self.stagings, keys)]
-        leg = read.legs[p.peer]
-        leg.state, leg.posted = LegState.XFER, None
-        descriptors = functools.partial(_descriptors, self.peers.get(p.peer), self.stagings,
-                                        self.piece, p.slots, read.d_slots, (0, 1), True)
-        leg.posting = self._poster.submit(_post, self.agent, leg, descriptors, read.req_id,
-                                          self.config.name)
-        return True
-
-    def _try_post(self, read: _Read) -> None:
+    def _try_post(self, read: Read) -> None:
         """Post `read` once every P agent it names is connected as the instance it names;
         until then, move its handshakes (and probes) on. Never waits."""
         p = read.params
@@ -398,7 +223,7 @@ class DecodeTransport:
         read.mark = read.trace.stage("connect", read.started)
         for peer, span in read.plan.items():
             if span is not None:  # the leg reading this process's first units reads the tags
-                descriptors = functools.partial(_descriptors, self.peers.get(peer), self.stagings,
+                descriptors = functools.partial(read_descriptors, self.peers.get(peer), self.stagings,
                                                 self.piece, p.slots, read.d_slots, span,
                                                 span[0] == (self.piece or (0,))[0])
                 read.legs[peer].posting = self._poster.submit(
@@ -414,7 +239,7 @@ class DecodeTransport:
         slots are freed here.
         """
         now = time.monotonic() if now is None else now
-        if not _posting(self._reads.values()):
+        if not posting(self._reads.values()):
             self.handshakes.advance(now)
             for read in list(self._reads.values()):
                 if read.req_id not in self._reads:  # failed with a peer meanwhile
@@ -435,7 +260,7 @@ class DecodeTransport:
         failed, self._failed = self._failed, {}
         return done, failed
 
-    def _advance(self, read: _Read) -> None:
+    def _advance(self, read: Read) -> None:
         """Check `read`'s posted READs; once all are done, say done to every P agent."""
         for leg in read.legs.values():
             if leg.state is not LegState.XFER:
@@ -456,7 +281,7 @@ class DecodeTransport:
                 logger.warning("D %s xfer state of %s: %s", self.config.name, read.req_id, e)
                 state = "ERR"
             if state == "DONE":
-                _release(leg.handle)
+                release(leg.handle)
                 leg.handle, leg.state, read.landed = None, LegState.READ, True
             elif state == "ERR":
                 self._fail(read, reason="peer_gone")
@@ -464,25 +289,8 @@ class DecodeTransport:
                 return
         if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
-        if read.landed or (read.params is not None and not read.stream
-                           and read.trace.stages[-1][0] == "connect"):  # nothing to read here
-            read.landed = False
-            _trace_read(read, self.recorder)
-            if not _tags_match(self.stagings, read):
-                logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
-                               "altered, or not its own)", self.config.name, read.req_id)
-                self._fail(read, reason="binding")
-                return
-            arrived = self._arrived.setdefault(read.req_id, [[] for _ in self.stagings])
-            for into, keys in zip(arrived, read.params.keys):
-                into += keys
-        if read.stream is not None:
-            try:
-                if self._next_chunk(read) or not read.last:
-                    return
-            except Exception as e:
-                self._fail(read, e, "refused")
-                return
+        if not self._check_landed(read) or (read.stream and self._read_on(read)):
+            return
         for leg in read.legs.values():
             if leg.state is LegState.READ:
                 try:
@@ -524,7 +332,7 @@ class DecodeTransport:
             for peer, error in say().items():
                 self._drop_peer(peer, error)
 
-    def _fail(self, read: _Read, why: Exception | None = None, reason: str = "peer_gone") -> None:
+    def _fail(self, read: Read, why: Exception | None = None, reason: str = "peer_gone") -> None:
         if self._reads.pop(read.req_id, None) is None:
             return
         if isinstance(why, LayoutMismatchError):
@@ -535,20 +343,9 @@ class DecodeTransport:
                            read.params.peers if read.params else read.stream.peer, why)
         self._failed[read.req_id] = list(read.logical_ids)
         self._arrived.pop(read.req_id, None)
-        if read.stream is not None and not read.waiting and read.stream.peer in self.peers:
-            try:  # P frees a stream it gave up on once D let go of it
-                send(self.agent, read.stream.peer, "drop", stream=read.stream.stream)
-            except TransferError as e:
-                logger.warning("D %s: %s", self.config.name, e)
-        _settle_posts(read, self.config.name)
+        self._let_go(read)
+        settle_posts(read, self.config.name)
         self._zombies.bury(read.req_id, [leg.handle for leg in read.legs.values()])
-
-    def arrived(self) -> dict[str, list[list[int]]]:
-        """Per request, per group, the keys whose blocks landed in staging and checked since
-        the last call (the request is not finished until `poll` says so; until then, or a
-        failure, its slots stay as they are)."""
-        arrived, self._arrived = self._arrived, {}
-        return arrived
 
     def free(self, req_id: str) -> None:
         """Release a request's staging: finished, its blocks copied out, or given up on (the
@@ -573,33 +370,7 @@ class DecodeTransport:
         release_name(self.config.name)
 
 
-class _Zombies:
-    """Failed reads whose transfers NIXL has not released: a READ could still land, so their
-    D slots are freed only once NIXL releases every one."""
-
-    def __init__(self, stagings: Sequence[Staging]):
-        self.stagings = stagings
-        self._held: list[tuple[str, Any]] = []  # (request, NIXL transfer handle)
-
-    def __contains__(self, req_id: object) -> bool:
-        return any(r == req_id for r, _ in self._held)
-
-    def bury(self, req_id: str, handles: Sequence[Any]) -> None:
-        """Release a failed read's transfers; its slots are freed once all are released."""
-        held = [h for h in handles if h is not None and not _release(h)]
-        if held:
-            self._held += [(req_id, h) for h in held]
-        else:
-            free_in_all(self.stagings, req_id)
-
-    def reap(self) -> None:
-        still = [(req_id, h) for req_id, h in self._held if not _release(h)]
-        for req_id in {r for r, _ in self._held} - {r for r, _ in still}:
-            free_in_all(self.stagings, req_id)
-        self._held = still
-
-
-def _wanted(reads: Mapping[str, _Read], expected: Mapping[str, tuple[list[str], str, int]]
+def _wanted(reads: Mapping[str, Read], expected: Mapping[str, tuple[list[str], str, int]]
             ) -> dict[str, list[list[Any]]]:
     """Per P agent, the `[P's request id, generation]` of each request D reads from it or
     expects."""
@@ -614,85 +385,6 @@ def _wanted(reads: Mapping[str, _Read], expected: Mapping[str, tuple[list[str], 
     return wanted
 
 
-def _posting(reads: Iterable[_Read]) -> bool:
-    """Whether the poster thread is inside NIXL. Over UCX `cma` a post copies the bytes
-    while holding the agent, so any NIXL call from the engine's thread would wait for the
-    whole copy: `poll` leaves the agent alone until it is done (notifications wait in UCX;
-    deadlines are checked at the next poll)."""
-    return any(leg.posting is not None and not leg.posting.done()
-               for read in reads for leg in read.legs.values())
-
-
-def _trace_read(read: _Read, recorder: Recorder) -> None:
-    """Every leg's READ is done: the `read` stage, from the first post to now, with what the
-    posts moved (the poster wrote `posted` into each leg before its future was done); a
-    stream's reads add up in one."""
-    posted = [leg.posted for leg in read.legs.values() if leg.posted is not None]
-    read.trace.extend("read", min((t0 for t0, _, _, _ in posted), default=read.mark))
-    for t0, t1, descriptors, nbytes in posted:
-        recorder.observe("d_post_s", t1 - t0)
-        read.trace.descriptors += descriptors
-        read.trace.wire_bytes += nbytes
-    read.mark = time.monotonic()
-
-
-def _settle_posts(read: _Read, who: str) -> None:
-    """Cancel a failed read's posts not started and wait for those under way, so every leg's
-    transfer handle is known."""
-    pending = [leg.posting for leg in read.legs.values()
-               if leg.posting is not None and not leg.posting.cancel()]
-    futures.wait(pending)
-    for leg in read.legs.values():
-        posting, leg.posting = leg.posting, None
-        if posting is None or posting.cancelled():
-            continue
-        if posting.exception() is not None:
-            logger.warning("D %s: posting the READ of %s from %s failed: %s", who, read.req_id,
-                           leg.peer, posting.exception())
-        else:
-            leg.handle = posting.result()
-
-
-def _post(agent: Any, leg: _Leg, descriptors: Callable[[], tuple[np.ndarray, np.ndarray]],
-          req_id: str, who: str) -> Any:
-    """Post one READ from `leg.peer` of `descriptors()` (on D's poster thread); returns its
-    transfer handle. Writes only `leg.posted`, which the engine's thread reads once done."""
-    start, peer = time.monotonic(), leg.peer
-    local, remote = descriptors()
-    handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
-                                   agent.get_xfer_descs(remote, "DRAM"), peer)
-    try:
-        state = agent.transfer(handle)
-    except Exception as e:  # part of it may be posted: `_advance` finds it in error
-        logger.warning("D %s: NIXL raised posting the READ of %s from %s: %s", who, req_id,
-                       peer, e)
-        return handle
-    if state == "ERR":
-        _release(handle)
-        raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer!r}")
-    leg.posted = (start, time.monotonic(), len(local), int(local[:, 1].sum()))
-    logger.debug("D %s posted READ of %s from %s (%s descriptors)", who, req_id, peer,
-                 len(local))
-    return handle
-
-
-def _tags_match(stagings: Sequence[Staging], read: _Read) -> bool:
-    """Whether every slot read holds the block its params name: the tags P wrote with the
-    request's secret at each block's position (`kvxfer.staging.block_tags`)."""
-    p = read.params
-    return all(not keys or np.array_equal(staging.tags[slots], block_tags(p.secret, g, keys))
-               for g, (staging, keys, slots) in enumerate(zip(stagings, p.keys, read.d_slots)))
-
-
-def _release(handle: Any) -> bool:
-    """Release a NIXL transfer; whether NIXL let it go (a READ in flight may not)."""
-    try:
-        handle.release()
-        return True
-    except Exception:
-        return False
-
-
 def _check_params(params: object, num_groups: int) -> ReadParams:
     if not isinstance(params, ReadParams):
         raise InvalidInputError(f"params must be ReadParams (ReadParams.parse of P's dict), got "
@@ -701,52 +393,6 @@ def _check_params(params: object, num_groups: int) -> ReadParams:
         raise InvalidInputError(f"params name {len(params.keys)} KV cache groups, this D stages "
                                 f"{num_groups}")
     return params
-
-
-def _descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, int, int] | None,
-                 p_slots: Sequence[Sequence[int]], d_slots: Sequence[Sequence[int]],
-                 span: tuple[int, int], tags: bool) -> tuple[np.ndarray, np.ndarray]:
-    """`(local, remote)` NIXL descriptors `[n, 3]` (address, length, device) of one READ.
-
-    Units `span` of every slot of every group: the blocks, then the fingerprint
-    rows of the same slots, and with `tags` the slots' whole tags; one
-    descriptor per run of slots contiguous on both sides where a slot is read
-    whole, else one per slot.
-    """
-    theirs_piece, ours_piece = peer.piece or (0, 1, 1), piece or (0, 1, 1)
-    local, remote = [], []
-    for theirs, ours, ps, ds in zip(peer.groups, stagings, p_slots, d_slots, strict=True):
-        if not ps:
-            continue
-        # Blocks, then the fingerprint rows of the same slots; per unit, `size` bytes.
-        p_row = theirs.prints[1] // theirs.num_slots
-        for p_bases, d_bases, p_stride, d_stride in (
-                ([a for a, _ in theirs.regions], [a for a, _ in ours.region_addresses()],
-                 theirs.block_bytes, ours.block_bytes),
-                ([theirs.prints[0]], [ours.prints_address()[0]], p_row,
-                 ours.prints.strides[0])):
-            size = d_stride // (ours_piece[1] - ours_piece[0])
-            length = (span[1] - span[0]) * size
-            whole = length == p_stride == d_stride  # slot runs coalesce
-            runs = np.asarray(coalesce_pairs(ps, ds) if whole
-                              else [(a, b, 1) for a, b in zip(ps, ds)],
-                              dtype=np.uint64).reshape(-1, 3)
-            lengths = runs[:, 2] * length
-            p_off = (span[0] - theirs_piece[0]) * size
-            d_off = (span[0] - ours_piece[0]) * size
-            for p_base, d_base in zip(p_bases, d_bases, strict=True):
-                remote.append(np.stack([p_base + p_off + runs[:, 0] * p_stride, lengths,
-                                        0 * lengths], 1))
-                local.append(np.stack([d_base + d_off + runs[:, 1] * d_stride, lengths,
-                                       0 * lengths], 1))
-        if tags:
-            row = ours.tags.strides[0]
-            runs = np.asarray(coalesce_pairs(ps, ds), dtype=np.uint64).reshape(-1, 3)
-            remote.append(np.stack([theirs.tags[0] + runs[:, 0] * row, runs[:, 2] * row,
-                                    0 * runs[:, 2]], 1))
-            local.append(np.stack([ours.tags_address()[0] + runs[:, 1] * row, runs[:, 2] * row,
-                                   0 * runs[:, 2]], 1))
-    return np.concatenate(local), np.concatenate(remote)
 
 
 def _units_to_read(p: ReadParams, piece: tuple[int, int, int] | None,

@@ -30,6 +30,7 @@ from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
 from kvxfer.nixl.etcd import Publication
+from kvxfer.nixl.streams import Published
 from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
 from kvxfer.stats import Recorder, Trace
 from kvxfer.wire import (
@@ -37,7 +38,6 @@ from kvxfer.wire import (
     check_piece,
     decode_message,
     is_generation,
-    is_stream_id,
     message_field,
     new_instance,
     new_secret,
@@ -58,20 +58,6 @@ class _Lease:
 
 
 _PENDING = 0  # a streamed request's generation before its last chunk
-
-
-@dataclass
-class _Stream:
-    """A streamed request: what P named final so far, and who reads it."""
-
-    req_id: str
-    secret: str
-    prompt: str | None
-    keys: list[list[int]]  # per group, named so far
-    slots: list[list[int]]
-    last: bool = False
-    reader: str | None = None  # the D agent that subscribed
-    cancelled: bool = False
 
 
 class PrefillTransport:
@@ -111,9 +97,8 @@ class PrefillTransport:
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
         self._freed: list[str] = []
-        self._streams: dict[str, _Stream] = {}  # stream id -> the request streamed
-        self._stream_of: dict[str, str] = {}  # request id -> its stream id
-        self._wants: dict[str, tuple[str, float]] = {}  # stream not yet known -> (D, until)
+        self.streams = Published(self.agent, config.name, self.instance, len(self.stagings),
+                                 4 * self.staging.num_slots, config.lease_s)
 
     @property
     def staging(self) -> Staging:
@@ -193,69 +178,25 @@ class PrefillTransport:
 
         The first call holds the request for D under `stream` (its slots are freed
         only by D's `done`, a lease, or `cancel_stream`); `last` once its prefill is
-        done, after `lease` gave it its generation. The subscribed D, if any, is told now.
+        done, after `lease` gave it its generation. The subscribed D, if any, is told now
+        (`kvxfer.nixl.streams`).
         """
-        if not is_stream_id(stream):
-            raise InvalidInputError(f"request {req_id!r}: stream must be 32 hex digits, got "
-                                    f"{stream!r:.80}")
-        st = self._streams.get(stream)
-        if st is None:
-            if req_id in self._stream_of:
-                raise InvalidInputError(f"request {req_id!r} is already streamed")
-            st = self._streams[stream] = _Stream(req_id, secret, prompt,
-                                                 [[] for _ in self.stagings],
-                                                 [[] for _ in self.stagings])
-            self._stream_of[req_id] = stream
+        lease = self._leases.get(req_id)
+        if self.streams.publish(req_id, stream, secret, prompt, keys, slots, last,
+                                lease.generation if lease else None):
             self._leases.setdefault(req_id, _Lease(_PENDING, float("inf")))
-            want = self._wants.pop(stream, None)
-            if want is not None:
-                st.reader = want[0]
-        elif st.req_id != req_id or st.last or st.cancelled:
-            state = "done" if st.last else "cancelled" if st.cancelled else "another request's"
-            raise InvalidInputError(f"request {req_id!r}: stream {stream} is {state}")
-        if len(keys) != len(self.stagings) or len(slots) != len(self.stagings):
-            raise InvalidInputError(f"request {req_id!r}: keys and slots of "
-                                    f"{len(self.stagings)} groups expected")
-        for g in range(len(self.stagings)):
-            st.keys[g] += list(keys[g])
-            st.slots[g] += list(slots[g])
-        st.last = bool(last)
-        if st.reader is not None:
-            self._tell(st, keys, slots)
-
-    def _tell(self, st: _Stream, keys: Sequence[Sequence[int]],
-              slots: Sequence[Sequence[int]]) -> None:
-        """Send the subscribed D blocks now final (and, with the last, the generation)."""
-        lease = self._leases.get(st.req_id)
-        try:
-            send(self.agent, st.reader, "chunk", stream=self._stream_of[st.req_id],
-                 req_id=st.req_id, instance=self.instance, secret=st.secret, prompt=st.prompt,
-                 keys=[list(map(int, k)) for k in keys], slots=[list(map(int, s)) for s in slots],
-                 last=st.last, generation=lease.generation if st.last and lease else None)
-        except TransferError as e:
-            logger.warning("P %s: stream of %s loses its reader: %s", self.config.name,
-                           st.req_id, e)
-            st.reader = None
 
     def cancel_stream(self, req_id: str) -> None:
         """P gave up on streamed `req_id` (aborted, or preempted) before its last chunk: its
         D is told, and its slots are freed once D let go of them (`drop`), or a lease
         from now; at once if no D subscribed. Unknown ids are ignored."""
-        stream = self._stream_of.get(req_id)
-        if stream is None or req_id not in self._leases:
+        if req_id not in self._leases:
             return
-        st = self._streams[stream]
-        st.cancelled = True
-        if st.reader is None:
+        free_now = self.streams.cancel(req_id)
+        if free_now:
             self._free(req_id, "cancelled")
-            return
-        self._leases[req_id].expires = time.monotonic() + self.config.lease_s
-        try:
-            send(self.agent, st.reader, "chunk", stream=stream, req_id=req_id,
-                 instance=self.instance, aborted=True)
-        except TransferError as e:
-            logger.warning("P %s: %s", self.config.name, e)
-            self._free(req_id, "cancelled")
+        elif free_now is False:
+            self._leases[req_id].expires = time.monotonic() + self.config.lease_s
 
     def poll(self, now: float | None = None) -> list[str]:
         """Handle D's notifications and reap expired leases.
@@ -271,10 +212,7 @@ class PrefillTransport:
                 except TransferError as e:
                     logger.warning("P %s ignores a message: %s", self.config.name, e)
         self._answer_hellos(now)
-        for stream, (sender, until) in list(self._wants.items()):
-            if until <= now:  # no such request came: the D asked for one P never had
-                del self._wants[stream]
-                self._refuse(sender, stream)
+        self.streams.expire_wants(now)
         self._publication.tick()  # D cannot find P until etcd holds P's record
         for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
             logger.debug("P %s lease of %s expired", self.config.name, req_id)
@@ -327,33 +265,13 @@ class PrefillTransport:
                 if lease is not None and lease.generation == generation:
                     lease.expires = max(lease.expires, now + self.config.lease_s)
         elif kind == "want":
-            stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
-            st = self._streams.get(stream)
-            if st is None:
-                if len(self._wants) < 4 * self.staging.num_slots:  # bounded: peers may be hostile
-                    self._wants[stream] = (sender, now + self.config.lease_s)
-            elif st.reader not in (None, sender) or st.cancelled:
-                self._refuse(sender, stream)
-            else:
-                st.reader = sender
-                if any(st.keys) or st.last:
-                    self._tell(st, st.keys, st.slots)
+            self.streams.on_want(sender, msg, now, lambda r: (
+                self._leases[r].generation if r in self._leases else None))
         elif kind == "drop":
-            stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
-            st = self._streams.get(stream)
-            if st is not None and st.reader == sender:
-                st.reader = None
-                if st.cancelled:
-                    self._free(st.req_id, "cancelled")
+            if (req_id := self.streams.on_drop(sender, msg)) is not None:
+                self._free(req_id, "cancelled")
         else:
             logger.warning("P %s ignores %r message from %s", self.config.name, kind, sender)
-
-    def _refuse(self, sender: str, stream: str) -> None:
-        try:
-            send(self.agent, sender, "chunk", stream=stream, req_id="", instance=self.instance,
-                 aborted=True)
-        except TransferError as e:
-            logger.warning("P %s: %s", self.config.name, e)
 
     def _answer_hellos(self, now: float) -> None:
         for peer, deadline in list(self._hellos.items()):
@@ -369,9 +287,7 @@ class PrefillTransport:
 
     def _free(self, req_id: str, outcome: str) -> None:
         lease = self._leases.pop(req_id)
-        stream = self._stream_of.pop(req_id, None)
-        if stream is not None:
-            del self._streams[stream]
+        self.streams.forget(req_id)
         free_in_all(self.stagings, req_id)
         self._freed.append(req_id)
         if lease.trace is None:

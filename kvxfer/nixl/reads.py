@@ -1,0 +1,229 @@
+"""One read of D's, as its state machine sees it, and the NIXL posts that move its bytes.
+
+`Read` is one request's read (one `Leg` per P agent it reads from), `post`
+posts one leg's READ on D's poster thread with `read_descriptors`' NIXL
+descriptors, and `Zombies` holds the D slots of failed reads until NIXL
+releases their transfers. `kvxfer.nixl.decode` drives them; streams
+(`kvxfer.nixl.streams`) too.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.blocks import coalesce_pairs
+from kvxfer.errors import TransferError
+from kvxfer.nixl.peers import Peer
+from kvxfer.staging import Staging, block_tags, free_in_all
+from kvxfer.stats import Recorder, Trace
+from kvxfer.wire import ReadParams, StreamParams
+
+__all__ = ["Leg", "LegState", "Read", "Zombies", "post", "posting", "read_descriptors",
+           "release", "settle_posts", "tags_match", "trace_read"]
+
+logger = logging.getLogger("kvxfer.nixl.decode")
+
+
+class LegState(enum.Enum):
+    """Where one P agent's part of a read stands."""
+
+    XFER = "xfer"  # READ posted (or being posted)
+    READ = "read"  # nothing (more) to read; `done` not yet sent
+    ACK = "ack"  # `done` sent, waiting for P's ack
+    OK = "ok"  # P acked: its part is delivered
+
+
+@dataclass
+class Leg:
+    """One P agent's part of a read: what D reads from it, and where its `done` stands."""
+
+    peer: str
+    handle: Any = None
+    posting: Future | None = None  # the poster thread's `_post`, until `_advance` takes its handle
+    state: LegState = LegState.XFER
+    posted: tuple[float, float, int, int] | None = None  # the poster's (start, end, descs, bytes)
+
+
+@dataclass
+class Read:
+    req_id: str  # D's id (the caller's)
+    p_req_id: str  # P's id, from the params: what every message to P names
+    instance: str
+    generation: int
+    logical_ids: list[int]
+    deadline: float
+    legs: dict[str, Leg] = field(default_factory=dict)  # every P agent holding a piece
+    started: float = field(default_factory=time.monotonic)
+    params: ReadParams | None = None
+    plan: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # units per P agent
+    waiting: bool = True  # for its peers: nothing posted yet
+    d_slots: list[list[int]] = field(default_factory=list)  # per group, D's slots of `params.keys`
+    trace: Trace | None = None
+    mark: float = 0.0  # when the stage under way began (posted, done sent)
+    stream: StreamParams | None = None  # streamed: P names its blocks chunk by chunk
+    skip: list[int] = field(default_factory=list)  # streamed: per group, keys below are D's own
+    prompt: str | None = None  # streamed: the prompt digest P's must equal, if known
+    secret: str = ""  # streamed: the request's, from its first chunk
+    chunks: list[ReadParams] = field(default_factory=list)  # streamed: named, not yet posted
+    last: bool = False  # streamed: P named its last chunk
+    landed: bool = False  # its posted READs are done, their blocks not yet checked
+
+
+class Zombies:
+    """Failed reads whose transfers NIXL has not released: a READ could still land, so their
+    D slots are freed only once NIXL releases every one."""
+
+    def __init__(self, stagings: Sequence[Staging]):
+        self.stagings = stagings
+        self._held: list[tuple[str, Any]] = []  # (request, NIXL transfer handle)
+
+    def __contains__(self, req_id: object) -> bool:
+        return any(r == req_id for r, _ in self._held)
+
+    def bury(self, req_id: str, handles: Sequence[Any]) -> None:
+        """Release a failed read's transfers; its slots are freed once all are released."""
+        held = [h for h in handles if h is not None and not release(h)]
+        if held:
+            self._held += [(req_id, h) for h in held]
+        else:
+            free_in_all(self.stagings, req_id)
+
+    def reap(self) -> None:
+        still = [(req_id, h) for req_id, h in self._held if not release(h)]
+        for req_id in {r for r, _ in self._held} - {r for r, _ in still}:
+            free_in_all(self.stagings, req_id)
+        self._held = still
+
+
+def posting(reads: Iterable[Read]) -> bool:
+    """Whether the poster thread is inside NIXL. Over UCX `cma` a post copies the bytes
+    while holding the agent, so any NIXL call from the engine's thread would wait for the
+    whole copy: `poll` leaves the agent alone until it is done (notifications wait in UCX;
+    deadlines are checked at the next poll)."""
+    return any(leg.posting is not None and not leg.posting.done()
+               for read in reads for leg in read.legs.values())
+
+
+def trace_read(read: Read, recorder: Recorder) -> None:
+    """Every leg's READ is done: the `read` stage, from the first post to now, with what the
+    posts moved (the poster wrote `posted` into each leg before its future was done); a
+    stream's reads add up in one."""
+    posted = [leg.posted for leg in read.legs.values() if leg.posted is not None]
+    read.trace.extend("read", min((t0 for t0, _, _, _ in posted), default=read.mark))
+    for t0, t1, descriptors, nbytes in posted:
+        recorder.observe("d_post_s", t1 - t0)
+        read.trace.descriptors += descriptors
+        read.trace.wire_bytes += nbytes
+    read.mark = time.monotonic()
+
+
+def settle_posts(read: Read, who: str) -> None:
+    """Cancel a failed read's posts not started and wait for those under way, so every leg's
+    transfer handle is known."""
+    pending = [leg.posting for leg in read.legs.values()
+               if leg.posting is not None and not leg.posting.cancel()]
+    futures.wait(pending)
+    for leg in read.legs.values():
+        posting, leg.posting = leg.posting, None
+        if posting is None or posting.cancelled():
+            continue
+        if posting.exception() is not None:
+            logger.warning("D %s: posting the READ of %s from %s failed: %s", who, read.req_id,
+                           leg.peer, posting.exception())
+        else:
+            leg.handle = posting.result()
+
+
+def post(agent: Any, leg: Leg, descriptors: Callable[[], tuple[np.ndarray, np.ndarray]],
+          req_id: str, who: str) -> Any:
+    """Post one READ from `leg.peer` of `descriptors()` (on D's poster thread); returns its
+    transfer handle. Writes only `leg.posted`, which the engine's thread reads once done."""
+    start, peer = time.monotonic(), leg.peer
+    local, remote = descriptors()
+    handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                   agent.get_xfer_descs(remote, "DRAM"), peer)
+    try:
+        state = agent.transfer(handle)
+    except Exception as e:  # part of it may be posted: `_advance` finds it in error
+        logger.warning("D %s: NIXL raised posting the READ of %s from %s: %s", who, req_id,
+                       peer, e)
+        return handle
+    if state == "ERR":
+        release(handle)
+        raise TransferError(f"NIXL refused the READ of {req_id!r} from {peer!r}")
+    leg.posted = (start, time.monotonic(), len(local), int(local[:, 1].sum()))
+    logger.debug("D %s posted READ of %s from %s (%s descriptors)", who, req_id, peer,
+                 len(local))
+    return handle
+
+
+def tags_match(stagings: Sequence[Staging], read: Read) -> bool:
+    """Whether every slot read holds the block its params name: the tags P wrote with the
+    request's secret at each block's position (`kvxfer.staging.block_tags`)."""
+    p = read.params
+    return all(not keys or np.array_equal(staging.tags[slots], block_tags(p.secret, g, keys))
+               for g, (staging, keys, slots) in enumerate(zip(stagings, p.keys, read.d_slots)))
+
+
+def release(handle: Any) -> bool:
+    """Release a NIXL transfer; whether NIXL let it go (a READ in flight may not)."""
+    try:
+        handle.release()
+        return True
+    except Exception:
+        return False
+
+
+def read_descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, int, int] | None,
+                 p_slots: Sequence[Sequence[int]], d_slots: Sequence[Sequence[int]],
+                 span: tuple[int, int], tags: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`(local, remote)` NIXL descriptors `[n, 3]` (address, length, device) of one READ.
+
+    Units `span` of every slot of every group: the blocks, then the fingerprint
+    rows of the same slots, and with `tags` the slots' whole tags; one
+    descriptor per run of slots contiguous on both sides where a slot is read
+    whole, else one per slot.
+    """
+    theirs_piece, ours_piece = peer.piece or (0, 1, 1), piece or (0, 1, 1)
+    local, remote = [], []
+    for theirs, ours, ps, ds in zip(peer.groups, stagings, p_slots, d_slots, strict=True):
+        if not ps:
+            continue
+        # Blocks, then the fingerprint rows of the same slots; per unit, `size` bytes.
+        p_row = theirs.prints[1] // theirs.num_slots
+        for p_bases, d_bases, p_stride, d_stride in (
+                ([a for a, _ in theirs.regions], [a for a, _ in ours.region_addresses()],
+                 theirs.block_bytes, ours.block_bytes),
+                ([theirs.prints[0]], [ours.prints_address()[0]], p_row,
+                 ours.prints.strides[0])):
+            size = d_stride // (ours_piece[1] - ours_piece[0])
+            length = (span[1] - span[0]) * size
+            whole = length == p_stride == d_stride  # slot runs coalesce
+            runs = np.asarray(coalesce_pairs(ps, ds) if whole
+                              else [(a, b, 1) for a, b in zip(ps, ds)],
+                              dtype=np.uint64).reshape(-1, 3)
+            lengths = runs[:, 2] * length
+            p_off = (span[0] - theirs_piece[0]) * size
+            d_off = (span[0] - ours_piece[0]) * size
+            for p_base, d_base in zip(p_bases, d_bases, strict=True):
+                remote.append(np.stack([p_base + p_off + runs[:, 0] * p_stride, lengths,
+                                        0 * lengths], 1))
+                local.append(np.stack([d_base + d_off + runs[:, 1] * d_stride, lengths,
+                                       0 * lengths], 1))
+        if tags:
+            row = ours.tags.strides[0]
+            runs = np.asarray(coalesce_pairs(ps, ds), dtype=np.uint64).reshape(-1, 3)
+            remote.append(np.stack([theirs.tags[0] + runs[:, 0] * row, runs[:, 2] * row,
+                                    0 * runs[:, 2]], 1))
+            local.append(np.stack([ours.tags_address()[0] + runs[:, 1] * row, runs[:, 2] * row,
+                                   0 * runs[:, 2]], 1))
+    return np.concatenate(local), np.concatenate(remote)

@@ -1,0 +1,368 @@
+"""Streams: D reads a request's blocks as P names them final, while P still prefills it.
+
+A router gives P and D one stream id per request (`kvxfer.wire.new_stream_id`).
+D subscribes with it (`want`) once connected to P; P names to it each block
+no later chunk copies again (`chunk`: keys, slots, the request's secret and
+instance, and with the last chunk the generation D's `done` names); D reads
+the chunks named since its last READ in one READ, checks their tags, and
+reports them as they arrive. P holds a streamed request from its first
+staged block; its lease runs from its last chunk, as any other's. If P gives
+up on it (aborted, preempted), it tells D (`chunk` with `aborted`) and frees
+it once D let go (`drop`) or a lease later.
+
+- `Published`: P's side (in `kvxfer.nixl.prefill.PrefillTransport`).
+- `StreamReading`: D's side, a part of `kvxfer.nixl.decode.DecodeTransport`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvxfer.blocks import is_int
+from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.nixl.agent import send
+from kvxfer.nixl.reads import Leg, LegState, Read, post, read_descriptors, tags_match, trace_read
+from kvxfer.stats import Trace
+from kvxfer.wire import ReadParams, Source, StreamParams, is_generation, is_stream_id, message_field
+
+__all__ = ["Published", "StreamReading"]
+
+logger = logging.getLogger(__name__)
+
+
+# -- P ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    """A streamed request on P: what was named final so far, and who reads it."""
+
+    req_id: str
+    secret: str
+    prompt: str | None
+    keys: list[list[int]]  # per group, named so far
+    slots: list[list[int]]
+    last: bool = False
+    reader: str | None = None  # the D agent that subscribed
+    cancelled: bool = False
+
+
+class Published:
+    """P's streams: who subscribed to which, and what each was told.
+
+    Arguments:
+        agent: P's NIXL agent; `name`, `instance`: P's agent name and instance.
+        num_groups: KV cache groups; `max_wants`: subscriptions kept for streams P
+            does not know yet (a D may subscribe before P's scheduler added the request).
+        wait_s: how long such a subscription waits before P refuses it.
+    """
+
+    def __init__(self, agent: Any, name: str, instance: str, num_groups: int, max_wants: int,
+                 wait_s: float):
+        self.agent, self.name, self.instance = agent, name, instance
+        self.num_groups, self.max_wants, self.wait_s = num_groups, max_wants, wait_s
+        self._streams: dict[str, _Stream] = {}  # stream id -> the request streamed
+        self._stream_of: dict[str, str] = {}  # request id -> its stream id
+        self._wants: dict[str, tuple[str, float]] = {}  # stream not yet known -> (D, until)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._stream_of
+
+    def publish(self, req_id: str, stream: str, secret: str, prompt: str | None,
+                keys: Sequence[Sequence[int]], slots: Sequence[Sequence[int]], last: bool,
+                generation: int | None) -> bool:
+        """Name blocks of `req_id` final (see `PrefillTransport.publish`); whether this is
+        the stream's first call (P holds the request for D from now)."""
+        if not is_stream_id(stream):
+            raise InvalidInputError(f"request {req_id!r}: stream must be 32 hex digits, got "
+                                    f"{stream!r:.80}")
+        if len(keys) != self.num_groups or len(slots) != self.num_groups or any(
+                len(k) != len(s) for k, s in zip(keys, slots)):
+            raise InvalidInputError(f"request {req_id!r}: equal-length keys and slots of "
+                                    f"{self.num_groups} groups expected")
+        st, first = self._streams.get(stream), False
+        if st is None:
+            if req_id in self._stream_of:
+                raise InvalidInputError(f"request {req_id!r} is already streamed")
+            st = self._streams[stream] = _Stream(req_id, secret, prompt,
+                                                 [[] for _ in range(self.num_groups)],
+                                                 [[] for _ in range(self.num_groups)])
+            self._stream_of[req_id], first = stream, True
+            want = self._wants.pop(stream, None)
+            if want is not None:
+                st.reader = want[0]
+        elif st.req_id != req_id or st.last or st.cancelled:
+            state = "done" if st.last else "cancelled" if st.cancelled else "another request's"
+            raise InvalidInputError(f"request {req_id!r}: stream {stream} is {state}")
+        for g in range(self.num_groups):
+            st.keys[g] += list(keys[g])
+            st.slots[g] += list(slots[g])
+        st.last = bool(last)
+        if st.reader is not None:
+            self._tell(st, keys, slots, generation)
+        return first
+
+    def _tell(self, st: _Stream, keys: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
+              generation: int | None) -> None:
+        """Send the subscribed D blocks now final (and, with the last, the generation)."""
+        try:
+            send(self.agent, st.reader, "chunk", stream=self._stream_of[st.req_id],
+                 req_id=st.req_id, instance=self.instance, secret=st.secret, prompt=st.prompt,
+                 keys=[list(map(int, k)) for k in keys], slots=[list(map(int, s)) for s in slots],
+                 last=st.last, generation=generation if st.last else None)
+        except TransferError as e:
+            logger.warning("P %s: stream of %s loses its reader: %s", self.name, st.req_id, e)
+            st.reader = None
+
+    def cancel(self, req_id: str) -> bool | None:
+        """P gave up on `req_id`: its D is told. Whether it may be freed now (no D
+        subscribed, or D cannot be told); None for a request not streamed."""
+        stream = self._stream_of.get(req_id)
+        if stream is None:
+            return None
+        st = self._streams[stream]
+        st.cancelled = True
+        if st.reader is None:
+            return True
+        try:
+            send(self.agent, st.reader, "chunk", stream=stream, req_id=req_id,
+                 instance=self.instance, aborted=True)
+        except TransferError as e:
+            logger.warning("P %s: %s", self.name, e)
+            return True
+        return False
+
+    def on_want(self, sender: str, msg: dict[str, Any], now: float,
+                generation: Callable[[str], int | None]) -> None:
+        """D subscribes: tell it everything named so far (`generation(req_id)`: the one its
+        last chunk names), or wait a while for a stream P does not know yet."""
+        stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
+        st = self._streams.get(stream)
+        if st is None:
+            if len(self._wants) < self.max_wants:  # bounded: peers may be hostile
+                self._wants[stream] = (sender, now + self.wait_s)
+        elif st.reader not in (None, sender) or st.cancelled:
+            self._refuse(sender, stream)
+        else:
+            st.reader = sender
+            if any(st.keys) or st.last:
+                self._tell(st, st.keys, st.slots, generation(st.req_id))
+
+    def on_drop(self, sender: str, msg: dict[str, Any]) -> str | None:
+        """D let go of a stream: the request to free now (one P gave up on), else None."""
+        stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
+        st = self._streams.get(stream)
+        if st is None or st.reader != sender:
+            return None
+        st.reader = None
+        return st.req_id if st.cancelled else None
+
+    def expire_wants(self, now: float) -> None:
+        """Refuse subscriptions to streams that never came (a D asked for one P never had)."""
+        for stream, (sender, until) in list(self._wants.items()):
+            if until <= now:
+                del self._wants[stream]
+                self._refuse(sender, stream)
+
+    def forget(self, req_id: str) -> None:
+        stream = self._stream_of.pop(req_id, None)
+        if stream is not None:
+            del self._streams[stream]
+
+    def _refuse(self, sender: str, stream: str) -> None:
+        try:
+            send(self.agent, sender, "chunk", stream=stream, req_id="", instance=self.instance,
+                 aborted=True)
+        except TransferError as e:
+            logger.warning("P %s: %s", self.name, e)
+
+
+# -- D ---------------------------------------------------------------------------------
+
+
+class StreamReading:
+    """D's streamed reads, and what every read does as its blocks land: a part of
+    `DecodeTransport` (whose agent, peers, handshakes, staging, poster thread, reads and
+    `_fail` it uses), kept here with the rest of streams."""
+
+    def start_stream(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
+                     skip: Sequence[int] | None = None, prompt: str | None = None,
+                     trace: Trace | None = None) -> None:
+        """Read `req_id` while P still prefills it: subscribe to its stream, read each chunk
+        P names final as it is named (`arrived` reports them), and finish after the last.
+
+        `skip`: per group, the kernel positions below which D holds the blocks itself
+        (not read); `prompt`: D's prompt digest, which P's must equal. Failures are as
+        for `start_read`'s, in `logical_ids`; P giving up on the request fails it too.
+        """
+        if req_id in self._reads or req_id in self._zombies:
+            raise InvalidInputError(f"request {req_id!r} is already being read")
+        if any(req_id in s for s in self.stagings):
+            raise InvalidInputError(
+                f"request {req_id!r} still holds D staging from an earlier read; free it first")
+        if not isinstance(params, StreamParams):
+            raise InvalidInputError(f"params must be StreamParams, got {type(params).__name__}")
+        if any(r.stream is not None and r.stream.stream == params.stream
+               for r in self._reads.values()):
+            raise InvalidInputError(f"stream {params.stream} is already being read")
+        skip = [0] * len(self.stagings) if skip is None else list(skip)
+        if len(skip) != len(self.stagings) or not all(is_int(k) and k >= 0 for k in skip):
+            raise InvalidInputError(f"skip must be {len(self.stagings)} non-negative ints, got "
+                                    f"{skip!r:.80}")
+        read = Read(req_id, "", "", 0, list(logical_ids),
+                     time.monotonic() + self.config.transfer_timeout_s,
+                     legs={params.peer: Leg(params.peer, state=LegState.READ)},
+                     stream=params, skip=skip, prompt=prompt,
+                     trace=trace or Trace(req_id, "D", "", params.peer, self.config.name))
+        self._reads[req_id] = read
+        if self.piece is not None:
+            self._fail(read, TransferError("streams are read by a D of one process"), "refused")
+            return
+        self._try_subscribe(read)
+
+    def _try_subscribe(self, read: Read) -> None:
+        """Once P's agent is connected, subscribe to the read's stream. Never waits."""
+        s = read.stream
+        self.handshakes.begin(s.peer, s.host, s.port)
+        state = self.handshakes.status(s.peer)
+        if state is None:
+            return
+        if state is not True:
+            self._fail(read, state)
+            return
+        try:
+            send(self.agent, s.peer, "want", stream=s.stream)
+        except TransferError as e:
+            self._fail(read, reason="peer_gone")
+            self._drop_peer(s.peer, str(e))
+            return
+        read.waiting = False
+        read.instance = self.peers.get(s.peer).instance
+        read.mark = read.trace.stage("connect", read.started)
+
+    def _on_chunk(self, sender: str, msg: dict[str, Any]) -> None:
+        """P names blocks of a stream final (or gives the stream up): queue them to read."""
+        stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
+        read = next((r for r in self._reads.values() if r.stream is not None
+                     and r.stream.stream == stream and r.stream.peer == sender), None)
+        if read is None or read.waiting:
+            return
+        if msg.get("aborted") is True:
+            self._fail(read, TransferError(f"P gave up on stream {stream}"), "refused")
+            return
+        n = len(self.stagings)
+
+        def groups(v: object) -> bool:
+            return (isinstance(v, list) and len(v) == n and all(
+                isinstance(g, list) and all(is_int(x) and x >= 0 for x in g) for g in v))
+
+        keys = message_field(msg, "keys", groups, f"{n} lists of keys", sender)
+        slots = message_field(msg, "slots", groups, f"{n} lists of slots", sender)
+        fields = {key: message_field(msg, key, check, what, sender) for key, check, what in (
+            ("req_id", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
+            ("instance", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
+            ("secret", lambda v: is_stream_id(v), "32 hex digits"),
+            ("prompt", lambda v: v is None or is_stream_id(v), "absent or 32 hex digits"),
+            ("last", lambda v: isinstance(v, bool), "a bool"))}
+        last = fields["last"]
+        generation = message_field(msg, "generation", lambda v: v is None or is_generation(v),
+                                   "a positive int or None", sender)
+        if any(len(k) != len(s) for k, s in zip(keys, slots)) or (last and generation is None):
+            raise TransferError(f"chunk of stream {stream} from {sender!r} is malformed")
+        if read.last:
+            raise TransferError(f"chunk of stream {stream} from {sender!r} after its last")
+        why = None
+        if not read.p_req_id:  # the first chunk: what the request is
+            if fields["instance"] != read.instance:
+                why = f"P instance {fields['instance']} is not the one D connected to"
+            elif read.prompt is not None and fields["prompt"] != read.prompt:
+                why = "D's prompt differs from the one P computed"
+            read.p_req_id, read.secret = fields["req_id"], fields["secret"]
+            read.trace.p_req_id = read.p_req_id
+        elif (fields["req_id"], fields["instance"], fields["secret"]) != (
+                read.p_req_id, read.instance, read.secret):
+            why = "a chunk names another request"
+        if why is not None:
+            self._fail(read, TransferError(f"stream {stream} of {read.req_id!r}: {why}"),
+                       "refused")
+            return
+        kept = [[(k, s) for k, s in zip(gk, gs) if k >= skip]
+                for gk, gs, skip in zip(keys, slots, read.skip)]
+        read.chunks.append(ReadParams(
+            sender, read.instance, read.stream.host, read.stream.port, read.p_req_id,
+            generation or 1, tuple(tuple(k for k, _ in g) for g in kept),
+            tuple(tuple(s for _, s in g) for g in kept), read.secret, fields["prompt"]))
+        if last:
+            read.last, read.generation = True, generation
+        read.deadline = time.monotonic() + self.config.transfer_timeout_s  # P is alive
+
+    def _next_chunk(self, read: Read) -> bool:
+        """Post the stream's chunks named since its last READ, as one READ; whether one
+        was posted."""
+        chunks, read.chunks = read.chunks, []
+        keys = tuple(tuple(k for c in chunks for k in c.keys[g]) for g in range(len(self.stagings)))
+        if not any(keys):
+            return False
+        p = replace(chunks[0], keys=keys,
+                    slots=tuple(tuple(s for c in chunks for s in c.slots[g])
+                                for g in range(len(self.stagings))))
+        if any(set(k) & set(s.blocks(read.req_id) if read.req_id in s else ())
+               for k, s in zip(keys, self.stagings)):
+            raise TransferError(f"stream of {read.req_id!r} names a block twice")
+        self.peers.check_source(p, Source(p.peer, 0, 1))
+        read.params = p
+        read.d_slots = [s.assign(read.req_id, k) for s, k in zip(self.stagings, keys)]
+        leg = read.legs[p.peer]
+        leg.state, leg.posted = LegState.XFER, None
+        descriptors = functools.partial(read_descriptors, self.peers.get(p.peer), self.stagings,
+                                        self.piece, p.slots, read.d_slots, (0, 1), True)
+        leg.posting = self._poster.submit(post, self.agent, leg, descriptors, read.req_id,
+                                          self.config.name)
+        return True
+
+    def _read_on(self, read: Read) -> bool:
+        """Post the chunks named since the last READ; whether the read still waits for P
+        (a READ posted, or its last chunk not yet named)."""
+        try:
+            return self._next_chunk(read) or not read.last
+        except Exception as e:
+            self._fail(read, e, "refused")
+            return True
+
+    def arrived(self) -> dict[str, list[list[int]]]:
+        """Per request, per group, the keys whose blocks landed in staging and checked since
+        the last call (the request is not finished until `poll` says so; until then, or a
+        failure, its slots stay as they are)."""
+        arrived, self._arrived = self._arrived, {}
+        return arrived
+
+    def _check_landed(self, read: Read) -> bool:
+        """Check the blocks the read's last READs brought (their tags) and report them
+        (`arrived`); False if the read failed."""
+        if not (read.landed or (read.params is not None and not read.stream
+                                and read.trace.stages[-1][0] == "connect")):  # none to read
+            return True
+        read.landed = False
+        trace_read(read, self.recorder)
+        if not tags_match(self.stagings, read):
+            logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
+                           "altered, or not its own)", self.config.name, read.req_id)
+            self._fail(read, reason="binding")
+            return False
+        arrived = self._arrived.setdefault(read.req_id, [[] for _ in self.stagings])
+        for into, keys in zip(arrived, read.params.keys):
+            into += keys
+        return True
+
+    def _let_go(self, read: Read) -> None:
+        """A failed stream: tell P, which frees a stream it gave up on once D let go of it."""
+        if read.stream is not None and not read.waiting and read.stream.peer in self.peers:
+            try:
+                send(self.agent, read.stream.peer, "drop", stream=read.stream.stream)
+            except TransferError as e:
+                logger.warning("D %s: %s", self.config.name, e)
