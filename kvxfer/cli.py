@@ -178,6 +178,7 @@ _BENCHES = {
     "e2e": "kvxfer.bench.e2e",
     "multihost": "kvxfer.bench.multihost",
     "serve": "kvxfer.bench.serve",
+    "ttft": "kvxfer.bench.ttft",
 }
 
 

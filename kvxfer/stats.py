@@ -79,11 +79,12 @@ class Trace:
         return end
 
     def extend(self, name: str, start: float, end: float | None = None) -> None:
-        """Stage `name` again (a request gathered over several steps): one stage from its
-        first start, whose duration is the sum of its parts."""
+        """Stage `name` again (a request gathered over several steps, read and written in
+        parts): one stage from its first start, whose duration is the sum of its parts."""
         end = time.monotonic() if end is None else end
-        if self.stages and self.stages[-1][0] == name:
-            self.stages[-1][2] = round(self.stages[-1][2] + max(end - start, 0.0), 6)
+        same = next((s for s in reversed(self.stages) if s[0] == name), None)
+        if same is not None:
+            same[2] = round(same[2] + max(end - start, 0.0), 6)
         else:
             self.stage(name, start, end)
 

@@ -385,11 +385,15 @@ def _reserved(layouts: Sequence[CacheLayout], tables: list[list[int]], have: lis
 
 def _arrived(load: _Load, layouts: Sequence[CacheLayout], req_id: str,
              keys: list[list[int]]) -> _Load:
-    """What to write of `keys` (per group) of a load now in staging: a stream's placed in D's
-    table now (and added to the load's)."""
-    if load.tables is None:
-        return load
+    """What to write of `keys` (per group) of a load now in staging (a part of it, when read
+    in parts): a stream's placed in D's table now (and added to the load's)."""
     part = _Load([], [], load.logical_ids)
+    if load.tables is None:  # placed when the read started
+        for g, group_keys in enumerate(keys):
+            at = dict(zip(load.keys[g], load.kernel_ids[g]))
+            part.keys.append(list(group_keys))
+            part.kernel_ids.append([at[k] for k in group_keys])
+        return part
     for g, (group_keys, table, layout) in enumerate(zip(keys, load.tables, layouts)):
         ids, _ = _place(req_id, g, group_keys, table, layout)
         part.keys.append(list(group_keys))

@@ -32,8 +32,9 @@ class Lines:
     def __init__(self, fd: int):
         self.fd, self.buf, self.closed = fd, b"", False
 
-    def ready(self) -> list[dict[str, Any]]:
-        while not self.closed and select.select([self.fd], [], [], 0.001)[0]:
+    def ready(self, wait: float = 0.001) -> list[dict[str, Any]]:
+        """Every complete line so far, waiting up to `wait` seconds for the first."""
+        while not self.closed and select.select([self.fd], [], [], wait)[0]:
             chunk = os.read(self.fd, 1 << 16)
             self.closed = not chunk
             self.buf += chunk
@@ -117,9 +118,9 @@ class Proc:
             self.queue.extend(self.lines.ready())
         return self.queue.pop(0)
 
-    def ready(self) -> list[dict[str, Any]]:
-        """Every message that has arrived, without waiting."""
-        msgs, self.queue = self.queue + self.lines.ready(), []
+    def ready(self, wait: float = 0.001) -> list[dict[str, Any]]:
+        """Every message that has arrived, waiting up to `wait` seconds for one."""
+        msgs, self.queue = self.queue + self.lines.ready(wait), []
         return msgs
 
     def send(self, **fields: Any) -> None:

@@ -36,7 +36,6 @@ import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvxfer.blocks import is_int
@@ -48,6 +47,7 @@ from kvxfer.nixl.peers import LayoutCheck, Peers
 from kvxfer.nixl.reads import (
     Leg,
     LegState,
+    Poster,
     Read,
     Zombies,
     posting,
@@ -55,7 +55,7 @@ from kvxfer.nixl.reads import (
     release,
     settle_posts,
 )
-from kvxfer.nixl.reads import post as _post
+from kvxfer.nixl.reads import post as _post  # noqa: F401  (streams post through it; tests replace it)
 from kvxfer.nixl.streams import StreamReading
 from kvxfer.staging import Staging, free_in_all, stagings_of
 from kvxfer.stats import Recorder, Trace
@@ -121,7 +121,7 @@ class DecodeTransport(StreamReading):
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
         # engine's thread for the whole read.
-        self._poster = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-post-{config.name}")
+        self._poster = Poster(config.name)
         self._done: list[str] = []
         self._failed: dict[str, list[int]] = {}
         self._arrived: dict[str, list[list[int]]] = {}  # req -> per group, keys read and checked
@@ -171,11 +171,7 @@ class DecodeTransport(StreamReading):
         moves the handshake on) and the read is posted once it is. `trace` gets
         its stages (`connect`, `read`, `ack`) and, if it fails, its outcome.
         """
-        if req_id in self._reads or req_id in self._zombies:
-            raise InvalidInputError(f"request {req_id!r} is already being read")
-        if any(req_id in s for s in self.stagings):
-            raise InvalidInputError(
-                f"request {req_id!r} still holds D staging from an earlier read; free it first")
+        self._check_new(req_id)
         p = _check_params(params, len(self.stagings))
         if not isinstance(logical_ids, Sequence) or not all(
                 is_int(b) and b >= 0 for b in logical_ids):
@@ -212,23 +208,27 @@ class DecodeTransport(StreamReading):
         if state is not True:
             self._fail(read, state)
             return
+        parts = not p.sources and self.piece is None  # one P, one D: read in parts
         try:
             for source in p.sources or [Source(p.peer, 0, 1)]:
                 self.peers.check_source(p, source)
-            read.d_slots = [s.assign(read.req_id, keys) for s, keys in zip(self.stagings, p.keys)]
+            if not parts:
+                read.d_slots = [s.assign(read.req_id, k) for s, k in zip(self.stagings, p.keys)]
         except Exception as e:
             self._fail(read, e, "refused")
             return
         read.waiting = False
         read.mark = read.trace.stage("connect", read.started)
+        if parts:
+            read.chunks, read.last = [p], True
+            self._read_on(read)
+            return
         for peer, span in read.plan.items():
             if span is not None:  # the leg reading this process's first units reads the tags
                 descriptors = functools.partial(read_descriptors, self.peers.get(peer), self.stagings,
                                                 self.piece, p.slots, read.d_slots, span,
                                                 span[0] == (self.piece or (0,))[0])
-                read.legs[peer].posting = self._poster.submit(
-                    _post, self.agent, read.legs[peer], descriptors, read.req_id,
-                    self.config.name)
+                read.legs[peer].posting = self._post(read.legs[peer], descriptors, read.req_id)
 
     def poll(self, now: float | None = None) -> tuple[list[str], dict[str, list[int]]]:
         """Advance reads; returns `(finished, failed)` since the last call.
@@ -289,7 +289,8 @@ class DecodeTransport(StreamReading):
                 return
         if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
-        if not self._check_landed(read) or (read.stream and self._read_on(read)):
+        if not self._check_landed(read) or (
+                (read.stream or read.chunks) and self._read_on(read)):
             return
         for leg in read.legs.values():
             if leg.state is LegState.READ:

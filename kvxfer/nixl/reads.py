@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from kvxfer.staging import Staging, block_tags, free_in_all
 from kvxfer.stats import Recorder, Trace
 from kvxfer.wire import ReadParams, StreamParams
 
-__all__ = ["Leg", "LegState", "Read", "Zombies", "post", "posting", "read_descriptors",
+__all__ = ["Leg", "LegState", "Poster", "Read", "Zombies", "post", "posting", "read_descriptors",
            "release", "settle_posts", "tags_match", "trace_read"]
 
 logger = logging.getLogger("kvxfer.nixl.decode")
@@ -102,6 +103,28 @@ class Zombies:
         for req_id in {r for r, _ in self._held} - {r for r, _ in still}:
             free_in_all(self.stagings, req_id)
         self._held = still
+
+
+class Poster(ThreadPoolExecutor):
+    """D's poster thread: posts READs (`post`) so the engine's thread never holds the agent."""
+
+    def __init__(self, name: str):
+        super().__init__(1, thread_name_prefix=f"kvxfer-post-{name}")
+
+    def post(self, post: Callable[..., Any], *args: Any, idle: bool) -> Future:
+        """`post(*args)` on the poster thread; when it is `idle`, hand it the GIL now: an
+        engine thread that spins (polling) would otherwise keep it waiting a whole GIL
+        switch interval (5 ms) before the READ even starts."""
+        started = threading.Event()
+
+        def run() -> Any:
+            started.set()
+            return post(*args)
+
+        future = self.submit(run)
+        if idle:
+            started.wait(0.002)
+        return future
 
 
 def posting(reads: Iterable[Read]) -> bool:

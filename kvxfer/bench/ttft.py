@@ -1,0 +1,237 @@
+"""`kvxfer bench ttft`: what the transfer adds to a request's time to first token.
+
+P and D run as two processes (P TP 4, D TP 8, as in `kvxfer bench e2e`), with
+8 layers of `[16, 8, 2, 128]` bf16 blocks (64 KiB per block per layer). P
+prefills each prompt in chunks of 2,048 tokens, with a model-free forward of
+fixed duration per chunk (`forward_ms`: the caches hold random bytes, so the
+figures are about the transfer), and saves what the save plan says after
+each chunk, as an engine's `wait_for_save` would; it polls its connector
+once per step.
+
+- `critical_ms`: from P's last chunk saved to the prompt's KV in D's caches
+  (D's `get_finished` returning it), per prompt length, median of
+  `repeats`. Without streaming, P hands its params to the parent, which
+  relays them to D (a router's hop), and D reads the whole prompt then.
+  With streaming, the parent gives D the stream first (a router sends the
+  request to both), D subscribes, and reads each chunk's blocks as P names
+  them final: at P's last chunk only that chunk is left to read.
+- `critical_over_last_chunk`: streaming's critical time at the longest
+  prompt over the time to read one chunk alone (the critical time of a
+  one-chunk prompt, without streaming).
+- `small_request_ms`: the critical time of a 32-block prompt (16 MiB), without
+  streaming, and `small_over_memcpy` over numpy's copy of the same bytes in
+  D's process (median of 7, in the same run): the fixed cost per request.
+
+The processes share the machine's monotonic clock.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.blocks import cdiv
+from kvxfer.demo.procs import Lines, Proc, child_output, profiled, say
+
+__all__ = ["TTFTConfig", "run"]
+
+
+@dataclass
+class TTFTConfig:
+    layers: int = 8
+    block_size: int = 16
+    heads: int = 8
+    head_dim: int = 128
+    tp_p: int = 4
+    tp_d: int = 8
+    chunk: int = 2048
+    lengths: list[int] = field(default_factory=lambda: [1024, 8192, 32768])
+    small_blocks: int = 32
+    forward_ms: float = 60.0
+    repeats: int = 3
+    timeout_s: float = 600.0
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per cache and staging: the longest prompt's, and the null block."""
+        return cdiv(max(*self.lengths, self.chunk + self.small_blocks * self.block_size),
+                    self.block_size) + 1
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer (bf16)."""
+        return self.block_size * self.heads * 2 * self.head_dim * 2
+
+
+def _caches(cfg: TTFTConfig, tp: int, seed: int) -> list[Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:tp]).reshape(1, tp), ("data", "model"))
+    sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
+    rng = np.random.default_rng(seed)
+    shape = (cfg.num_blocks, cfg.block_size, cfg.heads, 2, cfg.head_dim)
+    return [jax.device_put(rng.integers(0, 1 << 16, shape, np.uint16).view(jnp.bfloat16),
+                           sharding) for _ in range(cfg.layers)]
+
+
+def _serve_p(cfg: TTFTConfig, out: Any) -> None:
+    """P's engine: one request at a time, in chunks; polls its connector once per step."""
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.connector.prefill import PrefillConnector
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.scheduler import GroupSpec, ScheduledRequest
+
+    caches = _caches(cfg, cfg.tp_p, seed=1)
+    conn = PrefillConnector(ConnectorConfig(TransportConfig("P", lease_s=600.0),
+                                            staging_blocks=cfg.num_blocks),
+                            [GroupSpec(cfg.block_size)], caches)
+    a = conn.worker.address
+    say(out, peer=a.name, host=a.host, port=a.port)
+    inbox = Lines(sys.stdin.fileno())
+    while not inbox.closed:
+        msgs = inbox.ready(0)
+        if any("stop" in m for m in msgs):
+            break
+        for msg in msgs:
+            req_id, prompt = msg["run"], msg["prompt"]
+            conn.add_request(req_id, prompt, stream=msg.get("stream"))
+            table = list(range(1, cdiv(prompt, cfg.block_size) + 1))
+            done = 0
+            while done < prompt:
+                conn.get_finished()  # the engine's step polls the connector
+                n = min(cfg.chunk, prompt - done)
+                time.sleep(cfg.forward_ms / 1e3)  # the forward pass
+                step = ScheduledRequest(req_id, done, n, (table,) if done == 0 else None,
+                                        full_table=done == 0)
+                conn.wait_for_save(caches, conn.build_connector_meta([step]))
+                done += n
+            say(out, req_id=req_id, done=time.monotonic(), params=conn.request_finished(req_id))
+        conn.get_finished()
+        time.sleep(0.0002)
+    conn.close()
+
+
+def _serve_d(cfg: TTFTConfig, out: Any) -> None:
+    """D's engine: loads each request it is given into its own block ids, polling often."""
+    from kvxfer.connector.config import ConnectorConfig
+    from kvxfer.connector.decode import DecodeConnector
+    from kvxfer.connector.scheduler import LoadRequest
+    from kvxfer.nixl.agent import TransportConfig
+
+    caches = _caches(cfg, cfg.tp_d, seed=2)
+    conn = DecodeConnector(ConnectorConfig(TransportConfig("D", transfer_timeout_s=120.0),
+                                           staging_blocks=cfg.num_blocks), caches)
+    small = cfg.small_blocks * cfg.layers * cfg.block_bytes
+    src, dst = np.ones(small, np.uint8), np.empty(small, np.uint8)
+    say(out, ready=True)
+    inbox = Lines(sys.stdin.fileno())
+    loading: set[str] = set()
+    while not inbox.closed:
+        msgs = inbox.ready(0)
+        if any("stop" in m for m in msgs):
+            break
+        for msg in msgs:
+            if "memcpy" in msg:
+                times = []
+                for _ in range(8):
+                    start = time.perf_counter()
+                    np.copyto(dst, src)
+                    times.append(time.perf_counter() - start)
+                say(out, memcpy_s=statistics.median(times[1:]))
+                continue
+            table = list(range(cfg.num_blocks - 1, cfg.num_blocks - 1 - msg["blocks"], -1))
+            conn.start_load_kv({msg["req_id"]: LoadRequest(msg["params"], table)})
+            loading.add(msg["req_id"])
+        if not loading:
+            time.sleep(0.0002)
+            continue
+        caches, finished, failed = conn.get_finished(caches)
+        now = time.monotonic()
+        for req_id in finished + failed:
+            loading.discard(req_id)
+            say(out, req_id=req_id, ok=req_id in finished, at=now)
+    conn.close()
+
+
+def _child(role: str, cfg_json: str) -> None:
+    out = child_output()
+    cfg = TTFTConfig(**json.loads(cfg_json))
+    profiled(role, lambda: (_serve_p if role == "P" else _serve_d)(cfg, out))
+
+
+def _one(p: Proc, d: Proc, peer: dict[str, Any], cfg: TTFTConfig, req_id: str, prompt: int,
+         stream: bool) -> float:
+    """One request through P and D; its critical time in seconds."""
+    from kvxfer.wire import StreamParams, new_stream_id
+
+    blocks = cdiv(prompt, cfg.block_size)
+    sid = new_stream_id() if stream else None
+    if sid is not None:  # the router sends the request to both
+        d.send(req_id=req_id, blocks=blocks,
+               params=StreamParams(peer["peer"], peer["host"], peer["port"], sid).to_dict())
+    p.send(run=req_id, prompt=prompt, stream=sid)
+    finished = p.read()
+    if sid is None:
+        d.send(req_id=req_id, blocks=blocks, params=finished["params"])
+    got = d.read()
+    if not got["ok"] or got["req_id"] != req_id:
+        raise RuntimeError(f"D failed to load {req_id} ({'streamed' if stream else 'params'})\n"
+                           f"{d.tail()}")
+    return got["at"] - finished["done"]
+
+
+def run(cfg: TTFTConfig | None = None) -> dict[str, Any]:
+    """Critical times with and without streaming, and the small request's fixed cost."""
+    cfg = cfg or TTFTConfig()
+    cfg_json = json.dumps(asdict(cfg))
+    p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module="kvxfer.bench.ttft")
+    d = None
+    try:
+        peer = p.read()
+        d = Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module="kvxfer.bench.ttft")
+        d.read()
+        small = cfg.small_blocks * cfg.block_size
+        for i, prompt in enumerate([small, cfg.chunk, cfg.chunk + small]):  # compile, connect
+            for stream in (False, True):
+                _one(p, d, peer, cfg, f"warm{i}{stream:d}", prompt, stream)
+        times: dict[tuple[int, bool], list[float]] = {}
+        for r in range(cfg.repeats):
+            for prompt in [small, cfg.chunk, *cfg.lengths]:
+                for stream in (False, True):
+                    if stream and prompt in (small, cfg.chunk):
+                        continue
+                    times.setdefault((prompt, stream), []).append(
+                        _one(p, d, peer, cfg, f"r{r}-{prompt}-{stream:d}", prompt, stream))
+        d.send(memcpy=True)
+        memcpy_s = d.read()["memcpy_s"]
+    finally:
+        for proc in (d, p):
+            if proc is not None:
+                proc.stop()
+    ms = {key: 1e3 * statistics.median(v) for key, v in times.items()}
+    one_chunk = ms[(cfg.chunk, False)]
+    longest = max(cfg.lengths)
+    return {
+        "critical_ms": {str(n): round(ms[(n, False)], 2) for n in cfg.lengths},
+        "critical_ms_streaming": {str(n): round(ms[(n, True)], 2) for n in cfg.lengths},
+        "one_chunk_ms": round(one_chunk, 2),
+        "critical_over_last_chunk": round(ms[(longest, True)] / one_chunk, 3),
+        "small_request_ms": round(ms[(small, False)], 3),
+        "small_memcpy_ms": round(1e3 * memcpy_s, 3),
+        "small_over_memcpy": round(ms[(small, False)] / (1e3 * memcpy_s), 2),
+        "chunk_tokens": cfg.chunk,
+        "forward_ms": cfg.forward_ms,
+        "repeats": cfg.repeats,
+    }
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
