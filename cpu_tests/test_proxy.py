@@ -61,7 +61,8 @@ class FakeVllm:
         if self.fail:
             return web.Response(status=self.fail[0], text=self.fail[1], content_type="application/json")
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):  # P's part
-            params = {"remote_host": self.name, "remote_block_ids": [3, 4]} if self.params else None
+            params = {"remote_host": self.name, "remote_block_ids": [3, 4], "peer": f"kv-{self.name}",
+                      "host": "10.0.0.5", "port": 5610} if self.params else None
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": f"decoded by {self.name}"}]})
@@ -105,13 +106,14 @@ def closed_port_url() -> str:
 
 
 @contextlib.asynccontextmanager
-async def pd(prefills: list[FakeVllm], decodes: list[FakeVllm], extra_prefill=(), extra_decode=()):
+async def pd(prefills: list[FakeVllm], decodes: list[FakeVllm], extra_prefill=(), extra_decode=(),
+             stream=False):
     """Start the fakes and a proxy in front of them; yield a client session and the proxy's URL."""
     async with contextlib.AsyncExitStack() as stack:
         p_urls = [await stack.enter_async_context(serving(f.app())) for f in prefills]
         d_urls = [await stack.enter_async_context(serving(f.app())) for f in decodes]
         config = ProxyConfig(prefill=tuple(p_urls) + tuple(extra_prefill),
-                             decode=tuple(d_urls) + tuple(extra_decode))
+                             decode=tuple(d_urls) + tuple(extra_decode), stream=stream)
         url = await stack.enter_async_context(serving(build_app(config)))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield session, url
@@ -143,7 +145,9 @@ def test_prefills_one_unstreamed_token_on_p_and_decodes_the_original_request_on_
     assert p_body["prompt"] == BODY["prompt"] and p_body["temperature"] == 0.0
     [(d_path, d_body, _)] = d.seen
     assert d_path == "/v1/completions"
-    assert d_body == {**BODY, "kv_transfer_params": {"remote_host": "P", "remote_block_ids": [3, 4]}}
+    assert d_body == {**BODY, "kv_transfer_params": {
+        "remote_host": "P", "remote_block_ids": [3, 4], "peer": "kv-P", "host": "10.0.0.5",
+        "port": 5610}}
 
 
 def test_chat_prefill_caps_max_completion_tokens_too():
@@ -427,3 +431,58 @@ def test_kvxfer_and_its_cli_do_not_import_aiohttp():
     probe = "import kvxfer, kvxfer.cli, sys; print('aiohttp' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_stream_mode_sends_p_and_d_one_stream_id_once_it_knows_p_s_kvxfer_address():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], stream=True) as (session, url):
+            answers = []
+            for _ in range(2):
+                async with session.post(url + "/v1/completions", json=BODY) as resp:
+                    answers.append((resp.status, resp.headers.get("X-Kvxfer-Transfer"),
+                                    await resp.json()))
+            return answers
+
+    first, second = run(go())
+    # The first request learns P's address from P's params; the next is streamed.
+    assert first[:2] == (200, "params") and second[:2] == (200, "stream")
+    assert second[2] == {"choices": [{"text": "decoded by D"}]}
+    p_params, d_params = p.seen[1][1]["kv_transfer_params"], d.seen[1][1]["kv_transfer_params"]
+    stream = p_params["stream"]
+    assert len(stream) == 32 and int(stream, 16) >= 0
+    assert p_params["do_remote_decode"] is True and p.seen[1][1]["max_tokens"] == 1
+    assert d_params == {"do_remote_prefill": True, "do_remote_decode": False, "stream": stream,
+                        "peer": "kv-P", "host": "10.0.0.5", "port": 5610}
+    assert d.seen[1][1]["max_tokens"] == BODY["max_tokens"]
+
+
+def test_stream_mode_p_error_reaches_the_client_and_not_d_s_answer():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], stream=True) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                await resp.read()
+            p.fail = (503, '{"error": "P is overloaded"}')
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                return resp.status, await resp.text()
+
+    assert run(go()) == (503, '{"error": "P is overloaded"}')
+
+
+def test_without_stream_mode_every_request_goes_by_params():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            kinds = []
+            for _ in range(2):
+                async with session.post(url + "/v1/completions", json=BODY) as resp:
+                    kinds.append(resp.headers.get("X-Kvxfer-Transfer"))
+            return kinds
+
+    assert run(go()) == ["params", "params"]
+    assert all("stream" not in body["kv_transfer_params"] for _, body, _ in p.seen)
+

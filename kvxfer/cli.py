@@ -167,7 +167,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
         raise SetupError("kvxfer proxy needs aiohttp: pip install 'kvxfer[proxy]'") from None
     proxy.serve(proxy.ProxyConfig(prefill=proxy.parse_urls("--prefill", args.prefill),
                                   decode=proxy.parse_urls("--decode", args.decode),
-                                  host=args.host, port=args.port))
+                                  host=args.host, port=args.port, stream=args.stream))
     return 0
 
 
@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--port", type=int, required=True, help="port to listen on")
     proxy.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    proxy.add_argument("--stream", action="store_true",
+                       help="send each request to P and D at once: D reads the KV chunk by chunk "
+                            "while P prefills (once P's first answer gave its kvxfer address)")
     proxy.set_defaults(func=_cmd_proxy)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")

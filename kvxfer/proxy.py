@@ -9,6 +9,16 @@ D's answer (streamed or not) is relayed to the client as it arrives. P and
 D share the request's `X-Request-Id` (the client's, or one made here) and the
 client's `Authorization`. P instances and D instances are each taken in turn.
 
+With `--stream` (`ProxyConfig.stream`), once the proxy knows a P instance's
+kvxfer address (from the `kv_transfer_params` of its first answer), it sends
+the request to P and D at once: P's carries a fresh stream id, D's the same
+id and P's address, and D reads the prompt's KV chunk by chunk while P
+prefills it (`kvxfer.nixl.streams`), so only the last chunk's read is left
+when P finishes. D's answer is relayed once P's has come (D cannot answer
+before P's prefill is done); if P fails, the client gets P's error and D's
+request is dropped. Every answer says how its KV moved in
+`X-Kvxfer-Transfer` (`stream` or `params`).
+
 An upstream's error answer reaches the client with its own status and body;
 an upstream that cannot be reached, or a P that returns no
 `kv_transfer_params` (one not started as `kv_producer`), is a 502 that names
@@ -22,10 +32,12 @@ kvxfer imports it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,6 +47,7 @@ from aiohttp import web
 
 from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, SetupError
+from kvxfer.wire import new_stream_id
 
 __all__ = ["ProxyConfig", "build_app", "parse_urls", "serve"]
 
@@ -49,6 +62,7 @@ P's one token would be refused (vLLM's NIXL proxy drops the same)."""
 
 _FORWARDED_HEADERS = ("Authorization",)
 _REQUEST_ID = "X-Request-Id"
+_TRANSFER = "X-Kvxfer-Transfer"
 
 
 def _check_url(flag: str, url: str) -> str:
@@ -97,6 +111,7 @@ class ProxyConfig:
     port: int = 8000
     health_timeout_s: float = 5.0
     connect_timeout_s: float = 10.0
+    stream: bool = False
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -107,6 +122,8 @@ class ProxyConfig:
             raise InvalidInputError(f"--port must be in 1-65535, got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
             raise InvalidInputError(f"--host must be a host name or address, got {self.host!r}")
+        if not isinstance(self.stream, bool):
+            raise InvalidInputError(f"stream must be a bool, got {self.stream!r}")
         for name in ("health_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -121,6 +138,15 @@ class _Upstreams:
         self._next_prefill = itertools.cycle(config.prefill)
         self._next_decode = itertools.cycle(config.decode)
         self._session: aiohttp.ClientSession | None = None
+        self.kv: dict[str, dict[str, Any]] = {}  # P url -> its kvxfer address, once known
+
+    def learn(self, url: str, params: dict[str, Any]) -> None:
+        """Keep P's kvxfer address from its `kv_transfer_params` (a P restarted elsewhere is
+        learned again from its next answer)."""
+        address = {key: params.get(key) for key in ("peer", "host", "port")}
+        if isinstance(address["peer"], str) and isinstance(address["host"], str) and is_int(
+                address["port"]):
+            self.kv[url] = address
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -184,12 +210,16 @@ def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return sent
 
 
-async def _prefill(upstreams: _Upstreams, path: str, body: dict[str, Any],
-                   headers: dict[str, str]) -> dict[str, Any] | web.Response:
-    """Run P's part; return P's `kv_transfer_params`, or the answer the client gets instead."""
-    url = upstreams.prefill()
+async def _prefill(upstreams: _Upstreams, url: str, path: str, body: dict[str, Any],
+                   headers: dict[str, str], stream: str | None = None
+                   ) -> dict[str, Any] | web.Response:
+    """Run P's part at `url` (streamed to D under `stream`, if given); return P's
+    `kv_transfer_params`, or the answer the client gets instead."""
+    sent = _prefill_body(body)
+    if stream is not None:
+        sent["kv_transfer_params"]["stream"] = stream
     try:
-        async with upstreams.session.post(url + path, json=_prefill_body(body), headers=headers) as resp:
+        async with upstreams.session.post(url + path, json=sent, headers=headers) as resp:
             data = await resp.read()
             status, content_type = resp.status, resp.headers.get("Content-Type")
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -205,16 +235,18 @@ async def _prefill(upstreams: _Upstreams, path: str, body: dict[str, Any],
     if not isinstance(params, dict) or not params:
         return _error(502, f"prefill instance {url} returned no kv_transfer_params: is it started "
                       f"with a kv_producer --kv-transfer-config?", "bad_upstream_response", upstream=url)
+    upstreams.learn(url, params)
     return params
 
 
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
-                 request_id: str) -> web.StreamResponse:
+                 request_id: str, transfer: str) -> web.StreamResponse:
     """Send `resp` to the client as it arrives: status, content type and body, chunk by chunk."""
     out = web.StreamResponse(status=resp.status, reason=resp.reason)
     if "Content-Type" in resp.headers:
         out.headers["Content-Type"] = resp.headers["Content-Type"]
     out.headers[_REQUEST_ID] = request_id
+    out.headers[_TRANSFER] = transfer
     if resp.content_length is not None and "Content-Encoding" not in resp.headers:
         out.content_length = resp.content_length
     await out.prepare(request)
@@ -224,16 +256,16 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
     return out
 
 
-async def _decode(request: web.Request, upstreams: _Upstreams, body: dict[str, Any],
-                  headers: dict[str, str]) -> web.StreamResponse:
-    url = upstreams.decode()
+async def _decode(request: web.Request, url: str, sent: Awaitable[aiohttp.ClientResponse],
+                  headers: dict[str, str], transfer: str) -> web.StreamResponse:
+    """Relay D's answer to the request `sent` to D at `url`."""
     try:
-        resp = await upstreams.session.post(url + request.path, json=body, headers=headers)
+        resp = await sent
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return _unreachable("decode", url, e)
     async with resp:
         try:
-            return await _relay(request, resp, headers[_REQUEST_ID])
+            return await _relay(request, resp, headers[_REQUEST_ID], transfer)
         except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
             # The client already has D's status: dropping its connection is the
             # only way left to tell it that the answer is incomplete.
@@ -254,11 +286,34 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     request_id = request.headers.get(_REQUEST_ID) or uuid.uuid4().hex
     headers = _upstream_headers(request, request_id)
     upstreams = request.app[_UPSTREAMS]
-    params = await _prefill(upstreams, request.path, body, headers)
+    p_url, d_url = upstreams.prefill(), upstreams.decode()
+    address = upstreams.kv.get(p_url) if upstreams.config.stream else None
+    if address is not None:
+        return await _streamed(request, upstreams, p_url, d_url, address, body, headers)
+    params = await _prefill(upstreams, p_url, request.path, body, headers)
     if isinstance(params, web.Response):
         return params
     log.debug("request %s prefilled; params %s", request_id, params)
-    return await _decode(request, upstreams, {**body, "kv_transfer_params": params}, headers)
+    sent = upstreams.session.post(d_url + request.path, headers=headers,
+                                  json={**body, "kv_transfer_params": params})
+    return await _decode(request, d_url, sent, headers, "params")
+
+
+async def _streamed(request: web.Request, upstreams: _Upstreams, p_url: str, d_url: str,
+                    address: dict[str, Any], body: dict[str, Any],
+                    headers: dict[str, str]) -> web.StreamResponse:
+    """P and D at once: D reads P's KV by the stream id both are given, while P prefills."""
+    stream = new_stream_id()
+    to_d = {"do_remote_prefill": True, "do_remote_decode": False, "stream": stream, **address}
+    sent = asyncio.ensure_future(upstreams.session.post(
+        d_url + request.path, headers=headers, json={**body, "kv_transfer_params": to_d}))
+    params = await _prefill(upstreams, p_url, request.path, body, headers, stream)
+    if isinstance(params, web.Response):  # D would wait for a stream P never fills
+        sent.cancel()
+        with contextlib.suppress(BaseException):
+            (await sent).close()
+        return params
+    return await _decode(request, d_url, sent, headers, "stream")
 
 
 async def _models(request: web.Request) -> web.Response:

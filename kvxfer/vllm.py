@@ -42,6 +42,14 @@ waits for D. The worker reports the requests D has read (or whose lease
 expired), so the scheduler side reuses their slots; `has_pending_push_work`
 keeps P stepping, answering D, while any request is held.
 
+Streams (`kvxfer proxy --stream`): the router gives P's request a stream id
+(`{"do_remote_decode": true, "stream": id}`) and sends the client's request to D
+at once with the same id and P's kvxfer address (`{"do_remote_prefill": true,
+"stream": id, "peer", "host", "port"}`). D allocates the prompt's blocks and
+reads each chunk's blocks as P saves them (`kvxfer.nixl.streams`); D's prompt
+is checked against the one P computed with P's first chunk. Without a stream
+id everything is as above.
+
 This module is imported by vLLM's API process too: it imports only vLLM's
 connector and metric base classes at import time; JAX and NIXL load with the role.
 """
@@ -72,7 +80,7 @@ from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
 from kvxfer.vllm_metrics import StatsReporting
-from kvxfer.wire import new_instance, prompt_digest
+from kvxfer.wire import StreamParams, is_stream_id, new_instance, prompt_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -403,7 +411,8 @@ class _SchedulerSide:
         params = request.kv_transfer_params
         if not self.consumer or not _asks(params, "do_remote_prefill", request.request_id):
             return 0, False
-        sent = params.get("num_prompt_tokens")
+        streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
+        sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
         if sent != request.num_prompt_tokens:
             logger.warning("D request %s: P prefilled %r prompt tokens, D's prompt has %s; "
                            "D computes the prompt itself", request.request_id, sent,
@@ -411,7 +420,7 @@ class _SchedulerSide:
             params["do_remote_prefill"] = False
             return 0, False
         digest = _prompt_digest(request)
-        if params.get("prompt") != digest:
+        if not streamed and params.get("prompt") != digest:
             logger.warning("D request %s: its kv_transfer_params are for another prompt (or "
                            "none); D computes it itself", request.request_id)
             params["do_remote_prefill"] = False
@@ -421,7 +430,7 @@ class _SchedulerSide:
             return 0, False
         self._local[request.request_id] = num_computed
         self._prompts[request.request_id] = digest
-        if request.request_id not in self._waiting:  # P's lease is kept alive from now on
+        if request.request_id not in self._waiting and not streamed:  # P's lease kept alive
             self._waiting[request.request_id] = dict(params)
             self._expects.append(dict(params))
         return count, True
@@ -436,8 +445,13 @@ class _SchedulerSide:
                 transfer = req_id
                 while self.prefill.holds(transfer):
                     transfer = f"{req_id}~{next(self._reuses)}"
-                self.prefill.add_request(transfer, request.num_prompt_tokens,
-                                         request.prompt_token_ids)
+                try:
+                    self.prefill.add_request(transfer, request.num_prompt_tokens,
+                                             request.prompt_token_ids, _stream(params, req_id))
+                except InvalidInputError as e:  # a stream id another request holds (a retry)
+                    logger.warning("P request %s is not streamed: %s", req_id, e)
+                    self.prefill.add_request(transfer, request.num_prompt_tokens,
+                                             request.prompt_token_ids)
                 self._transfers[req_id] = transfer
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
         if self.consumer and _asks(params, "do_remote_prefill", request.request_id):
@@ -500,6 +514,17 @@ def _p_instance(vllm_config: VllmConfig) -> str:
     ktc = vllm_config.kv_transfer_config
     seed = f"{ktc.engine_id}/{getattr(vllm_config, 'instance_id', '')}"
     return hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
+
+
+def _stream(params: Mapping[str, Any], req_id: str) -> str | None:
+    """The stream id a router gave P's request (its D reads the KV while P prefills), if a
+    valid one; anything else is logged and ignored (D then fails the stream and recomputes)."""
+    stream = params.get("stream")
+    if stream is not None and not is_stream_id(stream):
+        logger.warning("request %s: kv_transfer_params 'stream' must be 32 hex digits, got "
+                       "%.40r; not streamed", req_id, stream)
+        return None
+    return stream
 
 
 def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:

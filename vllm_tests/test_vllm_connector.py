@@ -21,6 +21,7 @@ from engine import Engine
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import free_port
 from kvxfer.nixl.decode import DecodeTransport
+from kvxfer.wire import new_stream_id
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -310,6 +311,50 @@ def test_a_request_id_p_still_holds_gets_a_transfer_of_its_own(pd):
     assert_prompt_kv(d, "r-d2", second)  # before D frees its blocks for another request
     decode(d, "r-d1", first, params_1)
     assert_prompt_kv(d, "r-d1", first)
+
+
+def test_streamed_request_is_read_while_p_prefills_and_lands_byte_exact(pd, monkeypatch):
+    """The router sends the request to D and P at once with one stream id: D allocates,
+    subscribes, and reads each chunk's final blocks as P saves them (chunks of 24 straddle
+    16-token blocks), then decodes from them as from P's params."""
+    streams, real = [], DecodeTransport.start_stream
+
+    def spy(self, req_id, params, *rest):
+        streams.append((req_id, params.stream))
+        return real(self, req_id, params, *rest)
+
+    monkeypatch.setattr(DecodeTransport, "start_stream", spy)
+    p, d = pd(d_devices=(4, 5), max_num_batched_tokens=24)
+    learned = p.prefill("warm", _prompt(30, 20))  # as the proxy learns P's kvxfer address
+    address = {key: learned[key] for key in ("peer", "host", "port")}
+    prompt, stream = _prompt(31, 70), new_stream_id()
+    d.add_request("s-d", prompt, max_tokens=2, kv_transfer_params={
+        "do_remote_prefill": True, "do_remote_decode": False, "stream": stream, **address})
+    d.step()  # D has allocated and subscribed before P starts
+    p.call(p.engine.add_request, "s", prompt, max_tokens=1,
+           kv_transfer_params={"do_remote_decode": True, "stream": stream})
+    steps = d.run_until(lambda r: "s-d" in r.finished, max_steps=400, min_s=30.0)
+    first, _ = scheduled_tokens(steps, "s-d")
+    assert first == 69  # D computed only the last prompt token: the rest came by the stream
+    assert_prompt_kv(d, "s-d", prompt)
+    assert streams == [("s-d", stream)]
+
+
+def test_a_stream_for_another_prompt_is_recomputed_on_d(pd):
+    p, d = pd()
+    learned = p.prefill("warm", _prompt(32, 20))
+    address = {key: learned[key] for key in ("peer", "host", "port")}
+    stream = new_stream_id()
+    prompt = _prompt(33, 40)
+    d.add_request("x-d", prompt, max_tokens=2, kv_transfer_params={
+        "do_remote_prefill": True, "stream": stream, **address})
+    d.step()
+    p.call(p.engine.add_request, "x", _prompt(34, 40), max_tokens=1,
+           kv_transfer_params={"do_remote_decode": True, "stream": stream})
+    steps = d.run_until(lambda r: "x-d" in r.finished, max_steps=400, min_s=30.0)
+    _, total = scheduled_tokens(steps, "x-d")
+    assert total >= 40  # D computed the whole prompt itself (and the decode)
+    assert_prompt_kv(d, "x-d", prompt)  # its own KV, not the other prompt's
 
 
 @pytest.fixture
