@@ -3,7 +3,8 @@
 The names a serving backend needs, from the modules that own them:
 
     from kvxfer import (ConnectorConfig, TransportConfig, GroupSpec, ScheduledRequest,
-                        PrefillConnector, DecodeConnector, LoadRequest)
+                        PrefillConnector, DecodeConnector, LoadRequest, StreamParams,
+                        new_stream_id, prompt_digest)
 
 They load on first use, so that `import kvxfer` (and vLLM's scheduler process,
 which imports `kvxfer.connector.scheduler`) loads neither JAX nor NIXL.
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.scheduler import GroupSpec, ScheduledRequest
     from kvxfer.stats import Stats, Trace
+    from kvxfer.wire import StreamParams, new_stream_id, prompt_digest
 
 _LAZY = {
     "ConnectorConfig": "kvxfer.connector.config",
@@ -48,8 +50,11 @@ _LAZY = {
     "SaveMeta": "kvxfer.connector.scheduler",
     "ScheduledRequest": "kvxfer.scheduler",
     "Stats": "kvxfer.stats",
+    "StreamParams": "kvxfer.wire",
     "Trace": "kvxfer.stats",
     "TransportConfig": "kvxfer.nixl.agent",
+    "new_stream_id": "kvxfer.wire",
+    "prompt_digest": "kvxfer.wire",
 }
 
 __all__ = [
@@ -68,9 +73,12 @@ __all__ = [
     "SaveMeta",
     "ScheduledRequest",
     "Stats",
+    "StreamParams",
     "Trace",
     "TransferError",
     "TransportConfig",
+    "new_stream_id",
+    "prompt_digest",
 ]
 __version__ = "0.1.0"
 

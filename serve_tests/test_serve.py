@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from serve_stack import TIMEOUT_S, post, random_prompt
+from serve_stack import ROOT, TIMEOUT_S, post, random_prompt
 
 LOGPROB_TOL = 1e-3
 BLOCK = 64  # tokens per block: tpu-inference's page size for this model on CPU
@@ -138,6 +139,56 @@ def test_p_s_and_d_s_metrics_count_exactly_the_kv_that_moved(tp_stack):
     assert after[3] - before[3] == moved, figures  # D: exactly the prompts' blocks
     staged = after[1] - before[1]  # P: those blocks, and each straddling block again per chunk
     assert staged >= moved and staged % block == 0, figures
+
+
+@pytest.fixture(scope="module")
+def stream_proxy(tp_stack):
+    """A second `kvxfer proxy`, with `--stream`, in front of the same P and D."""
+    url = "http://127.0.0.1:8030"
+    log = open(tp_stack.dir / "stream-proxy.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([str(ROOT / ".venv-tpu/bin/kvxfer"), "proxy", "--prefill",
+                             tp_stack.p_url, "--decode", tp_stack.d_url, "--port", "8030",
+                             "--stream"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    (tp_stack.dir / "stream-proxy.log").read_text()
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _complete_with_transfer(stack, url: str, prompt: list[int]) -> tuple[dict, str]:
+    """`Stack.complete` through a proxy, with how the KV moved (`X-Kvxfer-Transfer`)."""
+    body = {"model": stack.model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "logprobs": 3, "return_token_ids": True}
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        return json.loads(response.read()), response.headers["X-Kvxfer-Transfer"]
+
+
+def test_streamed_requests_decode_exactly_as_p_answers_alone(tp_stack, stream_proxy):
+    """D reads each chunk's KV while P prefills (80-token chunks, 64-token blocks: blocks
+    straddle chunks): the answers are P's alone, as for requests that go by P's params."""
+    _, how = _complete_with_transfer(tp_stack, stream_proxy, random_prompt(30, seed=3000))
+    assert how == "params"  # the proxy learns P's kvxfer address from P's first answer
+    for length in (65, 150, 400, 900):
+        prompt = random_prompt(length, seed=3000 + length)
+        external = _metric(tp_stack.d_url, "vllm:external_prefix_cache_hits_total")
+        got, how = _complete_with_transfer(tp_stack, stream_proxy, prompt)  # cold on P and D
+        assert how == "stream"
+        hits = _metric(tp_stack.d_url, "vllm:external_prefix_cache_hits_total") - external
+        assert hits >= length - 1  # D took the prompt's KV from P's stream
+        _same_answer(got, tp_stack.complete(tp_stack.p_url, prompt))
 
 
 def test_p_killed_between_prefill_and_decode_is_recomputed_on_d(tp_stack):
