@@ -12,7 +12,7 @@ Modules, in dependency order: `blocks`, `scheduler` (save plans), `slots`,
 `wire` (what P and D say), `layout`, `fingerprint`, `gather` (with its
 backends `_xla` and `_host_buffers`), `staging`, `pieces` and `multihost`
 (instances across hosts), `nixl` (the transport), `stats` (counters and traces),
-`connector`, `vllm` (with `vllm_metrics`), `cli`.
+`connector`, `vllm` (with `vllm_metrics` and `vllm_settings`), `cli`.
 """
 
 from __future__ import annotations
