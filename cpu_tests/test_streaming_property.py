@@ -1,0 +1,105 @@
+"""Property: over random schedules, what P names final is what D needs, and never changes.
+
+A simulated engine (`kvxfer.simulate`) writes token-stamped KV; P's scheduler
+side plans each step of streamed requests. D's view is simulated: each block is
+copied to D's host the step P names it final, and only then. When a request's
+prefill completes, every prompt token D holds must be the device's newest (a
+block named final was never written again), no block is named twice, and no
+block named final is copied again by a later step. A preempted or aborted
+streamed request is given up (`cancels`), and D recomputes it.
+"""
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
+from kvxfer.scheduler import GroupSpec
+from kvxfer.simulate import SimEngine
+from kvxfer.wire import new_stream_id
+
+GROUP_SETS = [
+    (GroupSpec(16),),
+    (GroupSpec(16, dcp_size=2),),
+    (GroupSpec(16), GroupSpec(32, kind="sliding_window", sliding_window=48)),
+    (GroupSpec(16), GroupSpec(64, kind="mamba")),
+    (
+        GroupSpec(16, dcp_size=4),
+        GroupSpec(8, kind="sliding_window", sliding_window=20, dcp_size=4),
+        GroupSpec(32, kind="mamba", dcp_size=4),
+    ),
+]
+
+
+@st.composite
+def workloads(draw):
+    groups = draw(st.sampled_from(GROUP_SETS))
+    unit = math.lcm(*(g.tokens_per_block for g in groups))
+    prompts = draw(st.lists(st.integers(1, 400), min_size=1, max_size=5))
+    cached = [draw(st.integers(0, (p - 1) // unit)) * unit for p in prompts]
+    events = draw(st.lists(
+        st.tuples(st.integers(1, 160), st.sampled_from(["step"] * 8 + ["preempt", "abort"]),
+                  st.integers(0, 4)),
+        min_size=1, max_size=60,
+    ))
+    return groups, prompts, cached, draw(st.integers(0, 7)), events
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_blocks_named_final_reach_d_current_once_each_over_random_schedules(workload):
+    groups, prompts, cached, lookahead, events = workload
+    engine = SimEngine(groups, num_blocks=4096, lookahead=lookahead)
+    p = PrefillScheduler(groups, staging_blocks=8192, kernel_ratio=1,
+                         address=PeerAddress("P", "127.0.0.1", 1))
+    d_host: dict[str, dict] = {}  # per request: what D read, keyed as the engine's host
+    final: dict[str, list[set[int]]] = {}  # per request and group: table positions named
+    given_up: set[str] = set()
+    for i, (prompt, hit) in enumerate(zip(prompts, cached)):
+        engine.add(f"r{i}", prompt, hit)
+        p.add_request(f"r{i}", prompt, stream=new_stream_id())
+        d_host[f"r{i}"], final[f"r{i}"] = {}, [set() for _ in groups]
+
+    def step(budget):
+        scheduled = engine.schedule(budget)
+        engine.forward(scheduled)
+        meta = p.build_connector_meta(scheduled)
+        given_up.update(meta.cancels)
+        for req_id, placed in meta.blocks.items():
+            for g, blocks in enumerate(placed):  # no block named final is copied again
+                assert not {pos for pos, _ in blocks} & final[req_id][g], (req_id, g)
+        for req_id, keys in meta.final.items():
+            ids = []
+            for g, (group_keys, placed) in enumerate(zip(keys, meta.blocks[req_id])):
+                assert not set(group_keys) & final[req_id][g], (req_id, g, "named twice")
+                final[req_id][g].update(group_keys)
+                at = dict(placed)
+                ids.append([at[k] for k in group_keys])
+            engine.copy({req_id: ids}, d_host[req_id])  # D reads them now, and only now
+        for req_id in meta.holds:
+            assert req_id not in given_up
+            assert engine.stale_tokens(req_id, d_host[req_id]) == {}, req_id
+            assert p.request_finished(req_id) is not None
+            p.release([req_id])  # D read it: P's worker frees it
+        for s in scheduled:
+            if engine.requests[s.req_id].remaining == 0:
+                engine.drop(s.req_id)
+
+    for budget, kind, pick in events:
+        live = sorted(engine.requests)
+        if not live:
+            break
+        victim = live[pick % len(live)]
+        if kind == "preempt":
+            engine.preempt(victim)
+        elif kind == "abort":
+            p.abort(victim)
+            given_up.add(victim)
+            engine.drop(victim)
+        else:
+            step(budget)
+    while engine.requests:
+        step(97)
+    p.release(p.held())  # the worker frees what it gave up on, once D let go
+    assert p.held() == [] and all(m.num_free_slots == 8192 for m in p.slot_maps)
