@@ -26,7 +26,8 @@ would. Both sides have 8 layers of 2,048 blocks of `[16, 8, 2, 128]` bf16
    how long D's engine thread spends in kvxfer while the request is read
    (median): in `start_load_kv` and in the `get_finished` calls before the one
    that delivers it. The READ is posted on a thread of its own, so it should
-   not hold the engine.
+   not hold the engine; D writes the blocks into its caches as soon as they
+   are read (while its `done` and P's ack travel), so that scatter counts here.
 3. **Scatter.** 64 blocks into 256-block and 4,096-block caches on D's mesh:
    the cost must not grow with the cache.
 

@@ -385,8 +385,8 @@ def _reserved(layouts: Sequence[CacheLayout], tables: list[list[int]], have: lis
 
 def _arrived(load: _Load, layouts: Sequence[CacheLayout], req_id: str,
              keys: list[list[int]]) -> _Load:
-    """What to write of `keys` (per group) of a load now in staging (a part of it, when read
-    in parts): a stream's placed in D's table now (and added to the load's)."""
+    """What to write of `keys` (per group) of a load now in staging: a stream's placed in D's
+    table now (and added to the load's)."""
     part = _Load([], [], load.logical_ids)
     if load.tables is None:  # placed when the read started
         for g, group_keys in enumerate(keys):

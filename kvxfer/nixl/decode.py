@@ -208,21 +208,15 @@ class DecodeTransport(StreamReading):
         if state is not True:
             self._fail(read, state)
             return
-        parts = not p.sources and self.piece is None  # one P, one D: read in parts
         try:
             for source in p.sources or [Source(p.peer, 0, 1)]:
                 self.peers.check_source(p, source)
-            if not parts:
-                read.d_slots = [s.assign(read.req_id, k) for s, k in zip(self.stagings, p.keys)]
+            read.d_slots = [s.assign(read.req_id, keys) for s, keys in zip(self.stagings, p.keys)]
         except Exception as e:
             self._fail(read, e, "refused")
             return
         read.waiting = False
         read.mark = read.trace.stage("connect", read.started)
-        if parts:
-            read.chunks, read.last = [p], True
-            self._read_on(read)
-            return
         for peer, span in read.plan.items():
             if span is not None:  # the leg reading this process's first units reads the tags
                 descriptors = functools.partial(read_descriptors, self.peers.get(peer), self.stagings,
@@ -289,8 +283,7 @@ class DecodeTransport(StreamReading):
                 return
         if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
-        if not self._check_landed(read) or (
-                (read.stream or read.chunks) and self._read_on(read)):
+        if not self._check_landed(read) or (read.stream and self._read_on(read)):
             return
         for leg in read.legs.values():
             if leg.state is LegState.READ:

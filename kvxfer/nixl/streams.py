@@ -39,14 +39,7 @@ from kvxfer.nixl.reads import (
 from kvxfer.stats import Trace
 from kvxfer.wire import ReadParams, Source, StreamParams, is_generation, is_stream_id, message_field
 
-__all__ = ["READ_PART_BYTES", "Published", "StreamReading"]
-
-READ_PART_BYTES = 64 << 20
-"""The most one READ of a one-process D moves (at least one block of every layer): D writes
-each part into its caches while the next is read, and the poster holds the agent for one
-part at a time. Measured on the 2-core machine (`kvxfer bench ttft`), parts of 4-16 MiB
-made a 16 MiB request 1.2-2.5x slower, the read and the write contending for the same
-cores and memory; hence parts this large, about one 2,048-token chunk of 8 layers."""
+__all__ = ["Published", "StreamReading"]
 
 logger = logging.getLogger(__name__)
 
@@ -314,28 +307,18 @@ class StreamReading:
         read.deadline = time.monotonic() + self.config.transfer_timeout_s  # P is alive
 
     def _next_chunk(self, read: Read) -> bool:
-        """Post the next part of what P named and D has not read yet (a stream's chunks
-        named since its last READ, or a request's params) as one READ of at most
-        `READ_PART_BYTES`; whether one was posted. Reading in parts lets D write one part
-        into its caches while the next is read."""
+        """Post the stream's chunks named since its last READ as one READ; whether one was
+        posted. Not in parts: measured on the 2-core machine, reading in parts of 4-64 MiB
+        (to write one part while the next is read) made single requests 1.2-2.5x slower
+        and `kvxfer bench e2e`'s stream about 25% slower (the read and the write contend
+        for the same cores, and the poster waits for the engine's thread between parts)."""
         n = len(self.stagings)
-        pairs = [[(k, s) for c in read.chunks for k, s in zip(c.keys[g], c.slots[g])]
-                 for g in range(n)]
-        if not any(pairs):
-            read.chunks = []
+        chunks, read.chunks = read.chunks, []
+        keys = tuple(tuple(k for c in chunks for k in c.keys[g]) for g in range(n))
+        if not any(keys):
             return False
-        per_key = max(s.block_bytes * s.num_layers for s in self.stagings)
-        room, take = max(1, READ_PART_BYTES // per_key), []
-        for group in pairs:
-            take.append(group[:room])
-            room -= len(take[-1])
-        rest = [group[len(t):] for group, t in zip(pairs, take)]
-        first = read.chunks[0]
-        read.chunks = [replace(first, keys=tuple(tuple(k for k, _ in g) for g in rest),
-                               slots=tuple(tuple(s for _, s in g) for g in rest))] \
-            if any(rest) else []
-        p = replace(first, keys=tuple(tuple(k for k, _ in g) for g in take),
-                    slots=tuple(tuple(s for _, s in g) for g in take))
+        p = replace(chunks[0], keys=keys, slots=tuple(tuple(s for c in chunks for s in c.slots[g])
+                                                      for g in range(n)))
         if any(set(k) & set(s.blocks(read.req_id) if read.req_id in s else ())
                for k, s in zip(p.keys, self.stagings)):
             raise TransferError(f"P names a block of {read.req_id!r} twice")
