@@ -187,6 +187,23 @@ def test_bench_e2e_small_run_delivers_every_request_and_reports_every_figure():
     assert out["p50_ms_2k"] <= out["p99_ms_2k"]
 
 
+def test_bench_ttft_small_run_delivers_every_request_both_ways_and_reports_every_figure():
+    from kvxfer.bench.ttft import TTFTConfig, run
+
+    cfg = TTFTConfig(layers=2, lengths=[512, 1536], chunk=512, small_blocks=4, forward_ms=5.0,
+                     repeats=1, timeout_s=120)
+    out = run(cfg)  # raises if D failed to load any request, streamed or by params
+    assert set(out["critical_ms"]) == set(out["critical_ms_streaming"]) == {"512", "1536"}
+    figures = [*out["critical_ms"].values(), *out["critical_ms_streaming"].values(),
+               out["one_chunk_ms"], out["small_request_ms"], out["small_memcpy_ms"]]
+    assert all(f > 0 for f in figures)
+    # The ratios are of the unrounded times.
+    assert out["small_over_memcpy"] == pytest.approx(
+        out["small_request_ms"] / out["small_memcpy_ms"], rel=0.05)
+    assert out["critical_over_last_chunk"] == pytest.approx(
+        out["critical_ms_streaming"]["1536"] / out["one_chunk_ms"], rel=0.05)
+
+
 def test_bench_multihost_without_namespaces_says_what_is_missing(monkeypatch, capsys):
     import kvxfer.bench.multihost as multihost
 

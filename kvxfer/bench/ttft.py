@@ -203,13 +203,12 @@ def run(cfg: TTFTConfig | None = None) -> dict[str, Any]:
             for stream in (False, True):
                 _one(p, d, peer, cfg, f"warm{i}{stream:d}", prompt, stream)
         times: dict[tuple[int, bool], list[float]] = {}
+        runs = [(n, False) for n in dict.fromkeys([small, cfg.chunk, *cfg.lengths])]
+        runs += [(n, True) for n in cfg.lengths]
         for r in range(cfg.repeats):
-            for prompt in [small, cfg.chunk, *cfg.lengths]:
-                for stream in (False, True):
-                    if stream and prompt in (small, cfg.chunk):
-                        continue
-                    times.setdefault((prompt, stream), []).append(
-                        _one(p, d, peer, cfg, f"r{r}-{prompt}-{stream:d}", prompt, stream))
+            for prompt, stream in runs:
+                times.setdefault((prompt, stream), []).append(
+                    _one(p, d, peer, cfg, f"r{r}-{prompt}-{stream:d}", prompt, stream))
         d.send(memcpy=True)
         memcpy_s = d.read()["memcpy_s"]
     finally:
