@@ -7,39 +7,11 @@ the device; no block may be copied before anything in it was written, nor
 copied twice without a write in between.
 """
 
-import math
-
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from procs.schedules import play, workloads
 
-from kvxfer.scheduler import GroupSpec, SaveTracker
+from kvxfer.scheduler import SaveTracker
 from kvxfer.simulate import SimEngine
-
-GROUP_SETS = [
-    (GroupSpec(16),),
-    (GroupSpec(16, dcp_size=2),),
-    (GroupSpec(16), GroupSpec(32, kind="sliding_window", sliding_window=48)),
-    (GroupSpec(16), GroupSpec(64, kind="mamba")),
-    (
-        GroupSpec(16, dcp_size=4),
-        GroupSpec(8, kind="sliding_window", sliding_window=20, dcp_size=4),
-        GroupSpec(32, kind="mamba", dcp_size=4),
-    ),
-]
-
-
-@st.composite
-def workloads(draw):
-    groups = draw(st.sampled_from(GROUP_SETS))
-    unit = math.lcm(*(g.tokens_per_block for g in groups))
-    prompts = draw(st.lists(st.integers(1, 400), min_size=1, max_size=5))
-    cached = [draw(st.integers(0, (p - 1) // unit)) * unit for p in prompts]
-    events = draw(st.lists(
-        st.tuples(st.integers(1, 160), st.sampled_from(["step"] * 6 + ["preempt", "abort"]),
-                  st.integers(0, 4)),
-        min_size=1, max_size=60,
-    ))
-    return groups, prompts, cached, draw(st.integers(0, 7)), events
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -64,18 +36,5 @@ def test_every_prompt_token_reaches_host_current_over_random_schedules(workload)
                 assert s.req_id not in tracker
                 engine.drop(s.req_id)
 
-    for budget, kind, pick in events:
-        live = sorted(engine.requests)
-        if not live:
-            break
-        victim = live[pick % len(live)]
-        if kind == "preempt":
-            engine.preempt(victim)
-        elif kind == "abort":
-            tracker.abort(victim)
-            engine.drop(victim)
-        else:
-            step(budget)
-    while engine.requests:
-        step(97)
+    play(engine, events, step, tracker.abort)
     assert len(tracker) == 0

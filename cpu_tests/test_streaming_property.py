@@ -9,41 +9,12 @@ block named final is copied again by a later step. A preempted or aborted
 streamed request is given up (`cancels`), and D recomputes it.
 """
 
-import math
-
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from procs.schedules import play, workloads
 
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
-from kvxfer.scheduler import GroupSpec
 from kvxfer.simulate import SimEngine
 from kvxfer.wire import new_stream_id
-
-GROUP_SETS = [
-    (GroupSpec(16),),
-    (GroupSpec(16, dcp_size=2),),
-    (GroupSpec(16), GroupSpec(32, kind="sliding_window", sliding_window=48)),
-    (GroupSpec(16), GroupSpec(64, kind="mamba")),
-    (
-        GroupSpec(16, dcp_size=4),
-        GroupSpec(8, kind="sliding_window", sliding_window=20, dcp_size=4),
-        GroupSpec(32, kind="mamba", dcp_size=4),
-    ),
-]
-
-
-@st.composite
-def workloads(draw):
-    groups = draw(st.sampled_from(GROUP_SETS))
-    unit = math.lcm(*(g.tokens_per_block for g in groups))
-    prompts = draw(st.lists(st.integers(1, 400), min_size=1, max_size=5))
-    cached = [draw(st.integers(0, (p - 1) // unit)) * unit for p in prompts]
-    events = draw(st.lists(
-        st.tuples(st.integers(1, 160), st.sampled_from(["step"] * 8 + ["preempt", "abort"]),
-                  st.integers(0, 4)),
-        min_size=1, max_size=60,
-    ))
-    return groups, prompts, cached, draw(st.integers(0, 7)), events
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -86,20 +57,10 @@ def test_blocks_named_final_reach_d_current_once_each_over_random_schedules(work
             if engine.requests[s.req_id].remaining == 0:
                 engine.drop(s.req_id)
 
-    for budget, kind, pick in events:
-        live = sorted(engine.requests)
-        if not live:
-            break
-        victim = live[pick % len(live)]
-        if kind == "preempt":
-            engine.preempt(victim)
-        elif kind == "abort":
-            p.abort(victim)
-            given_up.add(victim)
-            engine.drop(victim)
-        else:
-            step(budget)
-    while engine.requests:
-        step(97)
+    def abort(req_id):
+        p.abort(req_id)
+        given_up.add(req_id)
+
+    play(engine, events, step, abort)
     p.release(p.held())  # the worker frees what it gave up on, once D let go
     assert p.held() == [] and all(m.num_free_slots == 8192 for m in p.slot_maps)

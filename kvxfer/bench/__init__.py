@@ -3,6 +3,7 @@ of figures, with a reference measured in the same run."""
 
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -18,3 +19,19 @@ def memcpy_gbps(nbytes: int) -> float:
         np.copyto(dst, src)
         rates.append(nbytes / (time.perf_counter() - start) / 1e9)
     return statistics.median(rates)
+
+
+def random_caches(layers: int, block_shape: tuple[int, ...], tp: int, num_blocks: int,
+                  seed: int) -> list[Any]:
+    """`layers` bf16 caches `[num_blocks, *block_shape]` of random bits on the first `tp`
+    devices, heads (axis 2) sharded over `model` of a `(1, tp)` mesh, as tpu-inference's."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:tp]).reshape(1, tp), ("data", "model"))
+    sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
+    rng = np.random.default_rng(seed)
+    shape = (num_blocks, *block_shape)
+    return [jax.device_put(rng.integers(0, 1 << 16, shape, np.uint16).view(jnp.bfloat16),
+                           sharding) for _ in range(layers)]

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.bench import memcpy_gbps
+from kvxfer.bench import memcpy_gbps, random_caches
 from kvxfer.blocks import cdiv
 from kvxfer.demo.procs import Lines, Proc, child_output, profile_dir, profiled, say
 
@@ -93,19 +93,6 @@ class E2EConfig:
         return int(np.prod(self.block_shape)) * 2
 
 
-def _caches(cfg: E2EConfig, tp: int, num_blocks: int, seed: int) -> list[Any]:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(jax.devices()[:tp]).reshape(1, tp), ("data", "model"))
-    sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
-    rng = np.random.default_rng(seed)
-    shape = (num_blocks, *cfg.block_shape)
-    return [jax.device_put(rng.integers(0, 1 << 16, shape, np.uint16).view(jnp.bfloat16),
-                           sharding) for _ in range(cfg.layers)]
-
-
 # -- P ---------------------------------------------------------------------------------
 
 
@@ -119,7 +106,7 @@ class _Prefill:
         from kvxfer.scheduler import GroupSpec
 
         self.cfg, self.out = cfg, out
-        self.caches = _caches(cfg, cfg.tp_p, cfg.num_blocks, seed=1)
+        self.caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_p, cfg.num_blocks, seed=1)
         self.conn = PrefillConnector(
             ConnectorConfig(TransportConfig("P", lease_s=600.0), staging_blocks=cfg.num_blocks,
                             stats=cfg.stats),
@@ -214,7 +201,7 @@ def _serve_d(cfg: E2EConfig, out: Any) -> None:
     from kvxfer.nixl.agent import TransportConfig
 
     memcpy = [memcpy_gbps(_MEMCPY_BYTES)]
-    caches = _caches(cfg, cfg.tp_d, cfg.num_blocks, seed=2)
+    caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_d, cfg.num_blocks, seed=2)
     conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks,
                                            stats=cfg.stats), caches)
     free = deque(range(cfg.num_blocks - 1, 0, -1))  # D's ids differ from P's
@@ -291,7 +278,7 @@ def _scatter_figures(cfg: E2EConfig) -> dict[str, float]:
     figures = {}
     for name, num_blocks in zip(("scatter_ms_small_cache", "scatter_ms_big_cache"),
                                 cfg.scatter_caches):
-        caches = _caches(cfg, cfg.tp_d, num_blocks, seed=3)
+        caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_d, num_blocks, seed=3)
         host = [r.view(caches[0].dtype) for r in rows]
         # No two ids adjacent, in either cache: the same per-block copies in both.
         ids = 2 * np.random.default_rng(4).choice(num_blocks // 2, n, replace=False)

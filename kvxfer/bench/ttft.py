@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.bench import random_caches
 from kvxfer.blocks import cdiv
 from kvxfer.demo.procs import Lines, Proc, child_output, profiled, say
 
@@ -64,22 +65,13 @@ class TTFTConfig:
                     self.block_size) + 1
 
     @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.block_size, self.heads, 2, self.head_dim)
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block of one layer (bf16)."""
         return self.block_size * self.heads * 2 * self.head_dim * 2
-
-
-def _caches(cfg: TTFTConfig, tp: int, seed: int) -> list[Any]:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(jax.devices()[:tp]).reshape(1, tp), ("data", "model"))
-    sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
-    rng = np.random.default_rng(seed)
-    shape = (cfg.num_blocks, cfg.block_size, cfg.heads, 2, cfg.head_dim)
-    return [jax.device_put(rng.integers(0, 1 << 16, shape, np.uint16).view(jnp.bfloat16),
-                           sharding) for _ in range(cfg.layers)]
 
 
 def _serve_p(cfg: TTFTConfig, out: Any) -> None:
@@ -89,7 +81,7 @@ def _serve_p(cfg: TTFTConfig, out: Any) -> None:
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.scheduler import GroupSpec, ScheduledRequest
 
-    caches = _caches(cfg, cfg.tp_p, seed=1)
+    caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_p, cfg.num_blocks, seed=1)
     conn = PrefillConnector(ConnectorConfig(TransportConfig("P", lease_s=600.0),
                                             staging_blocks=cfg.num_blocks),
                             [GroupSpec(cfg.block_size)], caches)
@@ -126,7 +118,7 @@ def _serve_d(cfg: TTFTConfig, out: Any) -> None:
     from kvxfer.connector.scheduler import LoadRequest
     from kvxfer.nixl.agent import TransportConfig
 
-    caches = _caches(cfg, cfg.tp_d, seed=2)
+    caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_d, cfg.num_blocks, seed=2)
     conn = DecodeConnector(ConnectorConfig(TransportConfig("D", transfer_timeout_s=120.0),
                                            staging_blocks=cfg.num_blocks), caches)
     small = cfg.small_blocks * cfg.layers * cfg.block_bytes
