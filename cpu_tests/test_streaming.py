@@ -191,3 +191,28 @@ def test_final_blocks_follow_the_chunk_end_in_every_group_and_kernel_ratio():
     meta = s.build_connector_meta([ScheduledRequest("r", 40, 30, ([10, 11], [10, 11], [4]))])
     assert meta.final["r"] == ([4, 5, 6, 7, 8, 9], [8, 9], [2, 3, 4, 5])
     assert np.array_equal(sorted(meta.holds), ["r"])
+
+
+def test_p_gone_mid_stream_fails_d_within_its_deadline_in_logical_ids(pair):
+    pr = pair(deadline=2.0)
+    stream = new_stream_id()
+    pr.p.add_request("r", 64, stream=stream)
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2, 3, 4])})
+    pr.save(ScheduledRequest("r", 0, 32, ([5, 6, 7, 8],), full_table=True))
+    _drive(pr, lambda f, x: _same(pr, [1, 2], [5, 6]), timeout=10)
+    pr.p.close()  # P dies before its last chunk
+    assert pr.wait(1, timeout=10) == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {1, 2, 3, 4}
+
+
+def test_a_streamed_request_no_d_reads_is_freed_when_its_lease_expires(pair):
+    pr = pair(lease=2.0, heartbeat=0.5)
+    pr.p.add_request("r", 32, stream=new_stream_id())
+    pr.save(ScheduledRequest("r", 0, 16, ([5, 6],), full_table=True))
+    time.sleep(2.5)  # no lease runs before the last chunk: P still prefills it
+    _drive(pr, lambda f, x: "r" in pr.freed, timeout=1)
+    assert "r" not in pr.freed and "r" in pr.p.slot_map
+    pr.save(ScheduledRequest("r", 16, 16, None))
+    assert pr.p.request_finished("r") is not None
+    _drive(pr, lambda f, x: "r" in pr.freed, timeout=10)
+    assert "r" in pr.freed and "r" not in pr.p.slot_map
