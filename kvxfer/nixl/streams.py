@@ -165,6 +165,8 @@ class Published:
     def on_drop(self, sender: str, msg: dict[str, Any]) -> str | None:
         """D let go of a stream: the request to free now (one P gave up on), else None."""
         stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
+        if self._wants.get(stream, (None,))[0] == sender:  # gave up before P had the request
+            del self._wants[stream]
         st = self._streams.get(stream)
         if st is None or st.reader != sender:
             return None
