@@ -216,3 +216,24 @@ def test_a_streamed_request_no_d_reads_is_freed_when_its_lease_expires(pair):
     assert pr.p.request_finished("r") is not None
     _drive(pr, lambda f, x: "r" in pr.freed, timeout=10)
     assert "r" in pr.freed and "r" not in pr.p.slot_map
+
+
+def test_d_subscribing_after_p_freed_the_stream_is_refused_at_once(pair):
+    # D queued the request past P's lease: P remembers the stream is gone and says so, rather
+    # than wait `lease_s` for a request that will not come. P's clock is frozen below, so
+    # only that answer can end D's read before D's own 60 s deadline.
+    pr = pair(lease=2.0, heartbeat=0.5, deadline=60.0)
+    stream = new_stream_id()
+    pr.p.add_request("r", 16, stream=stream)
+    pr.save(ScheduledRequest("r", 0, 16, ([5],), full_table=True))
+    _drive(pr, lambda f, x: "r" in pr.freed, timeout=10)  # its lease lapsed
+    assert "r" in pr.freed
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1])})
+    frozen = time.monotonic()
+    finished, failed = [], []
+    deadline = time.monotonic() + 30
+    while not (finished or failed) and time.monotonic() < deadline:
+        pr.p.transport.poll(now=frozen)
+        finished, failed = pr.get_finished()
+        time.sleep(0.001)
+    assert (finished, failed) == ([], ["r"])

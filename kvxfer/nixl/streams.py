@@ -78,6 +78,7 @@ class Published:
         self._streams: dict[str, _Stream] = {}  # stream id -> the request streamed
         self._stream_of: dict[str, str] = {}  # request id -> its stream id
         self._wants: dict[str, tuple[str, float]] = {}  # stream not yet known -> (D, until)
+        self._gone: dict[str, None] = {}  # the last streams freed, oldest first
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._stream_of
@@ -153,7 +154,9 @@ class Published:
         stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
         st = self._streams.get(stream)
         if st is None:
-            if len(self._wants) < self.max_wants:  # bounded: peers may be hostile
+            if stream in self._gone:  # freed already (its lease lapsed while D queued it)
+                self._refuse(sender, stream)
+            elif len(self._wants) < self.max_wants:  # bounded: peers may be hostile
                 self._wants[stream] = (sender, now + self.wait_s)
         elif st.reader not in (None, sender) or st.cancelled:
             self._refuse(sender, stream)
@@ -181,9 +184,14 @@ class Published:
                 self._refuse(sender, stream)
 
     def forget(self, req_id: str) -> None:
+        """`req_id` is freed: a D that subscribes to its stream from now on is refused at
+        once (the last `max_wants` streams freed are remembered), not after `wait_s`."""
         stream = self._stream_of.pop(req_id, None)
         if stream is not None:
             del self._streams[stream]
+            self._gone[stream] = None
+            if len(self._gone) > self.max_wants:
+                del self._gone[next(iter(self._gone))]
 
     def _refuse(self, sender: str, stream: str) -> None:
         try:
