@@ -215,11 +215,15 @@ def test_bench_multihost_small_run_delivers_every_round_and_reports_scaling():
     assert out["round_bytes"] == 2 * 16 * 2 * 65536 and out["rounds"] == 2
     assert len(out["one_link_rounds_gbps"]) == len(out["two_by_two_rounds_gbps"]) == 2
     assert out["one_link_gbps"] > 0 and out["two_by_two_gbps"] > 0
-    assert out["scaling"] == pytest.approx(out["two_by_two_gbps"] / out["one_link_gbps"],
-                                           rel=0.01)
     assert out["cpu_s_per_gb_one_link"] > 0 and out["cpu_s_per_gb_two_by_two"] > 0
-    assert out["scaling_own_cores"] == pytest.approx(
-        2 * out["cpu_s_per_gb_one_link"] / out["cpu_s_per_gb_two_by_two"], rel=0.01)
+    # The ratios are of the unrounded figures, which are printed to 3 decimals: at the small
+    # throughputs of a busy machine (0.015 GB/s) that rounding alone moves a ratio by 3%.
+    for ratio, top, bottom, k in (("scaling", "two_by_two_gbps", "one_link_gbps", 1),
+                                  ("scaling_own_cores", "cpu_s_per_gb_one_link",
+                                   "cpu_s_per_gb_two_by_two", 2)):
+        lo = k * (out[top] - 5e-4) / (out[bottom] + 5e-4)
+        hi = k * (out[top] + 5e-4) / (out[bottom] - 5e-4)
+        assert lo - 5e-4 <= out[ratio] <= hi + 5e-4, (ratio, out)
     after = subprocess.run([netns._ip_binary(), "netns", "list"], capture_output=True, text=True).stdout
     assert after.count("kvx") <= before.count("kvx")  # its hosts are gone
 
