@@ -190,7 +190,7 @@ def test_bench_e2e_small_run_delivers_every_request_and_reports_every_figure():
 def test_bench_ttft_small_run_delivers_every_request_both_ways_and_reports_every_figure():
     from kvxfer.bench.ttft import TTFTConfig, run
 
-    cfg = TTFTConfig(layers=2, lengths=[512, 1536], chunk=512, small_blocks=4, forward_ms=5.0,
+    cfg = TTFTConfig(layers=2, lengths=[512, 1536], chunk=512, small_blocks=16, forward_ms=5.0,
                      repeats=1, timeout_s=120)
     out = run(cfg)  # raises if D failed to load any request, streamed or by params
     assert set(out["critical_ms"]) == set(out["critical_ms_streaming"]) == {"512", "1536"}
