@@ -171,12 +171,8 @@ class DecodeTransport(StreamReading):
         moves the handshake on) and the read is posted once it is. `trace` gets
         its stages (`connect`, `read`, `ack`) and, if it fails, its outcome.
         """
-        self._check_new(req_id)
+        self._check_new(req_id, logical_ids)
         p = _check_params(params, len(self.stagings))
-        if not isinstance(logical_ids, Sequence) or not all(
-                is_int(b) and b >= 0 for b in logical_ids):
-            raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
-                                    f"int block ids, got {logical_ids!r:.80}")
         self._expected.pop(p.req_id, None)
         read = Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,

@@ -80,9 +80,6 @@ class Published:
         self._wants: dict[str, tuple[str, float]] = {}  # stream not yet known -> (D, until)
         self._gone: dict[str, None] = {}  # the last streams freed, oldest first
 
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._stream_of
-
     def publish(self, req_id: str, stream: str, secret: str, prompt: str | None,
                 keys: Sequence[Sequence[int]], slots: Sequence[Sequence[int]], last: bool,
                 generation: int | None) -> bool:
@@ -219,7 +216,7 @@ class StreamReading:
         (not read); `prompt`: D's prompt digest, which P's must equal. Failures are as
         for `start_read`'s, in `logical_ids`; P giving up on the request fails it too.
         """
-        self._check_new(req_id)
+        self._check_new(req_id, logical_ids)
         if not isinstance(params, StreamParams):
             raise InvalidInputError(f"params must be StreamParams, got {type(params).__name__}")
         if any(r.stream is not None and r.stream.stream == params.stream
@@ -350,8 +347,13 @@ class StreamReading:
         return self._poster.post(decode._post, self.agent, leg, descriptors, req_id,
                                  self.config.name, idle=not posting(self._reads.values()))
 
-    def _check_new(self, req_id: str) -> None:
-        """Refuse a read of a request D is reading, or whose slots it has not freed yet."""
+    def _check_new(self, req_id: str, logical_ids: object) -> None:
+        """Refuse a read of a request D is reading, or whose slots it has not freed yet, or
+        whose logical ids (what a failure reports) are not block ids."""
+        if not isinstance(logical_ids, Sequence) or not all(
+                is_int(b) and b >= 0 for b in logical_ids):
+            raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
+                                    f"int block ids, got {logical_ids!r:.80}")
         if req_id in self._reads or req_id in self._zombies:
             raise InvalidInputError(f"request {req_id!r} is already being read")
         if any(req_id in s for s in self.stagings):
