@@ -1,5 +1,7 @@
 """Pieces (`kvxfer.pieces`) in one process: two "hosts" emulated by giving each half of
-the devices' units, P and D cut differently; and the params that name them."""
+the devices' units, P and D cut differently; and the params that name them. What moves
+bytes runs on both backends (`KVXFER_BACKEND=host`, and `xla`: the jitted programs an
+accelerator runs)."""
 
 import jax
 import numpy as np
@@ -67,7 +69,17 @@ def move(p_caches, p_pieces, p_ids, d_caches, d_pieces, d_ids, corrupt=None):
     return d_caches, checks
 
 
-def test_pieces_move_blocks_between_different_cuts_byte_exact_and_sums_match():
+@pytest.fixture(params=["host", "xla"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("KVXFER_BACKEND", request.param)
+    return request.param
+
+
+def _addresses(caches):
+    return [s.data.unsafe_buffer_pointer() for c in caches for s in c.addressable_shards]
+
+
+def test_pieces_move_blocks_between_different_cuts_byte_exact_and_sums_match(backend):
     p = caches((1, 8), PartitionSpec(None, None, "model"))  # P: TP 8, two hosts of 4 units
     d = caches((2, 4), PartitionSpec(None, None, "model"), zeros=True)  # D: TP 4, 2 + 6 units
     before = bits(d[0]).copy()
@@ -87,7 +99,7 @@ def test_pieces_move_blocks_between_different_cuts_byte_exact_and_sums_match():
     assert (fmix32(total) == np.asarray(fingerprint_blocks(d, d_ids))).all()
 
 
-def test_a_flipped_bit_in_one_piece_changes_only_that_pieces_sums():
+def test_a_flipped_bit_in_one_piece_changes_only_that_pieces_sums(backend):
     p = caches((1, 8), PartitionSpec(None, None, "model"))
     d = caches((1, 8), PartitionSpec(None, None, "model"), zeros=True)
     halves = [Piece(1, 8, 0, 4), Piece(1, 8, 4, 8)]
@@ -119,12 +131,50 @@ def test_pieces_refuse_layouts_they_cannot_cut():
         Piece(1, 8, 4, 4)
 
 
-def test_pieces_refuse_the_xla_backend_by_name(monkeypatch):
+def test_both_backends_stage_the_same_bytes_and_sums_and_scatter_in_place(monkeypatch):
+    """The XLA programs and the host copies agree byte for byte, sums included; both
+    scatters keep every shard's buffer (the caches are donated and written in place)."""
+    p = caches((2, 4), PartitionSpec(None, None, "model"), seed=3)  # replicas over 'data'
+    layout = CacheLayout.from_caches(p)
+    piece, ids = Piece(1, 8, 2, 8), np.array([7, 1, 2, 31])
+    staged, landed = [], []
+    for backend in ("host", "xla"):
+        monkeypatch.setenv("KVXFER_BACKEND", backend)
+        st = piece_staging(layout, piece, 8)
+        gather_piece_into(p, ids, st, np.array([6, 0, 1, 3]), piece)
+        staged.append((st.regions[0][[6, 0, 1, 3]].view(np.uint16), st.prints[[6, 0, 1, 3]]))
+        d = caches((2, 4), PartitionSpec(None, None, "model"), zeros=True)
+        before = _addresses(d)
+        d, sums = scatter_piece(d, st, np.array([4, 5, 6, 9]), np.array([6, 0, 1, 3]), piece)
+        assert _addresses(d) == before, backend
+        landed.append(sums)
+        for layer in range(2):
+            assert (bits(d[layer])[[4, 5, 6, 9]][:, :, 2:] == bits(p[layer])[ids][:, :, 2:]).all()
+            assert not bits(d[layer])[[4, 5, 6, 9]][:, :, :2].any()  # another piece's units
+    assert (staged[0][0] == staged[1][0]).all() and (staged[0][1] == staged[1][1]).all()
+    assert (landed[0] == landed[1]).all()
+
+
+def test_a_replicated_cache_moves_as_one_piece_on_both_backends(backend):
+    mla = caches((1, 8), PartitionSpec(), shape=(32, 16, 1, 64), seed=5)
+    layout = CacheLayout.from_caches(mla)
+    (whole,) = process_pieces(mla).values()
+    st = piece_staging(layout, whole, 4)
+    gather_piece_into(mla, [3, 30], st, [1, 2], whole)
+    d = caches((1, 8), PartitionSpec(), shape=(32, 16, 1, 64), zeros=True)
+    d, landed = scatter_piece(d, st, [0, 4], [1, 2], whole)
+    assert (landed == unit_sums(st, [1, 2])).all()
+    for got, want in zip(d, mla):
+        assert (bits(got)[[0, 4]] == bits(want)[[3, 30]]).all()
+        assert all((np.asarray(s.data).view(np.uint16)[[0, 4]] == bits(want)[[3, 30]]).all()
+                   for s in got.addressable_shards)  # every replica written
+
+
+def test_a_bad_backend_setting_is_refused_by_name_before_anything_moves(monkeypatch):
     layout = CacheLayout.from_caches(caches((1, 8), PartitionSpec(None, None, "model")))
     piece = process_pieces(caches((1, 8), PartitionSpec(None, None, "model")))[0]
-    piece_staging(layout, piece, 4)
-    monkeypatch.setenv("KVXFER_BACKEND", "xla")
-    with pytest.raises(InvalidInputError, match="host backend .* KVXFER_BACKEND=xla"):
+    monkeypatch.setenv("KVXFER_BACKEND", "gpu")
+    with pytest.raises(InvalidInputError, match="KVXFER_BACKEND must be one of .* got 'gpu'"):
         piece_staging(layout, piece, 4)
 
 
@@ -187,7 +237,7 @@ def test_a_prefill_scheduler_refuses_sources_d_would_refuse(sources, units, matc
                          address=PeerAddress("p-0", "h", 0), sources=sources, units=units)
 
 
-def test_scatter_piece_without_sums_writes_the_same_bytes_and_hashes_nothing():
+def test_scatter_piece_without_sums_writes_the_same_bytes_and_hashes_nothing(backend):
     """D with verify_fingerprints=False: the copy alone."""
     spec = PartitionSpec(None, None, "model")
     src = caches((1, 8), spec, seed=7)

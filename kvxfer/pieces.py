@@ -13,7 +13,13 @@ A block is cut along its one sharded inner axis into `units`; a process
 holds units `[lo, hi)`. Slots are unit-major, so any range of units of a
 block is one run of bytes on both sides. Each unit's words are summed with
 the fingerprint's weights (`kvxfer.fingerprint`), so P and D may cut blocks
-differently and still compare. Only the host backend (XLA:CPU) is built.
+differently and still compare.
+
+Both backends of `kvxfer.gather` are built, chosen as it chooses them
+(`KVXFER_BACKEND`): the host backend copies and sums with numpy on the
+buffers of XLA:CPU shards; the XLA backend (TPU, GPU, or XLA:CPU selected)
+runs jitted programs on a mesh of this process's own devices
+(`kvxfer._xla_pieces`).
 """
 
 
@@ -27,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from kvxfer import _xla_pieces
 from kvxfer._host_buffers import (
     BufferHashes,
     buffer_view,
@@ -39,7 +46,7 @@ from kvxfer._rows import RowCopies
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import SUMS, piece_weights, reduce_sums, sums_words, word_sums
-from kvxfer.gather import backend_for, backend_setting, check_block_ids, check_flag
+from kvxfer.gather import backend_for, check_block_ids, check_flag
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
 
@@ -144,6 +151,11 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
     ids, dst = _check_piece_call(layout, block_ids, staging, slots, piece)
     if len(ids) == 0:
         return
+    if _backend() == "xla":
+        view = _xla_pieces.local_view(caches, [_one_replica(c, piece) for c in caches], piece)
+        _xla_pieces.gather(layout, view, ids, piece.axis, _unit_weights(layout, piece),
+                           staging.regions, staging.prints, dst)
+        return
     jax.block_until_ready(list(caches))
     copies = RowCopies(ids, dst, ids_are_dst=False)
     runs = coalesce(np.sort(dst).tolist())
@@ -175,6 +187,12 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
     if len(ids) == 0:
         return list(caches), np.zeros((layout.num_layers, 0, SUMS), np.uint32) if sums else None
+    if _backend() == "xla":  # the sums are taken in the same program, wanted or not
+        view = _xla_pieces.local_view(caches, [_held_shards(c, piece) for c in caches], piece)
+        rows = [region[src] for region in staging.regions]
+        new, landed = _xla_pieces.scatter(layout, caches, view, rows, ids, piece.axis,
+                                          _unit_weights(layout, piece))
+        return new, reduce_sums(landed, axis=1).transpose(1, 0, 2) if sums else None
     threads = host_threads()  # a bad setting is refused before the caches are donated
     new = own_buffers(layout, caches[0].sharding.mesh)(list(caches))
     jax.block_until_ready(new)
@@ -206,11 +224,12 @@ def _check_words(layout: CacheLayout, piece: Piece) -> None:
         raise LayoutMismatchError(
             f"blocks of {layout.block_shape} {layout.dtype} split along axis {piece.axis}: a "
             f"unit's innermost run must be whole 32-bit words, and not the split axis itself")
-    platforms = {d.platform for d in jax.local_devices()}
-    if backend_for(platforms) != "host":
-        raise InvalidInputError(
-            f"pieces across hosts are built for the host backend (XLA:CPU) only; this process "
-            f"runs on {sorted(platforms)} with KVXFER_BACKEND={backend_setting()}")
+    _backend()  # a bad KVXFER_BACKEND is refused before anything moves
+
+
+def _backend() -> str:
+    """`kvxfer.gather`'s choice for this process's devices: `"host"` or `"xla"`."""
+    return backend_for(d.platform for d in jax.local_devices())
 
 
 def _check_piece_call(layout: CacheLayout, block_ids: Any, staging: Staging, slots: Any,

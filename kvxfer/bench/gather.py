@@ -10,7 +10,16 @@ the figures mean something on a shared, noisy machine. `kvxfer bench gather
 Two gathers are timed. `gather_blocks` is the jitted program (to pinned host
 arrays; its fingerprints are XLA's, which is what other backends run).
 `gather_into` is what P's connector runs: on XLA:CPU the blocks are copied with
-numpy straight into staging rows and fingerprinted in the same pass.
+numpy straight into staging rows and fingerprinted in the same pass; on an
+accelerator, the jitted gather then a host copy into staging.
+
+On an accelerator (`scripts/accel-check`) two more references matter, both
+measured here on every backend: `jax.device_put` of the same bytes, already on
+the device, to pinned host (what the device-to-host link gives, with no gather),
+and the candidate that would remove `gather_into`'s host copy there: a jitted
+gather whose pinned-host destination is donated and aliased to its output
+(`donated_*`; `donated_keeps_address` says whether every shard's buffer stayed
+where it was, which NIXL's registration needs).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ def run(
     block_shape: tuple[int, ...] = (16, 8, 2, 128),
     dtype: str = "bfloat16",
     count: int = 256,
-    mesh_shape: tuple[int, int] = (1, 8),
+    mesh_shape: tuple[int, int] | None = None,
     iters: int = 10,
     seed: int = 0,
     recompile_trials: int = 100,
@@ -49,7 +58,8 @@ def run(
     - `layers`, `num_blocks`, `block_shape`, `dtype`: the caches,
       `layers x [num_blocks, *block_shape]`. `block_shape[1]` is sharded over `'model'`.
     - `count`: how many random distinct block ids each timed gather copies.
-    - `mesh_shape`: the `('data', 'model')` mesh; needs that many JAX devices.
+    - `mesh_shape`: the `('data', 'model')` mesh; needs that many JAX devices. By default
+      `(1, m)`, `m` the most of 8, 4, 2, 1 that the devices and `block_shape[1]` allow.
     - `iters`: timed rounds; each figure is the best round.
     - `seed`: for the cache contents and block ids.
     - `recompile_trials`: gathers with random counts in `[1, count]` after warm-up,
@@ -62,9 +72,15 @@ def run(
     numpy scatter into a host mirror of the cache, the shape of vLLM's TPU path),
     `recompiles_after_warmup` (backend compilations during the trials),
     `fingerprint_overhead` (extra time of `fingerprints=True`, as a fraction),
-    `gather_into_over_memcpy` (P's path into staging, fingerprints included), plus
-    `bytes` copied per gather, `naive_gbps` and `gather_into_gbps`.
+    `gather_into_over_memcpy` (P's path into staging, fingerprints included),
+    `gather_over_device_put` (against `device_put_gbps`), `donated_over_gather` and
+    `donated_keeps_address` (the candidate above), plus `bytes` copied per gather,
+    `platform`, `devices`, `naive_gbps`, `gather_into_gbps` and `donated_gbps`.
     """
+    if mesh_shape is None:
+        model = next(m for m in (8, 4, 2, 1)
+                     if len(jax.devices()) % m == 0 and block_shape[1] % m == 0)
+        mesh_shape = (1, model)
     mesh = jax.make_mesh(mesh_shape, ("data", "model"))
     sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
     caches = _random_caches(layers, (num_blocks, *block_shape), np.dtype(dtype), sharding, seed)
@@ -76,12 +92,17 @@ def run(
     naive = _naive_path(caches, sharding)
     staging = [np.empty((count, *block_shape), np.dtype(dtype)) for _ in range(layers)]
     rows = np.arange(count)
+    on_device = _gathered_on_device(caches, ids, sharding)
+    to_host = sharding.with_memory_kind("pinned_host")
+    donated = _DonatedGather(caches, count, to_host)
     timed: dict[str, Callable[[], object]] = {
         "memcpy": lambda: np.copyto(dst, src),
         "gather": lambda: gather_blocks(caches, ids),
         "gather_fp": lambda: gather_blocks(caches, ids, fingerprints=True),
         "naive": lambda: naive(ids),
         "gather_into": lambda: gather_into(caches, ids, staging, rows),
+        "device_put": lambda: jax.device_put(on_device, to_host),
+        "donated": lambda: donated(ids),
     }
     for fn in timed.values():  # warm-up: compile, fault in pages
         jax.block_until_ready(fn())
@@ -105,6 +126,13 @@ def run(
         "naive_gbps": gbps["naive"],
         "gather_into_gbps": gbps["gather_into"],
         "gather_into_over_memcpy": gbps["gather_into"] / gbps["memcpy"],
+        "device_put_gbps": gbps["device_put"],
+        "gather_over_device_put": gbps["gather"] / gbps["device_put"],
+        "donated_gbps": gbps["donated"],
+        "donated_over_gather": gbps["donated"] / gbps["gather"],
+        "donated_keeps_address": donated.kept_address,
+        "platform": jax.devices()[0].platform,
+        "devices": mesh.size,
     }
 
 
@@ -120,6 +148,48 @@ def _random_caches(
     make = jax.jit(bits, out_shardings=sharding)
     keys = jax.random.split(jax.random.key(seed), layers)
     return [make(k) for k in keys]
+
+
+def _gathered_on_device(caches: list[jax.Array], ids: np.ndarray,
+                        sharding: NamedSharding) -> list[jax.Array]:
+    """The gathered blocks, per layer, as device arrays: what `device_put` then moves."""
+    take = jax.jit(lambda c, i: jnp.take(c, i, axis=0), out_shardings=sharding)
+    device_ids = jax.device_put(ids, NamedSharding(sharding.mesh, PartitionSpec()))
+    return [take(c, device_ids) for c in caches]
+
+
+class _DonatedGather:
+    """A jitted gather into rows of pinned-host staging that it donates (and XLA aliases to
+    its output): `count` rows at a runtime offset in staging of twice as many, as P's
+    slots would be. `kept_address` turns False once any shard's buffer moved."""
+
+    def __init__(self, caches: list[jax.Array], count: int, to_host: NamedSharding):
+        self.caches, self.kept_address = caches, True
+        self.ids_sharding = NamedSharding(to_host.mesh, PartitionSpec())
+        self.dst = [jax.device_put(np.zeros((2 * count, *c.shape[1:]), c.dtype), to_host)
+                    for c in caches]
+        self.slots = jax.device_put(np.arange(count, dtype=np.int32) + count // 2,
+                                    self.ids_sharding)
+        self.address = _addresses(self.dst)
+        def gather(dst, caches, ids, slots):  # the rows land in host memory, then in place
+            return [lax.dynamic_update_slice_in_dim(
+                d, jax.device_put(jnp.take(c, ids, axis=0), to_host), slots[0], 0)
+                for d, c in zip(dst, caches)]
+
+        self.fn = jax.jit(
+            gather,
+            donate_argnums=0, out_shardings=[to_host] * len(caches))
+
+    def __call__(self, ids: np.ndarray) -> list[jax.Array]:
+        self.dst = self.fn(self.dst, self.caches, jax.device_put(ids, self.ids_sharding),
+                           self.slots)
+        jax.block_until_ready(self.dst)
+        self.kept_address &= _addresses(self.dst) == self.address
+        return self.dst
+
+
+def _addresses(arrays: list[jax.Array]) -> list[int]:
+    return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
 
 
 def _naive_path(caches: list[jax.Array], sharding: NamedSharding) -> Callable[[np.ndarray], None]:

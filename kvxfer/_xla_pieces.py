@@ -1,0 +1,209 @@
+"""The XLA backend of `kvxfer.pieces`: jitted programs over this process's own shards.
+
+A process of a multi-host instance runs them alone, with no collective and no
+dispatch on other hosts: the shards it holds of each cache are first viewed as
+one array on a mesh of its own devices (`local_view`, no copy), and the
+programs run on that mesh. A gather takes the blocks' rows on each device,
+turns them unit-major (the piece's split axis first, as staging holds them),
+sums each unit's words against its weights in the whole block (the
+fingerprint's unmixed `(P, L, H)`, the same values `kvxfer.pieces` sums with
+numpy), and lands both in pinned host memory; the rows are then copied into
+the staging slots. A scatter moves staged rows to the devices, writes them into
+the donated local view (XLA aliases it to its output: the shards keep their
+buffers), sums what landed, and the caches are put back together from the new
+shards. Block counts are padded to `bucket_size` as in `kvxfer._xla`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvxfer._rows import RowCopies
+from kvxfer._xla import _uint, bucket_ids, bucket_size
+from kvxfer.errors import LayoutMismatchError
+from kvxfer.layout import CacheLayout
+
+if TYPE_CHECKING:
+    from kvxfer.pieces import Piece
+
+__all__ = ["gather", "local_view", "scatter"]
+
+_16 = np.uint32(16)
+
+
+def local_view(caches: Sequence[jax.Array], shards: Sequence[Sequence[jax.Shard]],
+               piece: Piece) -> list[jax.Array]:
+    """The given shards of each cache as one array on a mesh of their devices, no copy.
+
+    `shards[layer]` are grouped as `kvxfer.pieces` picks them: every shard of the
+    piece, replicas included. The mesh is `('copies', 'units')`: a row per replica,
+    a column per range of units (in order); the array is `[num_blocks, ...]` with the
+    piece's units on its split axis, split over `'units'`.
+    """
+    mesh = Mesh(_device_grid(shards[0], piece), ("copies", "units"))
+    sharding = NamedSharding(mesh, _unit_spec(len(caches[0].shape), piece.axis))
+    shape = list(caches[0].shape)
+    shape[1 + piece.axis] = piece.count
+    return [jax.make_array_from_single_device_arrays(tuple(shape), sharding,
+                                                     [s.data for s in held])
+            for held in shards]
+
+
+def gather(layout: CacheLayout, view: Sequence[jax.Array], ids: np.ndarray, axis: int,
+           weights: np.ndarray, regions: Sequence[np.ndarray], prints: np.ndarray,
+           dst: np.ndarray) -> None:
+    """Rows `ids` of the local view, unit-major, into slots `dst` of `regions`, and their
+    per-unit sums into `prints[dst]` (`[slots, units, layers, 3]`)."""
+    mesh = view[0].sharding.mesh
+    rows, sums = _gather_fn(layout, mesh, axis)(
+        list(view), bucket_ids(ids, mesh), _weights_on(mesh, weights))
+    copies = RowCopies(np.arange(len(ids)), dst, ids_are_dst=False)  # row i -> slot dst[i]
+    for gathered, region in zip(rows, regions):
+        for shard in gathered.addressable_shards:
+            if shard.replica_id == 0:
+                copies.copy(shard, region[(slice(None), *shard.index[1:])], np.asarray(shard.data))
+    prints[dst] = np.asarray(sums)[: len(ids)]
+
+
+def scatter(layout: CacheLayout, caches: Sequence[jax.Array], view: Sequence[jax.Array],
+            rows: Sequence[np.ndarray], ids: np.ndarray, axis: int, weights: np.ndarray
+            ) -> tuple[list[jax.Array], np.ndarray]:
+    """Write `rows` (per layer, `[n, units, *rest]`, unit-major) into blocks `ids` of the
+    donated local view; returns the caches rebuilt with its new shards, and the per-unit
+    sums of what landed, `uint32[n, units, layers, 3]`."""
+    mesh = view[0].sharding.mesh
+    bucket = bucket_size(len(ids))
+    padded = (layout.num_blocks + np.arange(bucket)).astype(np.int32)  # dropped: past the end
+    padded[: len(ids)] = ids
+    host = NamedSharding(mesh, PartitionSpec(None, "units"), memory_kind="pinned_host")
+    staged = []
+    for r in rows:
+        full = np.zeros((bucket, *r.shape[1:]), r.dtype)
+        full[: len(ids)] = r
+        staged.append(jax.device_put(full, host))
+    kept = [[(s.device, s.data) for s in cache.addressable_shards]  # before they are donated
+            for cache in caches]
+    new, sums = _scatter_fn(layout, mesh, axis)(
+        list(view), staged, jax.device_put(padded, NamedSharding(mesh, PartitionSpec())),
+        _weights_on(mesh, weights))
+    out = []
+    for cache, old, local in zip(caches, kept, new):
+        by_device = {s.device: s.data for s in local.addressable_shards}
+        out.append(jax.make_array_from_single_device_arrays(
+            cache.shape, cache.sharding, [by_device.get(d, a) for d, a in old]))
+    return out, np.asarray(sums)[: len(ids)]
+
+
+# Jitted builders, cached on the static layout, the local mesh and the split axis.
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int):
+    dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
+    spec = _unit_spec(1 + len(layout.block_shape), axis)
+
+    def local(caches: list[jax.Array], ids: jax.Array, weights: jax.Array):
+        rows, sums = [], []
+        for cache in caches:
+            row = jnp.moveaxis(jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0),
+                               1 + axis, 1)
+            sums.append(_unit_sums(row, weights))
+            rows.append(lax.bitcast_convert_type(row, dtype))
+        return rows, jnp.stack(sums, axis=2)
+
+    unit_major = PartitionSpec(None, "units")
+    per_shard = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=([spec] * layout.num_layers, PartitionSpec(), PartitionSpec("units")),
+        out_specs=([unit_major] * layout.num_layers, unit_major), check_vma=False)
+    host = NamedSharding(mesh, unit_major, memory_kind="pinned_host")
+    return jax.jit(per_shard, out_shardings=([host] * layout.num_layers, host))
+
+
+@functools.lru_cache(maxsize=64)
+def _scatter_fn(layout: CacheLayout, mesh: Mesh, axis: int):
+    dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
+    spec = _unit_spec(1 + len(layout.block_shape), axis)
+    unit_major = PartitionSpec(None, "units")
+
+    def local(caches: list[jax.Array], rows: list[jax.Array], ids: jax.Array,
+              weights: jax.Array):
+        out, sums = [], []
+        for cache, row in zip(caches, rows):
+            row = jnp.moveaxis(lax.bitcast_convert_type(row, udtype), 1, 1 + axis)
+            new = lax.bitcast_convert_type(cache, udtype).at[ids].set(
+                row, mode="drop", unique_indices=True)
+            landed = jnp.moveaxis(jnp.take(new, ids, axis=0, mode="clip"), 1 + axis, 1)
+            sums.append(_unit_sums(landed, weights))
+            out.append(lax.bitcast_convert_type(new, dtype))
+        return out, jnp.stack(sums, axis=2)
+
+    per_shard = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=([spec] * layout.num_layers, [unit_major] * layout.num_layers,
+                  PartitionSpec(), PartitionSpec("units")),
+        out_specs=([spec] * layout.num_layers, unit_major), check_vma=False)
+    on_device = NamedSharding(mesh, unit_major)
+
+    def scatter(caches, rows, ids, weights):
+        rows = [jax.device_put(r, on_device) for r in rows]  # pinned host -> device
+        return per_shard(caches, rows, ids, weights)
+
+    return jax.jit(scatter, donate_argnums=0,
+                   out_shardings=([NamedSharding(mesh, spec)] * layout.num_layers,
+                                  NamedSharding(mesh, unit_major)))
+
+
+def _unit_sums(rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """`uint32[n, units, 3]`: unmixed `(P, L, H)` of each unit's words, for unit-major
+    unsigned rows `[n, units, *rest]` and `weights` `uint32[units, words per unit]`."""
+    n, units = rows.shape[:2]
+    per_word = 4 // rows.dtype.itemsize
+    if per_word > 1:  # whole words: the unit's innermost run is a multiple of per_word
+        rows = rows.reshape(n, units, -1, per_word)
+    words = lax.bitcast_convert_type(rows, jnp.uint32).reshape(n, units, -1)
+    p = lax.reduce(words, np.uint32(0), lax.bitwise_xor, (2,))
+    low = jnp.sum((words & jnp.uint32(0xFFFF)) * weights[None], axis=2, dtype=jnp.uint32)
+    high = jnp.sum((words >> _16) * weights[None], axis=2, dtype=jnp.uint32)
+    return jnp.stack([p, low, high], axis=2)
+
+
+@functools.lru_cache(maxsize=64)
+def _weights_cached(mesh: Mesh, key: bytes, shape: tuple[int, ...]) -> jax.Array:
+    weights = np.frombuffer(key, np.uint32).reshape(shape)
+    return jax.device_put(weights, NamedSharding(mesh, PartitionSpec("units")))
+
+
+def _weights_on(mesh: Mesh, weights: np.ndarray) -> jax.Array:
+    """The piece's word weights on the local mesh, split by unit (kept between calls)."""
+    return _weights_cached(mesh, np.ascontiguousarray(weights, np.uint32).tobytes(),
+                           weights.shape)
+
+
+def _unit_spec(ndim: int, axis: int) -> PartitionSpec:
+    spec: list[str | None] = [None] * ndim
+    spec[1 + axis] = "units"
+    return PartitionSpec(*spec)
+
+
+def _device_grid(shards: Sequence[jax.Shard], piece: Piece) -> np.ndarray:
+    """`[replicas, ranges]` of the shards' devices, ranges of units in order."""
+    by_range: dict[tuple[int, int, int], list[jax.Device]] = {}
+    for shard in shards:
+        key = shard.index[1 + piece.axis].indices(piece.units)
+        by_range.setdefault(key, []).append(shard.device)
+    columns = [by_range[key] for key in sorted(by_range)]
+    if len({len(c) for c in columns}) != 1:
+        raise LayoutMismatchError(
+            f"this process holds {[len(c) for c in columns]} replicas of its unit ranges "
+            f"{sorted(by_range)}: pieces need the same number of each")
+    return np.array(columns, dtype=object).T
+

@@ -1,0 +1,140 @@
+"""gather / scatter / pieces on a real accelerator (TPU or GPU): round trips, fingerprints,
+writes in place, bandwidth.
+
+Skipped where JAX's default backend is the CPU (see conftest.py). The bandwidth test
+prints figures (run with `-s`) and asserts only what does not depend on the machine;
+`kvxfer bench gather` gives the figures against their references.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kvxfer.gather import (
+    backend,
+    check_fingerprints,
+    fingerprint_blocks,
+    gather_blocks,
+    gather_into,
+    scatter_blocks,
+)
+from kvxfer.layout import CacheLayout
+from kvxfer.pieces import Piece, gather_piece_into, piece_staging, scatter_piece, unit_sums
+
+
+def _mesh():
+    n = len(jax.devices())
+    model = next(m for m in (8, 4, 2, 1) if n % m == 0)
+    return jax.make_mesh((n // model, model), ("data", "model"))
+
+
+def _random_caches(layers, shape, dtype, sharding, seed):
+    udtype = jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+    make = jax.jit(
+        lambda k: lax.bitcast_convert_type(jax.random.bits(k, shape, udtype), dtype),
+        out_shardings=sharding,
+    )
+    return [make(k) for k in jax.random.split(jax.random.key(seed), layers)]
+
+
+def _pair(layers=4, seed=0):
+    mesh = _mesh()
+    sharding = NamedSharding(mesh, P(None, None, "model"))
+    shape = (64, 16, 2 * mesh.shape["model"], 2, 128)
+    return (_random_caches(layers, shape, jnp.bfloat16, sharding, seed),
+            _random_caches(layers, shape, jnp.bfloat16, sharding, seed + 1))
+
+
+def _addresses(caches):
+    return [s.data.unsafe_buffer_pointer() for c in caches for s in c.addressable_shards]
+
+
+def test_the_accelerator_runs_the_xla_backend():
+    source, _ = _pair(layers=1)
+    assert backend(source[0].sharding.mesh) == "xla"
+
+
+def test_round_trip_and_fingerprints_on_the_accelerator():
+    source, target = _pair()
+    ids = [5, 63, 0, 17, 18, 40]
+    expected = [np.asarray(t).view(np.uint8).copy() for t in target]
+    for exp, src in zip(expected, source):
+        exp[ids] = np.asarray(src).view(np.uint8)[ids]
+
+    host, fps = gather_blocks(source, ids, fingerprints=True)
+    assert host[0].sharding.memory_kind == "pinned_host"
+    check_fingerprints(CacheLayout.from_caches(source), host, len(ids), fps)
+    out = scatter_blocks(target, host, ids)
+    for o, exp in zip(out, expected):
+        np.testing.assert_array_equal(np.asarray(o).view(np.uint8), exp)
+
+
+def test_scatter_writes_in_place_on_the_accelerator():
+    """The donated caches' buffers are the new caches' buffers: every shard's address is
+    unchanged, so a scatter costs its blocks, not a copy of the cache."""
+    source, target = _pair(seed=4)
+    layout = CacheLayout.from_caches(source)
+    ids = np.array([3, 9, 10, 11, 60])
+    staging = [np.zeros((8, *layout.block_shape), layout.np_dtype) for _ in source]
+    prints = gather_into(source, ids, staging, np.arange(5) + 2)
+    before = _addresses(target)
+    out, landed = scatter_blocks(target, staging, ids, rows=np.arange(5) + 2, fingerprints=True)
+    assert _addresses(out) == before
+    np.testing.assert_array_equal(landed, prints)
+    np.testing.assert_array_equal(fingerprint_blocks(out, ids), prints)
+    for o, s in zip(out, source):
+        np.testing.assert_array_equal(np.asarray(o)[ids].view(np.uint16),
+                                      np.asarray(s)[ids].view(np.uint16))
+
+
+def test_pieces_round_trip_on_the_accelerator_with_matching_sums():
+    """Two pieces of one process's devices (as two hosts would hold them): each gathers
+    and scatters only its units, and D's landed sums equal P's."""
+    source, target = _pair(seed=7)
+    layout = CacheLayout.from_caches(source)
+    units = layout.block_shape[1]
+    model = source[0].sharding.mesh.shape["model"]
+    cut = units // 2 if model > 1 else units
+    pieces = [Piece(1, units, 0, cut)] + ([Piece(1, units, cut, units)] if cut < units else [])
+    ids = np.array([1, 2, 30, 31, 63])
+    for piece in pieces:
+        staging = piece_staging(layout, piece, 8)
+        gather_piece_into(source, ids, staging, np.arange(5), piece)
+        before = _addresses(target)
+        target, landed = scatter_piece(target, staging, ids, np.arange(5), piece)
+        assert _addresses(target) == before
+        np.testing.assert_array_equal(landed, unit_sums(staging, np.arange(5)))
+    for o, s in zip(target, source):
+        np.testing.assert_array_equal(np.asarray(o)[ids].view(np.uint16),
+                                      np.asarray(s)[ids].view(np.uint16))
+
+
+def test_gather_bandwidth_on_the_accelerator():
+    import time
+
+    mesh = _mesh()
+    sharding = NamedSharding(mesh, P(None, None, "model"))
+    model = mesh.shape["model"]
+    layers, shape, count = 8, (1024, 16, model, 2, 128), 256
+    caches = _random_caches(layers, shape, jnp.bfloat16, sharding, seed=2)
+    ids = np.random.default_rng(0).choice(shape[0], count, replace=False)
+    nbytes = layers * count * int(np.prod(shape[1:])) * 2
+    timings = {}
+    for fingerprints in (False, True):
+        jax.block_until_ready(gather_blocks(caches, ids, fingerprints=fingerprints))
+        best = float("inf")
+        for _ in range(10):
+            start = time.perf_counter()
+            jax.block_until_ready(gather_blocks(caches, ids, fingerprints=fingerprints))
+            best = min(best, time.perf_counter() - start)
+        timings[fingerprints] = best
+    print(
+        f"\ngather to pinned_host: {nbytes / timings[False] / 1e9:.1f} GB/s "
+        f"({nbytes / 1e6:.0f} MB, {len(jax.devices())} {jax.devices()[0].device_kind}); "
+        f"with fingerprints {nbytes / timings[True] / 1e9:.1f} GB/s, "
+        f"overhead {timings[True] / timings[False] - 1:.2f}"
+    )
+    assert timings[False] > 0
