@@ -1,4 +1,6 @@
-"""Connectors in one process: P on devices 0-3, D on devices 4-7, two NIXL agents."""
+"""Connectors in one process: P on devices 0-3, D on devices 4-7, two NIXL agents. The first
+two tests run on both backends of `kvxfer.gather` (`KVXFER_BACKEND`): `host`, and `xla`,
+the jitted programs an accelerator runs."""
 
 import os
 import subprocess
@@ -17,7 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.pair import as_bits, copy_block  # noqa: E402
 
 
-def test_d_receives_newest_copy_of_block_rewritten_by_later_chunk(pair):
+@pytest.fixture(params=["host", "xla"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("KVXFER_BACKEND", request.param)
+    return request.param
+
+
+def test_d_receives_newest_copy_of_block_rewritten_by_later_chunk(pair, backend):
     pr = pair()
     pr.p.add_request("r", 40)
     pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
@@ -35,7 +43,7 @@ def test_d_receives_newest_copy_of_block_rewritten_by_later_chunk(pair):
     assert pr.d.get_block_ids_with_load_errors() == set()
 
 
-def test_corrupted_host_block_fails_request_in_logical_ids_and_leaves_other_blocks(pair):
+def test_corrupted_host_block_fails_request_in_logical_ids_and_leaves_other_blocks(pair, backend):
     pr = pair(kernel_ratio=2, block_size=32)  # logical blocks of 32 tokens = 2 kernel blocks
     pr.p.add_request("r", 50)
     meta = pr.save(ScheduledRequest("r", 0, 50, ([3, 7],), full_table=True))

@@ -2,8 +2,10 @@
 namespaces (`kvxfer.bench.hosts`), one mesh per instance (`jax.distributed`, gloo),
 NIXL over UCX TCP across the test network, metadata through etcd.
 
-Each process runs `procs/host.py`; what they report is checked here. Skipped
-only where namespaces cannot be made (not root, no `ip`); CI runs as root.
+Each process runs `procs/host.py`; what they report is checked here. Every test runs
+on both backends of `kvxfer.gather` (`KVXFER_BACKEND`): `host` (numpy on XLA:CPU
+buffers) and `xla` (the jitted programs an accelerator runs). Skipped only where
+namespaces cannot be made (not root, no `ip`); CI runs as root.
 """
 
 import json
@@ -30,8 +32,8 @@ WAIT_S = 150  # the whole run: processes start JAX on 2 shared cores
 class Hosts:
     """P's processes on hosts 0..p-1 and D's on the next d, with etcd in the root namespace."""
 
-    def __init__(self, p, d, layout="heads", **extra):
-        self.p, self.d, self.procs, self.started = p, d, {}, []
+    def __init__(self, backend, p, d, layout="heads", **extra):
+        self.backend, self.p, self.d, self.procs, self.started = backend, p, d, {}, []
         self.net = HostNetwork(p[0] + d[0])
         self.etcd = EtcdServer(host=self.net.bridge_ip)
         self.dir = tempfile.mkdtemp(prefix="kvxfer-mh-")
@@ -43,7 +45,8 @@ class Hosts:
         processes, devices = self.p if role == "p" else self.d
         first = 0 if role == "p" else self.p[0]
         coordinator = f"{self.net.host_ip(first)}:12400"
-        env = dict(os.environ, PYTHONPATH=REPO, NIXL_LOG_LEVEL="ERROR")
+        env = dict(os.environ, PYTHONPATH=REPO, NIXL_LOG_LEVEL="ERROR",
+                   KVXFER_BACKEND=self.backend)
         env.pop("XLA_FLAGS", None)
         for rank in range(processes):
             spec = dict(self.spec, role=role, rank=rank, processes=processes, devices=devices,
@@ -66,6 +69,7 @@ class Hosts:
                 with open(path) as f:
                     out = json.load(f)
                 if key is None or key in out:
+                    assert out["backend"] == self.backend, out
                     return out
             proc = self.procs[(role, rank)]
             if proc.poll() is not None and not os.path.exists(path):
@@ -90,12 +94,12 @@ class Hosts:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture
-def hosts():
+@pytest.fixture(params=["host", "xla"])
+def hosts(request):
     made = []
 
     def make(*args, **kw):
-        made.append(Hosts(*args, **kw))
+        made.append(Hosts(request.param, *args, **kw))
         return made[-1]
     yield make
     for h in made:

@@ -95,6 +95,10 @@ def to_caches(arrays):
 
 
 def report(**fields):
+    """Writes what this process saw, with the backend its pieces moved by."""
+    from kvxfer.gather import backend_for
+
+    fields["backend"] = backend_for(d.platform for d in jax.local_devices())
     path = os.path.join(DIR, f"{ROLE}{RANK}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(fields, f)
