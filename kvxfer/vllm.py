@@ -77,7 +77,7 @@ from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.scheduler import GroupSpec, ScheduledRequest
 from kvxfer.vllm_metrics import StatsReporting
 from kvxfer.vllm_settings import Settings
-from kvxfer.wire import StreamParams, is_stream_id, prompt_digest
+from kvxfer.wire import Source, StreamParams, is_stream_id, prompt_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -164,12 +164,22 @@ class KvxferMetadata(KVConnectorMetadata):
 
 @dataclass
 class FreedMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: P requests whose staging D has read (or whose lease expired)."""
+    """Worker -> scheduler, each step it has news: P requests whose staging D has read (or
+    whose lease expired); and, from every worker of a P whose caches span several processes
+    (hosts), every P process's agent and the units of each block it stages (each worker
+    knows them all, from the caches' sharding), which the scheduler names in the params.
+    vLLM aggregates the workers' metadata (`aggregate`)."""
 
     freed: set[str] = field(default_factory=set)
+    sources: tuple[Source, ...] = ()
+    units: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        return FreedMetadata(self.freed | getattr(other, "freed", set()))
+        if not isinstance(other, FreedMetadata):
+            return self
+        sources, units = (self.sources, self.units) if self.sources else (other.sources,
+                                                                          other.units)
+        return FreedMetadata(self.freed | other.freed, sources, units)
 
 
 class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
@@ -232,8 +242,7 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         return errors if len(self.groups) == 1 else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        freed = self._worker.take_freed()
-        return FreedMetadata(freed) if freed else None
+        return self._worker.report()
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.WORKER:
@@ -258,6 +267,7 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, FreedMetadata):
+            self._scheduler.learn_sources(meta.sources, meta.units)
             self._scheduler.release(meta.freed)
 
     def request_finished(self, request: Request,
@@ -372,6 +382,16 @@ class _SchedulerSide:
     def release(self, freed: set[str]) -> None:
         if self.prefill is not None:
             self.prefill.release(freed)
+
+    def learn_sources(self, sources: tuple[Source, ...], units: int) -> None:
+        """P across hosts: name every P process in the params from now on. Until the first
+        step's worker output arrives, params name none: a request completed in P's very
+        first step is then recomputed by D (its read finds no agent of that name)."""
+        if self.prefill is not None and sources and (sources, units) != (
+                self.prefill.sources, self.prefill.units):
+            self.prefill.use_sources(sources, units)
+            logger.info("P spans %d processes: params name %s", len(sources),
+                        [s.peer for s in sources])
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         self._local.pop(request.request_id, None)
@@ -505,9 +525,14 @@ class _WorkerSide:
     def load_errors(self) -> set[int]:
         return self._decode.get_block_ids_with_load_errors() if self._decode else set()
 
-    def take_freed(self) -> set[str]:
+    def report(self) -> FreedMetadata | None:
+        """This step's news for the scheduler: the requests freed since the last report;
+        on a P across hosts, every step, every P process's agent and units."""
         freed, self._freed = self._freed, set()
-        return freed
+        prefill = self._prefill
+        if prefill is not None and prefill.sources:
+            return FreedMetadata(freed, tuple(prefill.sources), prefill.units)
+        return FreedMetadata(freed) if freed else None
 
     def close(self) -> None:
         for side in (self._prefill, self._decode):

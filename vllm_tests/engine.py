@@ -266,6 +266,7 @@ class Engine:
         kv_connector: str = "TPUConnector",
         kv_connector_module_path: str = "kvxfer.vllm",
         engine_id: str | None = None,
+        instance_id: str | None = None,
         log_stats: bool = False,
     ) -> None:
         self.block_size = block_size
@@ -308,6 +309,8 @@ class Engine:
             cache_config=cache_config, device_config=DeviceConfig("cpu"),
             kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
         )
+        if instance_id is not None:  # the hosts of one instance share it (sent with the config)
+            self.vllm_config.instance_id = instance_id
 
         # --- KVCacheConfig (what EngineCore._initialize_kv_caches plans) ---
         self.num_layers = model_config.get_num_layers(self.vllm_config.parallel_config)
@@ -348,6 +351,8 @@ class Engine:
                 config=self.vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config)
             self.worker.register_runner(self.runner)
 
+        # Called with each step's scheduler output and tokens before the worker runs them.
+        self.on_schedule: Callable[[SchedulerOutput, dict], None] | None = None
         # The harness's own (worker-side) view of each request's block table.
         self._tables: dict[str, list[list[int]]] = {}
         # Tables of requests vLLM told the worker are finished (kept for tests:
@@ -462,8 +467,30 @@ class Engine:
         if not self.scheduler.has_requests():
             return StepResult(scheduler_output=None)
         so = self.scheduler.schedule()
-        self._update_tables(so)
+        tokens = {r: (list(self.scheduler.requests[r].all_token_ids),
+                      self.scheduler.requests[r].num_computed_tokens)
+                  for r in so.num_scheduled_tokens}
+        if self.on_schedule is not None:  # the other hosts of the instance run it too
+            self.on_schedule(so, tokens)
+        kv_out, mro = self.execute(so, tokens)
+        outs = self.scheduler.update_from_output(so, mro)
 
+        result = StepResult(scheduler_output=so, connector_output=kv_out, model_runner_output=mro)
+        for eco in outs.values():
+            result.scheduler_stats = eco.scheduler_stats or result.scheduler_stats
+            for o in eco.outputs:
+                if o.new_token_ids:
+                    result.new_tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    result.finished[o.request_id] = o.kv_transfer_params
+        self._propose_drafts(so)
+        return result
+
+    def execute(self, so: SchedulerOutput, tokens: dict[str, tuple[list[int], int]]
+                ) -> tuple[KVConnectorOutput | None, ModelRunnerOutput]:
+        """The worker's half of a step (what every host of an instance runs): `tokens` maps
+        each scheduled request to its token ids and computed count after scheduling."""
+        self._update_tables(so)
         worker = self.worker
         if worker is not None:
             assert so.kv_connector_metadata is not None
@@ -471,7 +498,7 @@ class Engine:
             worker.start_load_kv(None)  # vLLM passes the forward context
 
         self._apply_block_copies(so)
-        req_ids, sampled = self._forward(so)
+        req_ids, sampled = self._forward(so, tokens)
 
         kv_out = None
         if worker is not None:
@@ -491,18 +518,7 @@ class Engine:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, kv_connector_output=kv_out,
         )
-        outs = self.scheduler.update_from_output(so, mro)
-
-        result = StepResult(scheduler_output=so, connector_output=kv_out, model_runner_output=mro)
-        for eco in outs.values():
-            result.scheduler_stats = eco.scheduler_stats or result.scheduler_stats
-            for o in eco.outputs:
-                if o.new_token_ids:
-                    result.new_tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-                if o.finished:
-                    result.finished[o.request_id] = o.kv_transfer_params
-        self._propose_drafts(so)
-        return result
+        return kv_out, mro
 
     def _update_tables(self, so: SchedulerOutput) -> None:
         """Mirrors the runner's `_update_states`: whole table for new and
@@ -528,7 +544,8 @@ class Engine:
             self.runner.kv_caches = [c.at[copy.dst_block_id].set(c[copy.src_block_id])
                                      for c in self.runner.kv_caches]
 
-    def _forward(self, so: SchedulerOutput) -> tuple[list[str], list[list[int]]]:
+    def _forward(self, so: SchedulerOutput, tokens_of: dict[str, tuple[list[int], int]]
+                 ) -> tuple[list[str], list[list[int]]]:
         """Writes stamped KV for every scheduled token; samples where a real model would."""
         n_slots = len(self.runner.kv_caches)
         groups = self.kv_cache_config.kv_cache_groups
@@ -538,10 +555,11 @@ class Engine:
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         for req_id, n in so.num_scheduled_tokens.items():
-            req = self.scheduler.requests[req_id]
-            tokens = list(req.all_token_ids)
+            tokens, computed = tokens_of[req_id]
             spec = so.scheduled_spec_decode_tokens.get(req_id, [])
-            start = self._step_start(so, req_id, req)
+            # schedule() advances num_computed_tokens by the scheduled count right away
+            # (sync scheduling), so the step began n tokens ago.
+            start = computed - n
             for pos in range(start, start + n):
                 if pos < len(tokens):
                     tok = tokens[pos]
@@ -577,11 +595,6 @@ class Engine:
             seq.append(d)
         out.append(sample_token(seq))
         return out
-
-    def _step_start(self, so: SchedulerOutput, req_id: str, req: Request) -> int:
-        # schedule() advances request.num_computed_tokens by the scheduled
-        # count right away (sync scheduling), so the step began n tokens ago.
-        return req.num_computed_tokens - so.num_scheduled_tokens[req_id]
 
     def _scatter(self, blocks, rows, keys) -> None:
         cap = max([len(b) for b in blocks] + [1])

@@ -67,6 +67,11 @@ class PrefillWorker:
         """Every process of a P that spans several (its agent, the units it stages); else []."""
         return self.hosts.sources
 
+    @property
+    def units(self) -> int:
+        """The units a block is cut into, with `sources`; 0 for one process."""
+        return self.hosts.units
+
     def save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
              meta: SaveMeta) -> None:
         """Copy `meta`'s blocks from the caches into their slots, with their fingerprints

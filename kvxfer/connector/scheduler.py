@@ -166,11 +166,9 @@ class PrefillScheduler:
                 raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
         self.kernel_ratio = kernel_ratio
         self.address = address
-        if sources or units:  # checked as D will check the params that name them
-            if not all(isinstance(x, Source) for x in sources):
-                raise InvalidInputError(f"sources must be Source entries, got {sources!r:.80}")
-            parse_sources([{"peer": x.peer, "units": [x.lo, x.hi]} for x in sources], units)
-        self.sources, self.units = tuple(sources), units
+        self.sources: tuple[Source, ...] = ()
+        self.units = 0
+        self.use_sources(sources, units)
         self.instance = instance or new_instance()
         self.slot_maps = [SlotMap(staging_blocks) for _ in self.tracker.groups]
         self._next_generation = 1
@@ -185,6 +183,16 @@ class PrefillScheduler:
         self._prompts: dict[str, str] = {}  # the prompt digest of those given their prompt
         self._streams: dict[str, tuple[str, int]] = {}  # streamed: (stream id, prompt tokens)
         self._cancels: list[str] = []  # streams given up on, for the next meta
+
+    def use_sources(self, sources: Sequence[Source], units: int) -> None:
+        """Name these P processes and units in the params of requests completed from now on
+        (a scheduler that learns them from its workers: `kvxfer.vllm`). Checked as D will
+        check the params that name them; `()` and 0 for a P of one process."""
+        if sources or units:
+            if not all(isinstance(x, Source) for x in sources):
+                raise InvalidInputError(f"sources must be Source entries, got {sources!r:.80}")
+            parse_sources([{"peer": x.peer, "units": [x.lo, x.hi]} for x in sources], units)
+        self.sources, self.units = tuple(sources), units
 
     def add_request(self, req_id: str, num_prompt_tokens: int,
                     prompt_token_ids: Sequence[int] | None = None,

@@ -1,0 +1,134 @@
+"""`kvxfer.vllm.TPUConnector` with P and D each spanning two hosts, under real vLLM schedulers.
+
+Each instance is two JAX processes in their own network namespaces
+(`kvxfer.bench.hosts`), one mesh over both (`jax.distributed`, gloo), NIXL over
+UCX TCP, agents found through etcd. Each process runs `host.py`: rank 0's vLLM
+scheduler drives both processes' workers, as tpu-inference's multi-host
+executor does. P's scheduler learns every P process and its units from its
+workers' output and names them in the params; each D process reads from each P
+process the units its shards hold, and checks them. Skipped only where
+namespaces cannot be made (not root, no `ip`); CI runs as root.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available
+
+REASON = netns_available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host.py")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAIT_S = 240  # the whole run: four processes import vLLM and start JAX on 2 shared cores
+PROMPT = [(7 * i + 3) % 900 + 10 for i in range(70)]  # 5 blocks of 16 tokens, the last partial
+CHUNK = 24  # P prefills in chunks that straddle blocks
+
+
+class Instances:
+    """P's two processes on hosts 0-1, D's on hosts 2-3, etcd on the bridge."""
+
+    def __init__(self, model_dir, **extra):
+        self.net = HostNetwork(4)
+        self.etcd = EtcdServer(host=self.net.bridge_ip)
+        self.dir = tempfile.mkdtemp(prefix="kvxfer-vh-")
+        self.procs, self.logs = {}, {}
+        self.spec = dict(etcd=self.etcd.endpoint, dir=self.dir, serve_s=WAIT_S, chunk=CHUNK,
+                         model_dir=model_dir, prompt=PROMPT, processes=2, devices=2, **extra)
+
+    def start(self, role):
+        first = 0 if role == "p" else 2
+        env = dict(os.environ, PYTHONPATH=REPO, NIXL_LOG_LEVEL="ERROR")
+        env.pop("XLA_FLAGS", None)
+        for rank in range(2):
+            spec = dict(self.spec, role=role, rank=rank, ip=self.net.host_ip(first + rank),
+                        coordinator=f"{self.net.host_ip(first)}:12400")
+            log = open(os.path.join(self.dir, f"{role}{rank}.log"), "w")
+            self.procs[(role, rank)] = self.net.popen(
+                first + rank, [sys.executable, HOST, json.dumps(spec)], stdout=log,
+                stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            log.close()
+
+    def report(self, name, role, rank, timeout=WAIT_S):
+        path = os.path.join(self.dir, name)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                with open(path) as f:
+                    return json.load(f)
+            if self.procs[(role, rank)].poll() is not None and not os.path.exists(path):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {name}:\n{self.log(role, rank)}")
+
+    def log(self, role, rank):
+        with open(os.path.join(self.dir, f"{role}{rank}.log")) as f:
+            return f.read()[-4000:]
+
+    def close(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        self.etcd.stop()
+        self.net.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def instances(model_dir):
+    made = []
+
+    def make(**extra):
+        made.append(Instances(model_dir, **extra))
+        return made[-1]
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_every_prompt_token_reaches_every_d_shard_byte_exact(instances):
+    h = instances()
+    h.start("p")
+    h.start("d")
+    d = [h.report(f"d{r}.json", "d", r) for r in range(2)]
+    p = h.report("p0.json", "p", 0)
+    params = p["params"]
+    # P's scheduler named both P processes, each with its half of the units.
+    assert [s["peer"] for s in params["sources"]] == ["p-0", "p-1"], params
+    assert [s["units"] for s in params["sources"]] == [[0, 2], [2, 4]] and params["units"] == 4
+    for rank, out in enumerate(d):
+        assert out["received"] == ["r-d"] and out["failed"] == [] and out["errors"] == [], \
+            (out, h.log("d", rank))
+        assert out["wrong"] == 0 and out["shards"] == 2, out
+    assert d[0]["first_computed"] == len(PROMPT) - 1  # D computed only the last prompt token
+
+
+def test_a_p_process_killed_mid_read_fails_the_request_on_both_d_processes(instances):
+    h = instances(transfer_timeout_s=15.0, mark_loading=True)
+    h.net.limit_rate(1, 256)  # P 1's piece (160 KiB of 320 KiB) takes about 5 s to cross
+    h.start("p")
+    h.report("params.json", "p", 0)
+    h.start("d")
+    marks = [h.report(f"d{r}-loading.json", "d", r) for r in range(2)]
+    # D 1's shards hold P 1's units: its READ from P 1 is posted and not complete.
+    assert marks[1]["p-1"] == "xfer", marks
+    started = time.monotonic()
+    time.sleep(0.5)
+    h.procs[("p", 1)].kill()
+    d = [h.report(f"d{r}.json", "d", r) for r in range(2)]
+    blocks = math.ceil(len(PROMPT) / 16)
+    for rank, out in enumerate(d):  # failed on both, in logical ids, within the deadline
+        assert out["failed"] == ["r-d"], (out, h.log("d", rank))
+        assert len(out["errors"]) == blocks, out
+        assert out["wrong"] == 0, out  # then recomputed by D itself: still P's stamps
+    assert d[0]["errors"] == d[1]["errors"]
+    assert time.monotonic() - started < 15.0 + 20.0
