@@ -11,8 +11,11 @@ schedules, and its `SchedulerOutput` (with the connector's metadata) and the
 scheduled requests' tokens go to the other ranks, which run the same worker half
 of the step (`Engine.execute`); the other ranks' schedulers never schedule.
 Files in `spec["dir"]` are the only channel: rank 0 writes `<role>-step-<n>.pkl`
-(None: stop, or the D request's table to check), P's rank 0 writes
-`params.json`, and each process writes `<role><rank>.json` with what it saw.
+(None: stop; a dict: a D request finished, with its table to check), P's rank 0
+writes `params-<name>.json` for each prompt, and each D process writes
+`d<rank>-<name>.json` with what it saw of each request (P's: `p<rank>.json`).
+D loads the prompts one after the other, each once `go-<name>` exists if the
+spec gates it (the test changes the network first).
 """
 
 import json
@@ -20,6 +23,7 @@ import os
 import pickle
 import sys
 import time
+import traceback
 
 spec = json.loads(sys.argv[1])
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +36,7 @@ import numpy as np  # noqa: E402
 from engine import Engine, layer_name  # noqa: E402
 
 ROLE, RANK, DIR = spec["role"], spec["rank"], spec["dir"]
-REQ = "r" if ROLE == "p" else "r-d"
+PROMPTS = spec["prompts"]  # name -> token ids; P's request id is the name, D's name + "-d"
 
 
 def write(name, obj, binary=False):
@@ -52,11 +56,12 @@ def wait_for(name, deadline, binary=False):
         return pickle.load(f) if binary else json.load(f)
 
 
-def report(**fields):
-    write(f"{ROLE}{RANK}.json", fields)
+def report(name, **fields):
+    write(f"{ROLE}{RANK}{name}.json", fields)
 
 
 def make_engine():
+    """P or D over the instance's whole mesh, loading kvxfer through vLLM's factory."""
     extra = {"etcd_endpoints": spec["etcd"], "ucx_tls": "tcp,self", "name": ROLE,
              "staging_blocks": 32, "transfer_timeout_s": spec.get("transfer_timeout_s", 20.0),
              "lease_s": 30.0}
@@ -67,8 +72,8 @@ def make_engine():
 
 
 class Seen:
-    """What this process's worker reported: the requests received, failed, and the logical
-    block ids of failed loads."""
+    """What this process's worker reported since the last `take`: the requests received,
+    failed, and the logical block ids of failed loads."""
 
     def __init__(self):
         self.received, self.failed, self.errors = set(), set(), set()
@@ -79,16 +84,23 @@ class Seen:
             self.failed |= set(kv_out.failed_recving or ())
             self.errors |= set(kv_out.invalid_block_ids or ())
 
+    def take(self):
+        out = dict(received=sorted(self.received), failed=sorted(self.failed),
+                   errors=sorted(self.errors))
+        self.__init__()
+        return out
 
-def mark_loading(engine, marked):
-    """D: once this process's READ of the request is posted, say where each leg stands."""
-    if marked or not spec.get("mark_loading"):
-        return marked
+
+def mark_loading(engine, req_id, marked):
+    """D: once this process's READ of `req_id` is posted, say where each leg stands."""
+    if marked or req_id is None:
+        return True
     reads = engine.worker._worker._decode.transport._reads  # instrumentation
-    read = next((r for key, r in reads.items() if key.startswith(REQ)), None)
+    read = next((r for key, r in reads.items() if str(key).startswith(req_id)), None)
     if read is None:
         return False
-    write(f"{ROLE}{RANK}-loading.json", {p: leg.state.value for p, leg in read.legs.items()})
+    write(f"{ROLE}{RANK}-{req_id}-loading.json",
+          {p: leg.state.value for p, leg in read.legs.items()})
     return True
 
 
@@ -112,70 +124,77 @@ def lead(engine, seen):
     engine.on_schedule = lambda so, tokens: write(f"{ROLE}-step-{next(steps)}.pkl",
                                                   (so, tokens), binary=True)
     deadline = time.monotonic() + spec["serve_s"]
-    prompt = spec["prompt"]
     if ROLE == "p":
-        engine.add_request(REQ, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        params = None
+        for name, prompt in PROMPTS.items():
+            engine.add_request(name, prompt, max_tokens=1,
+                               kv_transfer_params={"do_remote_decode": True})
+        params = {}
         while time.monotonic() < deadline and not os.path.exists(os.path.join(DIR, "d-done")):
             result = engine.step()
-            seen.add(result.connector_output)
-            if REQ in result.finished:
-                params = result.finished[REQ]
-                write("params.json", params)
-                report(staged=True)
+            for name in set(result.finished) & set(PROMPTS):
+                params[name] = result.finished[name]
+                write(f"params-{name}.json", params[name])
             if result.scheduler_output is None:
                 time.sleep(0.002)
         write(f"{ROLE}-step-{next(steps)}.pkl", None, binary=True)
-        held = engine.connector.has_pending_push_work()
-        report(staged=True, params=params, held=held)
+        report("", params=params, held=engine.connector.has_pending_push_work())
         return
-    params = wait_for("params.json", deadline)
-    engine.add_request(REQ, prompt, max_tokens=2, kv_transfer_params=params)
-    first, marked = None, False
-    while time.monotonic() < deadline:
-        result = engine.step()
-        seen.add(result.connector_output)
-        marked = mark_loading(engine, marked)
-        so = result.scheduler_output
-        if so is not None and first is None and REQ in so.num_scheduled_tokens:
-            first = next((n.num_computed_tokens for n in so.scheduled_new_reqs
-                          if n.req_id == REQ), None)
-        if REQ in result.finished:
-            break
-        if so is None:
-            time.sleep(0.002)
-    table = engine.table(REQ)
-    write(f"{ROLE}-step-{next(steps)}.pkl", {"check": table}, binary=True)
+    for name in PROMPTS:
+        if name in spec.get("gated", []):
+            wait_for(f"go-{name}", deadline)
+        req, params = f"{name}-d", wait_for(f"params-{name}.json", deadline)
+        engine.add_request(req, PROMPTS[name], max_tokens=2, kv_transfer_params=params)
+        first, marked = None, name not in spec.get("gated", [])
+        while time.monotonic() < deadline:
+            result = engine.step()
+            seen.add(result.connector_output)
+            marked = mark_loading(engine, req, marked)
+            so = result.scheduler_output
+            if so is not None and first is None and req in so.num_scheduled_tokens:
+                first = next((n.num_computed_tokens for n in so.scheduled_new_reqs
+                              if n.req_id == req), None)
+            if req in result.finished:
+                break
+            if so is None:
+                time.sleep(0.002)
+        table = engine.table(req)
+        write(f"{ROLE}-step-{next(steps)}.pkl", {"name": name, "table": table}, binary=True)
+        report(f"-{name}", **seen.take(), first_computed=first, table=table,
+               wrong=wrong_bytes(engine, PROMPTS[name], table),
+               shards=len(engine.runner.kv_caches[0].addressable_shards))
+    write(f"{ROLE}-step-{next(steps)}.pkl", None, binary=True)
     write("d-done", {})
-    report(received=sorted(seen.received), failed=sorted(seen.failed), errors=sorted(seen.errors),
-           first_computed=first, wrong=wrong_bytes(engine, prompt, table),
-           shards=len(engine.runner.kv_caches[0].addressable_shards))
 
 
 def follow(engine, seen):
     """Other ranks: run each step rank 0 scheduled, in order, until it says stop."""
     deadline = time.monotonic() + spec["serve_s"]
-    marked = False
+    marked = {name: name not in spec.get("gated", []) for name in PROMPTS}
     for n in range(1 << 30):
         step = wait_for(f"{ROLE}-step-{n}.pkl", deadline, binary=True)
         if step is None:
-            report(done=True)
+            report("", done=True)
             return
-        if isinstance(step, dict):  # D's request is finished: check this process's shards
-            report(received=sorted(seen.received), failed=sorted(seen.failed),
-                   errors=sorted(seen.errors), wrong=wrong_bytes(engine, spec["prompt"],
-                                                                 step["check"]),
+        if isinstance(step, dict):  # a D request is finished: check this process's shards
+            name = step["name"]
+            report(f"-{name}", **seen.take(), table=step["table"],
+                   wrong=wrong_bytes(engine, PROMPTS[name], step["table"]),
                    shards=len(engine.runner.kv_caches[0].addressable_shards))
-            return
+            continue
         kv_out, _ = engine.execute(*step)
         seen.add(kv_out)
-        if ROLE == "d":
-            marked = mark_loading(engine, marked)
+        for name in PROMPTS if ROLE == "d" else ():
+            marked[name] = mark_loading(engine, f"{name}-d", marked[name])
 
 
 engine = make_engine()
+code = 0
 try:
     (lead if RANK == 0 else follow)(engine, Seen())
+except BaseException:
+    traceback.print_exc()
+    code = 1
 finally:
     engine.close()
-    os._exit(0)  # jax.distributed's shutdown waits for every process, dead ones too
+    sys.stdout.flush()
+    os._exit(code)  # jax.distributed's shutdown waits for every process, dead ones too
