@@ -74,21 +74,21 @@ def gather(layout: CacheLayout, view: Sequence[jax.Array], ids: np.ndarray, axis
 
 
 def scatter(layout: CacheLayout, caches: Sequence[jax.Array], view: Sequence[jax.Array],
-            rows: Sequence[np.ndarray], ids: np.ndarray, axis: int, weights: np.ndarray
-            ) -> tuple[list[jax.Array], np.ndarray]:
-    """Write `rows` (per layer, `[n, units, *rest]`, unit-major) into blocks `ids` of the
-    donated local view; returns the caches rebuilt with its new shards, and the per-unit
-    sums of what landed, `uint32[n, units, layers, 3]`."""
+            regions: Sequence[np.ndarray], src: np.ndarray, ids: np.ndarray, axis: int,
+            weights: np.ndarray) -> tuple[list[jax.Array], np.ndarray]:
+    """Write slots `src` of `regions` (per layer, `[slots, units, *rest]`, unit-major) into
+    blocks `ids` of the donated local view; returns the caches rebuilt with its new shards,
+    and the per-unit sums of what landed, `uint32[n, units, layers, 3]`."""
     mesh = view[0].sharding.mesh
     bucket = bucket_size(len(ids))
     padded = (layout.num_blocks + np.arange(bucket)).astype(np.int32)  # dropped: past the end
     padded[: len(ids)] = ids
     host = NamedSharding(mesh, PartitionSpec(None, "units"), memory_kind="pinned_host")
     staged = []
-    for r in rows:
-        full = np.zeros((bucket, *r.shape[1:]), r.dtype)
-        full[: len(ids)] = r
-        staged.append(jax.device_put(full, host))
+    for region in regions:
+        rows = np.zeros((bucket, *region.shape[1:]), region.dtype)
+        np.take(region, src, axis=0, out=rows[: len(ids)])
+        staged.append(jax.device_put(rows, host))
     kept = [[(s.device, s.data) for s in cache.addressable_shards]  # before they are donated
             for cache in caches]
     new, sums = _scatter_fn(layout, mesh, axis)(

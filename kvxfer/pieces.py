@@ -189,9 +189,8 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
         return list(caches), np.zeros((layout.num_layers, 0, SUMS), np.uint32) if sums else None
     if _backend() == "xla":  # the sums are taken in the same program, wanted or not
         view = _xla_pieces.local_view(caches, [_held_shards(c, piece) for c in caches], piece)
-        rows = [region[src] for region in staging.regions]
-        new, landed = _xla_pieces.scatter(layout, caches, view, rows, ids, piece.axis,
-                                          _unit_weights(layout, piece))
+        new, landed = _xla_pieces.scatter(layout, caches, view, staging.regions, src, ids,
+                                          piece.axis, _unit_weights(layout, piece))
         return new, reduce_sums(landed, axis=1).transpose(1, 0, 2) if sums else None
     threads = host_threads()  # a bad setting is refused before the caches are donated
     new = own_buffers(layout, caches[0].sharding.mesh)(list(caches))

@@ -387,11 +387,16 @@ class _SchedulerSide:
         """P across hosts: name every P process in the params from now on. Until the first
         step's worker output arrives, params name none: a request completed in P's very
         first step is then recomputed by D (its read finds no agent of that name)."""
-        if self.prefill is not None and sources and (sources, units) != (
-                self.prefill.sources, self.prefill.units):
+        if self.prefill is None or not sources or (sources, units) == (self.prefill.sources,
+                                                                        self.prefill.units):
+            return
+        try:
             self.prefill.use_sources(sources, units)
-            logger.info("P spans %d processes: params name %s", len(sources),
-                        [s.peer for s in sources])
+        except InvalidInputError as e:  # the engine goes on; D fails what it cannot read
+            logger.error("P's workers reported sources the params cannot name: %s", e)
+            return
+        logger.info("P spans %d processes: params name %s", len(sources),
+                    [s.peer for s in sources])
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         self._local.pop(request.request_id, None)

@@ -508,3 +508,25 @@ def test_p_fails_at_start_up_naming_a_setting_it_cannot_serve_with(engines, mode
                            else "lower staging_blocks"):
             engines(model_dir, kv_role="kv_producer", extra_config=extra,
                     devices=jax.devices()[:4])
+
+
+def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(caplog):
+    """A P across hosts: vLLM aggregates every worker's metadata; the scheduler side takes
+    the sources from it and names them in the params of requests completed from then on.
+    Sources the params could not name are logged, not raised (the engine goes on)."""
+    from kvxfer.scheduler import GroupSpec
+    from kvxfer.vllm import FreedMetadata, Settings, _SchedulerSide
+    from kvxfer.wire import Source
+
+    halves = (Source("p-0", 0, 2), Source("p-1", 2, 4))
+    merged = FreedMetadata({"a"}).aggregate(FreedMetadata({"b"}, halves, 4))
+    assert merged == FreedMetadata({"a", "b"}, halves, 4)
+    assert FreedMetadata({"c"}, halves, 4).aggregate(FreedMetadata({"d"})).sources == halves
+
+    p = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=True, consumer=False)
+    assert p.prefill.sources == () and p.prefill.units == 0
+    p.learn_sources(merged.sources, merged.units)
+    assert (p.prefill.sources, p.prefill.units) == (halves, 4)
+    p.learn_sources((Source("p-0", 0, 2),), 4)  # half the units: D could not read the rest
+    assert "sources the params cannot name" in caplog.text and "do not tile" in caplog.text
+    assert (p.prefill.sources, p.prefill.units) == (halves, 4)
