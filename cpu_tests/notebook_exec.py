@@ -47,9 +47,15 @@ if importlib.util.find_spec("kvxfer") is None:
     importlib.invalidate_caches()'''
 
 
-def kernel_env() -> dict[str, str]:
-    """The kernel's environment: CPU JAX with 8 emulated devices, matplotlib's inline backend."""
+def kernel_env(quick: bool = True) -> dict[str, str]:
+    """The kernel's environment: CPU JAX with 8 emulated devices, matplotlib's inline backend;
+    `quick` sets `KVXFER_NOTEBOOK_QUICK=1`, with which a notebook that sweeps a benchmark
+    runs only the ends of each sweep (the same code on fewer points; what those cells print
+    is not compared). Stored outputs come from full runs (`scripts/run-notebooks`)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env.pop("KVXFER_NOTEBOOK_QUICK", None)
+    if quick:
+        env["KVXFER_NOTEBOOK_QUICK"] = "1"
     env.pop("MPLBACKEND", None)  # unset, ipykernel picks the inline backend: figures become PNGs
     return env
 
@@ -58,7 +64,7 @@ def read(path: Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=4)
 
 
-def execute(path: Path, cwd: Path) -> nbformat.NotebookNode:
+def execute(path: Path, cwd: Path, quick: bool = True) -> nbformat.NotebookNode:
     """The notebook at `path`, run top to bottom in a fresh `python3` kernel (this interpreter).
 
     Raises `CellExecutionError` if a cell raises.
@@ -66,7 +72,7 @@ def execute(path: Path, cwd: Path) -> nbformat.NotebookNode:
     nb = read(path)
     client = NotebookClient(nb, kernel_name="python3", timeout=CELL_TIMEOUT_S, coalesce_streams=True,
                             record_timing=False, resources={"metadata": {"path": str(cwd)}})
-    client.execute(env=kernel_env())
+    client.execute(env=kernel_env(quick))
     return nb
 
 
