@@ -27,3 +27,11 @@ def pair():
     yield make
     for p in made:
         p.close()
+
+
+@pytest.fixture(params=["host", "xla"])
+def backend(request, monkeypatch):
+    """The test runs on each backend of `kvxfer.gather` (`KVXFER_BACKEND`): `host`, and `xla`,
+    the jitted programs an accelerator runs."""
+    monkeypatch.setenv("KVXFER_BACKEND", request.param)
+    return request.param

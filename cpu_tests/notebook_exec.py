@@ -50,8 +50,8 @@ if importlib.util.find_spec("kvxfer") is None:
 def kernel_env(quick: bool = True) -> dict[str, str]:
     """The kernel's environment: CPU JAX with 8 emulated devices, matplotlib's inline backend;
     `quick` sets `KVXFER_NOTEBOOK_QUICK=1`, with which a notebook that sweeps a benchmark
-    runs only the ends of each sweep (the same code on fewer points; what those cells print
-    is not compared). Stored outputs come from full runs (`scripts/run-notebooks`)."""
+    runs fewer points of each sweep (the same code; what those cells print is not
+    compared). Stored outputs come from full runs (`scripts/run-notebooks`)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env.pop("KVXFER_NOTEBOOK_QUICK", None)
     if quick:

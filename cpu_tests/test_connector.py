@@ -19,12 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.pair import as_bits, copy_block  # noqa: E402
 
 
-@pytest.fixture(params=["host", "xla"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("KVXFER_BACKEND", request.param)
-    return request.param
-
-
 def test_d_receives_newest_copy_of_block_rewritten_by_later_chunk(pair, backend):
     pr = pair()
     pr.p.add_request("r", 40)

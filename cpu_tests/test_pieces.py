@@ -69,12 +69,6 @@ def move(p_caches, p_pieces, p_ids, d_caches, d_pieces, d_ids, corrupt=None):
     return d_caches, checks
 
 
-@pytest.fixture(params=["host", "xla"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("KVXFER_BACKEND", request.param)
-    return request.param
-
-
 def _addresses(caches):
     return [s.data.unsafe_buffer_pointer() for c in caches for s in c.addressable_shards]
 

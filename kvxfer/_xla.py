@@ -52,6 +52,25 @@ def bucket_ids(ids: np.ndarray, mesh: Mesh) -> jax.Array:
     return jax.device_put(padded, NamedSharding(mesh, PartitionSpec()))
 
 
+def dropped_ids(ids: np.ndarray, num_blocks: int) -> np.ndarray:
+    """`ids` padded to their bucket with distinct ids past the last block: a scatter drops
+    them, and its indices stay unique."""
+    padded = (num_blocks + np.arange(bucket_size(len(ids)))).astype(np.int32)
+    padded[: len(ids)] = ids
+    return padded
+
+
+def copy_rows(gathered: Sequence[jax.Array], regions: Sequence[np.ndarray],
+              dst: np.ndarray) -> None:
+    """Row `i` of each layer's gathered pinned-host array into slot `dst[i]` of its region,
+    shard by shard (one replica of each), each shard's piece where its index puts it."""
+    copies = RowCopies(np.arange(len(dst)), dst, ids_are_dst=False)
+    for rows, region in zip(gathered, regions):
+        for shard in rows.addressable_shards:
+            if shard.replica_id == 0:
+                copies.copy(shard, region[(slice(None), *shard.index[1:])], np.asarray(shard.data))
+
+
 def bucket_rows(
     h: jax.Array | np.ndarray, src: np.ndarray, bucket: int, sharding: NamedSharding
 ) -> jax.Array:
@@ -77,11 +96,7 @@ def gather_into(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], id
                 regions: Sequence[np.ndarray], dst: np.ndarray) -> np.ndarray:
     """Gather into pinned host memory, then copy each shard's rows into rows `dst` of `regions`."""
     blocks, prints = gather(layout, mesh, caches, ids, fingerprints=True)
-    copies = RowCopies(np.arange(len(ids)), dst, ids_are_dst=False)  # row i -> slot dst[i]
-    for gathered, region in zip(blocks, regions):
-        for shard in gathered.addressable_shards:
-            if shard.replica_id == 0:
-                copies.copy(shard, region[(slice(None), *shard.index[1:])], np.asarray(shard.data))
+    copy_rows(blocks, regions, dst)
     return np.asarray(prints)[:, : len(ids)]
 
 
@@ -90,9 +105,7 @@ def scatter(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
             fingerprints: bool) -> tuple[list[jax.Array], np.ndarray | None]:
     """An XLA scatter of rows `src` into blocks `ids` of the donated caches (aliased in and out)."""
     bucket = bucket_size(len(ids))
-    # Padding ids are distinct and past the last block: dropped, and indices stay unique.
-    padded = (layout.num_blocks + np.arange(bucket)).astype(np.int32)
-    padded[: len(ids)] = ids
+    padded = dropped_ids(ids, layout.num_blocks)
     host_sharding = NamedSharding(mesh, layout.host_partition_spec(), memory_kind="pinned_host")
     rows = [bucket_rows(h, src, bucket, host_sharding) for h in host_blocks]
     new = scatter_fn(layout, mesh)(list(caches), rows,

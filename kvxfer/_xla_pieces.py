@@ -26,8 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer._rows import RowCopies
-from kvxfer._xla import _uint, bucket_ids, bucket_size
+from kvxfer._xla import _uint, bucket_ids, copy_rows, dropped_ids
 from kvxfer.errors import LayoutMismatchError
 from kvxfer.layout import CacheLayout
 
@@ -65,33 +64,27 @@ def gather(layout: CacheLayout, view: Sequence[jax.Array], ids: np.ndarray, axis
     mesh = view[0].sharding.mesh
     rows, sums = _gather_fn(layout, mesh, axis)(
         list(view), bucket_ids(ids, mesh), _weights_on(mesh, weights))
-    copies = RowCopies(np.arange(len(ids)), dst, ids_are_dst=False)  # row i -> slot dst[i]
-    for gathered, region in zip(rows, regions):
-        for shard in gathered.addressable_shards:
-            if shard.replica_id == 0:
-                copies.copy(shard, region[(slice(None), *shard.index[1:])], np.asarray(shard.data))
+    copy_rows(rows, regions, dst)
     prints[dst] = np.asarray(sums)[: len(ids)]
 
 
 def scatter(layout: CacheLayout, caches: Sequence[jax.Array], view: Sequence[jax.Array],
             regions: Sequence[np.ndarray], src: np.ndarray, ids: np.ndarray, axis: int,
-            weights: np.ndarray) -> tuple[list[jax.Array], np.ndarray]:
+            weights: np.ndarray, sums: bool) -> tuple[list[jax.Array], np.ndarray | None]:
     """Write slots `src` of `regions` (per layer, `[slots, units, *rest]`, unit-major) into
     blocks `ids` of the donated local view; returns the caches rebuilt with its new shards,
-    and the per-unit sums of what landed, `uint32[n, units, layers, 3]`."""
+    and (with `sums`) the per-unit sums of what landed, `uint32[n, units, layers, 3]`."""
     mesh = view[0].sharding.mesh
-    bucket = bucket_size(len(ids))
-    padded = (layout.num_blocks + np.arange(bucket)).astype(np.int32)  # dropped: past the end
-    padded[: len(ids)] = ids
+    padded = dropped_ids(ids, layout.num_blocks)
     host = NamedSharding(mesh, PartitionSpec(None, "units"), memory_kind="pinned_host")
     staged = []
     for region in regions:
-        rows = np.zeros((bucket, *region.shape[1:]), region.dtype)
-        np.take(region, src, axis=0, out=rows[: len(ids)])
+        rows = np.zeros((len(padded), *region.shape[1:]), region.dtype)
+        np.take(region, src, axis=0, out=rows[: len(ids)], mode="clip")  # src is checked
         staged.append(jax.device_put(rows, host))
     kept = [[(s.device, s.data) for s in cache.addressable_shards]  # before they are donated
             for cache in caches]
-    new, sums = _scatter_fn(layout, mesh, axis)(
+    new, landed = _scatter_fn(layout, mesh, axis, sums)(
         list(view), staged, jax.device_put(padded, NamedSharding(mesh, PartitionSpec())),
         _weights_on(mesh, weights))
     out = []
@@ -99,7 +92,7 @@ def scatter(layout: CacheLayout, caches: Sequence[jax.Array], view: Sequence[jax
         by_device = {s.device: s.data for s in local.addressable_shards}
         out.append(jax.make_array_from_single_device_arrays(
             cache.shape, cache.sharding, [by_device.get(d, a) for d, a in old]))
-    return out, np.asarray(sums)[: len(ids)]
+    return out, None if landed is None else np.asarray(landed)[: len(ids)]
 
 
 # Jitted builders, cached on the static layout, the local mesh and the split axis.
@@ -129,28 +122,29 @@ def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _scatter_fn(layout: CacheLayout, mesh: Mesh, axis: int):
+def _scatter_fn(layout: CacheLayout, mesh: Mesh, axis: int, sums: bool):
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
     spec = _unit_spec(1 + len(layout.block_shape), axis)
     unit_major = PartitionSpec(None, "units")
 
     def local(caches: list[jax.Array], rows: list[jax.Array], ids: jax.Array,
               weights: jax.Array):
-        out, sums = [], []
+        out, landed = [], []
         for cache, row in zip(caches, rows):
             row = jnp.moveaxis(lax.bitcast_convert_type(row, udtype), 1, 1 + axis)
             new = lax.bitcast_convert_type(cache, udtype).at[ids].set(
                 row, mode="drop", unique_indices=True)
-            landed = jnp.moveaxis(jnp.take(new, ids, axis=0, mode="clip"), 1 + axis, 1)
-            sums.append(_unit_sums(landed, weights))
+            if sums:
+                taken = jnp.take(new, ids, axis=0, mode="clip")
+                landed.append(_unit_sums(jnp.moveaxis(taken, 1 + axis, 1), weights))
             out.append(lax.bitcast_convert_type(new, dtype))
-        return out, jnp.stack(sums, axis=2)
+        return out, jnp.stack(landed, axis=2) if sums else None
 
     per_shard = jax.shard_map(
         local, mesh=mesh,
         in_specs=([spec] * layout.num_layers, [unit_major] * layout.num_layers,
                   PartitionSpec(), PartitionSpec("units")),
-        out_specs=([spec] * layout.num_layers, unit_major), check_vma=False)
+        out_specs=([spec] * layout.num_layers, unit_major if sums else None), check_vma=False)
     on_device = NamedSharding(mesh, unit_major)
 
     def scatter(caches, rows, ids, weights):
@@ -159,7 +153,7 @@ def _scatter_fn(layout: CacheLayout, mesh: Mesh, axis: int):
 
     return jax.jit(scatter, donate_argnums=0,
                    out_shardings=([NamedSharding(mesh, spec)] * layout.num_layers,
-                                  NamedSharding(mesh, unit_major)))
+                                  NamedSharding(mesh, unit_major) if sums else None))
 
 
 def _unit_sums(rows: jax.Array, weights: jax.Array) -> jax.Array:

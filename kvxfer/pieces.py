@@ -175,8 +175,9 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
                   piece: Piece, sums: bool = True) -> tuple[list[jax.Array], np.ndarray | None]:
     """Write this process's piece of each block from its slot into the caches, in place.
 
-    The caches are donated (every process of the instance calls this, with the
-    same block ids: the donation is one program over the mesh). Returns the
+    The caches are donated. On the host backend every process of the instance calls
+    this with the same block ids (the donation is one program over the whole mesh); on
+    the XLA backend each process donates and writes only its own shards. Returns the
     new caches and `uint32[num_layers, n, 3]`: the unmixed sums of what landed in
     this process's shards (one replica of each unit range), to compare with
     P's per-unit sums over `[piece.lo, piece.hi)` combined (`unit_sums`);
@@ -187,11 +188,11 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
     if len(ids) == 0:
         return list(caches), np.zeros((layout.num_layers, 0, SUMS), np.uint32) if sums else None
-    if _backend() == "xla":  # the sums are taken in the same program, wanted or not
+    if _backend() == "xla":  # the sums, when wanted, are taken in the same program
         view = _xla_pieces.local_view(caches, [_held_shards(c, piece) for c in caches], piece)
         new, landed = _xla_pieces.scatter(layout, caches, view, staging.regions, src, ids,
-                                          piece.axis, _unit_weights(layout, piece))
-        return new, reduce_sums(landed, axis=1).transpose(1, 0, 2) if sums else None
+                                          piece.axis, _unit_weights(layout, piece), sums)
+        return new, None if landed is None else reduce_sums(landed, axis=1).transpose(1, 0, 2)
     threads = host_threads()  # a bad setting is refused before the caches are donated
     new = own_buffers(layout, caches[0].sharding.mesh)(list(caches))
     jax.block_until_ready(new)

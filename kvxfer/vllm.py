@@ -305,6 +305,7 @@ class _SchedulerSide:
         # transfer id of its own, so the two prefills never share slots or params.
         self._transfers: dict[str, str] = {}
         self._reuses = itertools.count(1)
+        self._refused_sources: tuple[tuple[Source, ...], int] = ((), 0)  # P: logged already
 
     # D
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
@@ -384,15 +385,18 @@ class _SchedulerSide:
             self.prefill.release(freed)
 
     def learn_sources(self, sources: tuple[Source, ...], units: int) -> None:
-        """P across hosts: name every P process in the params from now on. Until the first
-        step's worker output arrives, params name none: a request completed in P's very
-        first step is then recomputed by D (its read finds no agent of that name)."""
-        if self.prefill is None or not sources or (sources, units) == (self.prefill.sources,
-                                                                        self.prefill.units):
+        """P across hosts: name every P process in the params from now on. Until the
+        workers' first output arrives (one step, two under asynchronous scheduling), params
+        name none: a request completed before then is recomputed by D, once its read finds
+        no agent of P's name (within D's handshake timeout)."""
+        if (self.prefill is None or not sources
+                or (sources, units) in ((self.prefill.sources, self.prefill.units),
+                                        self._refused_sources)):
             return
         try:
             self.prefill.use_sources(sources, units)
         except InvalidInputError as e:  # the engine goes on; D fails what it cannot read
+            self._refused_sources = (sources, units)  # logged once, not at every step
             logger.error("P's workers reported sources the params cannot name: %s", e)
             return
         logger.info("P spans %d processes: params name %s", len(sources),

@@ -19,6 +19,7 @@ spec gates it (the test changes the network first).
 """
 
 import json
+import logging
 import os
 import pickle
 import sys
@@ -64,7 +65,7 @@ def make_engine():
     """P or D over the instance's whole mesh, loading kvxfer through vLLM's factory."""
     extra = {"etcd_endpoints": spec["etcd"], "ucx_tls": "tcp,self", "name": ROLE,
              "staging_blocks": 32, "transfer_timeout_s": spec.get("transfer_timeout_s", 20.0),
-             "lease_s": 30.0}
+             "lease_s": spec["serve_s"] + 60.0}  # P holds every request the whole run
     role = "kv_producer" if ROLE == "p" else "kv_consumer"
     return Engine(spec["model_dir"], kv_role=role, extra_config=extra, devices=jax.devices(),
                   num_blocks=32, max_num_batched_tokens=spec["chunk"],
@@ -87,21 +88,34 @@ class Seen:
     def take(self):
         out = dict(received=sorted(self.received), failed=sorted(self.failed),
                    errors=sorted(self.errors))
-        self.__init__()
+        self.received, self.failed, self.errors = set(), set(), set()
         return out
 
 
 def mark_loading(engine, req_id, marked):
-    """D: once this process's READ of `req_id` is posted, say where each leg stands."""
+    """D: once this process's READ of `req_id` is posted (to every leg), say where each leg
+    stands: `[state, posted]`."""
     if marked or req_id is None:
         return True
-    reads = engine.worker._worker._decode.transport._reads  # instrumentation
-    read = next((r for key, r in reads.items() if str(key).startswith(req_id)), None)
-    if read is None:
+    read = engine.worker._worker._decode.transport.reading(req_id)
+    if read is None or read.waiting:
         return False
     write(f"{ROLE}{RANK}-{req_id}-loading.json",
-          {p: leg.state.value for p, leg in read.legs.items()})
+          {p: [leg.state.value, leg.posting is not None or leg.handle is not None]
+           for p, leg in read.legs.items()})
     return True
+
+
+class Warnings(logging.Handler):
+    """kvxfer's warnings and errors in this process, for the reports."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+        logging.getLogger("kvxfer").addHandler(self)
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 def wrong_bytes(engine, prompt, table):
@@ -159,7 +173,7 @@ def lead(engine, seen):
                 time.sleep(0.002)
         table = engine.table(req)
         write(f"{ROLE}-step-{next(steps)}.pkl", {"name": name, "table": table}, binary=True)
-        report(f"-{name}", **seen.take(), first_computed=first, table=table,
+        report(f"-{name}", **seen.take(), first_computed=first, table=table, log=LOG.lines,
                wrong=wrong_bytes(engine, PROMPTS[name], table),
                shards=len(engine.runner.kv_caches[0].addressable_shards))
     write(f"{ROLE}-step-{next(steps)}.pkl", None, binary=True)
@@ -177,7 +191,7 @@ def follow(engine, seen):
             return
         if isinstance(step, dict):  # a D request is finished: check this process's shards
             name = step["name"]
-            report(f"-{name}", **seen.take(), table=step["table"],
+            report(f"-{name}", **seen.take(), table=step["table"], log=LOG.lines,
                    wrong=wrong_bytes(engine, PROMPTS[name], step["table"]),
                    shards=len(engine.runner.kv_caches[0].addressable_shards))
             continue
@@ -187,14 +201,17 @@ def follow(engine, seen):
             marked[name] = mark_loading(engine, f"{name}-d", marked[name])
 
 
-engine = make_engine()
+LOG = Warnings()
 code = 0
 try:
-    (lead if RANK == 0 else follow)(engine, Seen())
+    engine = make_engine()
+    try:
+        (lead if RANK == 0 else follow)(engine, Seen())
+    finally:
+        engine.close()
 except BaseException:
     traceback.print_exc()
     code = 1
 finally:
-    engine.close()
     sys.stdout.flush()
     os._exit(code)  # jax.distributed's shutdown waits for every process, dead ones too

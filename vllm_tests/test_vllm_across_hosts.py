@@ -128,7 +128,7 @@ def test_every_prompt_token_reaches_every_d_shard_and_a_p_process_killed_mid_rea
         f.write("{}")
     marks = [h.report(f"d{r}-b-d-loading.json", "d", r) for r in range(2)]
     # D 1's shards hold P 1's units: its READ from P 1 is posted and not complete.
-    assert marks[1]["p-1"] == "xfer", marks
+    assert marks[1]["p-1"] == ["xfer", True], marks
     started = time.monotonic()
     time.sleep(0.5)
     h.procs[("p", 1)].kill()
@@ -138,4 +138,7 @@ def test_every_prompt_token_reaches_every_d_shard_and_a_p_process_killed_mid_rea
         assert out["failed"] == ["b-d"], (out, h.log("d", rank))
         assert out["errors"] == sorted(table[: math.ceil(len(PROMPTS["b"]) / 16)]), out
         assert out["wrong"] == 0, out  # then recomputed by D itself: still P's stamps
+    # D 1 lost its READ from P 1 (P's lease outlasts the run: not an expiry).
+    assert not any("no longer held" in line for line in b[1]["log"]), b[1]["log"]
+    assert any("p-1" in line for line in b[1]["log"]), b[1]["log"]
     assert time.monotonic() - started < 15.0 + 20.0

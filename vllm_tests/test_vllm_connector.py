@@ -510,7 +510,8 @@ def test_p_fails_at_start_up_naming_a_setting_it_cannot_serve_with(engines, mode
                     devices=jax.devices()[:4])
 
 
-def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(caplog):
+def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(
+        caplog, engines, model_dir):
     """A P across hosts: vLLM aggregates every worker's metadata; the scheduler side takes
     the sources from it and names them in the params of requests completed from then on.
     Sources the params could not name are logged, not raised (the engine goes on)."""
@@ -530,3 +531,20 @@ def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(
     p.learn_sources((Source("p-0", 0, 2),), 4)  # half the units: D could not read the rest
     assert "sources the params cannot name" in caplog.text and "do not tile" in caplog.text
     assert (p.prefill.sources, p.prefill.units) == (halves, 4)
+    p.learn_sources((Source("p-0", 0, 2),), 4)  # the same report again: logged once
+    assert caplog.text.count("sources the params cannot name") == 1
+
+    # Through the connector, as vLLM hands it the aggregated worker output each step; the
+    # params of a request completed afterwards name them.
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = engines(model_dir, kv_role="kv_producer",
+                     extra_config={"port": free_port(), "staging_blocks": 8})
+    engine.connector.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=FreedMetadata(set(), halves, 4)))
+    prefill = engine.connector._scheduler.prefill
+    assert (prefill.sources, prefill.units) == (halves, 4)
+    engine.add_request("r", list(range(10, 30)), kv_transfer_params={"do_remote_decode": True})
+    params = engine.run_until(lambda r: "r" in r.finished).pop().finished["r"]
+    assert params["sources"] == [{"peer": "p-0", "units": [0, 2]},
+                                 {"peer": "p-1", "units": [2, 4]}] and params["units"] == 4

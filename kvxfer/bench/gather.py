@@ -88,22 +88,8 @@ def run(
     ids = rng.choice(num_blocks, size=count, replace=False).astype(np.int32)
     nbytes = layers * count * int(np.prod(block_shape)) * np.dtype(dtype).itemsize
 
-    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-    naive = _naive_path(caches, sharding)
-    staging = [np.empty((count, *block_shape), np.dtype(dtype)) for _ in range(layers)]
-    rows = np.arange(count)
-    on_device = _gathered_on_device(caches, ids, sharding)
-    to_host = sharding.with_memory_kind("pinned_host")
-    donated = _DonatedGather(caches, count, to_host)
-    timed: dict[str, Callable[[], object]] = {
-        "memcpy": lambda: np.copyto(dst, src),
-        "gather": lambda: gather_blocks(caches, ids),
-        "gather_fp": lambda: gather_blocks(caches, ids, fingerprints=True),
-        "naive": lambda: naive(ids),
-        "gather_into": lambda: gather_into(caches, ids, staging, rows),
-        "device_put": lambda: jax.device_put(on_device, to_host),
-        "donated": lambda: donated(ids),
-    }
+    donated = _DonatedGather(caches, count, sharding.with_memory_kind("pinned_host"))
+    timed = _timed(caches, ids, nbytes, sharding, donated)
     for fn in timed.values():  # warm-up: compile, fault in pages
         jax.block_until_ready(fn())
     best = {name: float("inf") for name in timed}
@@ -150,6 +136,27 @@ def _random_caches(
     return [make(k) for k in keys]
 
 
+def _timed(caches: list[jax.Array], ids: np.ndarray, nbytes: int, sharding: NamedSharding,
+           donated: _DonatedGather) -> dict[str, Callable[[], object]]:
+    """What `run` times, by name: memcpy of the same bytes, the gathers, and the references."""
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    naive = _naive_path(caches, sharding)
+    count = len(ids)
+    staging = [np.empty((count, *c.shape[1:]), c.dtype) for c in caches]
+    rows = np.arange(count)
+    on_device = _gathered_on_device(caches, ids, sharding)
+    to_host = sharding.with_memory_kind("pinned_host")
+    return {
+        "memcpy": lambda: np.copyto(dst, src),
+        "gather": lambda: gather_blocks(caches, ids),
+        "gather_fp": lambda: gather_blocks(caches, ids, fingerprints=True),
+        "naive": lambda: naive(ids),
+        "gather_into": lambda: gather_into(caches, ids, staging, rows),
+        "device_put": lambda: jax.device_put(on_device, to_host),
+        "donated": lambda: donated(ids),
+    }
+
+
 def _gathered_on_device(caches: list[jax.Array], ids: np.ndarray,
                         sharding: NamedSharding) -> list[jax.Array]:
     """The gathered blocks, per layer, as device arrays: what `device_put` then moves."""
@@ -168,21 +175,19 @@ class _DonatedGather:
         self.ids_sharding = NamedSharding(to_host.mesh, PartitionSpec())
         self.dst = [jax.device_put(np.zeros((2 * count, *c.shape[1:]), c.dtype), to_host)
                     for c in caches]
-        self.slots = jax.device_put(np.arange(count, dtype=np.int32) + count // 2,
-                                    self.ids_sharding)
+        self.offset = jax.device_put(np.int32(count // 2), self.ids_sharding)
         self.address = _addresses(self.dst)
-        def gather(dst, caches, ids, slots):  # the rows land in host memory, then in place
+
+        def gather(dst, caches, ids, offset):  # the rows land in host memory, then in place
             return [lax.dynamic_update_slice_in_dim(
-                d, jax.device_put(jnp.take(c, ids, axis=0), to_host), slots[0], 0)
+                d, jax.device_put(jnp.take(c, ids, axis=0), to_host), offset, 0)
                 for d, c in zip(dst, caches)]
 
-        self.fn = jax.jit(
-            gather,
-            donate_argnums=0, out_shardings=[to_host] * len(caches))
+        self.fn = jax.jit(gather, donate_argnums=0, out_shardings=[to_host] * len(caches))
 
     def __call__(self, ids: np.ndarray) -> list[jax.Array]:
         self.dst = self.fn(self.dst, self.caches, jax.device_put(ids, self.ids_sharding),
-                           self.slots)
+                           self.offset)
         jax.block_until_ready(self.dst)
         self.kept_address &= _addresses(self.dst) == self.address
         return self.dst

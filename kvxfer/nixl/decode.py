@@ -250,6 +250,11 @@ class DecodeTransport(StreamReading):
         failed, self._failed = self._failed, {}
         return done, failed
 
+    def reading(self, req_id: str) -> Read | None:
+        """Where the read of `req_id` stands (its legs, whether anything is posted), while
+        it is under way; None before it starts and once it finished or failed."""
+        return self._reads.get(req_id)
+
     def _advance(self, read: Read) -> None:
         """Check `read`'s posted READs; once all are done, say done to every P agent."""
         for leg in read.legs.values():
