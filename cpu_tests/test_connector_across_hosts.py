@@ -12,16 +12,14 @@ namespaces cannot be made (not root, no `ip`); CI runs as root.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
 from kvxfer.bench import hosts as netns
-from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available
+from kvxfer.bench.hosts import Processes, netns_available
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -31,14 +29,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT_S = 150  # the whole run: processes start JAX on 2 shared cores
 
 
-class Hosts:
+class Hosts(Processes):
     """P's processes on hosts 0..p-1 and D's on the next d, with etcd in the root namespace."""
 
     def __init__(self, backend, p, d, layout="heads", **extra):
-        self.backend, self.p, self.d, self.procs, self.started = backend, p, d, {}, []
-        self.net = HostNetwork(p[0] + d[0])
-        self.etcd = EtcdServer(host=self.net.bridge_ip)
-        self.dir = tempfile.mkdtemp(prefix="kvxfer-mh-")
+        super().__init__(p[0] + d[0], prefix="kvxfer-mh-")
+        self.backend, self.p, self.d, self.procs = backend, p, d, {}
         self.spec = dict(layout=layout, etcd=self.etcd.endpoint, dir=self.dir, serve_s=WAIT_S,
                          **extra)
 
@@ -55,45 +51,21 @@ class Hosts:
                         coordinator=coordinator, ip=self.net.host_ip(first + rank), **extra)
             if os.path.exists(report := os.path.join(self.dir, f"{role}{rank}.json")):
                 os.remove(report)
-            log = open(os.path.join(self.dir, f"{role}{rank}.log"), "a")
-            self.procs[(role, rank)] = self.net.popen(
-                first + rank, [sys.executable, HOST, json.dumps(spec)], stdout=log,
-                stderr=subprocess.STDOUT, env=env, cwd=REPO)
-            self.started.append(self.procs[(role, rank)])
-            log.close()
+            self.procs[(role, rank)] = self.popen(
+                first + rank, [sys.executable, HOST, json.dumps(spec)], f"{role}{rank}", env,
+                cwd=REPO)
 
     def report(self, role, rank, key=None, timeout=WAIT_S):
         """`<role><rank>.json` once it exists (with `key`, once it has that key)."""
-        path = os.path.join(self.dir, f"{role}{rank}.json")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if os.path.exists(path):
-                with open(path) as f:
-                    out = json.load(f)
-                if key is None or key in out:
-                    assert out["backend"] == self.backend, out
-                    return out
-            proc = self.procs[(role, rank)]
-            if proc.poll() is not None and not os.path.exists(path):
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"{role}{rank} reported no {key or 'result'}:\n{self.log(role, rank)}")
-
-    def log(self, role, rank):
-        with open(os.path.join(self.dir, f"{role}{rank}.log")) as f:
-            return f.read()[-3000:]
+        out = self.wait_report(f"{role}{rank}", self.procs[(role, rank)], timeout, key)
+        if out is None:
+            raise AssertionError(f"{role}{rank} reported no {key or 'result'}:\n"
+                                 f"{self.log(f'{role}{rank}')}")
+        assert out["backend"] == self.backend, out
+        return out
 
     def kill(self, role, rank):
         self.procs[(role, rank)].kill()
-
-    def close(self):
-        for proc in self.started:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-        self.etcd.stop()
-        self.net.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -122,7 +94,7 @@ def run_all(h):
 
 def assert_delivered(h, p, d):
     for rank, out in enumerate(d):
-        assert out["finished"] == ["r"] and out["failed"] == [], (out, h.log("d", rank))
+        assert out["finished"] == ["r"] and out["failed"] == [], (out, h.log(f"d{rank}"))
         assert out["wrong"] == 0 and not out["staged_here"], out
     for out in p:  # every P process freed its piece, and every slot
         assert out["released"] == ["r"] and not out["staged_here"] and out["free_slots"] == 16

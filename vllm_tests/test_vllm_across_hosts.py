@@ -17,15 +17,12 @@ import importlib.util
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
-from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available
+from kvxfer.bench.hosts import Processes, netns_available
 
 REASON = netns_available()
 if REASON is None and importlib.util.find_spec("tpu_inference") is None:
@@ -42,14 +39,12 @@ PROMPTS = {  # 70 tokens: 5 blocks of 16, the last partial; P prefills in chunks
 CHUNK = 24
 
 
-class Instances:
+class Instances(Processes):
     """P's two processes on hosts 0-1, D's on hosts 2-3, etcd on the bridge."""
 
     def __init__(self, model_dir, **extra):
-        self.net = HostNetwork(4)
-        self.etcd = EtcdServer(host=self.net.bridge_ip)
-        self.dir = tempfile.mkdtemp(prefix="kvxfer-vh-")
-        self.procs, self.logs = {}, {}
+        super().__init__(4, prefix="kvxfer-vh-")
+        self.procs = {}
         self.spec = dict(etcd=self.etcd.endpoint, dir=self.dir, serve_s=WAIT_S, chunk=CHUNK,
                          model_dir=model_dir, prompts=PROMPTS, processes=2, devices=2, **extra)
 
@@ -60,36 +55,16 @@ class Instances:
         for rank in range(2):
             spec = dict(self.spec, role=role, rank=rank, ip=self.net.host_ip(first + rank),
                         coordinator=f"{self.net.host_ip(first)}:12400")
-            log = open(os.path.join(self.dir, f"{role}{rank}.log"), "w")
-            self.procs[(role, rank)] = self.net.popen(
-                first + rank, [sys.executable, HOST, json.dumps(spec)], stdout=log,
-                stderr=subprocess.STDOUT, env=env, cwd=REPO)
-            log.close()
+            self.procs[(role, rank)] = self.popen(
+                first + rank, [sys.executable, HOST, json.dumps(spec)], f"{role}{rank}", env,
+                cwd=REPO)
 
     def report(self, name, role, rank, timeout=WAIT_S):
-        path = os.path.join(self.dir, name)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if os.path.exists(path):
-                with open(path) as f:
-                    return json.load(f)
-            if self.procs[(role, rank)].poll() is not None and not os.path.exists(path):
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no {name}:\n{self.log(role, rank)}")
-
-    def log(self, role, rank):
-        with open(os.path.join(self.dir, f"{role}{rank}.log")) as f:
-            return f.read()[-4000:]
-
-    def close(self):
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-        self.etcd.stop()
-        self.net.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """`<name>.json`, written by process `role` `rank`."""
+        out = self.wait_report(name, self.procs[(role, rank)], timeout)
+        if out is None:
+            raise AssertionError(f"no {name}.json:\n{self.log(f'{role}{rank}', 4000)}")
+        return out
 
 
 @pytest.fixture
@@ -112,30 +87,30 @@ def test_every_prompt_token_reaches_every_d_shard_and_a_p_process_killed_mid_rea
     h = instances(transfer_timeout_s=15.0, gated=["b"])
     h.start("p")
     h.start("d")
-    a = [h.report(f"d{r}-a.json", "d", r) for r in range(2)]
-    params = h.report("params-a.json", "p", 0)
+    a = [h.report(f"d{r}-a", "d", r) for r in range(2)]
+    params = h.report("params-a", "p", 0)
     # P's scheduler named both P processes, each with its half of the units.
     assert [s["peer"] for s in params["sources"]] == ["p-0", "p-1"], params
     assert [s["units"] for s in params["sources"]] == [[0, 2], [2, 4]] and params["units"] == 4
     for rank, out in enumerate(a):
         assert out["received"] == ["a-d"] and out["failed"] == [] and out["errors"] == [], \
-            (out, h.log("d", rank))
+            (out, h.log(f"d{rank}"))
         assert out["wrong"] == 0 and out["shards"] == 2, out
     assert a[0]["first_computed"] == len(PROMPTS["a"]) - 1  # D computed only the last token
 
     h.net.limit_rate(1, 256)  # P 1's piece of "b" (160 KiB of 320 KiB) takes about 5 s
     with open(os.path.join(h.dir, "go-b"), "w") as f:
         f.write("{}")
-    marks = [h.report(f"d{r}-b-d-loading.json", "d", r) for r in range(2)]
+    marks = [h.report(f"d{r}-b-d-loading", "d", r) for r in range(2)]
     # D 1's shards hold P 1's units: its READ from P 1 is posted and not complete.
     assert marks[1]["p-1"] == ["xfer", True], marks
     started = time.monotonic()
     time.sleep(0.5)
     h.procs[("p", 1)].kill()
-    b = [h.report(f"d{r}-b.json", "d", r) for r in range(2)]
+    b = [h.report(f"d{r}-b", "d", r) for r in range(2)]
     table = b[0]["table"][0]
     for rank, out in enumerate(b):  # failed on both, in logical ids, within the deadline
-        assert out["failed"] == ["b-d"], (out, h.log("d", rank))
+        assert out["failed"] == ["b-d"], (out, h.log(f"d{rank}"))
         assert out["errors"] == sorted(table[: math.ceil(len(PROMPTS["b"]) / 16)]), out
         assert out["wrong"] == 0, out  # then recomputed by D itself: still P's stamps
     # D 1 lost its READ from P 1 (P's lease outlasts the run: not an expiry).

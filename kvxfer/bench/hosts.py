@@ -16,6 +16,10 @@ reaches it: NIXL's metadata service for the agents of many processes.
 
 `start_jax` starts one process of a multi-process JAX instance inside a host.
 
+`Processes(n)` puts the two together for tests across hosts: `n` hosts, etcd on
+their bridge, a directory the processes it starts log and report into (JSON
+files, `wait_report`), and one `close()` for all of it.
+
 Used by `kvxfer bench multihost` and by the multi-host tests. A missing tool
 is an error (`SetupError`), not a skip.
 """
@@ -37,7 +41,7 @@ import urllib.request
 from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.nixl.agent import free_port
 
-__all__ = ["EtcdServer", "HostNetwork", "MAX_HOSTS", "netns_available", "start_jax"]
+__all__ = ["EtcdServer", "HostNetwork", "MAX_HOSTS", "Processes", "netns_available", "start_jax"]
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +245,58 @@ class EtcdServer:
             self.proc.kill()
         self.proc.wait(timeout=10)
         self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Processes:
+    """`hosts` hosts (`HostNetwork`), etcd on their bridge, and a directory (`dir`) that the
+    processes started here log into (`<name>.log`) and report into (`<name>.json`)."""
+
+    def __init__(self, hosts: int, prefix: str = "kvxfer-hosts-"):
+        self.net = HostNetwork(hosts)
+        self.etcd = EtcdServer(host=self.net.bridge_ip)
+        self.dir = tempfile.mkdtemp(prefix=prefix)
+        self.started: list[subprocess.Popen] = []
+
+    def popen(self, host: int, argv: list[str], name: str, env: dict[str, str],
+              cwd: str | None = None) -> subprocess.Popen:
+        """Starts `argv` in host `host`, its output appended to `<name>.log`."""
+        with open(os.path.join(self.dir, f"{name}.log"), "a") as log:
+            proc = self.net.popen(host, argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  cwd=cwd)
+        self.started.append(proc)
+        return proc
+
+    def wait_report(self, name: str, proc: subprocess.Popen, timeout: float,
+                    key: str | None = None) -> dict | None:
+        """`<name>.json` once it exists (with `key`, once it has that key); None if `proc`
+        exits without writing it, or after `timeout` seconds."""
+        path = os.path.join(self.dir, f"{name}.json")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                with open(path) as f:
+                    out = json.load(f)
+                if key is None or key in out:
+                    return out
+            elif proc.poll() is not None:
+                return None
+            time.sleep(0.05)
+        return None
+
+    def log(self, name: str, tail: int = 3000) -> str:
+        """The end of `<name>.log`."""
+        with open(os.path.join(self.dir, f"{name}.log")) as f:
+            return f.read()[-tail:]
+
+    def close(self) -> None:
+        """Kills every process started, stops etcd, deletes the hosts and the directory."""
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        self.etcd.stop()
+        self.net.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
