@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kvxfer.errors import InvalidInputError
 from kvxfer.gather import bucket_size, gather_blocks, gather_into
 
 __all__ = ["run"]
@@ -81,6 +82,11 @@ def run(
         model = next(m for m in (8, 4, 2, 1)
                      if len(jax.devices()) % m == 0 and block_shape[1] % m == 0)
         mesh_shape = (1, model)
+    if (len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] > len(jax.devices())
+            or block_shape[1] % mesh_shape[1]):
+        raise InvalidInputError(
+            f"mesh_shape must be (data, model) with data * model <= {len(jax.devices())} "
+            f"devices and model dividing block_shape[1] = {block_shape[1]}, got {mesh_shape}")
     mesh = jax.make_mesh(mesh_shape, ("data", "model"))
     sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
     caches = _random_caches(layers, (num_blocks, *block_shape), np.dtype(dtype), sharding, seed)
