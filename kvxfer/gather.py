@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from kvxfer import _host_buffers, _xla
+from kvxfer import _host_buffers, _pinned_regions, _xla
 from kvxfer._xla import MIN_BUCKET, bucket_size
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import SUMS, compare_fingerprints, host_fingerprint
@@ -208,7 +208,8 @@ def gather_into(
     - `caches`: one array per layer, `[num_blocks, *block_shape]`. Not modified.
     - `block_ids`: 1-D integer kernel block ids, `[n]`, each in `[0, num_blocks)`.
     - `regions`: one writable numpy array per layer, `[num_rows, *block_shape]`, of the
-      caches' dtype.
+      caches' dtype. `PinnedRegions` on the caches' one device (`kvxfer._pinned_regions`)
+      are written in place by the XLA backend, with no host copy.
     - `rows`: the row of `regions` each block goes to, `[n]`, distinct, each in
       `[0, num_rows)`.
 
@@ -229,6 +230,9 @@ def gather_into(
     if len(ids) == 0:
         return np.zeros((layout.num_layers, 0, SUMS), np.uint32)
     mesh = caches[0].sharding.mesh
+    if (isinstance(regions, _pinned_regions.PinnedRegions) and regions.mesh == mesh
+            and backend(mesh) == "xla"):  # written in place: no host copy
+        return _pinned_regions.gather_into(layout, caches, ids, regions, dst)
     return _backend(mesh).gather_into(layout, mesh, caches, ids, regions, dst)
 
 

@@ -84,6 +84,9 @@ class Staging(SlotMap):
     - `block_shape`: shape of one kernel block, e.g. `(tokens, heads, p, dim)`.
     - `dtype`: the cache dtype (a numpy dtype; `ml_dtypes` names work once imported).
     - `placement`: `"runs"` (contiguous slots per request) or `"mirror"` (slot = block id).
+    - `regions`: the block regions to use instead of allocating them: one writable numpy
+      array per layer, `[num_slots, *block_shape]` of `dtype` (`kvxfer._pinned_regions`
+      gives pinned-host JAX buffers seen as numpy).
 
     Besides the block regions, `prints` (`uint32[num_slots, num_layers, 3]`) holds
     each staged block's fingerprints, one row per slot: P writes them where it
@@ -103,6 +106,7 @@ class Staging(SlotMap):
         dtype: Any = np.uint8,
         placement: Placement = "runs",
         prints_per_layer: int | None = None,
+        regions: Sequence[np.ndarray] | None = None,
     ) -> None:
         if not is_int(num_layers) or num_layers <= 0:
             raise InvalidInputError(f"Staging num_layers must be a positive int, got {num_layers!r}")
@@ -114,9 +118,10 @@ class Staging(SlotMap):
         self.dtype = np.dtype(dtype)
         _check_fits(num_layers * num_slots * math.prod(self.block_shape) * self.dtype.itemsize,
                     num_layers, num_slots)
-        self.regions: list[np.ndarray] = [
-            _aligned_region((num_slots, *self.block_shape), self.dtype) for _ in range(num_layers)
-        ]
+        self.regions: Sequence[np.ndarray] = (
+            [_aligned_region((num_slots, *self.block_shape), self.dtype)
+             for _ in range(num_layers)] if regions is None
+            else _given_regions(regions, num_layers, (num_slots, *self.block_shape), self.dtype))
         self.prints_per_layer = prints_per_layer
         per_slot = ((num_layers, SUMS) if prints_per_layer is None
                     else (prints_per_layer, num_layers, SUMS))
@@ -176,6 +181,18 @@ class Staging(SlotMap):
     def rows(self, layer: int, slots: Sequence[int]) -> np.ndarray:
         """A copy of the blocks in `slots` of one layer, `[len(slots), *block_shape]`."""
         return self.regions[layer][np.asarray(slots, dtype=np.int64)]
+
+
+def _given_regions(regions: Sequence[np.ndarray], num_layers: int, shape: tuple[int, ...],
+                   dtype: np.dtype) -> Sequence[np.ndarray]:
+    if len(regions) != num_layers or not all(
+            isinstance(r, np.ndarray) and r.shape == shape and r.dtype == dtype
+            and r.flags.writeable and r.flags.c_contiguous for r in regions):
+        got = [(getattr(r, "shape", None), str(getattr(r, "dtype", type(r).__name__)))
+               for r in regions]
+        raise InvalidInputError(f"Staging regions must be {num_layers} writable contiguous "
+                                f"numpy arrays {shape} of {dtype}, got {got[:4]}")
+    return regions
 
 
 def _check_fits(nbytes: int, num_layers: int, num_slots: int) -> None:

@@ -22,11 +22,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from kvxfer._pinned_regions import pinned_regions
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints
-from kvxfer.gather import gather_into, scatter_blocks
+from kvxfer.gather import backend, gather_into, scatter_blocks
 from kvxfer.layout import CacheLayout
 from kvxfer.multihost import agree, shared_instance, spans_processes
 from kvxfer.nixl.agent import TransportConfig
@@ -76,7 +78,7 @@ def for_caches(config: object, caches: Caches) -> OneProcess | ManyProcesses:
     groups, _ = per_group(caches)
     layouts = [CacheLayout.from_caches(c, config.kernel_ratio) for c in groups]
     if not spans_processes(groups[0]):
-        return OneProcess(config, layouts)
+        return OneProcess(config, layouts, [c[0].sharding.mesh for c in groups])
     return ManyProcesses(config, layouts, groups)
 
 
@@ -86,10 +88,9 @@ class OneProcess:
     piece: tuple[int, int, int] | None = None
     """`(lo, hi, units)` this process stages of each block; None: whole blocks."""
 
-    def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout]):
+    def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout], meshes: list[Mesh]):
         self.config, self.layouts = config, layouts
-        self.stagings = [Staging(layout.num_layers, config.staging_blocks, layout.block_shape,
-                                 layout.np_dtype) for layout in layouts]
+        self.stagings = [_staging(config, layout, mesh) for layout, mesh in zip(layouts, meshes)]
 
     @property
     def transport_config(self) -> TransportConfig:
@@ -262,6 +263,17 @@ class ManyProcesses(OneProcess):
         for req_id, is_bad in zip(list(loads), everywhere):
             if is_bad and req_id not in bad:
                 bad[req_id] = "its blocks failed verification on another process"
+
+
+def _staging(config: ConnectorConfig, layout: CacheLayout, mesh: Mesh) -> Staging:
+    """Whole-block staging for caches on `mesh`: pinned-host buffers the XLA backend's gather
+    writes in place where the caches are on one device (`kvxfer._pinned_regions`), else
+    numpy regions."""
+    regions = (pinned_regions(mesh, layout.num_layers, config.staging_blocks,
+                              layout.block_shape, layout.np_dtype)
+               if backend(mesh) == "xla" else None)
+    return Staging(layout.num_layers, config.staging_blocks, layout.block_shape,
+                   layout.np_dtype, regions=regions)
 
 
 def _agent_name(config: ConnectorConfig, process: int) -> str:

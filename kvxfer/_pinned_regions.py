@@ -1,0 +1,178 @@
+"""Staging regions that are pinned-host JAX buffers, which P's gather writes in place.
+
+On the XLA backend a gather lands its blocks in pinned host memory, and
+copying them from there into staging NIXL registered is one more host copy
+of every byte. Where the caches live on one device (one GPU or TPU chip per
+process), staging avoids it: each layer's region is a pinned-host
+`jax.Array` on that device, `[num_slots, *block_shape]` of the unsigned type
+of the caches' width, and P's gather is a jitted program that donates the
+regions and writes its rows into them with `dynamic_update_slice` at the
+slot, which XLA aliases to its output: the rows go from the device straight
+into the registered bytes, and every buffer keeps its address (the form
+`kvxfer bench gather` measures as `donated_*`). The regions are also numpy
+arrays over the same bytes (`PinnedRegions` is a sequence of them), so NIXL
+registers them, D reads into them and everything else reads them as it
+reads any staging.
+
+Why this and not a pool of registered gather outputs: an output registered
+per save would cost a NIXL registration (and a handshake of its address)
+per step, and its address would have to travel in the params; these regions
+are registered once, as numpy staging is, and nothing else changes. Its
+cost is one dispatch per power-of-two chunk of each run of slots (`runs`
+placement makes a save one or a few runs). Nothing here was measured on an
+accelerator yet (`scripts/accel-check` measures it; on XLA:CPU, 8 layers of
+128 MiB in all: 5.2 GB/s against 8.6 for a gather into a fresh pinned-host
+array).
+
+Donation keeping the address is checked, never assumed: `pinned_regions`
+writes once at construction and keeps the regions only if every buffer kept
+its address (else it returns None and the caller allocates numpy staging);
+every write checks again and raises `TransferError` if a buffer moved,
+since NIXL's registration would then name freed memory.
+
+Where the caches span several devices, each device's rows land in its own
+pinned buffer, so a slot would be split across buffers that D cannot read
+as one: that needs per-shard regions in the protocol (docs/internals.md),
+and there the gather still copies once on the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvxfer._xla import _uint
+from kvxfer.blocks import coalesce_pairs
+from kvxfer.errors import TransferError
+from kvxfer.fingerprint import device_fingerprint
+from kvxfer.layout import CacheLayout
+
+__all__ = ["PinnedRegions", "gather_into", "pinned_regions"]
+
+logger = logging.getLogger("kvxfer.staging")
+
+
+class PinnedRegions(Sequence[np.ndarray]):
+    """One pinned-host region per layer on the one device of `mesh`: the `jax.Array`s
+    (`arrays`, replaced by each write with arrays at the same addresses) and, as the
+    sequence's items, writable numpy arrays over the same bytes."""
+
+    def __init__(self, mesh: Mesh, num_layers: int, shape: tuple[int, ...], dtype: np.dtype):
+        self.mesh, self.dtype = mesh, np.dtype(dtype)
+        self.sharding = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
+        zeros = jax.jit(lambda: jnp.zeros(shape, _uint(self.dtype)),  # touches every page
+                        out_shardings=self.sharding)
+        self.arrays = [zeros() for _ in range(num_layers)]
+        self.addresses = _addresses(self.arrays)
+        self._views = [_numpy_over(a, self.dtype) for a in self.arrays]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, layer):  # type: ignore[override]
+        return self._views[layer]
+
+    def replace(self, arrays: list[jax.Array]) -> None:
+        """Take a write's output arrays; `TransferError` if any buffer moved."""
+        jax.block_until_ready(arrays)
+        moved = _addresses(arrays) != self.addresses
+        self.arrays = arrays
+        if moved:
+            raise TransferError(
+                "P's pinned staging moved in a donated write: NIXL's registration of it is "
+                "stale (this backend does not alias donated pinned-host buffers here)")
+
+
+def pinned_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Sequence[int],
+                   dtype: np.dtype) -> PinnedRegions | None:
+    """`PinnedRegions` for caches on `mesh`, or None where they cannot be used: a mesh of
+    several devices, or a backend on which a donated write moved a buffer (logged)."""
+    if mesh.size != 1:
+        return None
+    regions = PinnedRegions(mesh, num_layers, (num_slots, *block_shape), np.dtype(dtype))
+    probe = jnp.zeros((num_layers, 1, *block_shape), _uint(regions.dtype))
+    try:
+        regions.replace(_write_fn(regions.sharding, num_layers)(
+            regions.arrays, jax.device_put(probe, NamedSharding(mesh, PartitionSpec())),
+            jnp.int32(0)))
+    except TransferError as e:
+        logger.warning("pinned staging not used on %s: %s", mesh.devices.flat[0].platform, e)
+        return None
+    return regions
+
+
+def gather_into(layout: CacheLayout, caches: Sequence[jax.Array], ids: np.ndarray,
+                regions: PinnedRegions, dst: np.ndarray) -> np.ndarray:
+    """Blocks `ids` into slots `dst` of `regions`, written in place on the device's side of
+    the copy; returns their fingerprints, `uint32[num_layers, n, 3]`. One dispatch per
+    power-of-two chunk of each run where ids' order and slots advance together."""
+    mesh = regions.mesh
+    gather = _gather_fn(layout, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    prints = []
+    for first, slot, length in coalesce_pairs(range(len(ids)), dst.tolist()):
+        for start, size in _chunks(length):
+            chunk = jax.device_put(ids[first + start : first + start + size].astype(np.int32),
+                                   replicated)
+            rows, chunk_prints = gather(list(caches), chunk)
+            regions.replace(_write_fn(regions.sharding, layout.num_layers)(
+                regions.arrays, rows, jnp.int32(slot + start)))
+            prints.append(chunk_prints)
+    return np.concatenate([np.asarray(p) for p in prints], axis=1)
+
+
+def _chunks(length: int) -> list[tuple[int, int]]:
+    """`(offset, size)` covering `length` with powers of two, largest first: every size
+    compiles once."""
+    out, offset = [], 0
+    for bit in reversed(range(length.bit_length())):
+        if length >> bit & 1:
+            out.append((offset, 1 << bit))
+            offset += 1 << bit
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_fn(layout: CacheLayout, mesh: Mesh):
+    """Rows of ids (stacked per layer, unsigned, on the device) and their fingerprints."""
+    udtype = _uint(layout.np_dtype)
+
+    def local(caches: list[jax.Array], ids: jax.Array):
+        rows = [jnp.take(lax.bitcast_convert_type(c, udtype), ids, axis=0) for c in caches]
+        return jnp.stack(rows), jnp.stack([device_fingerprint(r, layout) for r in rows])
+
+    spec = layout.partition_spec()
+    return jax.jit(jax.shard_map(local, mesh=mesh,
+                                 in_specs=([spec] * layout.num_layers, PartitionSpec()),
+                                 out_specs=(PartitionSpec(), PartitionSpec()), check_vma=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _write_fn(host: NamedSharding, num_layers: int):
+    """`rows[l]` into the donated `regions[l]` at slot `at`, through pinned host memory."""
+
+    def write(regions: list[jax.Array], rows: jax.Array, at: jax.Array):
+        return [lax.dynamic_update_slice_in_dim(region, jax.device_put(rows[layer], host), at, 0)
+                for layer, region in enumerate(regions)]
+
+    return jax.jit(write, donate_argnums=0, out_shardings=[host] * num_layers)
+
+
+def _addresses(arrays: Sequence[jax.Array]) -> list[int]:
+    return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
+
+
+def _numpy_over(array: jax.Array, dtype: np.dtype) -> np.ndarray:
+    """A writable numpy array over `array`'s one buffer (valid while a buffer lives there)."""
+    nbytes = array.size * array.dtype.itemsize
+    raw = (ctypes.c_uint8 * nbytes).from_address(array.addressable_shards[0].data
+                                                 .unsafe_buffer_pointer())
+    return np.frombuffer(raw, np.uint8).view(dtype).reshape(array.shape)
