@@ -1,0 +1,110 @@
+"""P's staging as pinned-host JAX buffers written in place (`kvxfer._pinned_regions`), on the XLA
+backend selected on CPU: the same bytes and fingerprints as the host copy, every buffer at its
+address across saves, and numpy staging wherever that cannot hold."""
+
+import logging
+import os
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvxfer import _pinned_regions
+from kvxfer._pinned_regions import PinnedRegions, pinned_regions
+from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.gather import gather_into
+from kvxfer.scheduler import ScheduledRequest
+from kvxfer.staging import Staging
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.pair import as_bits, caches_on  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+BLOCK = (16, 4, 2, 32)
+
+
+def _mesh(count):
+    return Mesh(np.array(jax.devices()[:count]).reshape(1, count), ("data", "model"))
+
+
+@pytest.fixture
+def xla(monkeypatch):
+    monkeypatch.setenv("KVXFER_BACKEND", "xla")
+
+
+def test_gather_into_pinned_regions_writes_the_host_copys_bytes_in_place(xla, monkeypatch):
+    caches = caches_on(jax.devices()[:1], seed=3, layers=3)
+    regions = pinned_regions(_mesh(1), 3, 24, BLOCK, BF16)
+    assert isinstance(regions, PinnedRegions)
+    addresses = list(regions.addresses)
+    expected = [np.zeros((24, *BLOCK), BF16) for _ in range(3)]
+    # Runs of 1, 3, 5 and 7 slots (chunks 1, 2+1, 4+1, 4+2+1), out of order, and a rewrite.
+    saves = [([4, 9, 1], [10, 11, 12]), ([30, 2, 8, 17, 5, 0, 21], [3, 4, 5, 6, 7, 8, 9]),
+             ([6], [23]), ([12, 13, 14, 15, 16], [18, 19, 20, 21, 22]), ([7, 3], [11, 0])]
+    for ids, slots in saves:
+        ids, slots = np.array(ids), np.array(slots)
+        before = list(regions.arrays)
+        prints = gather_into(caches, ids, regions, slots)
+        assert all(a.is_deleted() for a in before)  # donated to the write: no host copy ran
+        monkeypatch.setenv("KVXFER_BACKEND", "host")
+        host_prints = gather_into(caches, ids, expected, slots)
+        monkeypatch.setenv("KVXFER_BACKEND", "xla")
+        assert np.array_equal(prints, host_prints)
+        for layer in range(3):
+            assert np.array_equal(regions[layer].view(np.uint16), expected[layer].view(np.uint16))
+        assert regions.addresses == addresses
+        assert [s.data.unsafe_buffer_pointer() for a in regions.arrays
+                for s in a.addressable_shards] == addresses
+    assert np.array_equal(np.asarray(regions.arrays[2]),
+                                              regions[2].view(np.uint16))
+
+
+def test_pinned_regions_need_one_device_and_a_donation_that_keeps_the_address(xla, monkeypatch,
+                                                                               caplog):
+    assert pinned_regions(_mesh(4), 2, 8, BLOCK, BF16) is None  # a slot would span 4 buffers
+
+    def copying_write(host, num_layers):  # what a backend that does not alias would do
+        def write(regions, rows, at):
+            return [jax.device_put(np.array(r), host) for r in regions]
+        return write
+
+    monkeypatch.setattr(_pinned_regions, "_write_fn", copying_write)
+    with caplog.at_level(logging.WARNING, "kvxfer.staging"):
+        assert pinned_regions(_mesh(1), 2, 8, BLOCK, BF16) is None
+    assert "moved" in caplog.text
+
+
+def test_a_write_that_moves_a_buffer_is_refused_by_name(xla, monkeypatch):
+    caches = caches_on(jax.devices()[:1], seed=4)
+    regions = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
+    host = NamedSharding(_mesh(1), PartitionSpec(), memory_kind="pinned_host")
+    monkeypatch.setattr(_pinned_regions, "_write_fn", lambda sharding, layers: (
+        lambda arrays, rows, at: [jax.device_put(np.array(a), host) for a in arrays]))
+    with pytest.raises(TransferError, match="pinned staging moved"):
+        gather_into(caches, np.array([1, 2]), regions, np.array([0, 1]))
+
+
+def test_staging_refuses_regions_of_another_shape_by_name():
+    with pytest.raises(InvalidInputError, match=r"regions must be 2 writable"):
+        Staging(2, 8, BLOCK, BF16, regions=[np.zeros((8, *BLOCK), BF16)])
+    with pytest.raises(InvalidInputError, match=r"\(8, 16, 4, 2, 32\)"):
+        Staging(2, 8, BLOCK, BF16, regions=[np.zeros((8, 16, 4, 2, 31), BF16)] * 2)
+
+
+def test_one_device_p_saves_into_pinned_staging_and_d_receives_every_byte(xla, pair):
+    pr = pair(p_devices=(0,), d_devices=(4, 5, 6, 7))
+    assert isinstance(pr.p.staging.regions, PinnedRegions)
+    addresses, first = list(pr.p.staging.regions.addresses), pr.p.staging.regions.arrays[0]
+    pr.p.add_request("r", 56)
+    pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
+    pr.save(ScheduledRequest("r", 24, 32, ([12, 2],)))
+    params = pr.p.request_finished("r")
+    pr.serve()
+    assert pr.load("r", params, [20, 21, 22, 23]) == (["r"], [])
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[20, 21, 22, 23]] == as_bits(p_cache)[[5, 9, 12, 2]]).all()
+    assert first.is_deleted() and pr.p.staging.regions.addresses == addresses  # written in place
+    assert pr.d.get_block_ids_with_load_errors() == set()
