@@ -13,13 +13,12 @@ arrays; its fingerprints are XLA's, which is what other backends run).
 numpy straight into staging rows and fingerprinted in the same pass; on an
 accelerator, the jitted gather then a host copy into staging.
 
-On an accelerator (`scripts/accel-check`) two more references matter, both
+On an accelerator (`scripts/accel-check`) two more figures matter, both
 measured here on every backend: `jax.device_put` of the same bytes, already on
 the device, to pinned host (what the device-to-host link gives, with no gather),
-and the candidate that would remove `gather_into`'s host copy there: a jitted
-gather whose pinned-host destination is donated and aliased to its output
-(`donated_*`; `donated_keeps_address` says whether every shard's buffer stayed
-where it was, which NIXL's registration needs).
+and P's gather into pinned staging on one device, which removes `gather_into`'s
+host copy (`pinned_*`, `kvxfer._pinned_regions`; `pinned_in_place` says whether
+it ran in place: on the XLA backend, where every buffer kept its address).
 """
 
 from __future__ import annotations
@@ -31,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kvxfer._pinned_regions import PinnedRegions, pinned_regions
 from kvxfer.errors import InvalidInputError
-from kvxfer.gather import bucket_size, gather_blocks, gather_into
+from kvxfer.gather import backend, bucket_size, gather_blocks, gather_into
 
 __all__ = ["run"]
 
@@ -74,9 +74,10 @@ def run(
     `recompiles_after_warmup` (backend compilations during the trials),
     `fingerprint_overhead` (extra time of `fingerprints=True`, as a fraction),
     `gather_into_over_memcpy` (P's path into staging, fingerprints included),
-    `gather_over_device_put` (against `device_put_gbps`), `donated_over_gather` and
-    `donated_keeps_address` (the candidate above), plus `bytes` copied per gather,
-    `platform`, `devices`, `naive_gbps`, `gather_into_gbps` and `donated_gbps`.
+    `gather_over_device_put` (against `device_put_gbps`), `pinned_over_device_put`,
+    `pinned_over_gather_into` and `pinned_in_place` (pinned staging, above), plus `bytes`
+    copied per gather, `platform`, `devices`, `naive_gbps`, `gather_into_gbps` and
+    `pinned_gbps`.
     """
     if mesh_shape is None:
         model = next(m for m in (8, 4, 2, 1)
@@ -94,8 +95,8 @@ def run(
     ids = rng.choice(num_blocks, size=count, replace=False).astype(np.int32)
     nbytes = layers * count * int(np.prod(block_shape)) * np.dtype(dtype).itemsize
 
-    donated = _DonatedGather(caches, count, sharding.with_memory_kind("pinned_host"))
-    timed = _timed(caches, ids, nbytes, sharding, donated)
+    pinned = _Pinned(caches, count)
+    timed = _timed(caches, ids, nbytes, sharding, pinned)
     for fn in timed.values():  # warm-up: compile, fault in pages
         jax.block_until_ready(fn())
     best = {name: float("inf") for name in timed}
@@ -120,9 +121,10 @@ def run(
         "gather_into_over_memcpy": gbps["gather_into"] / gbps["memcpy"],
         "device_put_gbps": gbps["device_put"],
         "gather_over_device_put": gbps["gather"] / gbps["device_put"],
-        "donated_gbps": gbps["donated"],
-        "donated_over_gather": gbps["donated"] / gbps["gather"],
-        "donated_keeps_address": donated.kept_address,
+        "pinned_gbps": gbps["pinned"],
+        "pinned_over_device_put": gbps["pinned"] / gbps["device_put"],
+        "pinned_over_gather_into": gbps["pinned"] / gbps["gather_into"],
+        "pinned_in_place": pinned.in_place,
         "platform": jax.devices()[0].platform,
         "devices": mesh.size,
     }
@@ -143,7 +145,7 @@ def _random_caches(
 
 
 def _timed(caches: list[jax.Array], ids: np.ndarray, nbytes: int, sharding: NamedSharding,
-           donated: _DonatedGather) -> dict[str, Callable[[], object]]:
+           pinned: _Pinned) -> dict[str, Callable[[], object]]:
     """What `run` times, by name: memcpy of the same bytes, the gathers, and the references."""
     src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     naive = _naive_path(caches, sharding)
@@ -159,8 +161,30 @@ def _timed(caches: list[jax.Array], ids: np.ndarray, nbytes: int, sharding: Name
         "naive": lambda: naive(ids),
         "gather_into": lambda: gather_into(caches, ids, staging, rows),
         "device_put": lambda: jax.device_put(on_device, to_host),
-        "donated": lambda: donated(ids),
+        "pinned": lambda: pinned(ids),
     }
+
+
+class _Pinned:
+    """P's gather into pinned staging on one device (`kvxfer._pinned_regions`): the caches'
+    copy on their first device, into one run of slots at an offset in staging of twice as
+    many. `in_place`: the regions are pinned-host buffers the gather donates (False where
+    `pinned_regions` refused them, or the host backend copies with numpy)."""
+
+    def __init__(self, caches: list[jax.Array], count: int):
+        mesh = Mesh(caches[0].sharding.mesh.devices.reshape(-1)[:1].reshape(1, 1),
+                    ("data", "model"))
+        sharding = NamedSharding(mesh, PartitionSpec())
+        self.caches = [c if c.sharding.mesh.size == 1 else jax.device_put(c, sharding)
+                       for c in caches]
+        shape, dtype = caches[0].shape[1:], np.dtype(caches[0].dtype)
+        self.regions = (pinned_regions(mesh, len(caches), 2 * count, shape, dtype)
+                        or [np.zeros((2 * count, *shape), dtype) for _ in caches])
+        self.slots = np.arange(count) + count // 2
+        self.in_place = isinstance(self.regions, PinnedRegions) and backend(mesh) == "xla"
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        return gather_into(self.caches, ids, self.regions, self.slots)
 
 
 def _gathered_on_device(caches: list[jax.Array], ids: np.ndarray,
@@ -169,38 +193,6 @@ def _gathered_on_device(caches: list[jax.Array], ids: np.ndarray,
     take = jax.jit(lambda c, i: jnp.take(c, i, axis=0), out_shardings=sharding)
     device_ids = jax.device_put(ids, NamedSharding(sharding.mesh, PartitionSpec()))
     return [take(c, device_ids) for c in caches]
-
-
-class _DonatedGather:
-    """A jitted gather into rows of pinned-host staging that it donates (and XLA aliases to
-    its output): `count` rows at a runtime offset in staging of twice as many, as P's
-    slots would be. `kept_address` turns False once any shard's buffer moved."""
-
-    def __init__(self, caches: list[jax.Array], count: int, to_host: NamedSharding):
-        self.caches, self.kept_address = caches, True
-        self.ids_sharding = NamedSharding(to_host.mesh, PartitionSpec())
-        self.dst = [jax.device_put(np.zeros((2 * count, *c.shape[1:]), c.dtype), to_host)
-                    for c in caches]
-        self.offset = jax.device_put(np.int32(count // 2), self.ids_sharding)
-        self.address = _addresses(self.dst)
-
-        def gather(dst, caches, ids, offset):  # the rows land in host memory, then in place
-            return [lax.dynamic_update_slice_in_dim(
-                d, jax.device_put(jnp.take(c, ids, axis=0), to_host), offset, 0)
-                for d, c in zip(dst, caches)]
-
-        self.fn = jax.jit(gather, donate_argnums=0, out_shardings=[to_host] * len(caches))
-
-    def __call__(self, ids: np.ndarray) -> list[jax.Array]:
-        self.dst = self.fn(self.dst, self.caches, jax.device_put(ids, self.ids_sharding),
-                           self.offset)
-        jax.block_until_ready(self.dst)
-        self.kept_address &= _addresses(self.dst) == self.address
-        return self.dst
-
-
-def _addresses(arrays: list[jax.Array]) -> list[int]:
-    return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
 
 
 def _naive_path(caches: list[jax.Array], sharding: NamedSharding) -> Callable[[np.ndarray], None]:
