@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvxfer._pinned_regions import pinned_regions
 from kvxfer.gather import (
     backend,
     check_fingerprints,
@@ -88,6 +89,30 @@ def test_scatter_writes_in_place_on_the_accelerator():
     for o, s in zip(out, source):
         np.testing.assert_array_equal(np.asarray(o)[ids].view(np.uint16),
                                       np.asarray(s)[ids].view(np.uint16))
+
+
+def test_gather_into_pinned_staging_in_place_on_one_device():
+    """P's staging on one device is pinned-host buffers the gather writes in place: the
+    donation keeps every address (else `pinned_regions` gives None), and the bytes and
+    fingerprints are the host-copy path's."""
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array([[device]]), ("data", "model"))
+    sharding = NamedSharding(mesh, P(None, None, "model"))
+    source = _random_caches(4, (64, 16, 4, 2, 128), jnp.bfloat16, sharding, seed=11)
+    layout = CacheLayout.from_caches(source)
+    regions = pinned_regions(mesh, 4, 32, layout.block_shape, layout.np_dtype)
+    assert regions is not None, "a donated write moved a pinned-host buffer on this device"
+    copied = [np.zeros((32, *layout.block_shape), layout.np_dtype) for _ in source]
+    addresses = list(regions.addresses)
+    for ids, slots in (([7, 3, 50, 61, 2], [4, 5, 6, 7, 8]), ([9, 8, 1], [20, 0, 1])):
+        before = regions.arrays[0]
+        prints = gather_into(source, np.array(ids), regions, np.array(slots))
+        assert before.is_deleted() and regions.addresses == addresses
+        # The host-copy path (numpy staging: gather to pinned host, then copy) as reference.
+        np.testing.assert_array_equal(
+            prints, gather_into(source, np.array(ids), copied, np.array(slots)))
+        for region, copy in zip(regions, copied):
+            np.testing.assert_array_equal(region.view(np.uint16), copy.view(np.uint16))
 
 
 def test_pieces_round_trip_on_the_accelerator_with_matching_sums():
