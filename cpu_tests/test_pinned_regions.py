@@ -94,9 +94,11 @@ def test_staging_refuses_regions_of_another_shape_by_name():
         Staging(2, 8, BLOCK, BF16, regions=[np.zeros((8, 16, 4, 2, 31), BF16)] * 2)
 
 
-def test_one_device_p_saves_into_pinned_staging_and_d_receives_every_byte(xla, pair):
-    pr = pair(p_devices=(0,), d_devices=(4, 5, 6, 7))
+@pytest.mark.parametrize("d_devices", [(4, 5, 6, 7), (4,)], ids=["d-tp4", "d-pinned-too"])
+def test_one_device_p_saves_into_pinned_staging_and_d_receives_every_byte(xla, pair, d_devices):
+    pr = pair(p_devices=(0,), d_devices=d_devices)
     assert isinstance(pr.p.staging.regions, PinnedRegions)
+    assert isinstance(pr.d.staging.regions, PinnedRegions) == (len(d_devices) == 1)
     addresses, first = list(pr.p.staging.regions.addresses), pr.p.staging.regions.arrays[0]
     pr.p.add_request("r", 56)
     pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
