@@ -113,6 +113,16 @@ def test_every_prompt_token_reaches_every_d_shard_byte_exact(hosts, p, d):
     assert all(out["shards"] == d[1] for out in d_out)
 
 
+@pytest.mark.parametrize("hosts", ["xla"], indirect=True)
+def test_p_processes_of_one_device_stage_into_pinned_regions_and_deliver(hosts):
+    """One device per P process (as JAX runs one process per GPU): on the XLA backend each
+    stages its piece into pinned-host regions written in place, and D gets every byte."""
+    h = hosts((2, 1), (2, 2))
+    p_out, d_out = run_all(h)
+    assert_delivered(h, p_out, d_out)
+    assert all(out["pinned"] for out in p_out), p_out
+
+
 @BOTH
 def test_an_mla_cache_replicated_over_the_hosts_is_delivered(hosts):
     h = hosts((2, 4), (2, 4), layout="mla")

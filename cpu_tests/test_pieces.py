@@ -251,3 +251,28 @@ def test_scatter_piece_without_sums_writes_the_same_bytes_and_hashes_nothing(bac
     assert all((o[[30, 1, 2]] == bits(s)[[3, 9, 4]]).all() for o, s in zip(outs[1], src))
     with pytest.raises(InvalidInputError, match="sums must be True or False, got 'no'"):
         scatter_piece(d, st, np.array([30]), np.array([0]), whole, sums="no")
+
+
+def test_a_piece_one_device_holds_is_gathered_into_pinned_staging_in_place(monkeypatch):
+    """On the XLA backend, a piece one device holds (here with a replica over 'data') stages
+    into pinned-host regions written in place (`kvxfer._pinned_regions`): the host
+    backend's bytes and sums, every region at its address; two devices' piece: numpy."""
+    from kvxfer._pinned_regions import PinnedRegions
+
+    p = caches((2, 4), PartitionSpec(None, None, "model"), seed=5)  # 2 units per device
+    layout = CacheLayout.from_caches(p)
+    piece, ids, slots = Piece(1, 8, 2, 4), np.array([7, 1, 2, 31, 30]), np.array([6, 0, 1, 2, 3])
+    monkeypatch.setenv("KVXFER_BACKEND", "host")
+    expected = piece_staging(layout, piece, 8)
+    gather_piece_into(p, ids, expected, slots, piece)
+    monkeypatch.setenv("KVXFER_BACKEND", "xla")
+    assert not isinstance(piece_staging(layout, Piece(1, 8, 2, 6), 8, p).regions, PinnedRegions)
+    st = piece_staging(layout, piece, 8, p)
+    assert isinstance(st.regions, PinnedRegions)
+    addresses, first = list(st.regions.addresses), st.regions.arrays[0]
+    gather_piece_into(p, ids, st, slots, piece)
+    assert first.is_deleted() and st.regions.addresses == addresses  # written in place
+    for layer in range(2):
+        assert (st.regions[layer][slots].view(np.uint16)
+                == expected.regions[layer][slots].view(np.uint16)).all()
+    assert (st.prints[slots] == expected.prints[slots]).all()

@@ -41,7 +41,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,7 @@ from kvxfer.errors import TransferError
 from kvxfer.fingerprint import device_fingerprint
 from kvxfer.layout import CacheLayout
 
-__all__ = ["PinnedRegions", "gather_into", "pinned_regions"]
+__all__ = ["PinnedRegions", "gather_into", "pinned_regions", "write_chunks"]
 
 logger = logging.getLogger("kvxfer.staging")
 
@@ -112,21 +112,28 @@ def pinned_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Seq
 def gather_into(layout: CacheLayout, caches: Sequence[jax.Array], ids: np.ndarray,
                 regions: PinnedRegions, dst: np.ndarray) -> np.ndarray:
     """Blocks `ids` into slots `dst` of `regions`, written in place on the device's side of
-    the copy; returns their fingerprints, `uint32[num_layers, n, 3]`. One dispatch per
-    power-of-two chunk of each run where ids' order and slots advance together."""
-    mesh = regions.mesh
-    gather = _gather_fn(layout, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    prints = []
+    the copy; returns their fingerprints, `uint32[num_layers, n, 3]`."""
+    gather = _gather_fn(layout, regions.mesh)
+    prints = write_chunks(regions, ids, dst, lambda chunk: gather(list(caches), chunk))
+    return np.concatenate([np.asarray(p) for p in prints], axis=1)
+
+
+def write_chunks(regions: PinnedRegions, ids: np.ndarray, dst: np.ndarray,
+                 take: Callable[[jax.Array], tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
+    """Rows `ids` into slots `dst`: one `take(chunk ids on the device)` -> `(rows stacked per
+    layer on the device, what else it computed)` and one in-place write per power-of-two
+    chunk of each run where ids' order and slots advance together. Returns what `take`
+    computed besides the rows, chunk by chunk, in `ids` order."""
+    replicated = NamedSharding(regions.mesh, PartitionSpec())
+    out = []
     for first, slot, length in coalesce_pairs(range(len(ids)), dst.tolist()):
         for start, size in _chunks(length):
-            chunk = jax.device_put(ids[first + start : first + start + size].astype(np.int32),
-                                   replicated)
-            rows, chunk_prints = gather(list(caches), chunk)
-            regions.replace(_write_fn(regions.sharding, layout.num_layers)(
+            chunk = ids[first + start : first + start + size].astype(np.int32)
+            rows, computed = take(jax.device_put(chunk, replicated))
+            regions.replace(_write_fn(regions.sharding, len(regions))(
                 regions.arrays, rows, jnp.int32(slot + start)))
-            prints.append(chunk_prints)
-    return np.concatenate([np.asarray(p) for p in prints], axis=1)
+            out.append(computed)
+    return out
 
 
 def _chunks(length: int) -> list[tuple[int, int]]:

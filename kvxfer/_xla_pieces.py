@@ -26,6 +26,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kvxfer import _pinned_regions
+from kvxfer._pinned_regions import PinnedRegions
 from kvxfer._xla import _uint, bucket_ids, copy_rows, dropped_ids
 from kvxfer.errors import LayoutMismatchError
 from kvxfer.layout import CacheLayout
@@ -33,7 +35,7 @@ from kvxfer.layout import CacheLayout
 if TYPE_CHECKING:
     from kvxfer.pieces import Piece
 
-__all__ = ["gather", "local_view", "scatter"]
+__all__ = ["gather", "local_mesh", "local_view", "scatter"]
 
 _16 = np.uint32(16)
 
@@ -47,7 +49,7 @@ def local_view(caches: Sequence[jax.Array], shards: Sequence[Sequence[jax.Shard]
     a column per range of units (in order); the array is `[num_blocks, ...]` with the
     piece's units on its split axis, split over `'units'`.
     """
-    mesh = Mesh(_device_grid(shards[0], piece), ("copies", "units"))
+    mesh = local_mesh(shards[0], piece)
     sharding = NamedSharding(mesh, _unit_spec(len(caches[0].shape), piece.axis))
     shape = list(caches[0].shape)
     shape[1 + piece.axis] = piece.count
@@ -56,13 +58,24 @@ def local_view(caches: Sequence[jax.Array], shards: Sequence[Sequence[jax.Shard]
             for held in shards]
 
 
+def local_mesh(shards: Sequence[jax.Shard], piece: Piece) -> Mesh:
+    """The mesh `local_view` puts a cache's given shards on."""
+    return Mesh(_device_grid(shards, piece), ("copies", "units"))
+
+
 def gather(layout: CacheLayout, view: Sequence[jax.Array], ids: np.ndarray, axis: int,
            weights: np.ndarray, regions: Sequence[np.ndarray], prints: np.ndarray,
            dst: np.ndarray) -> None:
     """Rows `ids` of the local view, unit-major, into slots `dst` of `regions`, and their
     per-unit sums into `prints[dst]` (`[slots, units, layers, 3]`)."""
     mesh = view[0].sharding.mesh
-    rows, sums = _gather_fn(layout, mesh, axis)(
+    if isinstance(regions, PinnedRegions) and regions.mesh == mesh:  # in place, no host copy
+        fn, on_mesh = _gather_fn(layout, mesh, axis, True), _weights_on(mesh, weights)
+        sums = _pinned_regions.write_chunks(regions, ids, dst,
+                                            lambda chunk: fn(list(view), chunk, on_mesh))
+        prints[dst] = np.concatenate([np.asarray(s) for s in sums])
+        return
+    rows, sums = _gather_fn(layout, mesh, axis, False)(
         list(view), bucket_ids(ids, mesh), _weights_on(mesh, weights))
     copy_rows(rows, regions, dst)
     prints[dst] = np.asarray(sums)[: len(ids)]
@@ -99,7 +112,9 @@ def scatter(layout: CacheLayout, caches: Sequence[jax.Array], view: Sequence[jax
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int):
+def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int, stacked: bool):
+    """Rows, unit-major, and their per-unit sums: per layer in pinned host, or (`stacked`,
+    for `PinnedRegions`) stacked per layer as unsigned ints on the device."""
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
     spec = _unit_spec(1 + len(layout.block_shape), axis)
 
@@ -109,14 +124,17 @@ def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int):
             row = jnp.moveaxis(jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0),
                                1 + axis, 1)
             sums.append(_unit_sums(row, weights))
-            rows.append(lax.bitcast_convert_type(row, dtype))
-        return rows, jnp.stack(sums, axis=2)
+            rows.append(row if stacked else lax.bitcast_convert_type(row, dtype))
+        return jnp.stack(rows) if stacked else rows, jnp.stack(sums, axis=2)
 
     unit_major = PartitionSpec(None, "units")
+    rows_spec = PartitionSpec(None, None, "units") if stacked else [unit_major] * layout.num_layers
     per_shard = jax.shard_map(
         local, mesh=mesh,
         in_specs=([spec] * layout.num_layers, PartitionSpec(), PartitionSpec("units")),
-        out_specs=([unit_major] * layout.num_layers, unit_major), check_vma=False)
+        out_specs=(rows_spec, unit_major), check_vma=False)
+    if stacked:
+        return jax.jit(per_shard)
     host = NamedSharding(mesh, unit_major, memory_kind="pinned_host")
     return jax.jit(per_shard, out_shardings=([host] * layout.num_layers, host))
 

@@ -42,6 +42,7 @@ from kvxfer._host_buffers import (
     own_buffers,
     run_per_shard,
 )
+from kvxfer._pinned_regions import pinned_regions
 from kvxfer._rows import RowCopies
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
@@ -133,11 +134,22 @@ def piece_shape(layout: CacheLayout, piece: Piece) -> tuple[int, ...]:
     return (piece.count, *rest)
 
 
-def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int) -> Staging:
-    """Host staging for `piece` of each block: unit-major slots, per-unit fingerprint sums."""
+def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int,
+                  caches: Sequence[jax.Array] | None = None) -> Staging:
+    """Host staging for `piece` of each block: unit-major slots, per-unit fingerprint sums.
+
+    With `caches` (this process's), on the XLA backend, where one device holds the piece
+    (one replica), the regions are pinned-host buffers that `gather_piece_into` writes in
+    place, with no host copy (`kvxfer._pinned_regions`); else numpy.
+    """
     _check_words(layout, piece)
-    return Staging(layout.num_layers, num_slots, piece_shape(layout, piece), layout.np_dtype,
-                   prints_per_layer=piece.count)
+    shape = piece_shape(layout, piece)
+    regions = None
+    if caches is not None and _backend() == "xla":
+        mesh = _xla_pieces.local_mesh(_one_replica(caches[0], piece), piece)
+        regions = pinned_regions(mesh, layout.num_layers, num_slots, shape, layout.np_dtype)
+    return Staging(layout.num_layers, num_slots, shape, layout.np_dtype,
+                   prints_per_layer=piece.count, regions=regions)
 
 
 def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np.ndarray,

@@ -132,7 +132,8 @@ def prefill():
         released += p.get_finished()
         time.sleep(0.005)
     report(released=released, free_slots=p.slot_map.num_free_slots,
-           staged_here="r" in p.staging, held=p.transport.held())
+           staged_here="r" in p.staging, held=p.transport.held(),
+           pinned=type(p.staging.regions).__name__ == "PinnedRegions")
     p.close()
 
 

@@ -171,8 +171,8 @@ class ManyProcesses(OneProcess):
             raise LayoutMismatchError(f"KV cache groups cut blocks into different pieces on "
                                       f"this process: {pieces}")
         self.config, self.layouts, self.pieces = config, layouts, pieces
-        self.stagings = [piece_staging(layout, piece, config.staging_blocks)
-                         for layout, piece in zip(layouts, pieces)]
+        self.stagings = [piece_staging(layout, piece, config.staging_blocks, caches)
+                         for layout, piece, caches in zip(layouts, pieces, groups)]
         first = pieces[0]
         self.piece = (first.lo, first.hi, first.units)
         self._sources = [Source(_agent_name(config, process), p.lo, p.hi)
