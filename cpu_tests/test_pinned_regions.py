@@ -2,6 +2,7 @@
 backend selected on CPU: the same bytes and fingerprints as the host copy, every buffer at its
 address across saves, and numpy staging wherever that cannot hold."""
 
+import gc
 import logging
 import os
 import sys
@@ -77,14 +78,37 @@ def test_pinned_regions_need_one_device_and_a_donation_that_keeps_the_address(xl
     assert "moved" in caplog.text
 
 
-def test_a_write_that_moves_a_buffer_is_refused_by_name(xla, monkeypatch):
+def test_a_write_that_moves_a_buffer_or_fails_is_refused_by_name_and_every_later_one(xla,
+                                                                                monkeypatch):
     caches = caches_on(jax.devices()[:1], seed=4)
-    regions = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
     host = NamedSharding(_mesh(1), PartitionSpec(), memory_kind="pinned_host")
-    monkeypatch.setattr(_pinned_regions, "_write_fn", lambda sharding, layers: (
-        lambda arrays, rows, at: [jax.device_put(np.array(a), host) for a in arrays]))
-    with pytest.raises(TransferError, match="pinned staging moved"):
-        gather_into(caches, np.array([1, 2]), regions, np.array([0, 1]))
+    moving = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
+    failing = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
+
+    def moves(arrays, rows, at):
+        return [jax.device_put(np.array(a), host) for a in arrays]
+
+    def fails(arrays, rows, at):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of pinned host memory")
+
+    for regions, write, match in ((moving, moves, "moved its buffers"),
+                                  (failing, fails, "RESOURCE_EXHAUSTED")):
+        monkeypatch.setattr(_pinned_regions, "_write_fn", lambda sharding, layers, w=write: w)
+        with pytest.raises(TransferError, match=match):
+            gather_into(caches, np.array([1, 2]), regions, np.array([0, 1]))
+        monkeypatch.undo()
+        monkeypatch.setenv("KVXFER_BACKEND", "xla")
+        with pytest.raises(TransferError, match=f"unusable: .*{match}"):  # the views may be stale
+            gather_into(caches, np.array([3]), regions, np.array([5]))
+
+
+def test_a_view_keeps_its_regions_alive():
+    regions = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
+    view = regions[1]
+    address = regions.addresses[1]
+    del regions
+    gc.collect()
+    assert view.ctypes.data == address and not view.view(np.uint16).any()  # still its zeros
 
 
 def test_staging_refuses_regions_of_another_shape_by_name():

@@ -27,8 +27,12 @@ array).
 Donation keeping the address is checked, never assumed: `pinned_regions`
 writes once at construction and keeps the regions only if every buffer kept
 its address (else it returns None and the caller allocates numpy staging);
-every write checks again and raises `TransferError` if a buffer moved,
-since NIXL's registration would then name freed memory.
+every save checks again once its writes are done. A save whose write failed
+or moved a buffer raises `TransferError` and leaves the regions `broken` for
+good, since their views and NIXL's registration may then name freed memory
+(D's fingerprint check refuses whatever it reads there); every later save
+raises too. The regions are where JAX's pinned-host allocator put them, not
+page-aligned as numpy staging is (NIXL pins the pages they touch).
 
 Where the caches span several devices, each device's rows land in its own
 pinned buffer, so a slot would be split across buffers that D cannot read
@@ -41,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -54,6 +59,7 @@ from kvxfer.blocks import coalesce_pairs
 from kvxfer.errors import TransferError
 from kvxfer.fingerprint import device_fingerprint
 from kvxfer.layout import CacheLayout
+from kvxfer.staging import check_fits
 
 __all__ = ["PinnedRegions", "gather_into", "pinned_regions", "write_chunks"]
 
@@ -63,16 +69,20 @@ logger = logging.getLogger("kvxfer.staging")
 class PinnedRegions(Sequence[np.ndarray]):
     """One pinned-host region per layer on the one device of `mesh`: the `jax.Array`s
     (`arrays`, replaced by each write with arrays at the same addresses) and, as the
-    sequence's items, writable numpy arrays over the same bytes."""
+    sequence's items, writable numpy arrays over the same bytes (each keeps these regions
+    alive). Once a write fails or moves a buffer the regions are `broken` (the views and
+    NIXL's registration may name freed memory): every later write raises."""
 
     def __init__(self, mesh: Mesh, num_layers: int, shape: tuple[int, ...], dtype: np.dtype):
         self.mesh, self.dtype = mesh, np.dtype(dtype)
+        self.device = mesh.devices.flat[0]
         self.sharding = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
         zeros = jax.jit(lambda: jnp.zeros(shape, _uint(self.dtype)),  # touches every page
                         out_shardings=self.sharding)
         self.arrays = [zeros() for _ in range(num_layers)]
         self.addresses = _addresses(self.arrays)
-        self._views = [_numpy_over(a, self.dtype) for a in self.arrays]
+        self.broken: str | None = None
+        self._views = [_numpy_over(a, self.dtype, self) for a in self.arrays]
 
     def __len__(self) -> int:
         return len(self._views)
@@ -80,31 +90,46 @@ class PinnedRegions(Sequence[np.ndarray]):
     def __getitem__(self, layer):  # type: ignore[override]
         return self._views[layer]
 
-    def replace(self, arrays: list[jax.Array]) -> None:
-        """Take a write's output arrays; `TransferError` if any buffer moved."""
-        jax.block_until_ready(arrays)
-        moved = _addresses(arrays) != self.addresses
-        self.arrays = arrays
+    def serves(self, mesh: Mesh) -> bool:
+        """Whether a gather from caches on `mesh` can write here: the same one device."""
+        return mesh.size == 1 and mesh.devices.flat[0] == self.device
+
+    def write(self, rows: Sequence[jax.Array]) -> None:
+        """Write `rows` (`(stacked rows on the device, first slot)` per chunk) in place, one
+        dispatch each; `TransferError` if one fails or moves a buffer (then `broken`)."""
+        if self.broken:
+            raise TransferError(f"P's pinned staging is unusable: {self.broken}")
+        write = _write_fn(self.sharding, len(self))
+        try:
+            for stacked, slot in rows:
+                self.arrays = write(self.arrays, stacked, jnp.int32(slot))
+            jax.block_until_ready(self.arrays)
+            moved = _addresses(self.arrays) != self.addresses
+        except Exception as e:  # donated, maybe freed: the views may name freed memory
+            self.broken = f"a write failed: {e}"
+            raise TransferError(f"P's pinned staging: {self.broken}") from e
         if moved:
-            raise TransferError(
-                "P's pinned staging moved in a donated write: NIXL's registration of it is "
-                "stale (this backend does not alias donated pinned-host buffers here)")
+            self.broken = ("a donated write moved its buffers: NIXL's registration is stale (this "
+                           "backend does not alias donated pinned-host buffers here)")
+            raise TransferError(f"P's pinned staging: {self.broken}")
 
 
 def pinned_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Sequence[int],
                    dtype: np.dtype) -> PinnedRegions | None:
     """`PinnedRegions` for caches on `mesh`, or None where they cannot be used: a mesh of
-    several devices, or a backend on which a donated write moved a buffer (logged)."""
+    several devices, or a backend on which a donated write moved a buffer (logged).
+    Staging larger than this machine's memory is refused by name first."""
     if mesh.size != 1:
         return None
-    regions = PinnedRegions(mesh, num_layers, (num_slots, *block_shape), np.dtype(dtype))
-    probe = jnp.zeros((num_layers, 1, *block_shape), _uint(regions.dtype))
+    dtype = np.dtype(dtype)
+    check_fits(num_layers * num_slots * math.prod(block_shape) * dtype.itemsize, num_layers,
+               num_slots)
+    regions = PinnedRegions(mesh, num_layers, (num_slots, *block_shape), dtype)
+    probe = jnp.zeros((num_layers, 1, *block_shape), _uint(dtype))
     try:
-        regions.replace(_write_fn(regions.sharding, num_layers)(
-            regions.arrays, jax.device_put(probe, NamedSharding(mesh, PartitionSpec())),
-            jnp.int32(0)))
+        regions.write([(jax.device_put(probe, NamedSharding(mesh, PartitionSpec())), 0)])
     except TransferError as e:
-        logger.warning("pinned staging not used on %s: %s", mesh.devices.flat[0].platform, e)
+        logger.warning("pinned staging not used on %s: %s", regions.device.platform, e)
         return None
     return regions
 
@@ -113,26 +138,24 @@ def gather_into(layout: CacheLayout, caches: Sequence[jax.Array], ids: np.ndarra
                 regions: PinnedRegions, dst: np.ndarray) -> np.ndarray:
     """Blocks `ids` into slots `dst` of `regions`, written in place on the device's side of
     the copy; returns their fingerprints, `uint32[num_layers, n, 3]`."""
-    gather = _gather_fn(layout, regions.mesh)
+    gather = _gather_fn(layout, caches[0].sharding.mesh)
     prints = write_chunks(regions, ids, dst, lambda chunk: gather(list(caches), chunk))
     return np.concatenate([np.asarray(p) for p in prints], axis=1)
 
 
 def write_chunks(regions: PinnedRegions, ids: np.ndarray, dst: np.ndarray,
-                 take: Callable[[jax.Array], tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
-    """Rows `ids` into slots `dst`: one `take(chunk ids on the device)` -> `(rows stacked per
-    layer on the device, what else it computed)` and one in-place write per power-of-two
-    chunk of each run where ids' order and slots advance together. Returns what `take`
-    computed besides the rows, chunk by chunk, in `ids` order."""
-    replicated = NamedSharding(regions.mesh, PartitionSpec())
-    out = []
+                 take: Callable[[np.ndarray], tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
+    """Rows `ids` into slots `dst`: per power-of-two chunk of each run where ids' order and
+    slots advance together, one `take(chunk ids)` -> `(rows stacked per layer on the
+    device, what else it computed)`, and the chunks' writes, checked once at the end.
+    Returns what `take` computed besides the rows, chunk by chunk, in `ids` order."""
+    chunks, out = [], []
     for first, slot, length in coalesce_pairs(range(len(ids)), dst.tolist()):
         for start, size in _chunks(length):
-            chunk = ids[first + start : first + start + size].astype(np.int32)
-            rows, computed = take(jax.device_put(chunk, replicated))
-            regions.replace(_write_fn(regions.sharding, len(regions))(
-                regions.arrays, rows, jnp.int32(slot + start)))
+            rows, computed = take(ids[first + start : first + start + size].astype(np.int32))
+            chunks.append((rows, slot + start))
             out.append(computed)
+    regions.write(chunks)
     return out
 
 
@@ -177,9 +200,11 @@ def _addresses(arrays: Sequence[jax.Array]) -> list[int]:
     return [s.data.unsafe_buffer_pointer() for a in arrays for s in a.addressable_shards]
 
 
-def _numpy_over(array: jax.Array, dtype: np.dtype) -> np.ndarray:
-    """A writable numpy array over `array`'s one buffer (valid while a buffer lives there)."""
+def _numpy_over(array: jax.Array, dtype: np.dtype, owner: PinnedRegions) -> np.ndarray:
+    """A writable numpy array over `array`'s one buffer, keeping `owner` (which holds the
+    array written there last) alive."""
     nbytes = array.size * array.dtype.itemsize
     raw = (ctypes.c_uint8 * nbytes).from_address(array.addressable_shards[0].data
                                                  .unsafe_buffer_pointer())
+    raw.owner = owner  # type: ignore[attr-defined]
     return np.frombuffer(raw, np.uint8).view(dtype).reshape(array.shape)

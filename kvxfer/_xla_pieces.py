@@ -69,7 +69,7 @@ def gather(layout: CacheLayout, view: Sequence[jax.Array], ids: np.ndarray, axis
     """Rows `ids` of the local view, unit-major, into slots `dst` of `regions`, and their
     per-unit sums into `prints[dst]` (`[slots, units, layers, 3]`)."""
     mesh = view[0].sharding.mesh
-    if isinstance(regions, PinnedRegions) and regions.mesh == mesh:  # in place, no host copy
+    if isinstance(regions, PinnedRegions) and regions.serves(mesh):  # in place, no host copy
         fn, on_mesh = _gather_fn(layout, mesh, axis, True), _weights_on(mesh, weights)
         sums = _pinned_regions.write_chunks(regions, ids, dst,
                                             lambda chunk: fn(list(view), chunk, on_mesh))

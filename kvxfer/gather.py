@@ -230,7 +230,7 @@ def gather_into(
     if len(ids) == 0:
         return np.zeros((layout.num_layers, 0, SUMS), np.uint32)
     mesh = caches[0].sharding.mesh
-    if (isinstance(regions, _pinned_regions.PinnedRegions) and regions.mesh == mesh
+    if (isinstance(regions, _pinned_regions.PinnedRegions) and regions.serves(mesh)
             and backend(mesh) == "xla"):  # written in place: no host copy
         return _pinned_regions.gather_into(layout, caches, ids, regions, dst)
     return _backend(mesh).gather_into(layout, mesh, caches, ids, regions, dst)

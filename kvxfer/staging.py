@@ -116,7 +116,7 @@ class Staging(SlotMap):
         super().__init__(num_slots, placement)
         self.block_shape = tuple(int(d) for d in block_shape)
         self.dtype = np.dtype(dtype)
-        _check_fits(num_layers * num_slots * math.prod(self.block_shape) * self.dtype.itemsize,
+        check_fits(num_layers * num_slots * math.prod(self.block_shape) * self.dtype.itemsize,
                     num_layers, num_slots)
         self.regions: Sequence[np.ndarray] = (
             [_aligned_region((num_slots, *self.block_shape), self.dtype)
@@ -195,7 +195,7 @@ def _given_regions(regions: Sequence[np.ndarray], num_layers: int, shape: tuple[
     return regions
 
 
-def _check_fits(nbytes: int, num_layers: int, num_slots: int) -> None:
+def check_fits(nbytes: int, num_layers: int, num_slots: int) -> None:
     """Refuse, by name, staging larger than this machine's memory (numpy would raise a bare
     `MemoryError`, or the kernel kill the process as the pages are touched)."""
     try:

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvxfer._pinned_regions import PinnedRegions, pinned_regions
 from kvxfer.errors import InvalidInputError
-from kvxfer.gather import backend, bucket_size, gather_blocks, gather_into
+from kvxfer.gather import bucket_size, gather_blocks, gather_into
 
 __all__ = ["run"]
 
@@ -166,25 +166,28 @@ def _timed(caches: list[jax.Array], ids: np.ndarray, nbytes: int, sharding: Name
 
 
 class _Pinned:
-    """P's gather into pinned staging on one device (`kvxfer._pinned_regions`): the caches'
-    copy on their first device, into one run of slots at an offset in staging of twice as
-    many. `in_place`: the regions are pinned-host buffers the gather donates (False where
-    `pinned_regions` refused them, or the host backend copies with numpy)."""
+    """P's gather into pinned staging on one device (`kvxfer._pinned_regions`): the caches
+    (or their copy on their first device), into one run of slots at an offset in staging
+    of twice as many. `in_place`: every call took the in-place path (False where
+    `pinned_regions` refused the regions, or the host backend copies with numpy)."""
 
     def __init__(self, caches: list[jax.Array], count: int):
-        mesh = Mesh(caches[0].sharding.mesh.devices.reshape(-1)[:1].reshape(1, 1),
-                    ("data", "model"))
-        sharding = NamedSharding(mesh, PartitionSpec())
-        self.caches = [c if c.sharding.mesh.size == 1 else jax.device_put(c, sharding)
-                       for c in caches]
+        mesh = caches[0].sharding.mesh
+        if mesh.size != 1:
+            mesh = Mesh(mesh.devices.reshape(-1)[:1].reshape(1, 1), ("data", "model"))
+            caches = [jax.device_put(c, NamedSharding(mesh, PartitionSpec())) for c in caches]
+        self.caches = caches
         shape, dtype = caches[0].shape[1:], np.dtype(caches[0].dtype)
         self.regions = (pinned_regions(mesh, len(caches), 2 * count, shape, dtype)
                         or [np.zeros((2 * count, *shape), dtype) for _ in caches])
         self.slots = np.arange(count) + count // 2
-        self.in_place = isinstance(self.regions, PinnedRegions) and backend(mesh) == "xla"
+        self.in_place = isinstance(self.regions, PinnedRegions)
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
-        return gather_into(self.caches, ids, self.regions, self.slots)
+        arrays = getattr(self.regions, "arrays", None)
+        prints = gather_into(self.caches, ids, self.regions, self.slots)
+        self.in_place &= arrays is not None and all(a.is_deleted() for a in arrays)
+        return prints
 
 
 def _gathered_on_device(caches: list[jax.Array], ids: np.ndarray,
