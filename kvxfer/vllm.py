@@ -163,7 +163,7 @@ class KvxferMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class FreedMetadata(KVConnectorWorkerMetadata):
+class WorkerReport(KVConnectorWorkerMetadata):
     """Worker -> scheduler, each step it has news: P requests whose staging D has read (or
     whose lease expired); and, from every worker of a P whose caches span several processes
     (hosts), every P process's agent and the units of each block it stages (each worker
@@ -175,11 +175,11 @@ class FreedMetadata(KVConnectorWorkerMetadata):
     units: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, FreedMetadata):
+        if not isinstance(other, WorkerReport):
             return self
         sources, units = (self.sources, self.units) if self.sources else (other.sources,
                                                                           other.units)
-        return FreedMetadata(self.freed | other.freed, sources, units)
+        return WorkerReport(self.freed | other.freed, sources, units)
 
 
 class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
@@ -266,7 +266,7 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, FreedMetadata):
+        if isinstance(meta, WorkerReport):
             self._scheduler.learn_sources(meta.sources, meta.units)
             self._scheduler.release(meta.freed)
 
@@ -534,14 +534,14 @@ class _WorkerSide:
     def load_errors(self) -> set[int]:
         return self._decode.get_block_ids_with_load_errors() if self._decode else set()
 
-    def report(self) -> FreedMetadata | None:
+    def report(self) -> WorkerReport | None:
         """This step's news for the scheduler: the requests freed since the last report;
         on a P across hosts, every step, every P process's agent and units."""
         freed, self._freed = self._freed, set()
         prefill = self._prefill
         if prefill is not None and prefill.sources:
-            return FreedMetadata(freed, tuple(prefill.sources), prefill.units)
-        return FreedMetadata(freed) if freed else None
+            return WorkerReport(freed, tuple(prefill.sources), prefill.units)
+        return WorkerReport(freed) if freed else None
 
     def close(self) -> None:
         for side in (self._prefill, self._decode):
