@@ -227,13 +227,17 @@ def test_d_reads_under_its_own_request_id_and_names_p_s_id_to_p(pair):
         time.sleep(0.01)
 
 
-def test_lease_refuses_a_generation_that_is_not_fresh(pair):
+def test_lease_refuses_a_generation_that_is_not_fresh_or_a_bad_secret(pair):
     pr = pair()
-    pr.p.transport.lease("a", 5)
+    secret = "0123456789abcdef" * 2
+    pr.p.transport.lease("a", 5, secret)
     for stale in (5, 3, 0, "6"):
         with pytest.raises(InvalidInputError, match=f"generation {stale!r} is not fresh"):
-            pr.p.transport.lease("b", stale)
-    pr.p.transport.lease("b", 6)
+            pr.p.transport.lease("b", stale, secret)
+    for bad in ("xyz", secret[:-1], None):
+        with pytest.raises(InvalidInputError, match="a request secret is 32 hex digits"):
+            pr.p.transport.lease("b", 6, bad)
+    pr.p.transport.lease("b", 6, secret)
     assert sorted(pr.p.transport.held()) == ["a", "b"]
 
 

@@ -16,7 +16,7 @@ import pytest
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, claim_name, free_port, release_name, start_agent
 from kvxfer.staging import Staging
-from kvxfer.wire import decode_message, encode_message
+from kvxfer.wire import decode_message, done_token, encode_message
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Peer, PeerError  # noqa: E402
@@ -324,7 +324,7 @@ def test_restarted_p_refuses_old_params_and_serves_new_ones(peers, same_port):
         p.kill()
 
 
-def test_malformed_notifications_are_dropped_alone_and_the_batch_goes_on(peers):
+def test_malformed_or_forged_notifications_are_dropped_alone_and_the_batch_goes_on(peers):
     p, d = peers["P"], peers["D"]
     connect(d, p, "P")
     params = stage_and_hold(p, "amid", [70, 71], seed=30)
@@ -336,6 +336,11 @@ def test_malformed_notifications_are_dropped_alone_and_the_batch_goes_on(peers):
         encode_message("done", req_id=5, instance=params["instance"], generation=1),
         encode_message("done", req_id="amid", generation=params["generation"]),  # no instance
         encode_message("done", req_id="amid", instance=params["instance"], generation=True),
+        # Well formed, but not from a holder of the params: without the secret's token.
+        encode_message("done", req_id="amid", instance=params["instance"],
+                       generation=params["generation"]),
+        encode_message("done", req_id="amid", instance=params["instance"],
+                       generation=params["generation"], token=done_token("ab" * 16)),
         encode_message("nonsense"),
         b"kvxfer:{\"v\": 2, \"t\": 5}",
         b"\xff\xfe",

@@ -26,10 +26,11 @@ from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.slots import SlotMap
 
 __all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "StreamParams", "check_piece",
-           "decode_message", "encode_message", "is_generation", "is_stream_id", "message_field",
-           "new_instance", "new_secret", "new_stream_id", "parse_sources", "prompt_digest"]
+           "decode_message", "done_token", "encode_message", "is_generation", "is_stream_id",
+           "message_field", "new_instance", "new_secret", "new_stream_id", "parse_sources",
+           "prompt_digest"]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 _MAGIC = b"kvxfer:"
@@ -89,6 +90,16 @@ def new_secret(key: str | None = None, req_id: str = "", count: int = 0) -> str:
         return secrets.token_hex(16)
     return hashlib.blake2b(f"{req_id}\0{count}".encode(), key=bytes.fromhex(key),
                            digest_size=16).hexdigest()
+
+
+def done_token(secret: str) -> str:
+    """What D's `done` for a request carries, 32 hex digits: derived from the request's
+    secret (BLAKE2b), so only a holder of its params can free P's staging of it early,
+    and the secret itself travels in no message."""
+    if not _is_hex(secret, 32):
+        raise InvalidInputError(f"a request secret is 32 hex digits, got {secret!r:.40}")
+    return hashlib.blake2b(bytes.fromhex(secret), digest_size=16,
+                           person=b"kvxfer-done").hexdigest()
 
 
 def new_stream_id() -> str:

@@ -101,7 +101,8 @@ class PrefillWorker:
         if meta.blocks:
             self._trace_gathers(meta, start)
         for req_id, generation in meta.holds.items():
-            self.transport.lease(req_id, generation, trace=self._traces.pop(req_id, None))
+            self.transport.lease(req_id, generation, meta.secrets[req_id],
+                                 trace=self._traces.pop(req_id, None))
         for req_id, (stream, prompt) in meta.streams.items():
             final = meta.final[req_id]
             slot_of = [dict(zip([pos for pos, _ in placed], slots))

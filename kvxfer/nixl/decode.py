@@ -63,6 +63,7 @@ from kvxfer.wire import (
     ReadParams,
     Source,
     check_piece,
+    done_token,
     is_generation,
     message_field,
 )
@@ -115,8 +116,9 @@ class DecodeTransport(StreamReading):
         self.recorder = recorder or Recorder()
         self.handshakes = Handshakes(self.peers, self.recorder)
         self._reads: dict[str, Read] = {}
-        self._expected: dict[str, tuple[list[str], str, int]] = {}  # req -> (peers, instance, gen)
-        self._cancelled: list[tuple[str, list[str], str, int]] = []  # the same, to say done for
+        # req -> (peers, instance, generation, done token); then the same, to say done for
+        self._expected: dict[str, tuple[list[str], str, int, str]] = {}
+        self._cancelled: list[tuple[str, list[str], str, int, str]] = []
         self._zombies = Zombies(self.stagings)
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
@@ -145,7 +147,7 @@ class DecodeTransport(StreamReading):
         """Keep P's lease on a request alive (heartbeats; connecting to P in the background)
         until `start_read` takes it or `cancel` drops it."""
         p = _check_params(params, len(self.stagings))
-        self._expected[p.req_id] = (p.peers, p.instance, p.generation)
+        self._expected[p.req_id] = (p.peers, p.instance, p.generation, done_token(p.secret))
         for peer in p.peers:
             self.handshakes.begin(peer, p.host, p.port, p.instance)
 
@@ -290,7 +292,8 @@ class DecodeTransport(StreamReading):
             if leg.state is LegState.READ:
                 try:
                     self.peers.send_done(leg.peer, read.p_req_id, read.instance,
-                                         read.generation, self.reader)
+                                         read.generation, done_token(read.params.secret),
+                                         self.reader)
                     leg.state = LegState.ACK
                 except TransferError as e:
                     self._fail(read, reason="peer_gone")
@@ -365,7 +368,7 @@ class DecodeTransport(StreamReading):
         release_name(self.config.name)
 
 
-def _wanted(reads: Mapping[str, Read], expected: Mapping[str, tuple[list[str], str, int]]
+def _wanted(reads: Mapping[str, Read], expected: Mapping[str, tuple[list[str], str, int, str]]
             ) -> dict[str, list[list[Any]]]:
     """Per P agent, the `[P's request id, generation]` of each request D reads from it or
     expects."""

@@ -189,29 +189,30 @@ class Peers:
                 failed[name] = str(e)
         return failed
 
-    def say_done(self, requests: Sequence[tuple[str, list[str], str, int]],
+    def say_done(self, requests: Sequence[tuple[str, list[str], str, int, str]],
                  reader: tuple[int, int]) -> dict[str, str]:
-        """`done` for each `(P's request id, P agents, instance, generation)` to each connected
-        agent of that instance (a gone or restarted one lets the lease lapse); returns the
-        peers it failed for, with why."""
+        """`done` for each `(P's request id, P agents, instance, generation, done token)` to
+        each connected agent of that instance (a gone or restarted one lets the lease lapse);
+        returns the peers it failed for, with why."""
         failed = {}
-        for req_id, names, instance, generation in requests:
+        for req_id, names, instance, generation, token in requests:
             for name in names:
                 peer = self._peers.get(name)
                 if peer is None or peer.instance != instance or name in failed:
                     continue
                 try:
-                    self.send_done(name, req_id, instance, generation, reader)
+                    self.send_done(name, req_id, instance, generation, token, reader)
                 except TransferError as e:
                     failed[name] = str(e)
         return failed
 
-    def send_done(self, name: str, req_id: str, instance: str, generation: int,
+    def send_done(self, name: str, req_id: str, instance: str, generation: int, token: str,
                   reader: tuple[int, int]) -> None:
         """Tell P agent `name` that D (process `reader[0]` of `reader[1]`) no longer needs
-        P's request `req_id` of that instance and generation; `TransferError` if it fails."""
+        P's request `req_id` of that instance and generation, with the `done_token` of its
+        secret; `TransferError` if it fails."""
         send(self.agent, name, "done", req_id=req_id, instance=instance, generation=generation,
-             readers=reader[1], reader=reader[0])
+             token=token, readers=reader[1], reader=reader[0])
 
     def forget(self, peer: str) -> None:
         """Drop NIXL's metadata of `peer`, so the next connect fetches it afresh."""

@@ -20,6 +20,7 @@ go, `drop`, or a lease later) frees it.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from kvxfer.wire import (
     ReadParams,
     check_piece,
     decode_message,
+    done_token,
     is_generation,
     message_field,
     new_instance,
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 class _Lease:
     generation: int
     expires: float
+    token: str = ""  # what D's `done` must carry (`done_token` of the request's secret)
     done_by: set[int] = field(default_factory=set)  # D processes (readers) that said done
     trace: Trace | None = None
     held_at: float = 0.0
@@ -135,12 +138,12 @@ class PrefillTransport:
             raise InvalidInputError(f"request {req_id!r} has nothing staged to hold")
         for g, (staging, keys, slots) in enumerate(zip(self.stagings, params.keys, params.slots)):
             staging.tags[list(slots)] = block_tags(params.secret, g, keys)
-        self.lease(req_id, params.generation, now)
+        self.lease(req_id, params.generation, params.secret, now)
         return params.to_dict()
 
-    def lease(self, req_id: str, generation: int, now: float | None = None,
+    def lease(self, req_id: str, generation: int, secret: str, now: float | None = None,
               trace: Trace | None = None) -> None:
-        """Start `req_id`'s lease under a `generation` its params already name.
+        """Start `req_id`'s lease under a `generation` and `secret` its params already name.
 
         For a caller that made the params itself (vLLM's scheduler process
         hands them out before the worker has saved the last chunk), and wrote
@@ -156,14 +159,15 @@ class PrefillTransport:
         if not is_generation(generation) or generation < self._next_generation:
             raise InvalidInputError(f"request {req_id!r}: generation {generation!r} is not "
                                     f"fresh (next is {self._next_generation})")
+        token = done_token(secret)  # a `done` without it frees nothing
         self._next_generation = generation + 1
         trace = trace or Trace(req_id, "P", req_id)
         trace.p = self.config.name
         if held is not None:  # streamed: held since its first block, its lease runs from now
             held.generation, held.expires, held.trace = generation, now + self.config.lease_s, trace
-            held.held_at = time.monotonic()
+            held.held_at, held.token = time.monotonic(), token
             return
-        self._leases[req_id] = _Lease(generation, now + self.config.lease_s, trace=trace,
+        self._leases[req_id] = _Lease(generation, now + self.config.lease_s, token, trace=trace,
                                       held_at=time.monotonic())
         logger.debug("P %s holds %s gen %s", self.config.name, req_id, generation)
 
@@ -239,9 +243,11 @@ class PrefillTransport:
                              "a positive int", sender) or 1
             reader = message_field(msg, "reader", lambda v: v is None or (is_int(v) and 0 <= v < readers),
                             f"an int in [0, {readers})", sender) or 0
+            token = message_field(msg, "token", lambda v: isinstance(v, str), "a str", sender)
             lease = self._leases.get(req_id)
             ok = (instance == self.instance and lease is not None
-                  and lease.generation == generation)
+                  and lease.generation == generation
+                  and hmac.compare_digest(token.encode(), lease.token.encode()))
             if ok:
                 lease.done_by.add(reader)
                 lease.trace.d = sender
