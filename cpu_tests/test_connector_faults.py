@@ -292,6 +292,26 @@ def test_a_request_waiting_in_d_queue_past_p_lease_is_kept_and_a_dropped_one_fre
     assert_d_holds(pr, [10, 11], [2, 3])
 
 
+def test_params_altered_to_name_another_request_cannot_make_d_free_it_on_p(pair):
+    """Params reach D from the client: altered to name another request's P id, instance and
+    generation (none of them secret) with a secret of their own, the `done` D sends for them
+    (here: expected, then cancelled) must not free the other request's staging on P."""
+    pr = pair()
+    warm, victim = prefill(pr, "warm", [6]), prefill(pr, "victim", [2, 3])
+    pr.serve()
+    assert pr.load("warm", warm, [20]) == (["warm"], [])  # D is connected to P
+    forged = dict(victim, secret="ab" * 16)
+    pr.d.expect(forged)
+    pr.d.cancel(forged)  # D says done for it at its next poll
+    start = time.monotonic()
+    while time.monotonic() - start < 1.0:
+        pr.get_finished()
+        time.sleep(0.01)
+    assert "victim" not in pr.freed
+    assert pr.load("victim", victim, [10, 11]) == (["victim"], [])
+    assert_d_holds(pr, [10, 11], [2, 3])
+
+
 def test_caches_of_another_dtype_raise_before_any_state_changes_and_lose_nothing(pair):
     pr = pair()
     params = prefill(pr, "r", [2, 3])
