@@ -297,9 +297,9 @@ def test_params_altered_to_name_another_request_cannot_make_d_free_it_on_p(pair)
     generation (none of them secret) with a secret of their own, the `done` D sends for them
     (here: expected, then cancelled) must not free the other request's staging on P."""
     pr = pair()
-    warm, victim = prefill(pr, "warm", [6]), prefill(pr, "victim", [2, 3])
+    warm, victim = prefill(pr, "warm", [6, 7]), prefill(pr, "victim", [2, 3])
     pr.serve()
-    assert pr.load("warm", warm, [20]) == (["warm"], [])  # D is connected to P
+    assert pr.load("warm", warm, [20, 21]) == (["warm"], [])  # D is connected to P
     forged = dict(victim, secret="ab" * 16)
     pr.d.expect(forged)
     pr.d.cancel(forged)  # D says done for it at its next poll
