@@ -95,7 +95,8 @@ def run(
     ids = rng.choice(num_blocks, size=count, replace=False).astype(np.int32)
     nbytes = layers * count * int(np.prod(block_shape)) * np.dtype(dtype).itemsize
 
-    pinned = _Pinned(caches, count)
+    pinned = _Pinned(caches, count, lambda one_device: _random_caches(
+        layers, (num_blocks, *block_shape), np.dtype(dtype), one_device, seed))
     timed = _timed(caches, ids, nbytes, sharding, pinned)
     for fn in timed.values():  # warm-up: compile, fault in pages
         jax.block_until_ready(fn())
@@ -167,15 +168,16 @@ def _timed(caches: list[jax.Array], ids: np.ndarray, nbytes: int, sharding: Name
 
 class _Pinned:
     """P's gather into pinned staging on one device (`kvxfer._pinned_regions`): the caches
-    (or their copy on their first device), into one run of slots at an offset in staging
-    of twice as many. `in_place`: every call took the in-place path (False where
+    (or, made by `remake` on their first device, the same bits), into one run of slots at
+    an offset in staging of twice as many. `in_place`: every call took the in-place path (False where
     `pinned_regions` refused the regions, or the host backend copies with numpy)."""
 
-    def __init__(self, caches: list[jax.Array], count: int):
+    def __init__(self, caches: list[jax.Array], count: int,
+                 remake: Callable[[NamedSharding], list[jax.Array]]):
         mesh = caches[0].sharding.mesh
-        if mesh.size != 1:
+        if mesh.size != 1:  # made there: resharding 8 ways onto one device is slow on CPU
             mesh = Mesh(mesh.devices.reshape(-1)[:1].reshape(1, 1), ("data", "model"))
-            caches = [jax.device_put(c, NamedSharding(mesh, PartitionSpec())) for c in caches]
+            caches = remake(NamedSharding(mesh, PartitionSpec()))
         self.caches = caches
         shape, dtype = caches[0].shape[1:], np.dtype(caches[0].dtype)
         self.regions = (pinned_regions(mesh, len(caches), 2 * count, shape, dtype)
