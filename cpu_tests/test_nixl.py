@@ -341,6 +341,10 @@ def test_malformed_or_forged_notifications_are_dropped_alone_and_the_batch_goes_
                        generation=params["generation"]),
         encode_message("done", req_id="amid", instance=params["instance"],
                        generation=params["generation"], token=done_token("ab" * 16)),
+        encode_message("done", req_id="amid", instance=params["instance"],  # not even a str
+                       generation=params["generation"], token="\ud800"),  # JSON can say it
+        encode_message("done", req_id="amid", instance=params["instance"],
+                       generation=params["generation"], token="zz" * 16),
         encode_message("nonsense"),
         b"kvxfer:{\"v\": 2, \"t\": 5}",
         b"\xff\xfe",

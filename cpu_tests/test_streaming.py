@@ -152,6 +152,20 @@ def test_d_skips_blocks_it_holds_of_a_stream(pair):
     assert all((as_bits(c)[[1]] == b).all() for c, b in zip(pr.d_caches[0], before))
 
 
+def test_a_stream_whose_blocks_d_holds_all_finishes_reading_none(pair):
+    """Nothing to READ, so no params: D's `done` still carries the stream's token, and P
+    acks it (D reports a request only after P's ok)."""
+    pr = pair()
+    stream = new_stream_id()
+    pr.p.add_request("r", 48, stream=stream)
+    before = [as_bits(c)[[1, 2, 3]].copy() for c in pr.d_caches[0]]
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2, 3], have=[3])})
+    pr.save(ScheduledRequest("r", 0, 48, ([5, 6, 7],), full_table=True))
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["r"], [])
+    assert all((as_bits(c)[[1, 2, 3]] == b).all() for c, b in zip(pr.d_caches[0], before))
+
+
 @pytest.mark.parametrize("bad", [
     {"peer": "P", "host": "127.0.0.1", "port": 1, "stream": "xyz"},
     {"peer": "", "host": "127.0.0.1", "port": 1, "stream": "0" * 32},

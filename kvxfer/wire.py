@@ -26,9 +26,9 @@ from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.slots import SlotMap
 
 __all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "StreamParams", "check_piece",
-           "decode_message", "done_token", "encode_message", "is_generation", "is_stream_id",
-           "message_field", "new_instance", "new_secret", "new_stream_id", "parse_sources",
-           "prompt_digest"]
+           "decode_message", "done_token", "encode_message", "is_done_token", "is_generation",
+           "is_stream_id", "message_field", "new_instance", "new_secret", "new_stream_id",
+           "parse_sources", "prompt_digest"]
 
 PROTOCOL_VERSION = 6
 
@@ -100,6 +100,11 @@ def done_token(secret: str) -> str:
         raise InvalidInputError(f"a request secret is 32 hex digits, got {secret!r:.40}")
     return hashlib.blake2b(bytes.fromhex(secret), digest_size=16,
                            person=b"kvxfer-done").hexdigest()
+
+
+def is_done_token(value: object) -> bool:
+    """Whether `value` is shaped as a `done_token` (32 hex digits)."""
+    return _is_hex(value, 32)
 
 
 def new_stream_id() -> str:

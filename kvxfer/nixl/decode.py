@@ -292,7 +292,7 @@ class DecodeTransport(StreamReading):
             if leg.state is LegState.READ:
                 try:
                     self.peers.send_done(leg.peer, read.p_req_id, read.instance,
-                                         read.generation, done_token(read.params.secret),
+                                         read.generation, done_token(_secret(read)),
                                          self.reader)
                     leg.state = LegState.ACK
                 except TransferError as e:
@@ -381,6 +381,12 @@ def _wanted(reads: Mapping[str, Read], expected: Mapping[str, tuple[list[str], s
         for peer in peers:
             wanted.setdefault(peer, []).append([req_id, generation])
     return wanted
+
+
+def _secret(read: Read) -> str:
+    """The request's secret: a stream's from its first chunk (a stream whose blocks D holds
+    all posts no READ, so it has no params), else its params'."""
+    return read.secret if read.stream else read.params.secret
 
 
 def _check_params(params: object, num_groups: int) -> ReadParams:

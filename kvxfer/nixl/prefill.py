@@ -39,6 +39,7 @@ from kvxfer.wire import (
     check_piece,
     decode_message,
     done_token,
+    is_done_token,
     is_generation,
     message_field,
     new_instance,
@@ -243,9 +244,9 @@ class PrefillTransport:
                              "a positive int", sender) or 1
             reader = message_field(msg, "reader", lambda v: v is None or (is_int(v) and 0 <= v < readers),
                             f"an int in [0, {readers})", sender) or 0
-            token = message_field(msg, "token", lambda v: isinstance(v, str), "a str", sender)
+            token = message_field(msg, "token", is_done_token, "32 hex digits", sender)
             lease = self._leases.get(req_id)
-            ok = (instance == self.instance and lease is not None
+            ok = (instance == self.instance and lease is not None and bool(lease.token)
                   and lease.generation == generation
                   and hmac.compare_digest(token.encode(), lease.token.encode()))
             if ok:
