@@ -276,3 +276,11 @@ def test_a_piece_one_device_holds_is_gathered_into_pinned_staging_in_place(monke
         assert (st.regions[layer][slots].view(np.uint16)
                 == expected.regions[layer][slots].view(np.uint16)).all()
     assert (st.prints[slots] == expected.prints[slots]).all()
+
+
+def test_piece_staging_refuses_caches_that_are_not_jax_arrays_by_name():
+    p = caches((1, 8), PartitionSpec(None, None, "model"))
+    layout = CacheLayout.from_caches(p)
+    for bad in ("x", [np.zeros(3)], []):
+        with pytest.raises(InvalidInputError, match="piece_staging caches must be"):
+            piece_staging(layout, Piece(1, 8, 0, 4), 8, bad)

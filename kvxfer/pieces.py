@@ -144,6 +144,11 @@ def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int,
     """
     _check_words(layout, piece)
     shape = piece_shape(layout, piece)
+    if caches is not None and (isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence)
+                               or not caches
+                               or not all(isinstance(c, jax.Array) for c in caches)):
+        raise InvalidInputError(f"piece_staging caches must be this process's per-layer "
+                                f"jax.Arrays, got {caches!r:.80}")
     regions = None
     if caches is not None and _backend() == "xla":
         mesh = _xla_pieces.local_mesh(_one_replica(caches[0], piece), piece)
