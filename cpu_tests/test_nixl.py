@@ -161,6 +161,25 @@ def test_heartbeats_keep_a_lease_alive_until_d_reads(peers):
     assert_read_intact(d, "kept", params, [50, 51], {12: 9, 13: 9})
 
 
+def test_heartbeats_without_the_secrets_token_do_not_keep_a_lease_alive(peers):
+    """Request id, instance and generation are not secret: heartbeats naming them with no
+    token, or the token of another secret, must not hold P's slots past the lease."""
+    p, d = peers["P_lease"], peers["D"]
+    connect(d, p, "P_lease")
+    params = stage_and_hold(p, "unheld", [16, 17], seed=11)
+    forged = [encode_message("hb", instance=params["instance"],
+                             reqs=[["unheld", params["generation"]]]),
+              encode_message("hb", instance=params["instance"],
+                             reqs=[["unheld", params["generation"], done_token("ab" * 16)]])]
+    start = time.monotonic()
+    while time.monotonic() - start < 1.5:  # past the 1 s lease, a heartbeat every 0.1 s
+        for raw in forged:
+            d.call("notify", peer="P_lease", raw=base64.b64encode(raw).decode())
+        time.sleep(0.1)
+    out = p.call("freed")
+    assert "unheld" in out["freed"] and out["held"] == []
+
+
 def test_a_cancelled_expectation_stops_heartbeats_and_frees_p_at_once(peers):
     p, d = peers["P_lease"], peers["D"]
     connect(d, p, "P_lease")
@@ -332,6 +351,7 @@ def test_malformed_or_forged_notifications_are_dropped_alone_and_the_batch_goes_
         encode_message("hb", instance=params["instance"], reqs="amid"),
         encode_message("hb", instance=params["instance"], reqs=[[1, "a"]]),
         encode_message("hb", instance=7, reqs=[]),
+        encode_message("hb", instance=params["instance"], reqs=[["amid", 1, "zz" * 16]]),
         encode_message("done", req_id="amid", instance=params["instance"], generation="1"),
         encode_message("done", req_id=5, instance=params["instance"], generation=1),
         encode_message("done", req_id="amid", generation=params["generation"]),  # no instance

@@ -30,7 +30,7 @@ __all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "StreamParams", "check_pi
            "is_stream_id", "message_field", "new_instance", "new_secret", "new_stream_id",
            "parse_sources", "prompt_digest"]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 _MAGIC = b"kvxfer:"

@@ -370,16 +370,17 @@ class DecodeTransport(StreamReading):
 
 def _wanted(reads: Mapping[str, Read], expected: Mapping[str, tuple[list[str], str, int, str]]
             ) -> dict[str, list[list[Any]]]:
-    """Per P agent, the `[P's request id, generation]` of each request D reads from it or
-    expects."""
+    """Per P agent, the `[P's request id, generation, done token]` of each request D reads
+    from it or expects (P extends a lease only for the token of its secret)."""
     wanted: dict[str, list[list[Any]]] = {}
-    for peers, req_id, generation in [*((r.legs, r.p_req_id, r.generation)
-                                        for r in reads.values()),
-                                      *((e[0], r, e[2]) for r, e in expected.items())]:
+    held = [(e[0], r, e[2], e[3]) for r, e in expected.items()]
+    held += [(r.legs, r.p_req_id, r.generation, done_token(_secret(r)))
+             for r in reads.values() if r.generation]
+    for peers, req_id, generation, token in held:
         if not generation:  # a stream before its last chunk: P holds it without a lease
             continue
         for peer in peers:
-            wanted.setdefault(peer, []).append([req_id, generation])
+            wanted.setdefault(peer, []).append([req_id, generation, token])
     return wanted
 
 

@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 class _Lease:
     generation: int
     expires: float
-    token: str = ""  # what D's `done` must carry (`done_token` of the request's secret)
+    token: str = ""  # what D's `done` and heartbeats carry (`done_token` of its secret)
     done_by: set[int] = field(default_factory=set)  # D processes (readers) that said done
     trace: Trace | None = None
     held_at: float = 0.0
@@ -246,9 +246,7 @@ class PrefillTransport:
                             f"an int in [0, {readers})", sender) or 0
             token = message_field(msg, "token", is_done_token, "32 hex digits", sender)
             lease = self._leases.get(req_id)
-            ok = (instance == self.instance and lease is not None and bool(lease.token)
-                  and lease.generation == generation
-                  and hmac.compare_digest(token.encode(), lease.token.encode()))
+            ok = instance == self.instance and lease is not None and _holds(lease, generation, token)
             if ok:
                 lease.done_by.add(reader)
                 lease.trace.d = sender
@@ -263,13 +261,14 @@ class PrefillTransport:
         elif kind == "hb":
             instance = message_field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
             reqs = message_field(msg, "reqs", lambda v: isinstance(v, list) and all(
-                isinstance(r, list) and len(r) == 2 and isinstance(r[0], str)
-                and is_generation(r[1]) for r in v), "a list of [req_id, generation]", sender)
+                isinstance(r, list) and len(r) == 3 and isinstance(r[0], str)
+                and is_generation(r[1]) and is_done_token(r[2]) for r in v),
+                "a list of [req_id, generation, token]", sender)
             if instance != self.instance:
                 return
-            for req_id, generation in reqs:
+            for req_id, generation, token in reqs:  # only a holder of the params extends
                 lease = self._leases.get(req_id)
-                if lease is not None and lease.generation == generation:
+                if lease is not None and _holds(lease, generation, token):
                     lease.expires = max(lease.expires, now + self.config.lease_s)
         elif kind == "want":
             self.streams.on_want(sender, msg, now, lambda r: (
@@ -310,3 +309,11 @@ class PrefillTransport:
         close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
+
+
+def _holds(lease: _Lease, generation: int, token: str) -> bool:
+    """Whether a `done` or heartbeat naming `lease`'s generation with `token` comes from a
+    holder of its params: the `done_token` of the request's secret, compared in constant time
+    (instance, request id and generation are not secret; an empty lease token never matches)."""
+    return (lease.generation == generation and bool(lease.token)
+            and hmac.compare_digest(token.encode(), lease.token.encode()))
