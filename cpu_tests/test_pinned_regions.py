@@ -103,12 +103,21 @@ def test_a_write_that_moves_a_buffer_or_fails_is_refused_by_name_and_every_later
 
 
 def test_a_view_keeps_its_regions_alive():
+    """NIXL registers the views: the buffers under them must outlive every other reference
+    to the regions, or JAX frees them and reuses the memory (checked: without the view's
+    reference its bytes were overwritten here)."""
     regions = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
     view = regions[1]
     address = regions.addresses[1]
+    pattern = np.arange(view.size, dtype=np.uint16).reshape(view.shape) | 1
+    view.view(np.uint16)[...] = pattern
     del regions
     gc.collect()
-    assert view.ctypes.data == address and not view.view(np.uint16).any()  # still its zeros
+    host = NamedSharding(_mesh(1), PartitionSpec(), memory_kind="pinned_host")
+    others = [jax.device_put(np.full(view.shape, 7, np.uint16), host) for _ in range(8)]
+    jax.block_until_ready(others)  # freed memory of the same size would be reused by now
+    assert view.ctypes.data == address
+    np.testing.assert_array_equal(view.view(np.uint16), pattern)
 
 
 def test_staging_refuses_regions_of_another_shape_by_name():

@@ -38,7 +38,8 @@ from kvxfer.layout import CacheLayout
 
 __all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_for", "backend_setting",
            "block_fingerprints", "bucket_size", "check_fingerprints", "compare_fingerprints",
-           "fingerprint_blocks", "gather_blocks", "gather_into", "scatter_blocks"]
+           "fingerprint_blocks", "gather_blocks", "gather_into", "scatter_blocks",
+           "staging_regions"]
 
 BACKENDS = ("auto", "xla", "host")
 """What `KVXFER_BACKEND` may say: `auto` (the default: `host` where every device of the
@@ -72,6 +73,16 @@ def backend_for(platforms: Iterable[str]) -> str:
         raise InvalidInputError(f"KVXFER_BACKEND=host copies on XLA:CPU buffers only; the "
                                 f"caches are on {platforms}")
     return choice
+
+
+def staging_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Sequence[int],
+                    dtype: np.dtype) -> _pinned_regions.PinnedRegions | None:
+    """The block regions of staging for caches on `mesh`: pinned-host buffers that the XLA
+    backend's gather writes in place where `mesh` is one device (`kvxfer._pinned_regions`),
+    else None (numpy regions: the host backend copies into them itself)."""
+    if backend(mesh) != "xla":
+        return None
+    return _pinned_regions.pinned_regions(mesh, num_layers, num_slots, block_shape, dtype)
 
 
 def _backend(mesh: Mesh) -> ModuleType:

@@ -42,12 +42,11 @@ from kvxfer._host_buffers import (
     own_buffers,
     run_per_shard,
 )
-from kvxfer._pinned_regions import pinned_regions
 from kvxfer._rows import RowCopies
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import SUMS, piece_weights, reduce_sums, sums_words, word_sums
-from kvxfer.gather import backend_for, check_block_ids, check_flag
+from kvxfer.gather import backend_for, check_block_ids, check_flag, staging_regions
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
 
@@ -150,9 +149,9 @@ def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int,
         raise InvalidInputError(f"piece_staging caches must be this process's per-layer "
                                 f"jax.Arrays, got {caches!r:.80}")
     regions = None
-    if caches is not None and _backend() == "xla":
+    if caches is not None:
         mesh = _xla_pieces.local_mesh(_one_replica(caches[0], piece), piece)
-        regions = pinned_regions(mesh, layout.num_layers, num_slots, shape, layout.np_dtype)
+        regions = staging_regions(mesh, layout.num_layers, num_slots, shape, layout.np_dtype)
     return Staging(layout.num_layers, num_slots, shape, layout.np_dtype,
                    prints_per_layer=piece.count, regions=regions)
 

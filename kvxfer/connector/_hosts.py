@@ -24,11 +24,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from kvxfer._pinned_regions import pinned_regions
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints
-from kvxfer.gather import backend, gather_into, scatter_blocks
+from kvxfer.gather import gather_into, scatter_blocks, staging_regions
 from kvxfer.layout import CacheLayout
 from kvxfer.multihost import agree, shared_instance, spans_processes
 from kvxfer.nixl.agent import TransportConfig
@@ -269,9 +268,8 @@ def _staging(config: ConnectorConfig, layout: CacheLayout, mesh: Mesh) -> Stagin
     """Whole-block staging for caches on `mesh`: pinned-host buffers the XLA backend's gather
     writes in place where the caches are on one device (`kvxfer._pinned_regions`), else
     numpy regions."""
-    regions = (pinned_regions(mesh, layout.num_layers, config.staging_blocks,
+    regions = staging_regions(mesh, layout.num_layers, config.staging_blocks,
                               layout.block_shape, layout.np_dtype)
-               if backend(mesh) == "xla" else None)
     return Staging(layout.num_layers, config.staging_blocks, layout.block_shape,
                    layout.np_dtype, regions=regions)
 
