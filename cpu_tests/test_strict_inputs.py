@@ -327,6 +327,7 @@ def test_transport_config_refuses_bad_values(fields, message):
     (dict(staging_blocks=8.0), "staging_blocks must be a positive int, got 8.0"),
     (dict(kernel_ratio=True), "kernel_ratio must be a positive int, got True"),
     (dict(verify_fingerprints=1), "verify_fingerprints must be a bool, got 1"),
+    (dict(precompile="yes"), "precompile must be a bool, got 'yes'"),
     (dict(transport="P"), "transport must be a TransportConfig, got 'P'"),
 ])
 def test_connector_config_refuses_bad_values(fields, message):

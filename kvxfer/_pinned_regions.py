@@ -54,14 +54,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer._xla import _uint
+from kvxfer._xla import _uint, compile_all
 from kvxfer.blocks import coalesce_pairs
 from kvxfer.errors import TransferError
 from kvxfer.fingerprint import device_fingerprint
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import check_fits
 
-__all__ = ["PinnedRegions", "gather_into", "pinned_regions", "write_chunks"]
+__all__ = ["PinnedRegions", "chunk_sizes", "gather_into", "pinned_regions", "precompile",
+           "write_chunks", "write_programs"]
 
 logger = logging.getLogger("kvxfer.staging")
 
@@ -141,6 +142,36 @@ def gather_into(layout: CacheLayout, caches: Sequence[jax.Array], ids: np.ndarra
     gather = _gather_fn(layout, caches[0].sharding.mesh)
     prints = write_chunks(regions, ids, dst, lambda chunk: gather(list(caches), chunk))
     return np.concatenate([np.asarray(p) for p in prints], axis=1)
+
+
+def precompile(layout: CacheLayout, caches: Sequence[jax.Array], regions: PinnedRegions,
+               max_blocks: int) -> int:
+    """Compile, without running, both programs `gather_into` runs for every chunk of up to
+    `max_blocks` blocks; returns how many."""
+    gather = _gather_fn(layout, caches[0].sharding.mesh)
+    writes = write_programs(regions, max_blocks,
+                            NamedSharding(caches[0].sharding.mesh, PartitionSpec()))
+    return compile_all([*writes.values(), *(
+        (gather, (list(caches), jax.ShapeDtypeStruct((size,), np.int32))) for size in writes)])
+
+
+def write_programs(regions: PinnedRegions, max_blocks: int, rows_on: NamedSharding
+                   ) -> dict[int, tuple[Callable, tuple]]:
+    """`{chunk size: (the write's jitted program, its arguments' types)}` for every chunk of
+    up to `max_blocks` rows stacked per layer, placed as `rows_on` (where the caller's take
+    puts them), to compile (`kvxfer._xla.compile_all`) with the caller's takes."""
+    slots, *shape = regions.arrays[0].shape
+    write = _write_fn(regions.sharding, len(regions))
+    return {size: (write, (regions.arrays,
+                           jax.ShapeDtypeStruct((len(regions), size, *shape),
+                                                regions.arrays[0].dtype, sharding=rows_on),
+                           jax.ShapeDtypeStruct((), np.int32)))
+            for size in chunk_sizes(min(max_blocks, slots))}
+
+
+def chunk_sizes(count: int) -> list[int]:
+    """Every chunk size a run of 1 to `count` slots is written in (`write_chunks`)."""
+    return [1 << bit for bit in range(count.bit_length())]
 
 
 def write_chunks(regions: PinnedRegions, ids: np.ndarray, dst: np.ndarray,

@@ -17,7 +17,10 @@ to its outputs.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +33,8 @@ from kvxfer.errors import InvalidInputError
 from kvxfer.fingerprint import device_fingerprint
 from kvxfer.layout import CacheLayout
 
-__all__ = ["MIN_BUCKET", "bucket_size", "fingerprint", "fingerprint_async", "gather",
-           "gather_into", "scatter"]
+__all__ = ["MIN_BUCKET", "bucket_size", "buckets_up_to", "fingerprint", "fingerprint_async",
+           "gather", "gather_into", "precompile", "scatter"]
 
 
 MIN_BUCKET = 8
@@ -43,6 +46,11 @@ def bucket_size(count: int) -> int:
     if count < 0:
         raise InvalidInputError(f"block count must be non-negative, got {count}")
     return max(MIN_BUCKET, 1 << max(count - 1, 0).bit_length())
+
+
+def buckets_up_to(count: int) -> list[int]:
+    """Every bucket a call of 1 to `count` blocks pads to."""
+    return [b for b in (MIN_BUCKET << i for i in range(64)) if b <= bucket_size(count)]
 
 
 def bucket_ids(ids: np.ndarray, mesh: Mesh) -> jax.Array:
@@ -123,6 +131,35 @@ def fingerprint_async(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Arra
                       ids: np.ndarray) -> jax.Array:
     """`fingerprint`, dispatched: `uint32[num_layers, bucket, 3]`, not yet waited for."""
     return fingerprint_fn(layout, mesh)(list(caches), bucket_ids(ids, mesh))
+
+
+def precompile(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], max_blocks: int,
+               saves: bool, loads: bool, fingerprints: bool) -> int:
+    """Compile, without running, the programs `gather_into` (`saves`) and `scatter` (`loads`,
+    with `fingerprints`) run for every bucket up to `max_blocks`, with the arguments' exact
+    types and shardings (so a call finds them compiled); returns how many."""
+    ids_on = NamedSharding(mesh, PartitionSpec())
+    host = NamedSharding(mesh, layout.host_partition_spec(), memory_kind="pinned_host")
+    programs = []
+    for bucket in buckets_up_to(max_blocks):
+        ids = jax.ShapeDtypeStruct((bucket,), np.int32, sharding=ids_on)
+        rows = [jax.ShapeDtypeStruct((bucket, *layout.block_shape), layout.np_dtype,
+                                     sharding=host)] * layout.num_layers
+        programs += [(gather_fn(layout, mesh, True), (list(caches), ids))] if saves else []
+        programs += [(scatter_fn(layout, mesh), (list(caches), rows, ids))] if loads else []
+        programs += ([(fingerprint_fn(layout, mesh), (list(caches), ids))]
+                     if loads and fingerprints else [])
+    return compile_all(programs)
+
+
+def compile_all(programs: Sequence[tuple[Any, tuple[Any, ...]]]) -> int:
+    """`fn.lower(*args).compile()` for each `(fn, args)`, several at once (XLA compiles
+    without the GIL: on XLA:CPU's 2 cores here, 32 layers, about 1.6x faster than one by
+    one); returns how many."""
+    lowered = [fn.lower(*args) for fn, args in programs]  # traces: under the GIL anyway
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="kvxfer-compile") as pool:
+        list(pool.map(lambda program: program.compile(), lowered))
+    return len(lowered)
 
 
 # Jitted builders.

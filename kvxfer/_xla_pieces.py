@@ -28,14 +28,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvxfer import _pinned_regions
 from kvxfer._pinned_regions import PinnedRegions
-from kvxfer._xla import _uint, bucket_ids, copy_rows, dropped_ids
+from kvxfer._xla import _uint, bucket_ids, buckets_up_to, compile_all, copy_rows, dropped_ids
 from kvxfer.errors import LayoutMismatchError
 from kvxfer.layout import CacheLayout
 
 if TYPE_CHECKING:
     from kvxfer.pieces import Piece
 
-__all__ = ["gather", "local_mesh", "local_view", "scatter"]
+__all__ = ["gather", "local_mesh", "local_view", "precompile", "scatter"]
 
 _16 = np.uint32(16)
 
@@ -106,6 +106,34 @@ def scatter(layout: CacheLayout, caches: Sequence[jax.Array], view: Sequence[jax
         out.append(jax.make_array_from_single_device_arrays(
             cache.shape, cache.sharding, [by_device.get(d, a) for d, a in old]))
     return out, None if landed is None else np.asarray(landed)[: len(ids)]
+
+
+def precompile(layout: CacheLayout, view: Sequence[jax.Array], axis: int, weights: np.ndarray,
+               regions: Sequence[np.ndarray], max_blocks: int, saves: bool, loads: bool,
+               sums: bool) -> int:
+    """Compile, without running, the programs `gather` (`saves`, into `regions`) and
+    `scatter` (`loads`, with `sums`) run for 1 to `max_blocks` blocks; returns how many."""
+    mesh = view[0].sharding.mesh
+    on_mesh, programs = _weights_on(mesh, weights), []
+    if saves and isinstance(regions, PinnedRegions) and regions.serves(mesh):
+        rows_on = NamedSharding(mesh, PartitionSpec(None, None, "units"))  # the take's output
+        writes = _pinned_regions.write_programs(regions, max_blocks, rows_on)
+        programs += [*writes.values(), *(
+            (_gather_fn(layout, mesh, axis, True),
+             (list(view), jax.ShapeDtypeStruct((size,), np.int32), on_mesh)) for size in writes)]
+        saves = False
+    ids_on = NamedSharding(mesh, PartitionSpec())
+    host = NamedSharding(mesh, PartitionSpec(None, "units"), memory_kind="pinned_host")
+    for bucket in buckets_up_to(max_blocks):
+        ids = jax.ShapeDtypeStruct((bucket,), np.int32, sharding=ids_on)
+        if saves:
+            programs.append((_gather_fn(layout, mesh, axis, False), (list(view), ids, on_mesh)))
+        if loads:
+            staged = [jax.ShapeDtypeStruct((bucket, *r.shape[1:]), r.dtype, sharding=host)
+                      for r in regions]
+            programs.append((_scatter_fn(layout, mesh, axis, sums),
+                             (list(view), staged, ids, on_mesh)))
+    return compile_all(programs)
 
 
 # Jitted builders, cached on the static layout, the local mesh and the split axis.

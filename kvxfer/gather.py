@@ -32,13 +32,14 @@ from jax.sharding import Mesh
 
 from kvxfer import _host_buffers, _pinned_regions, _xla
 from kvxfer._xla import MIN_BUCKET, bucket_size
+from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import SUMS, compare_fingerprints, host_fingerprint
 from kvxfer.layout import CacheLayout
 
 __all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_for", "backend_setting",
            "block_fingerprints", "bucket_size", "check_fingerprints", "compare_fingerprints",
-           "fingerprint_blocks", "gather_blocks", "gather_into", "scatter_blocks",
+           "fingerprint_blocks", "gather_blocks", "gather_into", "precompile", "scatter_blocks",
            "staging_regions"]
 
 BACKENDS = ("auto", "xla", "host")
@@ -245,6 +246,31 @@ def gather_into(
             and backend(mesh) == "xla"):  # written in place: no host copy
         return _pinned_regions.gather_into(layout, caches, ids, regions, dst)
     return _backend(mesh).gather_into(layout, mesh, caches, ids, regions, dst)
+
+
+def precompile(caches: Sequence[jax.Array], regions: Sequence[np.ndarray], max_blocks: int,
+               *, saves: bool, loads: bool, fingerprints: bool = True) -> int:
+    """Compile, without running anything, every program that `gather_into(caches, ...,
+    regions, ...)` (`saves`) and `scatter_blocks(caches, regions, ..., fingerprints=)`
+    (`loads`) run for 1 to `max_blocks` blocks; returns how many were compiled.
+
+    XLA compiles a program per shape, and each new block count (bucket, or
+    chunk for pinned staging) would otherwise compile on the transfer path: on
+    XLA:CPU about 0.6-1.2 s at the first save of each size (`kvxfer bench
+    gather` counts them). A connector calls it once at start-up (its
+    `precompile` setting). 0 on the host backend: numpy compiles nothing.
+    """
+    layout = CacheLayout.from_caches(caches)
+    if not is_int(max_blocks) or max_blocks <= 0:
+        raise InvalidInputError(f"precompile max_blocks must be a positive int, got {max_blocks!r}")
+    _check_host_blocks(regions, layout, 0, "regions")
+    mesh = caches[0].sharding.mesh
+    if backend(mesh) != "xla":
+        return 0
+    count = 0
+    if saves and isinstance(regions, _pinned_regions.PinnedRegions) and regions.serves(mesh):
+        count, saves = _pinned_regions.precompile(layout, caches, regions, max_blocks), False
+    return count + _xla.precompile(layout, mesh, caches, max_blocks, saves, loads, fingerprints)
 
 
 def fingerprint_blocks(

@@ -50,8 +50,8 @@ from kvxfer.gather import backend_for, check_block_ids, check_flag, staging_regi
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
 
-__all__ = ["Piece", "gather_piece_into", "piece_shape", "piece_staging", "process_pieces",
-           "scatter_piece", "split_axis", "unit_sums"]
+__all__ = ["Piece", "gather_piece_into", "piece_shape", "piece_staging", "precompile_piece",
+           "process_pieces", "scatter_piece", "split_axis", "unit_sums"]
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,27 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
                 view[_local_index(shard, piece)], hashes if first else None, layer))
     run_per_shard(tasks, threads)
     return new, None if hashes is None else hashes.sums
+
+
+def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece,
+                     max_blocks: int, *, saves: bool, loads: bool, sums: bool = True) -> int:
+    """Compile, without running anything, every program that `gather_piece_into` (`saves`)
+    and `scatter_piece` (`loads`, with `sums`) run for 1 to `max_blocks` blocks of this
+    process's piece; returns how many (0 on the host backend, which compiles nothing).
+    As `kvxfer.gather.precompile`, for pieces."""
+    layout = CacheLayout.from_caches(caches)
+    _check_piece_call(layout, np.zeros(0, np.int64), staging, np.zeros(0, np.int64), piece)
+    if not is_int(max_blocks) or max_blocks <= 0:
+        raise InvalidInputError(f"precompile max_blocks must be a positive int, got {max_blocks!r}")
+    if _backend() != "xla":
+        return 0
+    weights, count = _unit_weights(layout, piece), 0
+    for role, shards in (("saves", _one_replica), ("loads", _held_shards)):
+        if {"saves": saves, "loads": loads}[role]:
+            view = _xla_pieces.local_view(caches, [shards(c, piece) for c in caches], piece)
+            count += _xla_pieces.precompile(layout, view, piece.axis, weights, staging.regions,
+                                            max_blocks, role == "saves", role == "loads", sums)
+    return count
 
 
 def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray:

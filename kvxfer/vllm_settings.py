@@ -49,7 +49,8 @@ class Settings:
       engine_id`, one per engine and the same in its scheduler and worker
       processes, which both name P (a random one would differ between them).
     - `options`: every other key, each a field of `kvxfer.connector.config.
-      ConnectorConfig` (`staging_blocks`, `kernel_ratio`, `verify_fingerprints`)
+      ConnectorConfig` (`staging_blocks`, `kernel_ratio`, `verify_fingerprints`,
+      `precompile`)
       or of `kvxfer.nixl.agent.TransportConfig` (`handshake_timeout_s`,
       `transfer_timeout_s`, `lease_s`, `heartbeat_interval_s`, `ucx_tls`,
       `num_threads`, `progress_wake_us`, `etcd_endpoints`), documented there.

@@ -6,6 +6,8 @@ prints figures (run with `-s`) and asserts only what does not depend on the mach
 `kvxfer bench gather` gives the figures against their references.
 """
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,9 @@ from kvxfer.gather import (
     fingerprint_blocks,
     gather_blocks,
     gather_into,
+    precompile,
     scatter_blocks,
+    staging_regions,
 )
 from kvxfer.layout import CacheLayout
 from kvxfer.pieces import Piece, gather_piece_into, piece_staging, scatter_piece, unit_sums
@@ -113,6 +117,41 @@ def test_gather_into_pinned_staging_in_place_on_one_device():
             prints, gather_into(source, np.array(ids), copied, np.array(slots)))
         for region, copy in zip(regions, copied):
             np.testing.assert_array_equal(region.view(np.uint16), copy.view(np.uint16))
+
+
+def test_after_precompile_saves_and_loads_compile_nothing_on_the_accelerator():
+    """`precompile` compiles exactly the programs saves and loads run (the same argument
+    types, shardings and memory kinds on this backend), on one device (pinned staging) and
+    on the whole mesh; prints how long it took."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    one = jax.sharding.Mesh(np.array([[jax.devices()[0]]]), ("data", "model"))
+    for mesh in (one, _mesh()):
+        sharding = NamedSharding(mesh, P(None, None, "model"))
+        caches = _random_caches(4, (64, 16, 2 * mesh.shape["model"], 2, 128), jnp.bfloat16,
+                                sharding, seed=13)
+        layout = CacheLayout.from_caches(caches)
+        regions = staging_regions(mesh, 4, 32, layout.block_shape, layout.np_dtype)
+        regions = regions if regions is not None else [
+            np.zeros((32, *layout.block_shape), layout.np_dtype) for _ in caches]
+        start = time.perf_counter()
+        count = precompile(caches, regions, 32, saves=True, loads=True)
+        print(f"precompile on {mesh.size} device(s): {count} programs in "
+              f"{time.perf_counter() - start:.1f} s")
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            rng = np.random.default_rng(3)
+            for n in (1, 2, 3, 7, 8, 9, 16, 31, 32):
+                ids, rows = rng.choice(64, n, replace=False), np.arange(n)
+                gather_into(caches, ids, regions, rows)
+                caches, _ = scatter_blocks(caches, regions, ids, rows=rows, fingerprints=True)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        assert compiles == [], f"{len(compiles)} programs compiled after precompile"
 
 
 def test_pieces_round_trip_on_the_accelerator_with_matching_sums():

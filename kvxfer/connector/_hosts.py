@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints
-from kvxfer.gather import gather_into, scatter_blocks, staging_regions
+from kvxfer.gather import gather_into, precompile, scatter_blocks, staging_regions
 from kvxfer.layout import CacheLayout
 from kvxfer.multihost import agree, shared_instance, spans_processes
 from kvxfer.nixl.agent import TransportConfig
@@ -35,6 +35,7 @@ from kvxfer.pieces import (
     Piece,
     gather_piece_into,
     piece_staging,
+    precompile_piece,
     process_pieces,
     scatter_piece,
     unit_sums,
@@ -141,6 +142,17 @@ class OneProcess:
                 bad[req_id] = f"group {g}: {e}"
         return caches
 
+    def precompile(self, caches: Caches, saves: bool) -> int:
+        """Compile every program a save (`saves`, P) or a load (D) of any size runs (with
+        `config.precompile`); returns how many."""
+        if not self.config.precompile:
+            return 0
+        groups, _ = per_group(caches)
+        return sum(precompile(c, staging.regions, min(staging.num_slots, layout.num_blocks),
+                              saves=saves, loads=not saves,
+                              fingerprints=self.config.verify_fingerprints)
+                   for c, staging, layout in zip(groups, self.stagings, self.layouts))
+
     def released(self, freed: list[str], held: list[str]) -> list[str]:
         """P: the requests whose slots the scheduler side may reuse, of those freed here."""
         return freed
@@ -206,6 +218,16 @@ class ManyProcesses(OneProcess):
                slots: np.ndarray) -> None:
         """Copy this process's units of blocks `ids` into `slots`, with their sums."""
         gather_piece_into(caches, ids, self.stagings[g], slots, self.pieces[g])
+
+    def precompile(self, caches: Caches, saves: bool) -> int:
+        if not self.config.precompile:
+            return 0
+        groups, _ = per_group(caches)
+        return sum(precompile_piece(c, staging, piece, min(staging.num_slots, layout.num_blocks),
+                                    saves=saves, loads=not saves,
+                                    sums=self.config.verify_fingerprints)
+                   for c, staging, piece, layout in zip(groups, self.stagings, self.pieces,
+                                                        self.layouts))
 
     def scatter(self, g: int, caches: list[jax.Array], ids: np.ndarray, rows: np.ndarray,
                 spans: Spans, bad: dict[str, str]) -> list[jax.Array]:

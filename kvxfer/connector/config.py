@@ -21,6 +21,9 @@ class ConnectorConfig:
     - `verify_fingerprints`: D checks every received block against P's fingerprints.
     - `stats`: collect counters, timings and traces (`stats()`, `traces()`); False
       collects none (traces are still logged at DEBUG).
+    - `precompile`: at start-up, compile every program a save (P) or load (D) of any
+      size runs on the XLA backend (`kvxfer.gather.precompile`), so that none compiles
+      on the transfer path; nothing compiles on the host backend.
     """
 
     transport: TransportConfig
@@ -28,6 +31,7 @@ class ConnectorConfig:
     kernel_ratio: int = 1
     verify_fingerprints: bool = True
     stats: bool = True
+    precompile: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, TransportConfig):
@@ -37,7 +41,7 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise InvalidInputError(f"ConnectorConfig {name} must be a positive int, got {value!r}")
-        for name in ("verify_fingerprints", "stats"):
+        for name in ("verify_fingerprints", "stats", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(
                     f"ConnectorConfig {name} must be a bool, got {getattr(self, name)!r}")

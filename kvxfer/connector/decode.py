@@ -77,6 +77,7 @@ class DecodeConnector:
         self.hosts = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
         self.recorder = Recorder(config.stats)
+        self.hosts.precompile(caches, saves=False)  # before the agent: nothing to close if it fails
         self.transport = DecodeTransport(
             self.hosts.transport_config, self.stagings, advertised(self.layouts, model),
             layout_check=check_block_compatible, piece=self.hosts.piece,

@@ -51,6 +51,7 @@ class PrefillWorker:
         self.hosts = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
         self.recorder = Recorder(config.stats)
+        self.hosts.precompile(caches, saves=True)  # before the agent: nothing to close if it fails
         self.transport = PrefillTransport(self.hosts.transport_config, self.stagings,
                                           advertised(self.layouts, model),
                                           instance=self.hosts.instance(instance),
