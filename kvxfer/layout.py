@@ -154,6 +154,7 @@ class CacheLayout:
         if len(caches) == 0:
             raise InvalidInputError("caches is an empty list: no layers to copy")
         first = caches[0]
+        first_spec = None
         for i, cache in enumerate(caches):
             if not isinstance(cache, jax.Array):
                 raise InvalidInputError(f"caches[{i}] is a {type(cache).__name__}, not a jax.Array")
@@ -167,12 +168,15 @@ class CacheLayout:
                 raise InvalidInputError(
                     f"caches[{i}] has sharding {cache.sharding}; kvxfer needs a NamedSharding"
                 )
+            if cache.shape == first.shape and cache.dtype == first.dtype and (
+                    cache.sharding is first.sharding or cache.sharding == first.sharding):
+                continue  # the usual case, checked in one comparison each (D checks per step)
+            first_spec = first_spec or _spec_entries(first.sharding.spec, first.ndim)
             for name, got, want in (
                 ("shape", cache.shape, first.shape),
                 ("dtype", cache.dtype, first.dtype),
                 ("mesh", cache.sharding.mesh, first.sharding.mesh),
-                ("spec", _spec_entries(cache.sharding.spec, cache.ndim),
-                 _spec_entries(first.sharding.spec, first.ndim)),
+                ("spec", _spec_entries(cache.sharding.spec, cache.ndim), first_spec),
             ):
                 if got != want:
                     raise LayoutMismatchError(
