@@ -263,9 +263,10 @@ def test_d_engine_thread_never_waits_for_an_unreachable_p(pair):
         time.sleep(0.002)
     assert finished == ["live"] and sorted(failed) == sorted(requests)
     # Waiting for the peer would hold a call for the 1.5 s handshake deadline. The limit is
-    # far below that, not 5 ms: on a shared 2-core machine a call can lose the GIL or NIXL's
-    # lock to P's thread for a few ms (seen: max 10.6 ms, median 0.2 ms), which is noise.
-    assert max(calls) < 0.1 and statistics.median(calls) < 0.005, sorted(calls)[-5:]
+    # well below that, not 5 ms: on a shared 2-core machine a call can lose the GIL or NIXL's
+    # lock to P's thread (seen: max 10.6 ms, median 0.2 ms; 114 ms once, with the machine's
+    # two cores busy with other tests), which is noise.
+    assert max(calls) < 0.5 and statistics.median(calls) < 0.005, sorted(calls)[-5:]
     late = {"g5": LoadRequest(dict(gone, req_id="g5"), [26, 27])}  # the failure is remembered
     pr.d.start_load_kv(late)
     assert pr.wait(1, timeout=0.5) == ([], ["g5"])

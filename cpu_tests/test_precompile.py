@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from procs.pair import as_bits, caches_on  # noqa: E402
 
 SLOTS = 24  # caches_on's caches hold 32 blocks
+UNIQUE = (32, 16, 4, 2, 40)  # caches whose programs no other test compiles (jit's caches are global)
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_after_precompile_saves_and_loads_of_every_size_compile_nothing(xla, dev
 
 def test_without_precompile_the_first_save_of_a_size_compiles(xla):
     """The control: what precompile removes is there (3 layers: programs not compiled yet)."""
-    caches = caches_on(jax.devices()[:1], seed=6, layers=3)
+    caches = caches_on(jax.devices()[:1], seed=6, layers=3, shape=UNIQUE)
     staging = _staging(caches, layers=3)
     with compiles() as seen:
         gather_into(caches, np.arange(5), staging.regions, np.arange(5))  # chunks of 4 and 1
@@ -119,7 +120,7 @@ def test_precompile_on_the_host_backend_compiles_nothing_and_bad_counts_are_refu
 
 @pytest.mark.parametrize("d_devices", [(4, 5, 6, 7), (4,)], ids=["d-tp4", "d-one-device"])
 def test_connectors_precompile_at_start_up_so_a_transfer_compiles_nothing(xla, pair, d_devices):
-    pr = pair(p_devices=(0,), d_devices=d_devices, layers=4)  # programs no other test compiled
+    pr = pair(p_devices=(0,), d_devices=d_devices, shape=(24, *UNIQUE[1:]))
     with compiles() as seen:
         pr.p.add_request("r", 56)
         pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
