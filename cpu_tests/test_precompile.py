@@ -21,7 +21,7 @@ from kvxfer.staging import Staging
 sys.path.insert(0, os.path.dirname(__file__))
 from procs.pair import as_bits, caches_on  # noqa: E402
 
-SLOTS = 24  # caches_on's caches hold 32 blocks
+SLOTS = 12  # caches_on's caches hold 32 blocks: buckets 8 and 16, chunks 1 to 8
 UNIQUE = (32, 16, 4, 2, 40)  # caches whose programs no other test compiles (jit's caches are global)
 
 
@@ -66,7 +66,7 @@ def _staging(caches, layers=2):
 
 @pytest.mark.parametrize("devices", [1, 4], ids=["one-device-pinned", "tp4-host-copy"])
 def test_after_precompile_saves_and_loads_of_every_size_compile_nothing(xla, devices):
-    caches = caches_on(jax.devices()[:devices], seed=5)
+    caches = caches_on(jax.devices()[:devices], seed=5, shape=UNIQUE)
     staging = _staging(caches)
     assert isinstance(staging.regions, PinnedRegions) == (devices == 1)
     assert precompile(caches, staging.regions, SLOTS, saves=True, loads=True) > 0
@@ -88,7 +88,7 @@ def test_without_precompile_the_first_save_of_a_size_compiles(xla):
 
 @pytest.mark.parametrize("devices", [1, 4], ids=["one-device-pinned", "tp4"])
 def test_after_precompile_piece_saves_and_loads_of_every_size_compile_nothing(xla, devices):
-    caches = caches_on(jax.devices()[4 : 4 + devices], seed=7)
+    caches = caches_on(jax.devices()[4 : 4 + devices], seed=7, shape=UNIQUE)
     piece = Piece.local(caches)
     layout = CacheLayout.from_caches(caches)
     staging = piece_staging(layout, piece, SLOTS, caches)
@@ -120,14 +120,14 @@ def test_precompile_on_the_host_backend_compiles_nothing_and_bad_counts_are_refu
 
 @pytest.mark.parametrize("d_devices", [(4, 5, 6, 7), (4,)], ids=["d-tp4", "d-one-device"])
 def test_connectors_precompile_at_start_up_so_a_transfer_compiles_nothing(xla, pair, d_devices):
-    pr = pair(p_devices=(0,), d_devices=d_devices, shape=(24, *UNIQUE[1:]))
+    pr = pair(p_devices=(0,), d_devices=d_devices, shape=(16, *UNIQUE[1:]))
     with compiles() as seen:
         pr.p.add_request("r", 56)
         pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
         pr.save(ScheduledRequest("r", 24, 32, ([12, 2],)))
         params = pr.p.request_finished("r")
         pr.serve()
-        assert pr.load("r", params, [20, 21, 22, 23]) == (["r"], [])
+        assert pr.load("r", params, [10, 11, 13, 14]) == (["r"], [])
     assert seen == []
     for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
-        assert (as_bits(d_cache)[[20, 21, 22, 23]] == as_bits(p_cache)[[5, 9, 12, 2]]).all()
+        assert (as_bits(d_cache)[[10, 11, 13, 14]] == as_bits(p_cache)[[5, 9, 12, 2]]).all()
