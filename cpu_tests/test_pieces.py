@@ -93,6 +93,24 @@ def test_pieces_move_blocks_between_different_cuts_byte_exact_and_sums_match(bac
     assert (fmix32(total) == np.asarray(fingerprint_blocks(d, d_ids))).all()
 
 
+def test_a_block_gathered_twice_in_one_save_moves_byte_exact_with_matching_sums(backend):
+    """Requests that share a prefix each have their slots, so one save stages a block more
+    than once (a scatter's blocks stay distinct)."""
+    p = caches((1, 8), PartitionSpec(None, None, "model"), seed=4)
+    d = caches((2, 4), PartitionSpec(None, None, "model"), zeros=True)
+    p_ids, d_ids = np.array([5, 3, 5, 20, 3]), np.array([30, 1, 2, 9, 11])
+    d, checks = move(p, [Piece(1, 8, 0, 4), Piece(1, 8, 4, 8)], p_ids,
+                     d, [Piece(1, 8, 0, 2), Piece(1, 8, 2, 8)], d_ids)
+    for layer in range(2):
+        assert (bits(d[layer])[d_ids] == bits(p[layer])[p_ids]).all()
+    for landed, expected in checks:
+        assert (landed == expected).all()
+    d_st = piece_staging(CacheLayout.from_caches(d), Piece(1, 8, 0, 2), 8)
+    with pytest.raises(InvalidInputError, match=r"block ids of one scatter must be distinct, "
+                                                r"got \[1, 1\]"):
+        scatter_piece(d, d_st, [1, 1], [0, 1], Piece(1, 8, 0, 2))
+
+
 def test_a_flipped_bit_in_one_piece_changes_only_that_pieces_sums(backend):
     p = caches((1, 8), PartitionSpec(None, None, "model"))
     d = caches((1, 8), PartitionSpec(None, None, "model"), zeros=True)

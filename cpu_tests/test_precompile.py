@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from kvxfer._pinned_regions import PinnedRegions
+from kvxfer.connector._hosts import for_caches
+from kvxfer.connector.config import ConnectorConfig
 from kvxfer.errors import InvalidInputError
 from kvxfer.gather import gather_into, precompile, scatter_blocks, staging_regions
 from kvxfer.layout import CacheLayout
+from kvxfer.nixl.agent import TransportConfig
 from kvxfer.pieces import Piece, gather_piece_into, piece_staging, precompile_piece, scatter_piece
 from kvxfer.scheduler import ScheduledRequest
 from kvxfer.staging import Staging
@@ -131,3 +134,28 @@ def test_connectors_precompile_at_start_up_so_a_transfer_compiles_nothing(xla, p
     assert seen == []
     for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
         assert (as_bits(d_cache)[[10, 11, 13, 14]] == as_bits(p_cache)[[5, 9, 12, 2]]).all()
+
+
+@pytest.mark.parametrize("devices", [1, 4], ids=["one-device-pinned", "tp4-host-copy"])
+def test_p_precompiles_saves_of_every_slot_when_staging_outgrows_the_cache(xla, devices):
+    """Requests sharing a prefix each have their slots, so one save can gather a block more
+    than once: with staging larger than the cache, P saves more blocks than the cache holds
+    (here 64 of 32: a bucket and a pinned chunk of 64), and those sizes are compiled too."""
+    caches = caches_on(jax.devices()[:devices], seed=9, layers=5, shape=UNIQUE)
+    hosts = for_caches(ConnectorConfig(TransportConfig("P-precompile"), staging_blocks=80),
+                       caches)
+    assert hosts.precompile(caches, saves=True) > 0
+    ids = np.concatenate([np.arange(32), np.arange(32)])  # every block twice
+    with compiles() as seen:
+        hosts.gather(0, caches, ids, np.arange(64))
+    assert seen == []
+    for layer, cache in enumerate(caches):
+        np.testing.assert_array_equal(hosts.stagings[0].regions[layer][:64].view(np.uint16),
+                                      as_bits(cache)[ids])
+
+
+def test_a_bad_kvxfer_host_threads_is_refused_when_a_connector_starts(monkeypatch):
+    monkeypatch.setenv("KVXFER_HOST_THREADS", "0")
+    with pytest.raises(InvalidInputError, match="KVXFER_HOST_THREADS must be a positive int, "
+                                                "got '0'"):
+        for_caches(ConnectorConfig(TransportConfig("P-threads")), caches_on(jax.devices()[:1], 1))

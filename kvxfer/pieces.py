@@ -157,7 +157,7 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
     Reads only this process's shards (one replica of each unit range).
     """
     layout = CacheLayout.from_caches(caches)
-    ids, dst = _check_piece_call(layout, block_ids, staging, slots, piece)
+    ids, dst = _check_piece_call(layout, block_ids, staging, slots, piece, distinct_ids=False)
     if len(ids) == 0:
         return
     if _backend() == "xla":
@@ -194,7 +194,7 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     """
     check_flag("sums", sums)
     layout = CacheLayout.from_caches(caches)
-    ids, src = _check_piece_call(layout, block_ids, staging, slots, piece)
+    ids, src = _check_piece_call(layout, block_ids, staging, slots, piece, distinct_ids=True)
     if len(ids) == 0:
         return list(caches), np.zeros((layout.num_layers, 0, SUMS), np.uint32) if sums else None
     if _backend() == "xla":  # the sums, when wanted, are taken in the same program
@@ -225,7 +225,8 @@ def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece
     process's piece; returns how many (0 on the host backend, which compiles nothing).
     As `kvxfer.gather.precompile`, for pieces."""
     layout = CacheLayout.from_caches(caches)
-    _check_piece_call(layout, np.zeros(0, np.int64), staging, np.zeros(0, np.int64), piece)
+    _check_piece_call(layout, np.zeros(0, np.int64), staging, np.zeros(0, np.int64), piece,
+                      distinct_ids=False)
     if not is_int(max_blocks) or max_blocks <= 0:
         raise InvalidInputError(f"precompile max_blocks must be a positive int, got {max_blocks!r}")
     if _backend() != "xla":
@@ -263,7 +264,9 @@ def _backend() -> str:
 
 
 def _check_piece_call(layout: CacheLayout, block_ids: Any, staging: Staging, slots: Any,
-                      piece: Piece) -> tuple[np.ndarray, np.ndarray]:
+                      piece: Piece, distinct_ids: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Checked `(ids, slots)`: slots always distinct; ids too for a scatter (a gather may
+    stage one block twice: requests that share a prefix each have their slots)."""
     _check_words(layout, piece)
     ids = check_block_ids(block_ids, layout)
     want = (layout.num_layers, piece_shape(layout, piece), layout.np_dtype, piece.count)
@@ -276,8 +279,11 @@ def _check_piece_call(layout: CacheLayout, block_ids: Any, staging: Staging, slo
             or (rows < 0).any() or (rows >= staging.num_slots).any()):
         raise InvalidInputError(f"slots must be {len(ids)} ints in [0, {staging.num_slots}), "
                                 f"got {np.asarray(slots).tolist()[:16]}")
-    if len(np.unique(rows)) != len(rows) or len(np.unique(ids)) != len(ids):
-        raise InvalidInputError("block ids and slots of one call must be distinct")
+    if len(np.unique(rows)) != len(rows):
+        raise InvalidInputError(f"slots of one call must be distinct, got {rows.tolist()[:16]}")
+    if distinct_ids and len(np.unique(ids)) != len(ids):
+        raise InvalidInputError(f"block ids of one scatter must be distinct, got "
+                                f"{ids.tolist()[:16]}")
     return ids, rows.astype(np.int64)
 
 

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from kvxfer._rows import host_threads
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints
@@ -75,6 +76,7 @@ def for_caches(config: object, caches: Caches) -> OneProcess | ManyProcesses:
     """The worker side's checked config, its caches' layouts and staging, as one strategy."""
     if not isinstance(config, ConnectorConfig):
         raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
+    host_threads()  # a bad KVXFER_HOST_THREADS is refused at start-up, not in a save
     groups, _ = per_group(caches)
     layouts = [CacheLayout.from_caches(c, config.kernel_ratio) for c in groups]
     if not spans_processes(groups[0]):
@@ -144,11 +146,15 @@ class OneProcess:
 
     def precompile(self, caches: Caches, saves: bool) -> int:
         """Compile every program a save (`saves`, P) or a load (D) of any size runs (with
-        `config.precompile`); returns how many."""
+        `config.precompile`); returns how many. A save may gather a block more than once
+        (requests sharing a prefix each have their slots), so up to every slot; a load's
+        blocks are distinct."""
         if not self.config.precompile:
             return 0
         groups, _ = per_group(caches)
-        return sum(precompile(c, staging.regions, min(staging.num_slots, layout.num_blocks),
+        return sum(precompile(c, staging.regions,
+                              staging.num_slots if saves else min(staging.num_slots,
+                                                                  layout.num_blocks),
                               saves=saves, loads=not saves,
                               fingerprints=self.config.verify_fingerprints)
                    for c, staging, layout in zip(groups, self.stagings, self.layouts))
@@ -223,7 +229,9 @@ class ManyProcesses(OneProcess):
         if not self.config.precompile:
             return 0
         groups, _ = per_group(caches)
-        return sum(precompile_piece(c, staging, piece, min(staging.num_slots, layout.num_blocks),
+        return sum(precompile_piece(c, staging, piece,
+                                    staging.num_slots if saves else min(staging.num_slots,
+                                                                        layout.num_blocks),
                                     saves=saves, loads=not saves,
                                     sums=self.config.verify_fingerprints)
                    for c, staging, piece, layout in zip(groups, self.stagings, self.pieces,

@@ -174,9 +174,9 @@ class Peers:
                                     f"{g}, past {source.peer!r}'s {group.num_slots}")
 
     def heartbeat(self, wanted: Mapping[str, list[list[Any]]], now: float) -> dict[str, str]:
-        """Send `hb` to each connected peer in `wanted` (`[P's request id, generation]` pairs)
-        whose last one is `heartbeat_interval_s` old; returns the peers it failed for, with
-        why."""
+        """Send `hb` to each connected peer in `wanted` (`[P's request id, generation, done
+        token]` per request) whose last one is `heartbeat_interval_s` old; returns the peers
+        it failed for, with why."""
         failed = {}
         for name, reqs in wanted.items():
             peer = self._peers.get(name)
