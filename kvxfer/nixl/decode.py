@@ -178,6 +178,7 @@ class DecodeTransport(StreamReading):
         self._expected.pop(p.req_id, None)
         read = Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,
+                     token=done_token(p.secret),
                      trace=trace or Trace(req_id, "D", p.req_id, p.peer, self.config.name))
         self._reads[req_id] = read
         try:
@@ -292,7 +293,7 @@ class DecodeTransport(StreamReading):
             if leg.state is LegState.READ:
                 try:
                     self.peers.send_done(leg.peer, read.p_req_id, read.instance,
-                                         read.generation, done_token(_secret(read)),
+                                         read.generation, read.token,
                                          self.reader)
                     leg.state = LegState.ACK
                 except TransferError as e:
@@ -374,7 +375,7 @@ def _wanted(reads: Mapping[str, Read], expected: Mapping[str, tuple[list[str], s
     from it or expects (P extends a lease only for the token of its secret)."""
     wanted: dict[str, list[list[Any]]] = {}
     held = [(e[0], r, e[2], e[3]) for r, e in expected.items()]
-    held += [(r.legs, r.p_req_id, r.generation, done_token(_secret(r)))
+    held += [(r.legs, r.p_req_id, r.generation, r.token)
              for r in reads.values() if r.generation]
     for peers, req_id, generation, token in held:
         if not generation:  # a stream before its last chunk: P holds it without a lease
@@ -382,12 +383,6 @@ def _wanted(reads: Mapping[str, Read], expected: Mapping[str, tuple[list[str], s
         for peer in peers:
             wanted.setdefault(peer, []).append([req_id, generation, token])
     return wanted
-
-
-def _secret(read: Read) -> str:
-    """The request's secret: a stream's from its first chunk (a stream whose blocks D holds
-    all posts no READ, so it has no params), else its params'."""
-    return read.secret if read.stream else read.params.secret
 
 
 def _check_params(params: object, num_groups: int) -> ReadParams:

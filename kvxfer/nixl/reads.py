@@ -74,6 +74,7 @@ class Read:
     skip: list[int] = field(default_factory=list)  # streamed: per group, keys below are D's own
     prompt: str | None = None  # streamed: the prompt digest P's must equal, if known
     secret: str = ""  # streamed: the request's, from its first chunk
+    token: str = ""  # its `done_token`, what its `done` and heartbeats carry (once known)
     chunks: list[ReadParams] = field(default_factory=list)  # streamed: named, not yet posted
     last: bool = False  # streamed: P named its last chunk
     landed: bool = False  # its posted READs are done, their blocks not yet checked

@@ -37,7 +37,15 @@ from kvxfer.nixl.reads import (
     trace_read,
 )
 from kvxfer.stats import Trace
-from kvxfer.wire import ReadParams, Source, StreamParams, is_generation, is_stream_id, message_field
+from kvxfer.wire import (
+    ReadParams,
+    Source,
+    StreamParams,
+    done_token,
+    is_generation,
+    is_stream_id,
+    message_field,
+)
 
 __all__ = ["Published", "StreamReading"]
 
@@ -295,6 +303,7 @@ class StreamReading:
             elif read.prompt is not None and fields["prompt"] != read.prompt:
                 why = "D's prompt differs from the one P computed"
             read.p_req_id, read.secret = fields["req_id"], fields["secret"]
+            read.token = done_token(read.secret)  # a stream D holds whole has no params
             read.trace.p_req_id = read.p_req_id
         elif (fields["req_id"], fields["instance"], fields["secret"]) != (
                 read.p_req_id, read.instance, read.secret):
