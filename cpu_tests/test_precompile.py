@@ -104,7 +104,7 @@ def test_after_precompile_piece_saves_and_loads_of_every_size_compile_nothing(xl
     assert seen == []
 
 
-def test_precompile_on_the_host_backend_compiles_nothing_and_bad_counts_are_refused(monkeypatch):
+def test_precompile_on_the_host_backend_compiles_nothing_and_bad_arguments_are_refused(monkeypatch):
     monkeypatch.setenv("KVXFER_BACKEND", "host")
     caches = caches_on(jax.devices()[:4], seed=8)
     staging = _staging(caches)
@@ -119,6 +119,10 @@ def test_precompile_on_the_host_backend_compiles_nothing_and_bad_counts_are_refu
     pieces = piece_staging(CacheLayout.from_caches(caches), piece, SLOTS)
     with pytest.raises(InvalidInputError, match="max_blocks must be a positive int, got 0"):
         precompile_piece(caches, pieces, piece, 0, saves=True, loads=True)
+    with pytest.raises(InvalidInputError, match="saves must be True or False, got 'yes'"):
+        precompile(caches, staging.regions, SLOTS, saves="yes", loads=False)
+    with pytest.raises(InvalidInputError, match="sums must be True or False, got 1"):
+        precompile_piece(caches, pieces, piece, SLOTS, saves=True, loads=True, sums=1)
 
 
 @pytest.mark.parametrize("d_devices", [(4, 5, 6, 7), (4,)], ids=["d-tp4", "d-one-device"])

@@ -261,8 +261,7 @@ def precompile(caches: Sequence[jax.Array], regions: Sequence[np.ndarray], max_b
     `precompile` setting). 0 on the host backend: numpy compiles nothing.
     """
     layout = CacheLayout.from_caches(caches)
-    if not is_int(max_blocks) or max_blocks <= 0:
-        raise InvalidInputError(f"precompile max_blocks must be a positive int, got {max_blocks!r}")
+    check_precompile_args(max_blocks, saves=saves, loads=loads, fingerprints=fingerprints)
     _check_host_blocks(regions, layout, 0, "regions")
     mesh = caches[0].sharding.mesh
     if backend(mesh) != "xla":
@@ -355,6 +354,14 @@ def check_block_ids(block_ids: object, layout: CacheLayout) -> np.ndarray:
             f"block ids {bad[:8].tolist()} out of range [0, {layout.num_blocks})"
         )
     return ids.astype(np.int32)
+
+
+def check_precompile_args(max_blocks: object, **flags: object) -> None:
+    """`precompile`'s (and `precompile_piece`'s) count and flags, refused by name."""
+    if not is_int(max_blocks) or max_blocks <= 0:
+        raise InvalidInputError(f"precompile max_blocks must be a positive int, got {max_blocks!r}")
+    for name, value in flags.items():
+        check_flag(name, value)
 
 
 def check_flag(name: str, value: object) -> None:

@@ -39,7 +39,13 @@ from kvxfer._rows import RowCopies, host_threads, run_per_shard
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import SUMS, piece_weights, reduce_sums, sums_words, word_sums
-from kvxfer.gather import backend_for, check_block_ids, check_flag, staging_regions
+from kvxfer.gather import (
+    backend_for,
+    check_block_ids,
+    check_flag,
+    check_precompile_args,
+    staging_regions,
+)
 from kvxfer.layout import CacheLayout
 from kvxfer.staging import Staging
 
@@ -227,16 +233,15 @@ def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece
     layout = CacheLayout.from_caches(caches)
     _check_piece_call(layout, np.zeros(0, np.int64), staging, np.zeros(0, np.int64), piece,
                       distinct_ids=False)
-    if not is_int(max_blocks) or max_blocks <= 0:
-        raise InvalidInputError(f"precompile max_blocks must be a positive int, got {max_blocks!r}")
+    check_precompile_args(max_blocks, saves=saves, loads=loads, sums=sums)
     if _backend() != "xla":
         return 0
     weights, count = _unit_weights(layout, piece), 0
-    for role, shards in (("saves", _one_replica), ("loads", _held_shards)):
-        if {"saves": saves, "loads": loads}[role]:
+    for wanted, shards, gathers in ((saves, _one_replica, True), (loads, _held_shards, False)):
+        if wanted:  # a gather reads one replica, a scatter writes all: other views
             view = _xla_pieces.local_view(caches, [shards(c, piece) for c in caches], piece)
             count += _xla_pieces.precompile(layout, view, piece.axis, weights, staging.regions,
-                                            max_blocks, role == "saves", role == "loads", sums)
+                                            max_blocks, gathers, not gathers, sums)
     return count
 
 

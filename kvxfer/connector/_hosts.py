@@ -152,12 +152,15 @@ class OneProcess:
         if not self.config.precompile:
             return 0
         groups, _ = per_group(caches)
-        return sum(precompile(c, staging.regions,
-                              staging.num_slots if saves else min(staging.num_slots,
-                                                                  layout.num_blocks),
-                              saves=saves, loads=not saves,
-                              fingerprints=self.config.verify_fingerprints)
-                   for c, staging, layout in zip(groups, self.stagings, self.layouts))
+        return sum(self._precompile(g, c, staging.num_slots if saves
+                                    else min(staging.num_slots, layout.num_blocks), saves)
+                   for g, (c, staging, layout) in enumerate(zip(groups, self.stagings,
+                                                                self.layouts)))
+
+    def _precompile(self, g: int, caches: Sequence[jax.Array], max_blocks: int,
+                    saves: bool) -> int:
+        return precompile(caches, self.stagings[g].regions, max_blocks, saves=saves,
+                          loads=not saves, fingerprints=self.config.verify_fingerprints)
 
     def released(self, freed: list[str], held: list[str]) -> list[str]:
         """P: the requests whose slots the scheduler side may reuse, of those freed here."""
@@ -225,17 +228,11 @@ class ManyProcesses(OneProcess):
         """Copy this process's units of blocks `ids` into `slots`, with their sums."""
         gather_piece_into(caches, ids, self.stagings[g], slots, self.pieces[g])
 
-    def precompile(self, caches: Caches, saves: bool) -> int:
-        if not self.config.precompile:
-            return 0
-        groups, _ = per_group(caches)
-        return sum(precompile_piece(c, staging, piece,
-                                    staging.num_slots if saves else min(staging.num_slots,
-                                                                        layout.num_blocks),
-                                    saves=saves, loads=not saves,
-                                    sums=self.config.verify_fingerprints)
-                   for c, staging, piece, layout in zip(groups, self.stagings, self.pieces,
-                                                        self.layouts))
+    def _precompile(self, g: int, caches: Sequence[jax.Array], max_blocks: int,
+                    saves: bool) -> int:
+        return precompile_piece(caches, self.stagings[g], self.pieces[g], max_blocks,
+                                saves=saves, loads=not saves,
+                                sums=self.config.verify_fingerprints)
 
     def scatter(self, g: int, caches: list[jax.Array], ids: np.ndarray, rows: np.ndarray,
                 spans: Spans, bad: dict[str, str]) -> list[jax.Array]:
