@@ -9,7 +9,7 @@ of the caches' width, and P's gather is a jitted program that donates the
 regions and writes its rows into them with `dynamic_update_slice` at the
 slot, which XLA aliases to its output: the rows go from the device straight
 into the registered bytes, and every buffer keeps its address (the form
-`kvxfer bench gather` measures as `donated_*`). The regions are also numpy
+`kvxfer bench gather` measures as `pinned_*`). The regions are also numpy
 arrays over the same bytes (`PinnedRegions` is a sequence of them), so NIXL
 registers them, D reads into them and everything else reads them as it
 reads any staging.
