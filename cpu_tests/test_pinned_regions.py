@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kvxfer import _pinned_regions
 from kvxfer._pinned_regions import PinnedRegions, pinned_regions
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.gather import gather_into
+from kvxfer.gather import gather_into, staging_regions
 from kvxfer.scheduler import ScheduledRequest
 from kvxfer.staging import Staging
 
@@ -118,6 +118,15 @@ def test_a_view_keeps_its_regions_alive():
     jax.block_until_ready(others)  # freed memory of the same size would be reused by now
     assert view.ctypes.data == address
     np.testing.assert_array_equal(view.view(np.uint16), pattern)
+
+
+def test_staging_regions_refuses_a_bad_mesh_or_count_by_name(xla):
+    with pytest.raises(InvalidInputError, match="mesh must be a jax.sharding.Mesh, got 'm'"):
+        staging_regions("m", 2, 8, BLOCK, BF16)
+    with pytest.raises(InvalidInputError, match="num_slots must be a positive int, got -1"):
+        staging_regions(_mesh(1), 2, -1, BLOCK, BF16)
+    with pytest.raises(InvalidInputError, match="num_layers must be a positive int, got 2.0"):
+        staging_regions(_mesh(1), 2.0, 8, BLOCK, BF16)
 
 
 def test_staging_refuses_regions_of_another_shape_by_name():

@@ -81,6 +81,13 @@ def staging_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Se
     """The block regions of staging for caches on `mesh`: pinned-host buffers that the XLA
     backend's gather writes in place where `mesh` is one device (`kvxfer._pinned_regions`),
     else None (numpy regions: the host backend copies into them itself)."""
+    if not isinstance(mesh, Mesh):
+        raise InvalidInputError(f"staging_regions mesh must be a jax.sharding.Mesh, got "
+                                f"{mesh!r:.80}")
+    for name, value in (("num_layers", num_layers), ("num_slots", num_slots)):
+        if not is_int(value) or value <= 0:
+            raise InvalidInputError(f"staging_regions {name} must be a positive int, got "
+                                    f"{value!r}")
     if backend(mesh) != "xla":
         return None
     return _pinned_regions.pinned_regions(mesh, num_layers, num_slots, block_shape, dtype)
