@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer import _rows, _xla
+from kvxfer import _host_buffers, _xla
 from kvxfer._rows import slice_runs
 from kvxfer._xla import scatter_fn
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
@@ -549,7 +549,7 @@ def test_a_failing_shard_task_raises_once_every_task_has_ended(monkeypatch):
 
     tasks = [lambda: ok(0), bad] + [lambda i=i: ok(i) for i in range(2, 6)]
     with pytest.raises(LayoutMismatchError, match="shard 1 is not"):
-        _rows.run_per_shard(tasks)
+        _host_buffers.run_per_shard(tasks)
     assert sorted(ran) == [0, 2, 3, 4, 5]
 
 
@@ -560,10 +560,10 @@ def test_shard_tasks_that_run_shard_tasks_run_them_inline_not_deadlocked(monkeyp
     ran = []
 
     def outer(i):
-        _rows.run_per_shard([lambda j=j: ran.append((i, j)) for j in range(3)])
+        _host_buffers.run_per_shard([lambda j=j: ran.append((i, j)) for j in range(3)])
 
     worker = threading.Thread(
-        target=_rows.run_per_shard, args=([lambda i=i: outer(i) for i in range(4)],))
+        target=_host_buffers.run_per_shard, args=([lambda i=i: outer(i) for i in range(4)],))
     worker.start()
     worker.join(30)
     assert not worker.is_alive(), "nested shard tasks deadlocked the pool"

@@ -16,20 +16,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from kvxfer import _xla
-from kvxfer._rows import RowCopies, host_threads, run_per_shard
+from kvxfer._rows import RowCopies
+from kvxfer.errors import InvalidInputError
 from kvxfer.fingerprint import SUMS, combine_sums, fmix32, piece_weights, sums_words, word_sums
 from kvxfer.layout import CacheLayout
 
 __all__ = ["BufferHashes", "buffer_view", "copy_then_hash", "fingerprint",
-           "gather_into", "own_buffers", "scatter"]
+           "gather_into", "host_threads", "own_buffers", "run_per_shard", "scatter"]
 
 
 # The backend: what `kvxfer.gather` calls once its inputs are checked.
@@ -98,6 +101,70 @@ def fingerprint(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
                    for layer, cache in enumerate(caches)
                    for shard in cache.addressable_shards if shard.replica_id == 0])
     return hashes.result()
+
+
+# Host copies on several threads.
+#
+# One task per shard: its rows are copied, then hashed by the same thread while
+# they are in its core's cache, as other threads copy other shards. numpy's
+# copies and `einsum` release the GIL. Tasks touch disjoint buffers and rows;
+# `BufferHashes` adds each task's sums under a lock.
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+_pool_lock = threading.Lock()
+
+
+def host_threads() -> int:
+    """Threads for host copies: `KVXFER_HOST_THREADS`, else this process's cores, at most 8."""
+    raw = os.environ.get("KVXFER_HOST_THREADS")
+    if raw is not None:
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+            raise InvalidInputError(f"KVXFER_HOST_THREADS must be a positive int, got {raw!r}")
+        return int(raw)
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def run_per_shard(tasks: Sequence[Callable[[], object]], threads: int | None = None) -> None:
+    """Run independent per-shard tasks on `threads` host-copy threads (`host_threads()` by
+    default) and wait for all of them; the first task's error is raised once every task
+    has ended."""
+    global _pool
+    threads = host_threads() if threads is None else threads
+    if threads == 1 or len(tasks) < 2 or getattr(_in_task, "on", False):
+        for task in tasks:  # inline; also from inside a task, which would wait on itself
+            task()
+        return
+    with _pool_lock:
+        if _pool is None or _pool[0] != threads:
+            _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="kvxfer-copy"))
+        pool = _pool[1]
+    futures = [pool.submit(_as_task, task) for task in tasks]
+    errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
+_in_task = threading.local()
+
+
+def _as_task(task: Callable[[], object]) -> None:
+    _in_task.on = True
+    try:
+        task()
+    finally:
+        _in_task.on = False
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def copy_then_hash(copies: RowCopies, shard: jax.Shard, dst: np.ndarray, src: np.ndarray,

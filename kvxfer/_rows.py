@@ -1,5 +1,4 @@
-"""Row copies between a shard's block buffer and host rows, as slice copies where rows run
-together, and the host threads they run on.
+"""Row copies between a shard's block buffer and host rows, as slice copies where rows run together.
 
 Both backends copy blocks between a device shard's rows and host rows (staging):
 the host backend from and into the caches' own buffers, the XLA backend from
@@ -11,17 +10,10 @@ frees a request's blocks tail first) copies in runs too.
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-
 import jax
 import numpy as np
 
-from kvxfer.errors import InvalidInputError
-
-__all__ = ["RowCopies", "host_threads", "run_per_shard", "slice_runs"]
+__all__ = ["RowCopies", "slice_runs"]
 
 
 class RowCopies:
@@ -83,67 +75,3 @@ def slice_runs(frm: np.ndarray, to: np.ndarray) -> list[tuple[int, int, int]]:
                     continue
         runs.append((s, d, 1))
     return runs
-
-
-# Host copies on several threads.
-#
-# One task per shard: its rows are copied, then hashed by the same thread while
-# they are in its core's cache, as other threads copy other shards. numpy's
-# copies and `einsum` release the GIL. Tasks touch disjoint buffers and rows;
-# `BufferHashes` adds each task's sums under a lock.
-
-
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-
-
-_pool_lock = threading.Lock()
-
-
-def host_threads() -> int:
-    """Threads for host copies: `KVXFER_HOST_THREADS`, else this process's cores, at most 8."""
-    raw = os.environ.get("KVXFER_HOST_THREADS")
-    if raw is not None:
-        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
-            raise InvalidInputError(f"KVXFER_HOST_THREADS must be a positive int, got {raw!r}")
-        return int(raw)
-    return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
-def run_per_shard(tasks: Sequence[Callable[[], object]], threads: int | None = None) -> None:
-    """Run independent per-shard tasks on `threads` host-copy threads (`host_threads()` by
-    default) and wait for all of them; the first task's error is raised once every task
-    has ended."""
-    global _pool
-    threads = host_threads() if threads is None else threads
-    if threads == 1 or len(tasks) < 2 or getattr(_in_task, "on", False):
-        for task in tasks:  # inline; also from inside a task, which would wait on itself
-            task()
-        return
-    with _pool_lock:
-        if _pool is None or _pool[0] != threads:
-            _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="kvxfer-copy"))
-        pool = _pool[1]
-    futures = [pool.submit(_as_task, task) for task in tasks]
-    errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-
-
-_in_task = threading.local()
-
-
-def _as_task(task: Callable[[], object]) -> None:
-    _in_task.on = True
-    try:
-        task()
-    finally:
-        _in_task.on = False
-
-
-def _forget_pool() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the threads
-
-
-os.register_at_fork(after_in_child=_forget_pool)

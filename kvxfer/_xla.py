@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer._rows import RowCopies, run_per_shard
+from kvxfer._rows import RowCopies
 from kvxfer.errors import InvalidInputError
 from kvxfer.fingerprint import device_fingerprint
 from kvxfer.layout import CacheLayout
@@ -71,16 +71,12 @@ def dropped_ids(ids: np.ndarray, num_blocks: int) -> np.ndarray:
 def copy_rows(gathered: Sequence[jax.Array], regions: Sequence[np.ndarray],
               dst: np.ndarray) -> None:
     """Row `i` of each layer's gathered pinned-host array into slot `dst[i]` of its region,
-    shard by shard (one replica of each), each shard's piece where its index puts it: one
-    task per layer and shard, on the host-copy threads (`run_per_shard`)."""
+    shard by shard (one replica of each), each shard's piece where its index puts it."""
     copies = RowCopies(np.arange(len(dst)), dst, ids_are_dst=False)
-
-    def copy(shard: jax.Shard, region: np.ndarray) -> None:
-        copies.copy(shard, region[(slice(None), *shard.index[1:])], np.asarray(shard.data))
-
-    run_per_shard([functools.partial(copy, shard, region)
-                   for rows, region in zip(gathered, regions)
-                   for shard in rows.addressable_shards if shard.replica_id == 0])
+    for rows, region in zip(gathered, regions):
+        for shard in rows.addressable_shards:
+            if shard.replica_id == 0:
+                copies.copy(shard, region[(slice(None), *shard.index[1:])], np.asarray(shard.data))
 
 
 def bucket_rows(

@@ -293,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if "KVXFER_HOST_THREADS" in os.environ:  # refused here, not in a child process
-            from kvxfer._rows import host_threads
+            from kvxfer._host_buffers import host_threads
 
             host_threads()
         if "KVXFER_BACKEND" in os.environ:

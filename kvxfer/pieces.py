@@ -34,8 +34,15 @@ import jax
 import numpy as np
 
 from kvxfer import _xla_pieces
-from kvxfer._host_buffers import BufferHashes, buffer_view, copy_then_hash, own_buffers
-from kvxfer._rows import RowCopies, host_threads, run_per_shard
+from kvxfer._host_buffers import (
+    BufferHashes,
+    buffer_view,
+    copy_then_hash,
+    host_threads,
+    own_buffers,
+    run_per_shard,
+)
+from kvxfer._rows import RowCopies
 from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import SUMS, piece_weights, reduce_sums, sums_words, word_sums

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from kvxfer._rows import host_threads
+from kvxfer._host_buffers import host_threads
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.fingerprint import compare_fingerprints
