@@ -31,7 +31,7 @@ def pair():
 
 @pytest.fixture(params=["host", "xla"])
 def backend(request, monkeypatch):
-    """The test runs on each backend of `kvxfer.gather` (`KVXFER_BACKEND`): `host`, and `xla`,
+    """The test runs on each backend of `kvxfer.device.gather` (`KVXFER_BACKEND`): `host`, and `xla`,
     the jitted programs an accelerator runs."""
     monkeypatch.setenv("KVXFER_BACKEND", request.param)
     return request.param

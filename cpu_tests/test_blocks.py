@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer import InvalidInputError
-from kvxfer.blocks import (
+from kvxfer.plan.blocks import (
     block_range,
     cdiv,
     coalesce,

@@ -1,5 +1,5 @@
 """Connectors in one process: P on devices 0-3, D on devices 4-7, two NIXL agents. The first
-two tests run on both backends of `kvxfer.gather` (`KVXFER_BACKEND`): `host`, and `xla`,
+two tests run on both backends of `kvxfer.device.gather` (`KVXFER_BACKEND`): `host`, and `xla`,
 the jitted programs an accelerator runs."""
 
 import os
@@ -13,7 +13,7 @@ import pytest
 
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.errors import InvalidInputError
-from kvxfer.scheduler import ScheduledRequest
+from kvxfer.plan.save_plan import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.pair import as_bits, copy_block  # noqa: E402
@@ -243,16 +243,16 @@ def test_lease_refuses_a_generation_that_is_not_fresh_or_a_bad_secret(pair):
 
 def _posts_held_until(monkeypatch, release, seen):
     """Patch D's READ posting: note the thread each post runs on, wait for `release`."""
-    import kvxfer.nixl.decode as decode
+    import kvxfer.nixl.reads as reads
 
-    real = decode._post
+    real = reads.post
 
     def post(*args):
         seen.append(threading.current_thread().name)
         assert release.wait(10), "the test never released the post"
         return real(*args)
 
-    monkeypatch.setattr(decode, "_post", post)
+    monkeypatch.setattr(reads, "post", post)
 
 
 def test_start_load_kv_returns_while_the_read_is_posted_on_a_thread_of_its_own(pair,
@@ -289,15 +289,15 @@ def test_a_post_that_raises_fails_its_request_in_logical_ids_and_d_goes_on(pair,
         pr.save(ScheduledRequest(req_id, 0, 32, (ids,), full_table=True))
     params = {r: pr.p.request_finished(r) for r in ("bad", "good")}
     pr.serve()
-    import kvxfer.nixl.decode as decode
+    import kvxfer.nixl.reads as reads
 
-    real = decode._post
+    real = reads.post
 
     def post_once_failing(*args):
-        monkeypatch.setattr(decode, "_post", real)
+        monkeypatch.setattr(reads, "post", real)
         raise RuntimeError("NIXL_ERR_BACKEND")
 
-    monkeypatch.setattr(decode, "_post", post_once_failing)
+    monkeypatch.setattr(reads, "post", post_once_failing)
     assert pr.load("bad", params["bad"], [1, 2]) == ([], ["bad"])
     assert pr.d.get_block_ids_with_load_errors() == {1, 2}
     assert "bad" not in pr.d.staging  # nothing was posted: its slots are free at once

@@ -3,7 +3,7 @@ namespaces (`kvxfer.bench.hosts`), one mesh per instance (`jax.distributed`, glo
 NIXL over UCX TCP across the test network, metadata through etcd.
 
 Each process runs `procs/host.py`; what they report is checked here. The tests that
-deliver run on both backends of `kvxfer.gather` (`KVXFER_BACKEND`): `host` (numpy on
+deliver run on both backends of `kvxfer.device.gather` (`KVXFER_BACKEND`): `host` (numpy on
 XLA:CPU buffers) and `xla` (the jitted programs an accelerator runs); the others, whose
 failures do not depend on how bytes are copied, on the host backend (all of them pass
 on `xla` too: `KVXFER_BACKEND=xla pytest` runs them there). Skipped only where

@@ -19,8 +19,8 @@ import pytest
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.nixl.agent import free_port
-from kvxfer.scheduler import GroupSpec, ScheduledRequest
-from kvxfer.wire import prompt_digest
+from kvxfer.nixl.wire import prompt_digest
+from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.pair import SHAPE, as_bits, caches_on, copy_block  # noqa: E402
@@ -434,6 +434,44 @@ def test_d_caches_with_another_layer_count_raise_and_lose_nothing(pair):
     other = caches_on(jax.devices()[4:8], seed=3, layers=3)
     with pytest.raises(LayoutMismatchError, match="num_layers=3"):
         pr.d.get_finished(other)
+    assert pr.wait(1) == (["r"], [])
+
+
+def test_d_derives_its_caches_layout_once_per_new_arrays_never_per_step(pair, monkeypatch):
+    """vLLM calls get_finished every engine step: with nothing in flight it checks nothing,
+    and arrays it has checked are not checked again; new arrays are."""
+    import threading
+
+    import kvxfer.connector.decode as decode
+    import kvxfer.nixl.reads as reads
+
+    pr = pair()  # D's caches are on devices 4-7, P's on 0-3
+    derived = []
+    real_layout, real_post, release = decode.CacheLayout.from_caches, reads.post, threading.Event()
+
+    def spy(caches, *a, **k):
+        derived.extend([1] if 4 in {d.id for d in caches[0].devices()} else [])
+        return real_layout(caches, *a, **k)
+
+    def held_post(*args):
+        assert release.wait(10), "the test never released the post"
+        return real_post(*args)
+
+    monkeypatch.setattr(decode.CacheLayout, "from_caches", spy)
+    monkeypatch.setattr(reads, "post", held_post)
+    for _ in range(5):
+        pr.get_finished()
+    assert derived == []  # idle: nothing can be written into them
+    params = prefill(pr, "r", [4, 5])
+    pr.serve()
+    pr.d.start_load_kv({"r": LoadRequest(params, [10, 11])})
+    for _ in range(5):
+        assert pr.get_finished() == ([], [])  # the read is held: in flight
+    assert derived == [1]
+    pr.d_caches = [[c + 0 for c in pr.d_caches[0]]]  # the same layout, other arrays
+    pr.get_finished()
+    assert derived == [1, 1]
+    release.set()
     assert pr.wait(1) == (["r"], [])
 
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.connector.scheduler import LoadRequest
-from kvxfer.scheduler import ScheduledRequest
-from kvxfer.wire import prompt_digest
+from kvxfer.nixl.wire import prompt_digest
+from kvxfer.plan.save_plan import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.pair import Pair, as_bits  # noqa: E402

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.blocks import cdiv
-from kvxfer.scheduler import GroupSpec, ScheduledRequest
+from kvxfer.plan.blocks import cdiv
+from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.pair import Pair, as_bits, rewrite_blocks  # noqa: E402

@@ -43,7 +43,7 @@ def test_demo_rejects_unknown_layout_before_starting_processes():
 
 def _prefill_scheduler(**kw):
     from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
-    from kvxfer.scheduler import GroupSpec
+    from kvxfer.plan.save_plan import GroupSpec
 
     args = dict(staging_blocks=8, kernel_ratio=1, address=PeerAddress("P", "127.0.0.1", 5610))
     args.update(kw)
@@ -78,7 +78,7 @@ def test_peer_address_takes_port_0_for_a_p_found_in_etcd():
 
 
 def test_prefill_scheduler_generations_are_fresh_and_slots_come_back_on_release():
-    from kvxfer.scheduler import ScheduledRequest
+    from kvxfer.plan.save_plan import ScheduledRequest
 
     s = _prefill_scheduler()
     gens = []
@@ -97,10 +97,10 @@ def test_prefill_scheduler_generations_are_fresh_and_slots_come_back_on_release(
 
 
 def test_prefill_scheduler_saves_each_logical_block_as_its_kernel_blocks_at_their_positions():
-    """40-24-0 (DESIGN.md's first bug) with kernel blocks of half a logical block: step 2
+    """40-24-0 (the first bug in docs/save-plans.md) with kernel blocks of half a logical block: step 2
     copies the straddling entry 1 again, as kernel blocks at positions 2 and 3, and the
     params name the same positions D writes at."""
-    from kvxfer.scheduler import ScheduledRequest
+    from kvxfer.plan.save_plan import ScheduledRequest
 
     s = _prefill_scheduler(kernel_ratio=2)
     s.add_request("r", 40)
@@ -113,7 +113,7 @@ def test_prefill_scheduler_saves_each_logical_block_as_its_kernel_blocks_at_thei
 
 
 def test_releasing_a_request_still_prefilling_keeps_its_staged_blocks():
-    from kvxfer.scheduler import ScheduledRequest
+    from kvxfer.plan.save_plan import ScheduledRequest
 
     s = _prefill_scheduler()
     s.add_request("r", 40)

@@ -7,7 +7,7 @@ import pytest
 from kvxfer.demo.engine import NewBlocksTracker, Shapes, decode, prefill
 from kvxfer.demo.model import ModelConfig, ShardedDecoder, make_mesh, pack_kv, unpack_kv
 from kvxfer.errors import InvalidInputError
-from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
+from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 
 SMALL = dict(hidden=64, layers=2, q_heads=8, kv_heads=4, head_dim=16, mlp=128)
 

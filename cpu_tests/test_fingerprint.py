@@ -1,4 +1,4 @@
-"""The block fingerprint's guarantees (kvxfer.fingerprint), checked exhaustively where small.
+"""The block fingerprint's guarantees (kvxfer.device.fingerprint), checked exhaustively where small.
 
 Every test here fails on the former hash (one weighted word sum mod 2**32), which
 missed two flips of bit 31 and swaps of words that differ only in their high bits.
@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer import fingerprint
-from kvxfer.fingerprint import (
+from kvxfer.device import fingerprint
+from kvxfer.device.fingerprint import (
     combine_sums,
     fmix32,
     host_fingerprint,
@@ -22,7 +22,7 @@ from kvxfer.fingerprint import (
     word_sums,
     word_weight,
 )
-from kvxfer.layout import CacheLayout
+from kvxfer.device.layout import CacheLayout
 
 BIG = 1 << 15  # words in a 128 KiB block, the size up to which every pair is covered
 
@@ -139,7 +139,7 @@ def test_sums_are_the_xor_and_the_weighted_half_word_sums(layout):
 
 
 def test_the_one_pass_sums_are_built_wherever_a_c_compiler_is():
-    """`pip install` builds kvxfer._sums where there is a compiler (the extension is optional,
+    """`pip install` builds kvxfer.device._sums where there is a compiler (the extension is optional,
     so a failed build would otherwise go unnoticed and D would verify at numpy's speed)."""
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler on this machine: numpy sums the fingerprints")
@@ -165,7 +165,7 @@ def test_one_pass_sums_equal_numpys_three_passes(order):
         expected = numpy(words[rows, 2], weights[2], "ij,j->i")
     elif order == "units":
         got, expected = word_sums(words, weights, "suj,uj->su"), numpy(words, weights, "suj,uj->su")
-    elif order == "strided_out":  # as kvxfer.pieces writes staging.prints[slots, :, layer]
+    elif order == "strided_out":  # as kvxfer.device.pieces writes staging.prints[slots, :, layer]
         prints = np.zeros((9, 3, 4, 3), np.uint32)
         word_sums(words, weights, "suj,uj->su", out=prints[:, :, 2])
         got, expected = prints[:, :, 2], numpy(words, weights, "suj,uj->su")

@@ -11,9 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer.blocks import to_kernel_ids
-from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
-from kvxfer.gather import (
+from kvxfer.device.gather import (
     block_fingerprints,
     bucket_size,
     check_fingerprints,
@@ -21,7 +19,9 @@ from kvxfer.gather import (
     gather_blocks,
     scatter_blocks,
 )
-from kvxfer.layout import CacheLayout
+from kvxfer.device.layout import CacheLayout
+from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
+from kvxfer.plan.blocks import to_kernel_ids
 
 NUM_BLOCKS = 16
 LAYERS = 2
@@ -175,7 +175,7 @@ def test_bucket_is_next_power_of_two_at_least_eight(count, bucket):
 
 
 def test_new_block_count_in_a_seen_bucket_does_not_recompile():
-    from kvxfer._xla import gather_fn
+    from kvxfer.device._xla import gather_fn
 
     caches = _make_caches("attention_bf16_mesh_1x8", seed=10)
     fn = gather_fn(CacheLayout.from_caches(caches), caches[0].sharding.mesh, False)

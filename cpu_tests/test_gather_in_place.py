@@ -24,12 +24,11 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer import _host_buffers, _xla
-from kvxfer._rows import slice_runs
-from kvxfer._xla import scatter_fn
-from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import compare_fingerprints
-from kvxfer.gather import (
+from kvxfer.device import _host_buffers, _xla
+from kvxfer.device._rows import slice_runs
+from kvxfer.device._xla import scatter_fn
+from kvxfer.device.fingerprint import compare_fingerprints
+from kvxfer.device.gather import (
     block_fingerprints,
     bucket_size,
     fingerprint_blocks,
@@ -37,7 +36,8 @@ from kvxfer.gather import (
     gather_into,
     scatter_blocks,
 )
-from kvxfer.layout import CacheLayout
+from kvxfer.device.layout import CacheLayout
+from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_gather import CONFIGS, LAYERS, NUM_BLOCKS, SIGNALING_NAN_BF16, _bytes  # noqa: E402
@@ -584,7 +584,7 @@ def test_a_bad_host_thread_count_is_refused_naming_it(value, monkeypatch):
 
 def test_the_backend_follows_kvxfer_backend_and_a_bad_one_is_refused_with_the_caches_kept(
         monkeypatch):
-    from kvxfer.gather import backend
+    from kvxfer.device.gather import backend
 
     caches, _ = _make("attention_bf16_mesh_1x8", seed=40)
     mesh = caches[0].sharding.mesh

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvxfer.device.layout import CacheLayout, advertised, check_block_compatible
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.layout import CacheLayout, advertised, check_block_compatible
 
 
 def _caches(mesh_shape, names, spec, shape, dtype=jnp.bfloat16, layers=2):

@@ -13,10 +13,10 @@ import time
 import numpy as np
 import pytest
 
+from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, claim_name, free_port, release_name, start_agent
-from kvxfer.staging import Staging
-from kvxfer.wire import decode_message, done_token, encode_message
+from kvxfer.nixl.wire import decode_message, done_token, encode_message
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Peer, PeerError  # noqa: E402
@@ -26,7 +26,7 @@ pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed"
 
 LAYERS, SLOTS, SHAPE, DTYPE = 3, 64, (4, 2, 8), "float32"
 GROUP = {"block_shape": list(SHAPE), "dtype": DTYPE, "num_layers": LAYERS, "kernel_ratio": 2}
-LAYOUT = {"groups": [GROUP]}  # `kvxfer.layout.advertised`'s form
+LAYOUT = {"groups": [GROUP]}  # `kvxfer.device.layout.advertised`'s form
 TIMEOUT = 3.0  # D's transfer deadline
 
 

@@ -19,10 +19,10 @@ import urllib.request
 import pytest
 
 from kvxfer.bench.hosts import EtcdServer
+from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl import etcd as etcd_records
 from kvxfer.nixl.agent import TransportConfig, close_agent, free_port, release_name, start_agent
-from kvxfer.staging import Staging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Peer, PeerError, wait_until  # noqa: E402

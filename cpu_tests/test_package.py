@@ -22,7 +22,7 @@ def _loaded_after(code: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", ["kvxfer", "kvxfer.connector.scheduler", "kvxfer.connector.config",
-                                    "kvxfer.wire", "kvxfer.slots", "kvxfer.scheduler",
+                                    "kvxfer.nixl.wire", "kvxfer.plan.slots", "kvxfer.plan.save_plan",
                                     "kvxfer.stats"])
 def test_the_scheduler_side_loads_neither_jax_numpy_nor_nixl(module):
     assert _loaded_after(f"import {module}") == []

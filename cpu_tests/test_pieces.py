@@ -1,4 +1,4 @@
-"""Pieces (`kvxfer.pieces`) in one process: two "hosts" emulated by giving each half of
+"""Pieces (`kvxfer.device.pieces`) in one process: two "hosts" emulated by giving each half of
 the devices' units, P and D cut differently; and the params that name them. What moves
 bytes runs on both backends (`KVXFER_BACKEND=host`, and `xla`: the jitted programs an
 accelerator runs)."""
@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import combine_sums, fmix32
-from kvxfer.gather import fingerprint_blocks
-from kvxfer.layout import CacheLayout
-from kvxfer.pieces import (
+from kvxfer.device.fingerprint import combine_sums, fmix32
+from kvxfer.device.gather import fingerprint_blocks
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.pieces import (
     Piece,
     gather_piece_into,
     piece_staging,
@@ -21,7 +20,8 @@ from kvxfer.pieces import (
     split_axis,
     unit_sums,
 )
-from kvxfer.wire import ReadParams
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.nixl.wire import ReadParams
 
 SHAPE = (32, 16, 8, 2, 32)
 
@@ -182,6 +182,27 @@ def test_a_replicated_cache_moves_as_one_piece_on_both_backends(backend):
                    for s in got.addressable_shards)  # every replica written
 
 
+@pytest.mark.parametrize("whole", [Piece(1, 8, 0, 8), Piece(0, 16, 0, 16)])
+def test_a_one_device_cache_moves_as_one_whole_piece_cut_along_any_axis(backend, whole):
+    """One chip (a single GPU, a one-chip host): nothing splits its blocks, so the whole
+    block is the piece, whichever axis names it (tpu_tests cut the heads axis)."""
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    p = [jax.device_put(c, NamedSharding(one, PartitionSpec(None, None, "model")))
+         for c in caches((1, 8), PartitionSpec(), seed=6)]
+    d = [jax.device_put(c, NamedSharding(one, PartitionSpec(None, None, "model")))
+         for c in caches((1, 8), PartitionSpec(), zeros=True)]
+    layout = CacheLayout.from_caches(p)
+    assert process_pieces(p) == {0: Piece(0, 16, 0, 16)}
+    st = piece_staging(layout, whole, 4)
+    gather_piece_into(p, [3, 30, 7], st, [1, 2, 0], whole)
+    d, landed = scatter_piece(d, st, [0, 4, 9], [1, 2, 0], whole)
+    assert (landed == unit_sums(st, [1, 2, 0])).all()
+    for got, want in zip(d, p):
+        assert (bits(got)[[0, 4, 9]] == bits(want)[[3, 30, 7]]).all()
+    with pytest.raises(LayoutMismatchError, match="does not cut blocks"):
+        piece_staging(layout, Piece(1, 8, 0, 4), 4)  # not whole: one device holds every unit
+
+
 def test_a_bad_backend_setting_is_refused_by_name_before_anything_moves(monkeypatch):
     layout = CacheLayout.from_caches(caches((1, 8), PartitionSpec(None, None, "model")))
     piece = process_pieces(caches((1, 8), PartitionSpec(None, None, "model")))[0]
@@ -239,8 +260,8 @@ def test_params_with_bad_sources_are_refused_by_name(units, sources, match):
 ])
 def test_a_prefill_scheduler_refuses_sources_d_would_refuse(sources, units, match):
     from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
-    from kvxfer.scheduler import GroupSpec
-    from kvxfer.wire import Source
+    from kvxfer.nixl.wire import Source
+    from kvxfer.plan.save_plan import GroupSpec
 
     named = {"ok": Source("p-0", 0, 8), "half": Source("p-0", 0, 4)}
     sources = [named.get(x, x) if isinstance(x, str) else x for x in sources]
@@ -273,9 +294,9 @@ def test_scatter_piece_without_sums_writes_the_same_bytes_and_hashes_nothing(bac
 
 def test_a_piece_one_device_holds_is_gathered_into_pinned_staging_in_place(monkeypatch):
     """On the XLA backend, a piece one device holds (here with a replica over 'data') stages
-    into pinned-host regions written in place (`kvxfer._pinned_regions`): the host
+    into pinned-host regions written in place (`kvxfer.device.pinned`): the host
     backend's bytes and sums, every region at its address; two devices' piece: numpy."""
-    from kvxfer._pinned_regions import PinnedRegions
+    from kvxfer.device.pinned import PinnedRegions
 
     p = caches((2, 4), PartitionSpec(None, None, "model"), seed=5)  # 2 units per device
     layout = CacheLayout.from_caches(p)

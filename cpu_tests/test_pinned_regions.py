@@ -1,4 +1,4 @@
-"""P's staging as pinned-host JAX buffers written in place (`kvxfer._pinned_regions`), on the XLA
+"""P's staging as pinned-host JAX buffers written in place (`kvxfer.device.pinned`), on the XLA
 backend selected on CPU: the same bytes and fingerprints as the host copy, every buffer at its
 address across saves, and numpy staging wherever that cannot hold."""
 
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer import _pinned_regions
-from kvxfer._pinned_regions import PinnedRegions, pinned_regions
+from kvxfer.device import pinned
+from kvxfer.device.gather import gather_into, staging_regions
+from kvxfer.device.pinned import PinnedRegions, pinned_regions
+from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.gather import gather_into, staging_regions
-from kvxfer.scheduler import ScheduledRequest
-from kvxfer.staging import Staging
+from kvxfer.plan.save_plan import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.pair import as_bits, caches_on  # noqa: E402
@@ -72,8 +72,8 @@ def test_pinned_regions_need_one_device_and_a_donation_that_keeps_the_address(xl
             return [jax.device_put(np.array(r), host) for r in regions]
         return write
 
-    monkeypatch.setattr(_pinned_regions, "_write_fn", copying_write)
-    with caplog.at_level(logging.WARNING, "kvxfer.staging"):
+    monkeypatch.setattr(pinned, "_write_fn", copying_write)
+    with caplog.at_level(logging.WARNING, "kvxfer.device.staging"):
         assert pinned_regions(_mesh(1), 2, 8, BLOCK, BF16) is None
     assert "moved" in caplog.text
 
@@ -93,7 +93,7 @@ def test_a_write_that_moves_a_buffer_or_fails_is_refused_by_name_and_every_later
 
     for regions, write, match in ((moving, moves, "moved its buffers"),
                                   (failing, fails, "RESOURCE_EXHAUSTED")):
-        monkeypatch.setattr(_pinned_regions, "_write_fn", lambda sharding, layers, w=write: w)
+        monkeypatch.setattr(pinned, "_write_fn", lambda sharding, layers, w=write: w)
         with pytest.raises(TransferError, match=match):
             gather_into(caches, np.array([1, 2]), regions, np.array([0, 1]))
         monkeypatch.undo()

@@ -10,16 +10,16 @@ import jax
 import numpy as np
 import pytest
 
-from kvxfer._pinned_regions import PinnedRegions
-from kvxfer.connector._hosts import for_caches
+from kvxfer.connector._processes import for_caches
 from kvxfer.connector.config import ConnectorConfig
+from kvxfer.device.gather import gather_into, precompile, scatter_blocks, staging_regions
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.pieces import Piece, gather_piece_into, piece_staging, precompile_piece, scatter_piece
+from kvxfer.device.pinned import PinnedRegions
+from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError
-from kvxfer.gather import gather_into, precompile, scatter_blocks, staging_regions
-from kvxfer.layout import CacheLayout
 from kvxfer.nixl.agent import TransportConfig
-from kvxfer.pieces import Piece, gather_piece_into, piece_staging, precompile_piece, scatter_piece
-from kvxfer.scheduler import ScheduledRequest
-from kvxfer.staging import Staging
+from kvxfer.plan.save_plan import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from procs.pair import as_bits, caches_on  # noqa: E402

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from kvxfer import cli
 from kvxfer.errors import InvalidInputError
-from kvxfer.proxy import ProxyConfig, build_app, parse_urls
+from kvxfer.serve.proxy import ProxyConfig, build_app, parse_urls
 
 WAIT_S = 10  # bounds a wait that only a broken proxy would exhaust; nothing asserts on time
 

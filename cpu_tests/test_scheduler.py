@@ -1,11 +1,11 @@
-"""Save plans: the DESIGN.md cases, lifecycle, hybrid groups, DCP, bad input."""
+"""Save plans: the docs/save-plans.md cases, lifecycle, hybrid groups, DCP, bad input."""
 
 import pytest
 
 from kvxfer import InvalidInputError, KvxferError
-from kvxfer.blocks import cdiv
-from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
-from kvxfer.simulate import SimEngine
+from kvxfer.plan.blocks import cdiv
+from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
+from kvxfer.plan.simulate import SimEngine
 
 ATTN = GroupSpec(16)
 
@@ -30,7 +30,7 @@ def run_prefill(prompt, budget, lookahead=0, cached=0, groups=(ATTN,)):
     return steps
 
 
-# -- the four cases of DESIGN.md section 2 ------------------------------------------
+# -- the four cases of docs/save-plans.md -------------------------------------------
 
 
 def test_resaves_block_straddling_chunk_boundary():

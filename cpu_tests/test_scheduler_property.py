@@ -10,8 +10,8 @@ copied twice without a write in between.
 from hypothesis import HealthCheck, given, settings
 from procs.schedules import play, workloads
 
-from kvxfer.scheduler import SaveTracker
-from kvxfer.simulate import SimEngine
+from kvxfer.plan.save_plan import SaveTracker
+from kvxfer.plan.simulate import SimEngine
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.blocks import coalesce
+from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, KvxferError, StagingFullError, UnknownRequestError
-from kvxfer.slots import SlotAllocator
-from kvxfer.staging import Staging
+from kvxfer.plan.blocks import coalesce
+from kvxfer.plan.slots import SlotAllocator
 
 
 def _rows(rng, n, shape=(4, 2), layers=2, dtype=np.float32):
@@ -125,7 +125,7 @@ def test_allocator_never_hands_out_a_slot_twice(ops):
 @pytest.mark.parametrize("keys", [[-1], [2, "3"], [1.0], [True]])
 @pytest.mark.parametrize("placement", ["runs", "mirror"])
 def test_a_slot_map_refuses_keys_that_are_not_non_negative_ints(keys, placement):
-    from kvxfer.slots import SlotMap
+    from kvxfer.plan.slots import SlotMap
 
     slots = SlotMap(8, placement)
     with pytest.raises(InvalidInputError, match="staging keys must be non-negative ints"):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from kvxfer.connector.scheduler import LoadRequest
-from kvxfer.scheduler import ScheduledRequest
+from kvxfer.plan.save_plan import ScheduledRequest
 from kvxfer.stats import Recorder, Trace
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.errors import InvalidInputError
-from kvxfer.scheduler import GroupSpec, ScheduledRequest
-from kvxfer.wire import StreamParams, new_stream_id, prompt_digest
+from kvxfer.nixl.wire import StreamParams, new_stream_id, prompt_digest
+from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.pair import as_bits, copy_block  # noqa: E402

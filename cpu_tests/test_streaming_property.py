@@ -1,6 +1,6 @@
 """Property: over random schedules, what P names final is what D needs, and never changes.
 
-A simulated engine (`kvxfer.simulate`) writes token-stamped KV; P's scheduler
+A simulated engine (`kvxfer.plan.simulate`) writes token-stamped KV; P's scheduler
 side plans each step of streamed requests. D's view is simulated: each block is
 copied to D's host the step P names it final, and only then. When a request's
 prefill completes, every prompt token D holds must be the device's newest (a
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from procs.schedules import play, workloads
 
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
-from kvxfer.simulate import SimEngine
-from kvxfer.wire import new_stream_id
+from kvxfer.nixl.wire import new_stream_id
+from kvxfer.plan.simulate import SimEngine
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,15 +11,15 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer.blocks import cdiv
 from kvxfer.demo.kvbytes import BytesConfig
+from kvxfer.device.gather import block_fingerprints, check_fingerprints, gather_blocks, scatter_blocks
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.gather import block_fingerprints, check_fingerprints, gather_blocks, scatter_blocks
-from kvxfer.layout import CacheLayout
-from kvxfer.scheduler import GroupSpec
-from kvxfer.simulate import SimEngine
-from kvxfer.slots import SlotAllocator
-from kvxfer.staging import Staging
+from kvxfer.plan.blocks import cdiv
+from kvxfer.plan.save_plan import GroupSpec
+from kvxfer.plan.simulate import SimEngine
+from kvxfer.plan.slots import SlotAllocator
 
 # Staging.
 
@@ -340,11 +340,11 @@ def test_connector_config_refuses_bad_values(fields, message):
 
 def test_two_live_agents_may_not_share_a_name():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
-    from kvxfer.layout import check_block_compatible
+    from kvxfer.device.layout import check_block_compatible
+    from kvxfer.device.staging import Staging
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
     from kvxfer.nixl.prefill import PrefillTransport
-    from kvxfer.staging import Staging
 
     first = PrefillTransport(TransportConfig("twin"), Staging(1, 4, (8,)), {})
     try:
@@ -358,11 +358,11 @@ def test_two_live_agents_may_not_share_a_name():
 
 def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_changes():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
-    from kvxfer.layout import check_block_compatible
+    from kvxfer.device.layout import check_block_compatible
+    from kvxfer.device.staging import Staging
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
-    from kvxfer.staging import Staging
-    from kvxfer.wire import ReadParams
+    from kvxfer.nixl.wire import ReadParams
 
     params = ReadParams.parse({"peer": "P", "instance": "i", "host": "127.0.0.1", "port": 1,
                                "req_id": "r", "generation": 1, "secret": "ab" * 16,
@@ -379,21 +379,51 @@ def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_
 
 def test_a_ucx_tls_ucx_cannot_use_is_refused_by_name_and_frees_the_agent_name():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.device.staging import Staging
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.prefill import PrefillTransport
-    from kvxfer.staging import Staging
 
-    with pytest.raises(InvalidInputError, match="ucx_tls='bogus' names on this machine"):
+    with pytest.raises(InvalidInputError, match="ucx_tls='bogus' names on this machine") as e:
         PrefillTransport(TransportConfig("tls-check", ucx_tls="bogus"), Staging(1, 4, (8,)), {})
+    assert "tried 'bogus'; try ucx_tls=None (UCX's own choice)" in str(e.value)
     PrefillTransport(TransportConfig("tls-check"), Staging(1, 4, (8,)), {}).close()
+
+
+def test_ucx_transports_by_default_add_cuda_copy_where_ucx_sees_cuda_then_fall_back_to_ucxs_own():
+    from kvxfer.nixl.agent import choose_ucx_tls
+
+    assert choose_ucx_tls("auto", sees_cuda=True) == ["cma,tcp,self,cuda_copy", None]
+    assert choose_ucx_tls("auto", sees_cuda=False) == ["cma,tcp,self", None]
+    assert choose_ucx_tls("tcp,self", sees_cuda=True) == ["tcp,self"]
+    assert choose_ucx_tls(None, sees_cuda=True) == [None]
+
+
+def test_an_agent_whose_chosen_transports_ucx_cannot_make_starts_on_ucxs_own_and_says_so(
+        monkeypatch, caplog):
+    """On a CUDA host UCX refused the host transports alone; the default must still start."""
+    pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.device.staging import Staging
+    from kvxfer.nixl import agent
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.prefill import PrefillTransport
+
+    monkeypatch.setattr(agent, "ucx_sees_cuda", lambda: True)
+    # UCX makes no context from names it has none of, as on a CUDA host without cuda_copy.
+    monkeypatch.setattr(agent, "HOST_TLS", "no_such_transport")
+    monkeypatch.setattr(agent, "CUDA_TLS", "nor_this")
+    with caplog.at_level("INFO", logger="kvxfer.nixl.agent"):
+        PrefillTransport(TransportConfig("tls-auto"), Staging(1, 4, (8,)), {}).close()
+    said = [r.getMessage() for r in caplog.records if r.name == "kvxfer.nixl.agent"]
+    assert any("cannot use transports no_such_transport,nor_this" in m for m in said), said
+    assert "NIXL agent tls-auto: UCX transports UCX's own choice (ucx_tls auto)" in said
 
 
 def test_cancel_refuses_an_id_that_is_not_a_str():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
-    from kvxfer.layout import check_block_compatible
+    from kvxfer.device.layout import check_block_compatible
+    from kvxfer.device.staging import Staging
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
-    from kvxfer.staging import Staging
 
     d = DecodeTransport(TransportConfig("D-cancel"), Staging(1, 4, (8,)), {}, check_block_compatible)
     try:

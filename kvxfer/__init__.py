@@ -7,12 +7,10 @@ The names a serving backend needs, from the modules that own them:
                         new_stream_id, prompt_digest)
 
 They load on first use, so that `import kvxfer` (and vLLM's scheduler process,
-which imports `kvxfer.connector.scheduler`) loads neither JAX nor NIXL.
-Modules, in dependency order: `blocks`, `scheduler` (save plans), `slots`,
-`wire` (what P and D say), `layout`, `fingerprint`, `gather` (with its
-backends `_xla` and `_host_buffers`), `staging`, `pieces` and `multihost`
-(instances across hosts), `nixl` (the transport), `stats` (counters and traces),
-`connector`, `vllm` (with `vllm_metrics` and `vllm_settings`), `cli`.
+which imports `kvxfer.connector.scheduler`) loads neither JAX nor NIXL. The
+layers, in the order they import one another: `plan` (save plans), `device`
+(caches to host staging), `nixl` (the transport), `connector` (P and D),
+`vllm` and `serve` (what runs them); docs/architecture.md has the reading path.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvxfer import _moved
 from kvxfer.errors import (
     CorruptionError,
     InvalidInputError,
@@ -34,27 +33,27 @@ if TYPE_CHECKING:
     from kvxfer.connector.prefill import PrefillConnector, PrefillWorker
     from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
     from kvxfer.nixl.agent import TransportConfig
-    from kvxfer.scheduler import GroupSpec, ScheduledRequest
+    from kvxfer.nixl.wire import StreamParams, new_stream_id, prompt_digest
+    from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
     from kvxfer.stats import Stats, Trace
-    from kvxfer.wire import StreamParams, new_stream_id, prompt_digest
 
 _LAZY = {
     "ConnectorConfig": "kvxfer.connector.config",
     "DecodeConnector": "kvxfer.connector.decode",
-    "GroupSpec": "kvxfer.scheduler",
+    "GroupSpec": "kvxfer.plan.save_plan",
     "LoadRequest": "kvxfer.connector.scheduler",
     "PeerAddress": "kvxfer.connector.scheduler",
     "PrefillConnector": "kvxfer.connector.prefill",
     "PrefillScheduler": "kvxfer.connector.scheduler",
     "PrefillWorker": "kvxfer.connector.prefill",
     "SaveMeta": "kvxfer.connector.scheduler",
-    "ScheduledRequest": "kvxfer.scheduler",
+    "ScheduledRequest": "kvxfer.plan.save_plan",
     "Stats": "kvxfer.stats",
-    "StreamParams": "kvxfer.wire",
+    "StreamParams": "kvxfer.nixl.wire",
     "Trace": "kvxfer.stats",
     "TransportConfig": "kvxfer.nixl.agent",
-    "new_stream_id": "kvxfer.wire",
-    "prompt_digest": "kvxfer.wire",
+    "new_stream_id": "kvxfer.nixl.wire",
+    "prompt_digest": "kvxfer.nixl.wire",
 }
 
 __all__ = [
@@ -81,6 +80,8 @@ __all__ = [
     "prompt_digest",
 ]
 __version__ = "0.1.0"
+
+_moved.install()
 
 
 def __getattr__(name: str) -> Any:

@@ -9,10 +9,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvxfer.blocks import cdiv, is_int
 from kvxfer.errors import InvalidInputError, KvxferError, SetupError
-from kvxfer.scheduler import GroupSpec, SaveTracker
-from kvxfer.simulate import SimEngine
+from kvxfer.plan.blocks import cdiv, is_int
+from kvxfer.plan.save_plan import GroupSpec, SaveTracker
+from kvxfer.plan.simulate import SimEngine
 
 __all__ = ["build_parser", "main", "plan_report"]
 
@@ -160,7 +160,7 @@ def _cmd_kvbytes(args: argparse.Namespace) -> int:
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
     try:
-        proxy = importlib.import_module("kvxfer.proxy")
+        proxy = importlib.import_module("kvxfer.serve.proxy")
     except ImportError as e:
         if (e.name or "").split(".")[0] != "aiohttp":
             raise
@@ -179,6 +179,7 @@ _BENCHES = {
     "multihost": "kvxfer.bench.multihost",
     "serve": "kvxfer.bench.serve",
     "ttft": "kvxfer.bench.ttft",
+    "step": "kvxfer.bench.step",
 }
 
 
@@ -293,11 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if "KVXFER_HOST_THREADS" in os.environ:  # refused here, not in a child process
-            from kvxfer._host_buffers import host_threads
+            from kvxfer.device.gather import host_threads
 
             host_threads()
         if "KVXFER_BACKEND" in os.environ:
-            from kvxfer.gather import backend_setting
+            from kvxfer.device.gather import backend_setting
 
             backend_setting()
         return args.func(args)

@@ -15,8 +15,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer._pinned_regions import pinned_regions
-from kvxfer.gather import (
+from kvxfer.device.gather import (
     backend,
     check_fingerprints,
     fingerprint_blocks,
@@ -26,8 +25,9 @@ from kvxfer.gather import (
     scatter_blocks,
     staging_regions,
 )
-from kvxfer.layout import CacheLayout
-from kvxfer.pieces import Piece, gather_piece_into, piece_staging, scatter_piece, unit_sums
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.pieces import Piece, gather_piece_into, piece_staging, scatter_piece, unit_sums
+from kvxfer.device.pinned import pinned_regions
 
 
 def _mesh():

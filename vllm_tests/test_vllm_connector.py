@@ -21,7 +21,7 @@ from engine import Engine
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import free_port
 from kvxfer.nixl.decode import DecodeTransport
-from kvxfer.wire import new_stream_id
+from kvxfer.nixl.wire import new_stream_id
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -399,7 +399,7 @@ def test_importing_the_connector_module_loads_neither_jax_nor_nixl():
     import sys
 
     code = ("import sys, kvxfer.vllm; print(sorted(m for m in ('jax', 'nixl_cu12', "
-            "'kvxfer.connector.prefill', 'kvxfer.connector.decode', 'kvxfer.gather') "
+            "'kvxfer.connector.prefill', 'kvxfer.connector.decode', 'kvxfer.device.gather') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -409,9 +409,9 @@ def test_importing_the_connector_module_loads_neither_jax_nor_nixl():
 def test_only_true_asks_d_to_load_from_p(value, asks, caplog):
     from types import SimpleNamespace
 
-    from kvxfer.scheduler import GroupSpec
-    from kvxfer.vllm import Settings, _SchedulerSide
-    from kvxfer.wire import prompt_digest
+    from kvxfer.nixl.wire import prompt_digest
+    from kvxfer.plan.save_plan import GroupSpec
+    from kvxfer.vllm.connector import Settings, _SchedulerSide
 
     d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
     request = SimpleNamespace(request_id="r", num_prompt_tokens=32, prompt_token_ids=list(
@@ -441,9 +441,9 @@ def test_a_host_that_does_not_resolve_is_refused_at_start_up():
 def test_params_for_another_prompt_of_the_same_length_make_d_compute_it_itself(caplog):
     from types import SimpleNamespace
 
-    from kvxfer.scheduler import GroupSpec
-    from kvxfer.vllm import Settings, _SchedulerSide
-    from kvxfer.wire import prompt_digest
+    from kvxfer.nixl.wire import prompt_digest
+    from kvxfer.plan.save_plan import GroupSpec
+    from kvxfer.vllm.connector import Settings, _SchedulerSide
 
     d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
     for sent in (prompt_digest(list(range(1, 33))), None):
@@ -459,9 +459,9 @@ def test_params_for_another_prompt_of_the_same_length_make_d_compute_it_itself(c
 def test_d_keeps_p_lease_of_a_queued_request_and_releases_it_when_aborted():
     from types import SimpleNamespace
 
-    from kvxfer.scheduler import GroupSpec
-    from kvxfer.vllm import Settings, _SchedulerSide
-    from kvxfer.wire import prompt_digest
+    from kvxfer.nixl.wire import prompt_digest
+    from kvxfer.plan.save_plan import GroupSpec
+    from kvxfer.vllm.connector import Settings, _SchedulerSide
 
     d = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=False, consumer=True)
     params = {"do_remote_prefill": True, "num_prompt_tokens": 32, "req_id": "p-r",
@@ -515,9 +515,9 @@ def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(
     """A P across hosts: vLLM aggregates every worker's metadata; the scheduler side takes
     the sources from it and names them in the params of requests completed from then on.
     Sources the params could not name are logged, not raised (the engine goes on)."""
-    from kvxfer.scheduler import GroupSpec
-    from kvxfer.vllm import Settings, WorkerReport, _SchedulerSide
-    from kvxfer.wire import Source
+    from kvxfer.nixl.wire import Source
+    from kvxfer.plan.save_plan import GroupSpec
+    from kvxfer.vllm.connector import Settings, WorkerReport, _SchedulerSide
 
     halves = (Source("p-0", 0, 2), Source("p-1", 2, 4))
     merged = WorkerReport({"a"}).aggregate(WorkerReport({"b"}, halves, 4))

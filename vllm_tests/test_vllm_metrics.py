@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvxfer.vllm import TPUConnector
-from kvxfer.vllm_metrics import HISTOGRAMS, KvxferStats
+from kvxfer.vllm.metrics import HISTOGRAMS, KvxferStats
 
 LABELS = ["model_name", "engine"]
 pd = test_vllm_connector.pd  # the P/D pair fixture

@@ -19,8 +19,8 @@ start_jax(1, f"127.0.0.1:{port}", 2, rank, "127.0.0.1")
 import jax  # noqa: E402
 from jax._src import distributed  # noqa: E402
 
-from kvxfer import multihost  # noqa: E402
 from kvxfer.errors import TransferError  # noqa: E402
+from kvxfer.nixl import multihost  # noqa: E402
 
 jax.devices()  # the backend (its topology exchange) is up in both, as in an engine
 out = {}

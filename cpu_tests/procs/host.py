@@ -38,7 +38,7 @@ from kvxfer.connector.decode import DecodeConnector  # noqa: E402
 from kvxfer.connector.prefill import PrefillConnector  # noqa: E402
 from kvxfer.connector.scheduler import LoadRequest  # noqa: E402
 from kvxfer.nixl.agent import TransportConfig  # noqa: E402
-from kvxfer.scheduler import GroupSpec, ScheduledRequest  # noqa: E402
+from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest  # noqa: E402
 
 BLOCK = 16
 LAYERS = 2
@@ -96,7 +96,7 @@ def to_caches(arrays):
 
 def report(**fields):
     """Writes what this process saw, with the backend its pieces moved by."""
-    from kvxfer.gather import backend_for
+    from kvxfer.device.gather import backend_for
 
     fields["backend"] = backend_for(d.platform for d in jax.local_devices())
     path = os.path.join(DIR, f"{ROLE}{RANK}.json")

@@ -19,7 +19,7 @@ from kvxfer.connector.decode import DecodeConnector
 from kvxfer.connector.prefill import PrefillConnector
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.nixl.agent import TransportConfig
-from kvxfer.scheduler import GroupSpec
+from kvxfer.plan.save_plan import GroupSpec
 
 SHAPE = (32, 16, 4, 2, 32)  # [blocks, tokens, heads*2/p, p, dim], bf16
 _names = itertools.count()

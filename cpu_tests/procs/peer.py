@@ -18,12 +18,12 @@ import time
 
 import numpy as np
 
-from kvxfer.layout import check_block_compatible
+from kvxfer.device.layout import check_block_compatible
+from kvxfer.device.staging import Staging
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.prefill import PrefillTransport
-from kvxfer.staging import Staging
-from kvxfer.wire import ReadParams
+from kvxfer.nixl.wire import ReadParams
 
 
 def block_rows(seed, kernel_ids, layer, block_shape, dtype):

@@ -1,11 +1,11 @@
 """Random schedules for the save-plan properties: KV cache group sets, prompts with prefix
-hits, and events (steps of a token budget, preemptions, aborts) for `kvxfer.simulate`."""
+hits, and events (steps of a token budget, preemptions, aborts) for `kvxfer.plan.simulate`."""
 
 import math
 
 from hypothesis import strategies as st
 
-from kvxfer.scheduler import GroupSpec
+from kvxfer.plan.save_plan import GroupSpec
 
 GROUP_SETS = [
     (GroupSpec(16),),

@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench import memcpy_gbps, random_caches
-from kvxfer.blocks import cdiv
 from kvxfer.demo.procs import Lines, Proc, child_output, profile_dir, profiled, say
+from kvxfer.plan.blocks import cdiv
 
 __all__ = ["E2EConfig", "run"]
 
@@ -103,7 +103,7 @@ class _Prefill:
         from kvxfer.connector.config import ConnectorConfig
         from kvxfer.connector.prefill import PrefillConnector
         from kvxfer.nixl.agent import TransportConfig
-        from kvxfer.scheduler import GroupSpec
+        from kvxfer.plan.save_plan import GroupSpec
 
         self.cfg, self.out = cfg, out
         self.caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_p, cfg.num_blocks, seed=1)
@@ -124,7 +124,7 @@ class _Prefill:
         self.waiting.append((req_id, prompt))
 
     def step(self) -> None:
-        from kvxfer.scheduler import ScheduledRequest
+        from kvxfer.plan.save_plan import ScheduledRequest
 
         t0 = time.monotonic()
         bs = self.cfg.block_size
@@ -256,7 +256,7 @@ def _verify_cost(caches: list[Any], table: list[int]) -> tuple[list[Any], float]
     """What verifying costs D's path: the same scatter of the request's blocks (its
     own bytes again, from host rows as staging holds them) with and without the
     fingerprints D checks, best of three each."""
-    from kvxfer.gather import gather_blocks, scatter_blocks
+    from kvxfer.device.gather import gather_blocks, scatter_blocks
 
     rows = [np.asarray(h)[: len(table)] for h in gather_blocks(caches, table)]
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -270,7 +270,7 @@ def _verify_cost(caches: list[Any], table: list[int]) -> tuple[list[Any], float]
 
 
 def _scatter_figures(cfg: E2EConfig) -> dict[str, float]:
-    from kvxfer.gather import scatter_blocks
+    from kvxfer.device.gather import scatter_blocks
 
     n = cfg.scatter_blocks
     rows = [np.random.default_rng(layer).integers(0, 1 << 16, (n, *cfg.block_shape), np.uint16)

@@ -1,4 +1,4 @@
-"""Benchmark of `kvxfer.gather.gather_blocks` against memcpy of the same bytes.
+"""Benchmark of `kvxfer.device.gather.gather_blocks` against memcpy of the same bytes.
 
 `run()` builds per-layer caches on a `('data', 'model')` mesh sharded
 `P(None, None, 'model')`, gathers random block ids to pinned host memory and
@@ -17,7 +17,7 @@ On an accelerator (`scripts/accel-check`) two more figures matter, both
 measured here on every backend: `jax.device_put` of the same bytes, already on
 the device, to pinned host (what the device-to-host link gives, with no gather),
 and P's gather into pinned staging on one device, which removes `gather_into`'s
-host copy (`pinned_*`, `kvxfer._pinned_regions`; `pinned_in_place` says whether
+host copy (`pinned_*`, `kvxfer.device.pinned`; `pinned_in_place` says whether
 it ran in place: on the XLA backend, where every buffer kept its address).
 """
 
@@ -32,9 +32,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer._pinned_regions import PinnedRegions, pinned_regions
+from kvxfer.device.gather import bucket_size, gather_blocks, gather_into
+from kvxfer.device.pinned import PinnedRegions, pinned_regions
 from kvxfer.errors import InvalidInputError
-from kvxfer.gather import bucket_size, gather_blocks, gather_into
 
 __all__ = ["run"]
 
@@ -167,7 +167,7 @@ def _timed(caches: list[jax.Array], ids: np.ndarray, nbytes: int, sharding: Name
 
 
 class _Pinned:
-    """P's gather into pinned staging on one device (`kvxfer._pinned_regions`): the caches
+    """P's gather into pinned staging on one device (`kvxfer.device.pinned`): the caches
     (or, made by `remake` on their first device, the same bits), into one run of slots at
     an offset in staging of twice as many. `in_place`: every call took the in-place path (False where
     `pinned_regions` refused the regions, or the host backend copies with numpy)."""

@@ -189,7 +189,7 @@ def _serve_p(cfg: MultihostConfig, spec: dict[str, Any]) -> dict[str, Any]:
     import jax
 
     from kvxfer.connector.prefill import PrefillConnector
-    from kvxfer.scheduler import GroupSpec, ScheduledRequest
+    from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 
     caches = _caches(cfg, fill=True)
     p = PrefillConnector(_config(cfg, "p", spec["etcd"]), [GroupSpec(cfg.block_size)], caches)

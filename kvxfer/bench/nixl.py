@@ -27,13 +27,13 @@ _SLOTS_PER_BLOCK = 4  # staging holds 4x the blocks read, so ids are spread out
 
 
 def _staging(layers: int, blocks: int, block_bytes: int, placement: str) -> Any:
-    from kvxfer.staging import Staging
+    from kvxfer.device.staging import Staging
 
     return Staging(layers, blocks * _SLOTS_PER_BLOCK, (block_bytes,), np.uint8, placement)
 
 
 def _advertised(layers: int, block_bytes: int) -> dict[str, Any]:
-    """The block fields both sides advertise (`kvxfer.layout.advertised`'s form)."""
+    """The block fields both sides advertise (`kvxfer.device.layout.advertised`'s form)."""
     return {"groups": [{"block_shape": [block_bytes], "dtype": "uint8", "num_layers": layers,
                         "kernel_ratio": 1}]}
 
@@ -79,7 +79,7 @@ def run(
     iters: int = 5,
     seed: int = 0,
     placement: str = "runs",
-    ucx_tls: str | None = "cma,tcp,self",
+    ucx_tls: str | None = "auto",
     timeout_s: float = 60.0,
     verbose: bool = True,
 ) -> dict[str, Any]:
@@ -89,11 +89,11 @@ def run(
     (NIXL descriptors per read, before any merging NIXL does), `bytes`,
     `placement`, `ucx_tls`, `iters`. Printed as one JSON line when `verbose`.
     """
-    from kvxfer.blocks import coalesce_pairs
-    from kvxfer.layout import check_block_compatible
+    from kvxfer.device.layout import check_block_compatible
     from kvxfer.nixl.agent import TransportConfig
     from kvxfer.nixl.decode import DecodeTransport
-    from kvxfer.wire import ReadParams
+    from kvxfer.nixl.wire import ReadParams
+    from kvxfer.plan.blocks import coalesce_pairs
 
     common = {"ucx_tls": ucx_tls, "transfer_timeout_s": timeout_s,
               "handshake_timeout_s": timeout_s}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
+from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 
 __all__ = ["run"]
 

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench import random_caches
-from kvxfer.blocks import cdiv
 from kvxfer.demo.procs import Lines, Proc, child_output, profiled, say
+from kvxfer.plan.blocks import cdiv
 
 __all__ = ["TTFTConfig", "run"]
 
@@ -79,7 +79,7 @@ def _serve_p(cfg: TTFTConfig, out: Any) -> None:
     from kvxfer.connector.config import ConnectorConfig
     from kvxfer.connector.prefill import PrefillConnector
     from kvxfer.nixl.agent import TransportConfig
-    from kvxfer.scheduler import GroupSpec, ScheduledRequest
+    from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 
     caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_p, cfg.num_blocks, seed=1)
     conn = PrefillConnector(ConnectorConfig(TransportConfig("P", lease_s=600.0),
@@ -162,7 +162,7 @@ def _child(role: str, cfg_json: str) -> None:
 def _one(p: Proc, d: Proc, peer: dict[str, Any], cfg: TTFTConfig, req_id: str, prompt: int,
          stream: bool) -> float:
     """One request through P and D; its critical time in seconds."""
-    from kvxfer.wire import StreamParams, new_stream_id
+    from kvxfer.nixl.wire import StreamParams, new_stream_id
 
     blocks = cdiv(prompt, cfg.block_size)
     sid = new_stream_id() if stream else None

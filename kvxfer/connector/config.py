@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import TransportConfig
+from kvxfer.plan.blocks import is_int
 
 __all__ = ["ConnectorConfig"]
 
@@ -22,7 +22,7 @@ class ConnectorConfig:
     - `stats`: collect counters, timings and traces (`stats()`, `traces()`); False
       collects none (traces are still logged at DEBUG).
     - `precompile`: at start-up, compile every program a save (P) or load (D) of any
-      size runs on the XLA backend (`kvxfer.gather.precompile`), so that none compiles
+      size runs on the XLA backend (`kvxfer.device.gather.precompile`), so that none compiles
       on the transfer path; nothing compiles on the host backend.
     """
 

@@ -2,7 +2,7 @@
 
 `start_load_kv` checks each request's params against D's block table, skips
 the entries D already holds (a local prefix hit), places every block P sends
-at the same position of D's table (`kvxfer.blocks.kernel_placement`) and
+at the same position of D's table (`kvxfer.plan.blocks.kernel_placement`) and
 posts the reads. `get_finished` advances them, scatters what arrived from
 staging into the device caches in place (one scatter per group), checks each
 request's blocks as they landed against P's fingerprints, and returns the
@@ -15,6 +15,7 @@ ids (`get_block_ids_with_load_errors`), and frees every slot it took.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -23,16 +24,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.blocks import NULL_BLOCK, is_int, kernel_placement, table_entries
-from kvxfer.connector._hosts import Spans, for_caches, per_group
+from kvxfer.connector._processes import Spans, for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import LoadRequest
+from kvxfer.device.layout import CacheLayout, advertised, check_block_compatible
+from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, KvxferError, LayoutMismatchError
-from kvxfer.layout import CacheLayout, advertised, check_block_compatible
 from kvxfer.nixl.decode import DecodeTransport
-from kvxfer.staging import Staging
+from kvxfer.nixl.wire import ReadParams, StreamParams
+from kvxfer.plan.blocks import NULL_BLOCK, is_int, kernel_placement, table_entries
 from kvxfer.stats import Recorder, Stats, Trace
-from kvxfer.wire import ReadParams, StreamParams
 
 __all__ = ["DecodeConnector"]
 
@@ -68,7 +69,7 @@ class DecodeConnector:
         caches: the current per-layer caches of each group (a plain list of
             arrays when there is one group); only their layouts are kept.
         model: what the caches hold, which P must describe alike
-            (`kvxfer.layout.advertised`); None: nothing said.
+            (`kvxfer.device.layout.advertised`); None: nothing said.
     """
 
     def __init__(self, config: ConnectorConfig,
@@ -85,6 +86,7 @@ class DecodeConnector:
         )
         self._traces: dict[str, Trace] = {}  # loads under way (read, or held locally)
         self._loads: dict[str, _Load] = {}
+        self._checked: list[tuple[jax.Array, ...]] = [() for _ in self.layouts]  # `_check_layouts`
         self._busy: list[dict[int, str]] = [{} for _ in self.layouts]  # per group: kernel id -> load
         self._load_errors: set[int] = set()
         self._refused: list[str] = []  # failed in start_load_kv, reported by get_finished
@@ -99,7 +101,7 @@ class DecodeConnector:
         """Start reading each request: `{req_id: LoadRequest(params, table, have)}`.
 
         Each block P sends lands in the entry of D's table at its position. With
-        `kvxfer.wire.StreamParams` as params, D reads the request while P still
+        `kvxfer.nixl.wire.StreamParams` as params, D reads the request while P still
         prefills it, each block as soon as P names it final, and writes it into
         the caches as it arrives (a D of one process). A
         request whose params or table are bad (or that is not a `LoadRequest`) is
@@ -216,11 +218,8 @@ class DecodeConnector:
         `LayoutMismatchError` before any state changes.
         """
         groups, single = per_group(caches, len(self.layouts))
-        for g, (group_caches, layout) in enumerate(zip(groups, self.layouts)):
-            got = CacheLayout.from_caches(group_caches, self.config.kernel_ratio)
-            if got != layout:
-                raise LayoutMismatchError(f"group {g} caches have layout {got}, the connector "
-                                          f"was built for {layout}")
+        if self._loads:  # else nothing is written into them this step
+            self._check_layouts(groups)
         done, failed = self.hosts.agree_reads(*self.transport.poll(), self._loads,
                                               self.transport.free)
         # One process writes blocks as they arrive (while the ack travels, or P prefills the
@@ -250,6 +249,10 @@ class DecodeConnector:
             for g in range(len(self.layouts)):
                 old = groups[g]
                 groups[g] = self._write_group(g, old, writes, bad)
+                if groups[g] is old:  # nothing written
+                    continue
+                if self._checked[g] and all(map(operator.is_, self._checked[g], old)):
+                    self._checked[g] = tuple(groups[g])  # our scatter's output: the same layout
                 _follow_donations([c for h, c in enumerate(groups) if h != g], old, groups[g])
         finally:
             for req_id in loads:
@@ -285,6 +288,20 @@ class DecodeConnector:
                                 sum(s.num_slots - s.num_free_slots for s in self.stagings))
         return (groups[0] if single else groups), finished, failed_ids
 
+    def _check_layouts(self, groups: list[list[jax.Array]]) -> None:
+        """Caches of another layout raise before any state changes. Arrays already checked
+        (or written by this connector) are not checked again: D's engine calls this every
+        step, and deriving a layout costs a few microseconds per layer."""
+        for g, (group_caches, layout) in enumerate(zip(groups, self.layouts)):
+            checked = self._checked[g]
+            if len(checked) == len(group_caches) and all(map(operator.is_, checked, group_caches)):
+                continue
+            got = CacheLayout.from_caches(group_caches, self.config.kernel_ratio)
+            if got != layout:
+                raise LayoutMismatchError(f"group {g} caches have layout {got}, the connector "
+                                          f"was built for {layout}")
+            self._checked[g] = tuple(group_caches)
+
     def _finish(self, req_id: str, load: _Load | None, outcome: str, recompute: int = 0) -> None:
         """A load ended: its trace (whose `scatter` stages checked the fingerprints as the
         blocks landed), its bytes, and its outcome (the transport's reason, if it failed
@@ -316,7 +333,7 @@ class DecodeConnector:
 
         One scatter straight out of the staging regions, which also fingerprints
         the blocks as they landed in the caches, checked per request against
-        P's (`_hosts`): a flipped bit anywhere from P's gather to here fails the
+        P's (`_processes`): a flipped bit anywhere from P's gather to here fails the
         request (its blocks are its own, and the engine recomputes them). A
         request's problem goes into `bad` (request id -> reason).
         """

@@ -18,17 +18,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.connector._hosts import for_caches, per_group
+from kvxfer.connector._processes import for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
+from kvxfer.device.layout import CacheLayout, advertised
+from kvxfer.device.staging import Staging, block_tags
 from kvxfer.errors import InvalidInputError
-from kvxfer.layout import CacheLayout, advertised
 from kvxfer.nixl.prefill import PrefillTransport
-from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
-from kvxfer.slots import SlotMap
-from kvxfer.staging import Staging, block_tags
+from kvxfer.nixl.wire import Source
+from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
+from kvxfer.plan.slots import SlotMap
 from kvxfer.stats import Recorder, Stats, Trace
-from kvxfer.wire import Source
 
 __all__ = ["PrefillConnector", "PrefillWorker"]
 
@@ -42,7 +42,7 @@ class PrefillWorker:
             arrays when there is one group); only their layouts are kept.
         instance: the scheduler side's P instance (`new_instance()` when None).
         model: what the caches hold, which D must describe alike
-            (`kvxfer.layout.advertised`); None: nothing said.
+            (`kvxfer.device.layout.advertised`); None: nothing said.
     """
 
     def __init__(self, config: ConnectorConfig,

@@ -18,14 +18,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.blocks import is_int, kernel_placement
 from kvxfer.errors import (
     InvalidInputError,
     StagingFullError,
 )
-from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
-from kvxfer.slots import SlotMap
-from kvxfer.wire import (
+from kvxfer.nixl.wire import (
     ReadParams,
     Source,
     is_stream_id,
@@ -34,6 +31,9 @@ from kvxfer.wire import (
     parse_sources,
     prompt_digest,
 )
+from kvxfer.plan.blocks import is_int, kernel_placement
+from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
+from kvxfer.plan.slots import SlotMap
 
 __all__ = ["LoadRequest", "PeerAddress", "Placed", "PrefillScheduler", "SaveMeta"]
 
@@ -55,7 +55,7 @@ class SaveMeta:
     - `instance`: the P instance the params name (the worker's transport is
       started under it);
     - `secrets[req_id]`: the secret of each request with blocks this step, which
-      the worker derives the blocks' tags from (`kvxfer.staging.block_tags`).
+      the worker derives the blocks' tags from (`kvxfer.device.staging.block_tags`).
     - `streams[req_id]`: `[stream id, prompt digest or None]` of a streamed request
       with blocks this step; `final[req_id][g]`: the kernel positions of group `g`,
       among this step's, that no later step copies again (the worker names them to
@@ -95,7 +95,7 @@ class LoadRequest:
       (allocated for decode) are ignored.
     - `have`: per group, how many leading table entries D already holds (a local
       prefix-cache hit): blocks P sends for those entries are not read. None: none.
-    - `prompt`: the `kvxfer.wire.prompt_digest` of D's prompt, when D knows it: params
+    - `prompt`: the `kvxfer.nixl.wire.prompt_digest` of D's prompt, when D knows it: params
       P made for another prompt (or without one) are then refused.
 
     Plain data, defined here rather than beside `DecodeConnector` so that vLLM's
@@ -201,9 +201,9 @@ class PrefillScheduler:
 
         With `prompt_token_ids`, its params carry their `prompt_digest`, and a D
         that knows its own prompt refuses params computed for another one.
-        With `stream` (a `kvxfer.wire.new_stream_id` the router also gave D), D
+        With `stream` (a `kvxfer.nixl.wire.new_stream_id` the router also gave D), D
         may read each block as soon as it is final, while P still prefills the
-        rest (`kvxfer.wire.StreamParams`); its params are made as usual, for a D
+        rest (`kvxfer.nixl.wire.StreamParams`); its params are made as usual, for a D
         that does not stream. Refused while P still holds a request of that id
         (being prefilled, staged, or waiting for D): its params could otherwise
         read the new prefill's blocks.
@@ -212,7 +212,7 @@ class PrefillScheduler:
             raise InvalidInputError(f"request id must be a non-empty str, got {req_id!r}")
         if stream is not None and not is_stream_id(stream):
             raise InvalidInputError(f"request {req_id!r}: stream must be None or 32 hex digits "
-                                    f"(kvxfer.wire.new_stream_id), got {stream!r:.80}")
+                                    f"(kvxfer.nixl.wire.new_stream_id), got {stream!r:.80}")
         if stream is not None and any(s == stream for s, _ in self._streams.values()):
             raise InvalidInputError(f"request {req_id!r}: stream {stream} is another request's")
         if self.holds(req_id):

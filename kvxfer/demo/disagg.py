@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.blocks import cdiv, is_int
 from kvxfer.demo.procs import Lines, Proc, child_output, say
 from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.plan.blocks import cdiv, is_int
 
 __all__ = ["BLOCK_SIZE", "DemoConfig", "MAX_PROMPT", "MAX_PROMPTS", "NOISE_FACTOR", "PHASES",
            "compare", "report", "run_demo"]
@@ -133,7 +133,7 @@ def _serve_p(cfg: DemoConfig, out, workdir: str) -> None:
     from kvxfer.demo.kvbytes import token_rows
     from kvxfer.demo.model import ShardedDecoder, make_mesh
     from kvxfer.nixl.agent import TransportConfig
-    from kvxfer.scheduler import GroupSpec
+    from kvxfer.plan.save_plan import GroupSpec
 
     model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_p))
     shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead, cfg.decode_tokens)

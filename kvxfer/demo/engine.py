@@ -1,6 +1,6 @@
 """The demo's engine loop around `ShardedDecoder`: chunked prefill, then greedy decode.
 
-Prefill is scheduled by `kvxfer.simulate.SimEngine`, which allocates blocks
+Prefill is scheduled by `kvxfer.plan.simulate.SimEngine`, which allocates blocks
 as vLLM's scheduler does: under a token budget per step, several requests per
 step, speculative lookahead blocks past each step's end, and prefix-cache
 hits whose blocks already hold the prefix's KV. P runs this loop with a
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from kvxfer.blocks import cdiv
 from kvxfer.demo.model import ShardedDecoder
 from kvxfer.errors import InvalidInputError
-from kvxfer.scheduler import GroupSpec, SaveTracker, ScheduledRequest
-from kvxfer.simulate import SimEngine
+from kvxfer.plan.blocks import cdiv
+from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
+from kvxfer.plan.simulate import SimEngine
 
 __all__ = ["AfterStep", "Decoded", "NewBlocksTracker", "Prefilled", "Shapes", "cache_blocks",
            "colocated", "decode", "decode_blocks", "decode_each", "demo_prompts", "pool_blocks",

@@ -25,9 +25,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvxfer.blocks import cdiv, is_int
 from kvxfer.demo.procs import Lines, Proc, child_output, say
 from kvxfer.errors import InvalidInputError, KvxferError
+from kvxfer.plan.blocks import cdiv, is_int
 
 __all__ = ["BytesConfig", "LAYOUTS", "cache_shape", "report_bytes", "run_bytes", "token_rows"]
 
@@ -200,10 +200,10 @@ def _serve_p(cfg: BytesConfig, out) -> None:
 
     from kvxfer.connector.config import ConnectorConfig
     from kvxfer.connector.prefill import PrefillConnector
-    from kvxfer.gather import bucket_size
+    from kvxfer.device.gather import bucket_size
     from kvxfer.nixl.agent import TransportConfig
-    from kvxfer.scheduler import GroupSpec
-    from kvxfer.simulate import SimEngine
+    from kvxfer.plan.save_plan import GroupSpec
+    from kvxfer.plan.simulate import SimEngine
 
     caches = _caches(cfg, cfg.tp_p)
     group = GroupSpec(cfg.block_size)

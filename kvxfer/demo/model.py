@@ -40,8 +40,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer.blocks import cdiv, is_int
 from kvxfer.errors import InvalidInputError
+from kvxfer.plan.blocks import cdiv, is_int
 
 __all__ = ["Attention", "CACHE_DTYPES", "Decoder", "Layer", "MLP", "ModelConfig", "RMSNorm",
            "ShardedDecoder", "attend", "cache_sharding", "make_mesh", "pack_kv", "param_spec",

@@ -1,1 +1,3 @@
-"""The NIXL transport between P and D: agents (`agent`), P's side (`prefill`), D's side (`decode`)."""
+"""The NIXL transport between P and D: the wire format, agents, handshakes, reads, streams.
+
+Importing this package loads no NIXL: `agent` does, when it is imported itself. See README.md here."""

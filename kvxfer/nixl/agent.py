@@ -11,6 +11,7 @@ instead of spinning (`TransportConfig.progress_wake_us`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import math
 import os
@@ -23,15 +24,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.wire import encode_message
+from kvxfer.nixl.wire import encode_message
+from kvxfer.plan.blocks import is_int
 
 if TYPE_CHECKING:
-    from kvxfer.staging import Staging
+    from kvxfer.device.staging import Staging
 
-__all__ = ["MIN_LEASE_S", "TransportConfig", "claim_name", "close_agent", "default_name",
-           "free_port", "release_name", "send", "start_agent"]
+__all__ = ["CUDA_TLS", "HOST_TLS", "MIN_LEASE_S", "TransportConfig", "choose_ucx_tls", "claim_name",
+           "close_agent", "default_name", "free_port", "release_name", "send", "start_agent",
+           "ucx_sees_cuda"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,12 @@ class TransportConfig:
       while D still reads. Two heartbeats per lease let one arrive late.
     - `heartbeat_interval_s`: how often D extends leases of requests it still wants.
     - `ucx_tls`: `UCX_TLS` for this agent's UCX context (set only while the agent
-      is created); `cma,tcp,self` reads host memory faster between processes
-      on one machine than UCX's default choice. None keeps UCX's default.
+      is created). `"auto"` (the default) picks `cma,tcp,self`, which reads host
+      memory faster between processes on one machine than UCX's own choice,
+      plus `cuda_copy` where UCX sees CUDA (it will not start without it there),
+      and falls back to UCX's own choice if UCX cannot make that; one log line
+      says what was chosen (`choose_ucx_tls`). None keeps UCX's own choice; any
+      other value is used as given.
     - `num_threads`: UCX backend worker threads (0: NIXL's default).
     - `progress_wake_us`: the timeout, in microseconds, of the `poll()` in which
       NIXL's UCX progress thread waits for events (it wakes at once when one
@@ -94,7 +100,7 @@ class TransportConfig:
     transfer_timeout_s: float = 10.0
     lease_s: float = 30.0
     heartbeat_interval_s: float = 5.0
-    ucx_tls: str | None = "cma,tcp,self"
+    ucx_tls: str | None = "auto"
     num_threads: int = 0
     progress_wake_us: int = 1000
     etcd_endpoints: str | None = None
@@ -214,13 +220,71 @@ def release_name(name: str) -> None:
         _live_names.discard(name)
 
 
+HOST_TLS = "cma,tcp,self"
+"""UCX transports for host memory between processes: `cma` copies between them on one
+machine, `tcp` reaches other machines, `self` is the process itself."""
+CUDA_TLS = "cuda_copy"
+"""What UCX needs besides where it sees CUDA: without it, it makes no context."""
+
+
+def ucx_sees_cuda() -> bool:
+    """Whether UCX will load its CUDA transports here: CUDA's driver library loads."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def choose_ucx_tls(ucx_tls: str | None, sees_cuda: bool | None = None) -> list[str | None]:
+    """The `UCX_TLS` values to try, in order, for `TransportConfig.ucx_tls`: for
+    `"auto"`, the host transports (with `cuda_copy` where UCX sees CUDA), then UCX's
+    own choice (None); any other value alone."""
+    if ucx_tls != "auto":
+        return [ucx_tls]
+    if sees_cuda is None:
+        sees_cuda = ucx_sees_cuda()
+    return [f"{HOST_TLS},{CUDA_TLS}" if sees_cuda else HOST_TLS, None]
+
+
 def _create_agent(config: TransportConfig) -> tuple[Any, int]:
     """`(agent, listen port)`; the port is 0 with etcd (no listener)."""
+    choices = choose_ucx_tls(config.ucx_tls)
+    for i, tls in enumerate(choices):
+        try:
+            made = _create_agent_with(config, tls)
+        except _NoTransports as e:
+            if i + 1 < len(choices):
+                logger.warning("NIXL agent %s: UCX cannot use transports %s (%r); trying %s",
+                               config.name, tls, e.error, choices[i + 1] or "UCX's own choice")
+                continue
+            tried = ", ".join(repr(c) for c in choices)
+            other = "None (UCX's own choice)" if tls is not None else repr(HOST_TLS)
+            raise InvalidInputError(
+                f"cannot create NIXL agent {config.name!r}: UCX has no transports "
+                f"ucx_tls={tls!r} names on this machine ({e.error!r}); tried {tried}; "
+                f"try ucx_tls={other}") from e.error
+        logger.info("NIXL agent %s: UCX transports %s%s", config.name, tls or "UCX's own choice",
+                    " (ucx_tls auto)" if config.ucx_tls == "auto" else "")
+        return made
+    raise AssertionError("unreachable")
+
+
+class _NoTransports(Exception):
+    """UCX could not make a context with the transports asked for."""
+
+    def __init__(self, error: Exception):
+        super().__init__(repr(error))
+        self.error = error
+
+
+def _create_agent_with(config: TransportConfig, ucx_tls: str | None) -> tuple[Any, int]:
+    """`_create_agent` with `UCX_TLS` set to `ucx_tls` (None: as inherited)."""
     nixl_agent, nixl_agent_config = _nixl()
     api = sys.modules.get(nixl_agent.__module__)  # what the two helpers below reach into
     tries = _MAX_BIND_TRIES if config.listen_port == 0 and not config.uses_etcd else 1
     # Both are read when the agent is created, and only then.
-    env = {"UCX_TLS": config.ucx_tls, "NIXL_ETCD_ENDPOINTS": config.etcd_endpoints}
+    env = {"UCX_TLS": ucx_tls, "NIXL_ETCD_ENDPOINTS": config.etcd_endpoints}
     old = {key: os.environ.get(key) for key in env}
     try:
         for key, value in env.items():
@@ -247,11 +311,8 @@ def _create_agent(config: TransportConfig) -> tuple[Any, int]:
                         f"cannot create NIXL agent {config.name!r} on port {port}: {e}"
                     ) from e
             except Exception as e:  # NIXL's own types: nixlBackendError for a UCX it cannot make
-                if config.ucx_tls is not None:
-                    raise InvalidInputError(
-                        f"cannot create NIXL agent {config.name!r}: UCX has no transports "
-                        f"ucx_tls={config.ucx_tls!r} names on this machine ({e!r}); try "
-                        f"'cma,tcp,self', or None for UCX's own choice") from e
+                if ucx_tls is not None:
+                    raise _NoTransports(e) from e
                 raise TransferError(f"cannot create NIXL agent {config.name!r}: {e!r}") from e
         raise AssertionError("unreachable")
     finally:

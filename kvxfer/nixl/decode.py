@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvxfer.blocks import is_int
+from kvxfer.device.staging import Staging, free_in_all, stagings_of
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
 from kvxfer.nixl.etcd import Publication
@@ -55,11 +55,8 @@ from kvxfer.nixl.reads import (
     release,
     settle_posts,
 )
-from kvxfer.nixl.reads import post as _post  # noqa: F401  (streams post through it; tests replace it)
 from kvxfer.nixl.streams import StreamReading
-from kvxfer.staging import Staging, free_in_all, stagings_of
-from kvxfer.stats import Recorder, Trace
-from kvxfer.wire import (
+from kvxfer.nixl.wire import (
     ReadParams,
     Source,
     check_piece,
@@ -67,6 +64,8 @@ from kvxfer.wire import (
     is_generation,
     message_field,
 )
+from kvxfer.plan.blocks import is_int
+from kvxfer.stats import Recorder, Trace
 
 __all__ = ["DecodeTransport", "LegState"]
 
@@ -83,9 +82,9 @@ class DecodeTransport(StreamReading):
       is one group); each must match P's block bytes and layer count.
     - `layout`: this side's JSON-able cache layout, checked against each peer's.
     - `layout_check`: `(local, remote) -> None`, raising `LayoutMismatchError`
-      where a peer's blocks cannot land in D's (`kvxfer.layout.check_block_compatible`).
+      where a peer's blocks cannot land in D's (`kvxfer.device.layout.check_block_compatible`).
     - `piece`: `(lo, hi, units)` for one process of a multi-host D, whose
-      staging holds units `[lo, hi)` of each block (`kvxfer.pieces`); None
+      staging holds units `[lo, hi)` of each block (`kvxfer.device.pieces`); None
       for whole blocks.
     - `reader`: `(rank, count)`: this D process among its instance's. P frees a
       request once all `count` have said done.

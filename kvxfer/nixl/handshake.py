@@ -22,8 +22,8 @@ from typing import Any
 from kvxfer.errors import KvxferError, TransferError
 from kvxfer.nixl.agent import send
 from kvxfer.nixl.peers import Peer, Peers
+from kvxfer.nixl.wire import ReadParams
 from kvxfer.stats import Recorder
-from kvxfer.wire import ReadParams
 
 __all__ = ["Handshakes"]
 

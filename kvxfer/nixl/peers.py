@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvxfer.device.staging import Staging
 from kvxfer.errors import LayoutMismatchError, TransferError
 from kvxfer.nixl.agent import TransportConfig, send
-from kvxfer.staging import Staging
-from kvxfer.wire import ReadParams, Source, check_piece, decode_message
+from kvxfer.nixl.wire import ReadParams, Source, check_piece, decode_message
 
 __all__ = ["LayoutCheck", "Peer", "PeerGroup", "Peers"]
 
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 LayoutCheck = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
 """`(local, remote) -> None`, raising `LayoutMismatchError` where P's blocks cannot land in D's
-(`kvxfer.layout.check_block_compatible`)."""
+(`kvxfer.device.layout.check_block_compatible`)."""
 
 
 @dataclass

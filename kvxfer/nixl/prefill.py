@@ -27,14 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.blocks import is_int
+from kvxfer.device.staging import Staging, block_tags, free_in_all, stagings_of
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
 from kvxfer.nixl.etcd import Publication
 from kvxfer.nixl.streams import Published
-from kvxfer.staging import Staging, block_tags, free_in_all, stagings_of
-from kvxfer.stats import Recorder, Trace
-from kvxfer.wire import (
+from kvxfer.nixl.wire import (
     ReadParams,
     check_piece,
     decode_message,
@@ -45,6 +43,8 @@ from kvxfer.wire import (
     new_instance,
     new_secret,
 )
+from kvxfer.plan.blocks import is_int
+from kvxfer.stats import Recorder, Trace
 
 __all__ = ["PrefillTransport"]
 
@@ -77,7 +77,7 @@ class PrefillTransport:
       scheduler that hands out params in another process draws it and passes
       it here.
     - `piece`: `(lo, hi, units)` for one process of a multi-host P, whose
-      staging holds units `[lo, hi)` of each block (`kvxfer.pieces`); None
+      staging holds units `[lo, hi)` of each block (`kvxfer.device.pieces`); None
       for whole blocks.
     - `recorder`: where finished leases' traces go (`kvxfer.stats`); None: one of its own.
 
@@ -148,7 +148,7 @@ class PrefillTransport:
 
         For a caller that made the params itself (vLLM's scheduler process
         hands them out before the worker has saved the last chunk), and wrote
-        the blocks' tags with their secret (`kvxfer.staging.block_tags`): the
+        the blocks' tags with their secret (`kvxfer.device.staging.block_tags`): the
         generation must be fresh for this instance, else a late `done` for an
         earlier hold could free this one. `trace`: the request's so far (its
         gathers), finished with a `staged` stage when the lease ends.

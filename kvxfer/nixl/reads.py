@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.blocks import coalesce_pairs
+from kvxfer.device.staging import Staging, block_tags, free_in_all
 from kvxfer.errors import TransferError
 from kvxfer.nixl.peers import Peer
-from kvxfer.staging import Staging, block_tags, free_in_all
+from kvxfer.nixl.wire import ReadParams, StreamParams
+from kvxfer.plan.blocks import coalesce_pairs
 from kvxfer.stats import Recorder, Trace
-from kvxfer.wire import ReadParams, StreamParams
 
 __all__ = ["Leg", "LegState", "Poster", "Read", "Zombies", "post", "posting", "read_descriptors",
            "release", "settle_posts", "tags_match", "trace_read"]
@@ -49,7 +49,7 @@ class Leg:
 
     peer: str
     handle: Any = None
-    posting: Future | None = None  # the poster thread's `_post`, until `_advance` takes its handle
+    posting: Future | None = None  # the poster thread's `post`, until `_advance` takes its handle
     state: LegState = LegState.XFER
     posted: tuple[float, float, int, int] | None = None  # the poster's (start, end, descs, bytes)
 
@@ -192,7 +192,7 @@ def post(agent: Any, leg: Leg, descriptors: Callable[[], tuple[np.ndarray, np.nd
 
 def tags_match(stagings: Sequence[Staging], read: Read) -> bool:
     """Whether every slot read holds the block its params name: the tags P wrote with the
-    request's secret at each block's position (`kvxfer.staging.block_tags`)."""
+    request's secret at each block's position (`kvxfer.device.staging.block_tags`)."""
     p = read.params
     return all(not keys or np.array_equal(staging.tags[slots], block_tags(p.secret, g, keys))
                for g, (staging, keys, slots) in enumerate(zip(stagings, p.keys, read.d_slots)))

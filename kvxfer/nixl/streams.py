@@ -1,6 +1,6 @@
 """Streams: D reads a request's blocks as P names them final, while P still prefills it.
 
-A router gives P and D one stream id per request (`kvxfer.wire.new_stream_id`).
+A router gives P and D one stream id per request (`kvxfer.nixl.wire.new_stream_id`).
 D subscribes with it (`want`) once connected to P; P names to it each block
 no later chunk copies again (`chunk`: keys, slots, the request's secret and
 instance, and with the last chunk the generation D's `done` names); D reads
@@ -24,8 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.nixl import reads
 from kvxfer.nixl.agent import send
 from kvxfer.nixl.reads import (
     Leg,
@@ -36,8 +36,7 @@ from kvxfer.nixl.reads import (
     tags_match,
     trace_read,
 )
-from kvxfer.stats import Trace
-from kvxfer.wire import (
+from kvxfer.nixl.wire import (
     ReadParams,
     Source,
     StreamParams,
@@ -46,6 +45,8 @@ from kvxfer.wire import (
     is_stream_id,
     message_field,
 )
+from kvxfer.plan.blocks import is_int
+from kvxfer.stats import Trace
 
 __all__ = ["Published", "StreamReading"]
 
@@ -349,11 +350,9 @@ class StreamReading:
         return True
 
     def _post(self, leg: Leg, descriptors: Callable[[], Any], req_id: str) -> Future:
-        """Post `leg`'s READ of `descriptors()` on the poster thread (with the decode
-        module's `_post`, which tests replace to hold posts)."""
-        from kvxfer.nixl import decode
-
-        return self._poster.post(decode._post, self.agent, leg, descriptors, req_id,
+        """Post `leg`'s READ of `descriptors()` on the poster thread, with `reads.post` as it
+        is at the call (tests replace it to hold posts)."""
+        return self._poster.post(reads.post, self.agent, leg, descriptors, req_id,
                                  self.config.name, idle=not posting(self._reads.values()))
 
     def _check_new(self, req_id: str, logical_ids: object) -> None:

@@ -1,6 +1,6 @@
 """Staging slots: which request's blocks sit in which slots (plain Python, no memory).
 
-`SlotMap` is the bookkeeping of a `kvxfer.staging.Staging`, usable without
+`SlotMap` is the bookkeeping of a `kvxfer.device.staging.Staging`, usable without
 the regions, so an engine's scheduler process can hand out slots while the
 worker that owns the registered memory copies into them. With
 `placement="runs"` (the default) each request gets contiguous runs of slots
@@ -17,8 +17,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvxfer.blocks import coalesce, is_int
 from kvxfer.errors import InvalidInputError, StagingFullError, UnknownRequestError
+from kvxfer.plan.blocks import coalesce, is_int
 
 __all__ = ["Placement", "SlotAllocator", "SlotMap"]
 

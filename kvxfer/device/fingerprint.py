@@ -38,8 +38,8 @@ All three sums combine across any split of a block (`combine_sums`: `P` by XOR,
 their index in the whole block. Three places sum: `device_fingerprint` inside the
 jitted programs (`psum` for `L`, `H`; an all-gather and XOR for `P`), numpy on
 host rows (`host_fingerprint`), and numpy on the caches' own buffers or a piece's
-units (`piece_weights` and `word_sums`, used by `kvxfer._host_buffers` and
-`kvxfer.pieces`). A piece that is not whole words (an odd number of bf16 on a
+units (`piece_weights` and `word_sums`, used by `kvxfer.device._host_buffers` and
+`kvxfer.device.pieces`). A piece that is not whole words (an odd number of bf16 on a
 shard) is summed by element: each element's bits shifted to its byte offset in
 its word, into `P` and into the half-word sum its bytes fall in.
 See docs/internals.md ("Gather, scatter and fingerprints") for the figures.
@@ -56,9 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kvxfer.blocks import cdiv
+from kvxfer.device.layout import CacheLayout
 from kvxfer.errors import CorruptionError, InvalidInputError
-from kvxfer.layout import CacheLayout
+from kvxfer.plan.blocks import cdiv
 
 __all__ = ["COMPILED", "SUMS", "combine_sums", "compare_fingerprints", "device_fingerprint", "fmix32",
            "host_fingerprint", "piece_weights", "reduce_sums", "sums_words", "word_sums",
@@ -101,7 +101,7 @@ def word_sums(words: np.ndarray, weights: np.ndarray, subscripts: str = "ij,j->i
     `words`' first axis (as `words[rows]`, without copying them). `out`, when
     given, is the `uint32[..., 3]` result written in place.
 
-    One pass over the words in C (`kvxfer/_sums.c`) where that module was built and
+    One pass over the words in C (`kvxfer/device/_sums.c`) where that module was built and
     the arrays are aligned runs of uint32; numpy otherwise (three passes, the
     same values).
     """
@@ -127,9 +127,9 @@ def _numpy_sums(words: np.ndarray, weights: np.ndarray, subscripts: str, out: np
 
 
 def _load_kernel():
-    """`kvxfer_word_sums` from the built `kvxfer._sums`, or None where it was not built."""
+    """`kvxfer_word_sums` from the built `kvxfer.device._sums`, or None where it was not built."""
     try:
-        from kvxfer import _sums
+        from kvxfer.device import _sums
     except ImportError:
         return None
     kernel = ctypes.CDLL(_sums.__file__).kvxfer_word_sums  # ctypes releases the GIL in the call
@@ -141,7 +141,7 @@ def _load_kernel():
 
 _KERNEL = _load_kernel()
 COMPILED = _KERNEL is not None
-"""Whether `word_sums` sums in one compiled pass (`kvxfer._sums` was built at install)."""
+"""Whether `word_sums` sums in one compiled pass (`kvxfer.device._sums` was built at install)."""
 
 
 def _compiled_sums(words: np.ndarray, weights: np.ndarray, subscripts: str, out: np.ndarray,
@@ -197,7 +197,7 @@ def piece_weights(layout: CacheLayout, index: tuple[slice, ...], unit_axis: int 
     - `layout`: the caches' layout (the whole block's shape and dtype).
     - `index`: the piece, as one slice per block axis (a shard's index without axis 0).
     - `unit_axis`: when given, the piece is laid out with that block axis first
-      (`kvxfer.pieces`' unit-major staging); the result is then
+      (`kvxfer.device.pieces`' unit-major staging); the result is then
       `uint32[units, words per unit]`.
 
     **Returns:**

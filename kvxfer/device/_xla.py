@@ -28,10 +28,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer._rows import RowCopies
+from kvxfer.device._rows import RowCopies
+from kvxfer.device.fingerprint import device_fingerprint
+from kvxfer.device.layout import CacheLayout
 from kvxfer.errors import InvalidInputError
-from kvxfer.fingerprint import device_fingerprint
-from kvxfer.layout import CacheLayout
 
 __all__ = ["MIN_BUCKET", "bucket_size", "buckets_up_to", "fingerprint", "fingerprint_async",
            "gather", "gather_into", "precompile", "scatter"]
@@ -91,7 +91,7 @@ def bucket_rows(
     return jax.device_put(padded, sharding)
 
 
-# The backend: what `kvxfer.gather` calls once its inputs are checked.
+# The backend: what `kvxfer.device.gather` calls once its inputs are checked.
 
 
 def gather(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], ids: np.ndarray,

@@ -15,9 +15,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvxfer.blocks import cdiv
 from kvxfer.errors import InvalidInputError
-from kvxfer.scheduler import GroupSpec, ScheduledRequest
+from kvxfer.plan.blocks import cdiv
+from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 
 __all__ = ["Key", "SimEngine", "SimRequest", "Stamp"]
 

@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvxfer.blocks import is_int
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import TransportConfig
-from kvxfer.wire import new_instance
+from kvxfer.nixl.wire import new_instance
+from kvxfer.plan.blocks import is_int
 
 __all__ = ["Settings"]
 

@@ -25,8 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.plan.blocks import is_int
 
 __all__ = ["BLOCK_AXIS", "BLOCK_FIELDS", "CacheLayout", "advertised", "check_block_compatible"]
 
@@ -64,7 +64,7 @@ class CacheLayout:
     - `mesh_axes`: the mesh as `((axis_name, size), ...)`, in mesh order.
     - `spec`: per array axis, the mesh axis names that shard it (`()` = not sharded).
     - `kernel_ratio`: kernel blocks per logical (engine) block; 1 when they match.
-      Block ids given to `kvxfer.gather` are always kernel ids.
+      Block ids given to `kvxfer.device.gather` are always kernel ids.
     """
 
     num_layers: int
@@ -137,7 +137,7 @@ class CacheLayout:
 
         - `caches`: one `jax.Array` per layer, `[num_blocks, *block_shape]`, each with a
           `NamedSharding`.
-        - `kernel_ratio`: kernel blocks per logical block (`kvxfer.blocks.kernel_ratio`).
+        - `kernel_ratio`: kernel blocks per logical block (`kvxfer.plan.blocks.kernel_ratio`).
 
         **Returns:**
 

@@ -74,10 +74,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.errors import InvalidInputError, KvxferError
-from kvxfer.scheduler import GroupSpec, ScheduledRequest
-from kvxfer.vllm_metrics import StatsReporting
-from kvxfer.vllm_settings import Settings
-from kvxfer.wire import Source, StreamParams, is_stream_id, prompt_digest
+from kvxfer.nixl.wire import Source, StreamParams, is_stream_id, prompt_digest
+from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
+from kvxfer.vllm.metrics import StatsReporting
+from kvxfer.vllm.settings import Settings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -183,7 +183,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
 
 
 class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
-    """kvxfer's P/D transfer for vLLM-TPU (stats: `kvxfer.vllm_metrics`); see the module docstring."""
+    """kvxfer's P/D transfer for vLLM-TPU (stats: `kvxfer.vllm.metrics`); see the module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):

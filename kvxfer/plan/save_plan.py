@@ -1,7 +1,7 @@
 """Save plans: which KV blocks P copies to host after each prefill step.
 
-Blocks are selected **by token position**, per KV cache group (DESIGN.md
-section 2). For each request being prefilled, `SaveTracker` keeps its block
+Blocks are selected **by token position**, per KV cache group
+(docs/save-plans.md). For each request being prefilled, `SaveTracker` keeps its block
 table per group and a watermark `saved` per group: the prompt tokens already
 copied. After a step that writes tokens up to `end`, a token-indexed group
 with `T` tokens per block id copies `table[saved // T : cdiv(end, T)]`, and
@@ -20,7 +20,7 @@ stands at the end of the prompt. Block id 0 is the engine's null block and
 is never copied.
 
 Block ids here are the engine's (logical) ids; mapping them to kernel ids is
-the copy path's business (`kvxfer.blocks.to_kernel_ids`).
+the copy path's business (`kvxfer.plan.blocks.to_kernel_ids`).
 """
 
 
@@ -30,8 +30,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvxfer.blocks import NULL_BLOCK, cdiv, is_int
 from kvxfer.errors import InvalidInputError
+from kvxfer.plan.blocks import NULL_BLOCK, cdiv, is_int
 
 __all__ = ["BlockIds", "GroupKind", "GroupSpec", "PlacedIds", "SaveTracker", "ScheduledRequest"]
 

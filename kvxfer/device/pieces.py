@@ -12,14 +12,14 @@ piece of each block, and nothing crosses between the hosts of one instance:
 A block is cut along its one sharded inner axis into `units`; a process
 holds units `[lo, hi)`. Slots are unit-major, so any range of units of a
 block is one run of bytes on both sides. Each unit's words are summed with
-the fingerprint's weights (`kvxfer.fingerprint`), so P and D may cut blocks
+the fingerprint's weights (`kvxfer.device.fingerprint`), so P and D may cut blocks
 differently and still compare.
 
-Both backends of `kvxfer.gather` are built, chosen as it chooses them
+Both backends of `kvxfer.device.gather` are built, chosen as it chooses them
 (`KVXFER_BACKEND`): the host backend copies and sums with numpy on the
 buffers of XLA:CPU shards; the XLA backend (TPU, GPU, or XLA:CPU selected)
 runs jitted programs on a mesh of this process's own devices
-(`kvxfer._xla_pieces`).
+(`kvxfer.device._xla_pieces`).
 """
 
 
@@ -33,8 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer import _xla_pieces
-from kvxfer._host_buffers import (
+from kvxfer.device import _xla_pieces
+from kvxfer.device._host_buffers import (
     BufferHashes,
     buffer_view,
     copy_then_hash,
@@ -42,19 +42,19 @@ from kvxfer._host_buffers import (
     own_buffers,
     run_per_shard,
 )
-from kvxfer._rows import RowCopies
-from kvxfer.blocks import coalesce, is_int
-from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import SUMS, piece_weights, reduce_sums, sums_words, word_sums
-from kvxfer.gather import (
+from kvxfer.device._rows import RowCopies
+from kvxfer.device.fingerprint import SUMS, piece_weights, reduce_sums, sums_words, word_sums
+from kvxfer.device.gather import (
     backend_for,
     check_block_ids,
     check_flag,
     check_precompile_args,
     staging_regions,
 )
-from kvxfer.layout import CacheLayout
-from kvxfer.staging import Staging
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.staging import Staging
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
+from kvxfer.plan.blocks import coalesce, is_int
 
 __all__ = ["Piece", "gather_piece_into", "piece_shape", "piece_staging", "precompile_piece",
            "process_pieces", "scatter_piece", "split_axis", "unit_sums"]
@@ -145,7 +145,7 @@ def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int,
 
     With `caches` (this process's), on the XLA backend, where one device holds the piece
     (one replica), the regions are pinned-host buffers that `gather_piece_into` writes in
-    place, with no host copy (`kvxfer._pinned_regions`); else numpy.
+    place, with no host copy (`kvxfer.device.pinned`); else numpy.
     """
     _check_words(layout, piece)
     shape = piece_shape(layout, piece)
@@ -236,7 +236,7 @@ def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece
     """Compile, without running anything, every program that `gather_piece_into` (`saves`)
     and `scatter_piece` (`loads`, with `sums`) run for 1 to `max_blocks` blocks of this
     process's piece; returns how many (0 on the host backend, which compiles nothing).
-    As `kvxfer.gather.precompile`, for pieces."""
+    As `kvxfer.device.gather.precompile`, for pieces."""
     layout = CacheLayout.from_caches(caches)
     _check_piece_call(layout, np.zeros(0, np.int64), staging, np.zeros(0, np.int64), piece,
                       distinct_ids=False)
@@ -260,7 +260,12 @@ def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray
 
 
 def _check_words(layout: CacheLayout, piece: Piece) -> None:
-    if split_axis(layout) != piece.axis or layout.block_shape[piece.axis] != piece.units:
+    """A piece cuts blocks along their split axis; where nothing splits them (one device,
+    or replicas), a whole block cut along any axis is a piece too."""
+    axis = split_axis(layout)
+    whole = piece.lo == 0 and piece.hi == piece.units and all(g == 1 for g in layout.shard_grid)
+    if (piece.axis >= len(layout.block_shape) or layout.block_shape[piece.axis] != piece.units
+            or (axis != piece.axis and not whole)):
         raise LayoutMismatchError(f"piece {piece} does not cut blocks of {layout.block_shape} "
                                   f"(spec {layout.spec}) along their split axis")
     if not sums_words(layout, layout.block_shape[-1]) or piece.axis == len(layout.block_shape) - 1:
@@ -271,7 +276,7 @@ def _check_words(layout: CacheLayout, piece: Piece) -> None:
 
 
 def _backend() -> str:
-    """`kvxfer.gather`'s choice for this process's devices: `"host"` or `"xla"`."""
+    """`kvxfer.device.gather`'s choice for this process's devices: `"host"` or `"xla"`."""
     return backend_for(d.platform for d in jax.local_devices())
 
 

@@ -1,4 +1,4 @@
-"""The XLA backend of `kvxfer.pieces`: jitted programs over this process's own shards.
+"""The XLA backend of `kvxfer.device.pieces`: jitted programs over this process's own shards.
 
 A process of a multi-host instance runs them alone, with no collective and no
 dispatch on other hosts: the shards it holds of each cache are first viewed as
@@ -6,19 +6,19 @@ one array on a mesh of its own devices (`local_view`, no copy), and the
 programs run on that mesh. A gather takes the blocks' rows on each device,
 turns them unit-major (the piece's split axis first, as staging holds them),
 sums each unit's words against its weights in the whole block (the
-fingerprint's unmixed `(P, L, H)`, the same values `kvxfer.pieces` sums with
+fingerprint's unmixed `(P, L, H)`, the same values `kvxfer.device.pieces` sums with
 numpy), and lands both in pinned host memory; the rows are then copied into
 the staging slots. A scatter moves staged rows to the devices, writes them into
 the donated local view (XLA aliases it to its output: the shards keep their
 buffers), sums what landed, and the caches are put back together from the new
-shards. Block counts are padded to `bucket_size` as in `kvxfer._xla`.
+shards. Block counts are padded to `bucket_size` as in `kvxfer.device._xla`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +26,22 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer import _pinned_regions
-from kvxfer._pinned_regions import PinnedRegions
-from kvxfer._xla import _uint, bucket_ids, buckets_up_to, compile_all, copy_rows, dropped_ids
+from kvxfer.device import pinned
+from kvxfer.device._xla import _uint, bucket_ids, buckets_up_to, compile_all, copy_rows, dropped_ids
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.pinned import PinnedRegions
 from kvxfer.errors import LayoutMismatchError
-from kvxfer.layout import CacheLayout
 
-if TYPE_CHECKING:
-    from kvxfer.pieces import Piece
+
+class Units(Protocol):
+    """What this backend reads of a piece (`kvxfer.device.pieces.Piece` is one): its split
+    axis, the axis's length, and how many of its units the piece holds."""
+
+    axis: int
+    units: int
+
+    @property
+    def count(self) -> int: ...
 
 __all__ = ["gather", "local_mesh", "local_view", "precompile", "scatter"]
 
@@ -41,10 +49,10 @@ _16 = np.uint32(16)
 
 
 def local_view(caches: Sequence[jax.Array], shards: Sequence[Sequence[jax.Shard]],
-               piece: Piece) -> list[jax.Array]:
+               piece: Units) -> list[jax.Array]:
     """The given shards of each cache as one array on a mesh of their devices, no copy.
 
-    `shards[layer]` are grouped as `kvxfer.pieces` picks them: every shard of the
+    `shards[layer]` are grouped as `kvxfer.device.pieces` picks them: every shard of the
     piece, replicas included. The mesh is `('copies', 'units')`: a row per replica,
     a column per range of units (in order); the array is `[num_blocks, ...]` with the
     piece's units on its split axis, split over `'units'`.
@@ -58,7 +66,7 @@ def local_view(caches: Sequence[jax.Array], shards: Sequence[Sequence[jax.Shard]
             for held in shards]
 
 
-def local_mesh(shards: Sequence[jax.Shard], piece: Piece) -> Mesh:
+def local_mesh(shards: Sequence[jax.Shard], piece: Units) -> Mesh:
     """The mesh `local_view` puts a cache's given shards on."""
     return Mesh(_device_grid(shards, piece), ("copies", "units"))
 
@@ -71,7 +79,7 @@ def gather(layout: CacheLayout, view: Sequence[jax.Array], ids: np.ndarray, axis
     mesh = view[0].sharding.mesh
     if isinstance(regions, PinnedRegions) and regions.serves(mesh):  # in place, no host copy
         fn, on_mesh = _gather_fn(layout, mesh, axis, True), _weights_on(mesh, weights)
-        sums = _pinned_regions.write_chunks(regions, ids, dst,
+        sums = pinned.write_chunks(regions, ids, dst,
                                             lambda chunk: fn(list(view), chunk, on_mesh))
         prints[dst] = np.concatenate([np.asarray(s) for s in sums])
         return
@@ -117,7 +125,7 @@ def precompile(layout: CacheLayout, view: Sequence[jax.Array], axis: int, weight
     on_mesh, programs = _weights_on(mesh, weights), []
     if saves and isinstance(regions, PinnedRegions) and regions.serves(mesh):
         rows_on = NamedSharding(mesh, PartitionSpec(None, None, "units"))  # the take's output
-        writes = _pinned_regions.write_programs(regions, max_blocks, rows_on)
+        writes = pinned.write_programs(regions, max_blocks, rows_on)
         programs += [*writes.values(), *(
             (_gather_fn(layout, mesh, axis, True),
              (list(view), jax.ShapeDtypeStruct((size,), np.int32), on_mesh)) for size in writes)]
@@ -234,7 +242,7 @@ def _unit_spec(ndim: int, axis: int) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
-def _device_grid(shards: Sequence[jax.Shard], piece: Piece) -> np.ndarray:
+def _device_grid(shards: Sequence[jax.Shard], piece: Units) -> np.ndarray:
     """`[replicas, ranges]` of the shards' devices, ranges of units in order."""
     by_range: dict[tuple[int, int, int], list[jax.Device]] = {}
     for shard in shards:

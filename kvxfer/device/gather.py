@@ -8,12 +8,12 @@
 
 All take `list[jax.Array]` (one array per layer, blocks on axis 0, kernel
 block ids) and do all layers in one call. Each function checks its inputs,
-then makes one call into the backend `backend(mesh)` picks: `kvxfer._xla`
-(jitted `shard_map` programs; TPU, GPU) or `kvxfer._host_buffers` (numpy on
+then makes one call into the backend `backend(mesh)` picks: `kvxfer.device._xla`
+(jitted `shard_map` programs; TPU, GPU) or `kvxfer.device._host_buffers` (numpy on
 the caches' own buffers; XLA:CPU). `gather_blocks` is always the XLA program:
 its output is new pinned-host arrays. A scatter writes into the donated
 caches' own buffers on both, so it costs what its blocks cost whatever the
-size of the caches. Fingerprints (`kvxfer.fingerprint`) are per whole block
+size of the caches. Fingerprints (`kvxfer.device.fingerprint`) are per whole block
 and independent of sharding, so D (TP 8) checks P's (TP 4) on its own
 devices. docs/internals.md has the measurements behind these choices.
 """
@@ -30,16 +30,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from kvxfer import _host_buffers, _pinned_regions, _xla
-from kvxfer._xla import MIN_BUCKET, bucket_size
-from kvxfer.blocks import is_int
+from kvxfer.device import _host_buffers, _xla, pinned
+from kvxfer.device._host_buffers import host_threads
+from kvxfer.device._xla import MIN_BUCKET, bucket_size
+from kvxfer.device.fingerprint import SUMS, compare_fingerprints, host_fingerprint
+from kvxfer.device.layout import CacheLayout
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import SUMS, compare_fingerprints, host_fingerprint
-from kvxfer.layout import CacheLayout
+from kvxfer.plan.blocks import is_int
 
 __all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backend_for", "backend_setting",
            "block_fingerprints", "bucket_size", "check_fingerprints", "compare_fingerprints",
-           "fingerprint_blocks", "gather_blocks", "gather_into", "precompile", "scatter_blocks",
+           "fingerprint_blocks", "gather_blocks", "gather_into", "host_threads", "precompile",
+           "scatter_blocks",
            "staging_regions"]
 
 BACKENDS = ("auto", "xla", "host")
@@ -77,9 +79,9 @@ def backend_for(platforms: Iterable[str]) -> str:
 
 
 def staging_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Sequence[int],
-                    dtype: np.dtype) -> _pinned_regions.PinnedRegions | None:
+                    dtype: np.dtype) -> pinned.PinnedRegions | None:
     """The block regions of staging for caches on `mesh`: pinned-host buffers that the XLA
-    backend's gather writes in place where `mesh` is one device (`kvxfer._pinned_regions`),
+    backend's gather writes in place where `mesh` is one device (`kvxfer.device.pinned`),
     else None (numpy regions: the host backend copies into them itself)."""
     if not isinstance(mesh, Mesh):
         raise InvalidInputError(f"staging_regions mesh must be a jax.sharding.Mesh, got "
@@ -90,7 +92,7 @@ def staging_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Se
                                     f"{value!r}")
     if backend(mesh) != "xla":
         return None
-    return _pinned_regions.pinned_regions(mesh, num_layers, num_slots, block_shape, dtype)
+    return pinned.pinned_regions(mesh, num_layers, num_slots, block_shape, dtype)
 
 
 def _backend(mesh: Mesh) -> ModuleType:
@@ -227,7 +229,7 @@ def gather_into(
     - `caches`: one array per layer, `[num_blocks, *block_shape]`. Not modified.
     - `block_ids`: 1-D integer kernel block ids, `[n]`, each in `[0, num_blocks)`.
     - `regions`: one writable numpy array per layer, `[num_rows, *block_shape]`, of the
-      caches' dtype. `PinnedRegions` on the caches' one device (`kvxfer._pinned_regions`)
+      caches' dtype. `PinnedRegions` on the caches' one device (`kvxfer.device.pinned`)
       are written in place by the XLA backend, with no host copy.
     - `rows`: the row of `regions` each block goes to, `[n]`, distinct, each in
       `[0, num_rows)`.
@@ -249,9 +251,9 @@ def gather_into(
     if len(ids) == 0:
         return np.zeros((layout.num_layers, 0, SUMS), np.uint32)
     mesh = caches[0].sharding.mesh
-    if (isinstance(regions, _pinned_regions.PinnedRegions) and regions.serves(mesh)
+    if (isinstance(regions, pinned.PinnedRegions) and regions.serves(mesh)
             and backend(mesh) == "xla"):  # written in place: no host copy
-        return _pinned_regions.gather_into(layout, caches, ids, regions, dst)
+        return pinned.gather_into(layout, caches, ids, regions, dst)
     return _backend(mesh).gather_into(layout, mesh, caches, ids, regions, dst)
 
 
@@ -274,8 +276,8 @@ def precompile(caches: Sequence[jax.Array], regions: Sequence[np.ndarray], max_b
     if backend(mesh) != "xla":
         return 0
     count = 0
-    if saves and isinstance(regions, _pinned_regions.PinnedRegions) and regions.serves(mesh):
-        count, saves = _pinned_regions.precompile(layout, caches, regions, max_blocks), False
+    if saves and isinstance(regions, pinned.PinnedRegions) and regions.serves(mesh):
+        count, saves = pinned.precompile(layout, caches, regions, max_blocks), False
     return count + _xla.precompile(layout, mesh, caches, max_blocks, saves, loads, fingerprints)
 
 

@@ -7,7 +7,7 @@ into the very buffers the returned caches own, and costs what its blocks
 cost whatever the size of the caches (an XLA:CPU scatter into a donated
 bf16 buffer copies the whole buffer). Each shard's copy, and the hash of the
 rows it just copied, is one task on a few threads (`host_threads`). What
-numpy cannot do goes through `kvxfer._xla`: handing the buffers over
+numpy cannot do goes through `kvxfer.device._xla`: handing the buffers over
 (`own_buffers`, a donated identity) and hashing pieces that are not whole
 32-bit words. docs/internals.md has the figures.
 """
@@ -25,17 +25,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from kvxfer import _xla
-from kvxfer._rows import RowCopies
+from kvxfer.device import _xla
+from kvxfer.device._rows import RowCopies
+from kvxfer.device.fingerprint import SUMS, combine_sums, fmix32, piece_weights, sums_words, word_sums
+from kvxfer.device.layout import CacheLayout
 from kvxfer.errors import InvalidInputError
-from kvxfer.fingerprint import SUMS, combine_sums, fmix32, piece_weights, sums_words, word_sums
-from kvxfer.layout import CacheLayout
 
 __all__ = ["BufferHashes", "buffer_view", "copy_then_hash", "fingerprint",
            "gather_into", "host_threads", "own_buffers", "run_per_shard", "scatter"]
 
 
-# The backend: what `kvxfer.gather` calls once its inputs are checked.
+# The backend: what `kvxfer.device.gather` calls once its inputs are checked.
 
 
 def gather_into(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], ids: np.ndarray,
@@ -190,7 +190,7 @@ def buffer_view(array: jax.Array) -> np.ndarray:
 class BufferHashes:
     """Fingerprints summed with numpy from the caches' own buffers (XLA:CPU).
 
-    The same values as `kvxfer.fingerprint.device_fingerprint`: each shard's piece of a block is
+    The same values as `kvxfer.device.fingerprint.device_fingerprint`: each shard's piece of a block is
     a run of whole 32-bit words, and `word_sums` sums them against the
     weights of their indices in the whole block (`np.einsum`; an XLA:CPU
     reduction runs slower and materializes the gathered rows). Replicas are

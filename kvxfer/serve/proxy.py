@@ -45,9 +45,9 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, SetupError
-from kvxfer.wire import new_stream_id
+from kvxfer.nixl.wire import new_stream_id
+from kvxfer.plan.blocks import is_int
 
 __all__ = ["ProxyConfig", "build_app", "parse_urls", "serve"]
 

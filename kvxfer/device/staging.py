@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.blocks import coalesce, is_int
+from kvxfer.device.fingerprint import SUMS, fmix32
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import SUMS, fmix32
-from kvxfer.slots import Placement, SlotMap
+from kvxfer.plan.blocks import coalesce, is_int
+from kvxfer.plan.slots import Placement, SlotMap
 
 __all__ = ["TAG_WORDS", "Staging", "block_tags", "free_in_all", "stagings_of"]
 
@@ -85,7 +85,7 @@ class Staging(SlotMap):
     - `dtype`: the cache dtype (a numpy dtype; `ml_dtypes` names work once imported).
     - `placement`: `"runs"` (contiguous slots per request) or `"mirror"` (slot = block id).
     - `regions`: the block regions to use instead of allocating them: one writable numpy
-      array per layer, `[num_slots, *block_shape]` of `dtype` (`kvxfer._pinned_regions`
+      array per layer, `[num_slots, *block_shape]` of `dtype` (`kvxfer.device.pinned`
       gives pinned-host JAX buffers seen as numpy).
 
     Besides the block regions, `prints` (`uint32[num_slots, num_layers, 3]`) holds
@@ -93,7 +93,7 @@ class Staging(SlotMap):
     gathers, D reads them with the blocks (one more descriptor per run), so
     they travel with the bytes they vouch for and never through the engine.
     With `prints_per_layer=k` it is `uint32[num_slots, k, num_layers, 3]`: one
-    set of sums per unit of a block's piece (`kvxfer.pieces`). `tags`
+    set of sums per unit of a block's piece (`kvxfer.device.pieces`). `tags`
     (`uint32[num_slots, TAG_WORDS]`) holds each slot's `block_tags`, read by D
     with the fingerprint rows.
     """

@@ -2,7 +2,7 @@
 
 `ReadParams` are P's `kv_transfer_params` for one request: P's agent,
 instance, address and generation, the request's secret (which its staged
-blocks' tags are derived from, `kvxfer.staging.block_tags`) and its prompt's
+blocks' tags are derived from, `kvxfer.device.staging.block_tags`) and its prompt's
 digest, and per KV cache group the staging keys (kernel positions) and P
 slots of its blocks; with `sources`, every process of a multi-host P and
 the units it stages. They pass through the engine and
@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.blocks import is_int
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.slots import SlotMap
+from kvxfer.plan.blocks import is_int
+from kvxfer.plan.slots import SlotMap
 
 __all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "StreamParams", "check_piece",
            "decode_message", "done_token", "encode_message", "is_done_token", "is_generation",
@@ -192,7 +192,7 @@ class ReadParams:
     `keys[g]` are the staging keys of group `g`'s blocks, `slots[g]` their P slots.
     `sources` (empty for a P of one process, which stages whole blocks) lists
     every process of a multi-host P and the units of each block it stages
-    (`kvxfer.pieces`), of `units`; every one of them stages the same slots.
+    (`kvxfer.device.pieces`), of `units`; every one of them stages the same slots.
     """
 
     peer: str

@@ -54,17 +54,17 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer._xla import _uint, compile_all
-from kvxfer.blocks import coalesce_pairs
+from kvxfer.device._xla import _uint, compile_all
+from kvxfer.device.fingerprint import device_fingerprint
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.staging import check_fits
 from kvxfer.errors import TransferError
-from kvxfer.fingerprint import device_fingerprint
-from kvxfer.layout import CacheLayout
-from kvxfer.staging import check_fits
+from kvxfer.plan.blocks import coalesce_pairs
 
 __all__ = ["PinnedRegions", "chunk_sizes", "gather_into", "pinned_regions", "precompile",
            "write_chunks", "write_programs"]
 
-logger = logging.getLogger("kvxfer.staging")
+logger = logging.getLogger("kvxfer.device.staging")
 
 
 class PinnedRegions(Sequence[np.ndarray]):
@@ -159,7 +159,7 @@ def write_programs(regions: PinnedRegions, max_blocks: int, rows_on: NamedShardi
                    ) -> dict[int, tuple[Callable, tuple]]:
     """`{chunk size: (the write's jitted program, its arguments' types)}` for every chunk of
     up to `max_blocks` rows stacked per layer, placed as `rows_on` (where the caller's take
-    puts them), to compile (`kvxfer._xla.compile_all`) with the caller's takes."""
+    puts them), to compile (`kvxfer.device._xla.compile_all`) with the caller's takes."""
     slots, *shape = regions.arrays[0].shape
     write = _write_fn(regions.sharding, len(regions))
     return {size: (write, (regions.arrays,

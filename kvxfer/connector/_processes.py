@@ -5,11 +5,11 @@ caches, and calls it wherever the two cases differ:
 
 - `OneProcess`: this process addresses every shard of the caches. Each
   group's staging holds whole blocks, gathered with fingerprints
-  (`kvxfer.gather`); what this process saw is the instance's view.
+  (`kvxfer.device.gather`); what this process saw is the instance's view.
 - `ManyProcesses`: the caches span several JAX processes (hosts). Each stages
-  only its piece of every block (`kvxfer.pieces`) with its own agent
+  only its piece of every block (`kvxfer.device.pieces`) with its own agent
   (`<name>-<process>`, found through etcd), and the processes of an instance
-  agree once per `get_finished` (`kvxfer.multihost.agree`): P releases a
+  agree once per `get_finished` (`kvxfer.nixl.multihost.agree`): P releases a
   request's slots once every process freed its piece; D finishes a request
   once every process has it, and fails it everywhere once any failed it.
 """
@@ -24,15 +24,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from kvxfer._host_buffers import host_threads
 from kvxfer.connector.config import ConnectorConfig
-from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
-from kvxfer.fingerprint import compare_fingerprints
-from kvxfer.gather import gather_into, precompile, scatter_blocks, staging_regions
-from kvxfer.layout import CacheLayout
-from kvxfer.multihost import agree, shared_instance, spans_processes
-from kvxfer.nixl.agent import TransportConfig
-from kvxfer.pieces import (
+from kvxfer.device.fingerprint import compare_fingerprints
+from kvxfer.device.gather import gather_into, host_threads, precompile, scatter_blocks, staging_regions
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.pieces import (
     Piece,
     gather_piece_into,
     piece_staging,
@@ -41,8 +37,11 @@ from kvxfer.pieces import (
     scatter_piece,
     unit_sums,
 )
-from kvxfer.staging import Staging
-from kvxfer.wire import Source
+from kvxfer.device.staging import Staging
+from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
+from kvxfer.nixl.agent import TransportConfig
+from kvxfer.nixl.multihost import agree, shared_instance, spans_processes
+from kvxfer.nixl.wire import Source
 
 __all__ = ["ManyProcesses", "OneProcess", "Spans", "for_caches", "per_group"]
 
@@ -293,7 +292,7 @@ class ManyProcesses(OneProcess):
 
 def _staging(config: ConnectorConfig, layout: CacheLayout, mesh: Mesh) -> Staging:
     """Whole-block staging for caches on `mesh`: pinned-host buffers the XLA backend's gather
-    writes in place where the caches are on one device (`kvxfer._pinned_regions`), else
+    writes in place where the caches are on one device (`kvxfer.device.pinned`), else
     numpy regions."""
     regions = staging_regions(mesh, layout.num_layers, config.staging_blocks,
                               layout.block_shape, layout.np_dtype)

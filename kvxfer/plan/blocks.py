@@ -2,7 +2,7 @@
 
 Pure integer functions with no JAX import, shared by the scheduler (which
 plans in the engine's logical block ids) and the copy paths (which move
-kernel blocks). DESIGN.md section 3 gives the formulas.
+kernel blocks). docs/save-plans.md gives the formulas.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def kernel_placement(placed: Iterable[tuple[int, int]], ratio: int) -> list[tupl
     *position* `index*r + j` names a block by the token range it holds, whatever
     its id: P stages and names each block by it, and D writes the block it
     receives at that position of its own table. Both sides call this, so P and
-    D cannot disagree on the mapping (DESIGN.md's second bug).
+    D cannot disagree on the mapping (the second bug in docs/save-plans.md).
     """
     _check_positive("ratio", ratio)
     if ratio == 1:

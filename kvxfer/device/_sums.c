@@ -1,9 +1,9 @@
-/* kvxfer._sums: the fingerprint sums (P, L, H) of runs of 32-bit words in one pass.
+/* kvxfer.device._sums: the fingerprint sums (P, L, H) of runs of 32-bit words in one pass.
 
-   The same values as kvxfer.fingerprint.word_sums's numpy path, which reads the
+   The same values as kvxfer.device.fingerprint.word_sums's numpy path, which reads the
    words three times (two einsums and an XOR) and so costs about twice what D's
    verification cost before the three-word fingerprint; this loop reads each word
-   once and the compiler vectorizes it. Loaded with ctypes (kvxfer.fingerprint);
+   once and the compiler vectorizes it. Loaded with ctypes (kvxfer.device.fingerprint);
    the module object exists only so that setuptools builds and installs it like
    any extension. All strides are in 32-bit words. */
 

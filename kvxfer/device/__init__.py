@@ -1,0 +1,3 @@
+"""The device side: cache layouts, gather and scatter into host staging, pieces, fingerprints.
+
+See README.md here."""
