@@ -8,9 +8,10 @@ The names a serving backend needs, from the modules that own them:
 
 They load on first use, so that `import kvxfer` (and vLLM's scheduler process,
 which imports `kvxfer.connector.scheduler`) loads neither JAX nor NIXL. The
-layers, in the order they import one another: `plan` (save plans), `device`
-(caches to host staging), `nixl` (the transport), `connector` (P and D),
-`vllm` and `serve` (what runs them); docs/architecture.md has the reading path.
+layers, each importing only those before it: `plan` (save plans), `device`
+(caches to host-memory staging), `nixl` (the transport), `connector` (P and
+D), `vllm` (the vLLM connector); `serve` (the proxy) needs only `plan` and
+`nixl`. docs/architecture.md has the reading path.
 """
 
 from __future__ import annotations

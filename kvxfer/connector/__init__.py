@@ -5,7 +5,7 @@
 - `prefill`: `PrefillWorker` (gathers into staging, serves D) and
   `PrefillConnector` (both P sides in one process).
 - `decode`: `DecodeConnector` (reads, verifies, scatters).
-- `config`: `ConnectorConfig`; `_hosts`: one process per instance, or several.
+- `config`: `ConnectorConfig`; `_processes`: one process per instance, or several.
 
 Nothing is imported here, so that importing `kvxfer.connector.scheduler` loads
 no JAX; `kvxfer` re-exports the names a serving backend needs.

@@ -111,7 +111,7 @@ def split_axis(layout: CacheLayout) -> int:
 def process_pieces(caches: Sequence[jax.Array]) -> dict[int, Piece]:
     """Every process's piece of the caches' blocks, by `process_index`.
 
-    From the sharding alone, so every process (and a scheduler on any of them)
+    From the sharding alone, so every process (and the scheduler side on any of them)
     computes the same map. Raises `LayoutMismatchError` where a process's
     shards do not make one contiguous range of units.
     """

@@ -1,6 +1,6 @@
 """Block arithmetic: token ranges, kernel block ids, DCP placement, runs.
 
-Pure integer functions with no JAX import, shared by the scheduler (which
+Pure integer functions with no JAX import, shared by the save plan (which
 plans in the engine's logical block ids) and the copy paths (which move
 kernel blocks). docs/save-plans.md gives the formulas.
 """

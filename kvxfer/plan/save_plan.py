@@ -1,4 +1,4 @@
-"""Save plans: which KV blocks P copies to host after each prefill step.
+"""Save plans: which KV blocks P copies to host memory after each prefill step.
 
 Blocks are selected **by token position**, per KV cache group
 (docs/save-plans.md). For each request being prefilled, `SaveTracker` keeps its block

@@ -2,7 +2,7 @@
 
 It allocates blocks the way vLLM's scheduler does (including lookahead
 blocks and prefix-cache hits), writes token-stamped KV into a simulated
-device cache, copies planned blocks into a simulated host buffer, and
+device cache, copies planned blocks into a simulated host-memory buffer, and
 reports every token that reaches D stale. Stamps are `(req_id, position,
 version)`; each write gets a fresh version, so a copy of an earlier write is
 told apart from the newest one.

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvxfer.stats import OUTCOMES, Stats
 
-__all__ = ["HISTOGRAMS", "KvxferPromMetrics", "KvxferStats", "StatsDelta"]
+__all__ = ["HISTOGRAMS", "KvxferPromMetrics", "KvxferStats", "StatsDelta", "StatsReporting"]
 
 
 def _empty() -> dict[str, Any]:
