@@ -184,6 +184,8 @@ def test_old_module_paths_give_the_moved_module_with_a_deprecation_warning(stric
             "        out.append(importlib.import_module(old) is importlib.import_module(new))\n"
             "    except DeprecationWarning as e:\n"
             "        out.append(str(e))\n"
+            "    except ModuleNotFoundError as e:  # kvxfer.vllm.metrics needs vLLM\n"
+            "        out.append(e.name == 'vllm' or repr(e))\n"
             "print(out)")
     got = eval(subprocess.run([sys.executable, *flag, "-c", code], capture_output=True, text=True,
                               check=True).stdout)

@@ -203,9 +203,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--trace takes a number of requests, 0 or more, got {args.trace}")
     if args.trace and args.no_stats:
         raise InvalidInputError("--trace needs stats: give --trace or --no-stats, not both")
+    tp = {k: v for k, v in (("tp_p", args.tp_p), ("tp_d", args.tp_d)) if v is not None}
+    if tp and args.what not in ("e2e", "ttft"):
+        raise InvalidInputError("--tp-p and --tp-d are options of `kvxfer bench e2e` and `ttft`")
+    if any(v < 1 for v in tp.values()):
+        raise InvalidInputError(f"--tp-p and --tp-d take a device count, 1 or more, got {tp}")
     module = importlib.import_module(_BENCHES[args.what])
     if args.what == "e2e":
-        result = module.run(module.E2EConfig(stats=not args.no_stats, trace=args.trace))
+        result = module.run(module.E2EConfig(stats=not args.no_stats, trace=args.trace, **tp))
+    elif args.what == "ttft":
+        result = module.run(module.TTFTConfig(**tp))
     else:
         result = module.run(verbose=False) if args.what == "nixl" else module.run()
     if args.json:
@@ -286,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "and draw them in kvxfer-trace.png (with matplotlib)")
     bench.add_argument("--no-stats", action="store_true",
                        help="e2e: collect no counters or traces (what collecting costs)")
+    for side, default in (("p", 4), ("d", 8)):
+        bench.add_argument(f"--tp-{side}", type=int, default=None, metavar="N",
+                           help=f"e2e, ttft: {side.upper()}'s devices (default {default}: emulated "
+                                f"CPU devices; on an accelerator, with JAX_PLATFORMS set, as many as "
+                                f"it has)")
     bench.set_defaults(func=_cmd_bench)
     return parser
 

@@ -219,7 +219,7 @@ class DecodeConnector:
         """
         groups, single = per_group(caches, len(self.layouts))
         if self._loads:  # else nothing is written into them this step
-            self._check_layouts(groups)
+            _check_layouts(self._checked, groups, self.layouts, self.config.kernel_ratio)
         done, failed = self.hosts.agree_reads(*self.transport.poll(), self._loads,
                                               self.transport.free)
         # One process writes blocks as they arrive (while the ack travels, or P prefills the
@@ -247,13 +247,7 @@ class DecodeConnector:
         start = time.monotonic()
         try:
             for g in range(len(self.layouts)):
-                old = groups[g]
-                groups[g] = self._write_group(g, old, writes, bad)
-                if groups[g] is old:  # nothing written
-                    continue
-                if self._checked[g] and all(map(operator.is_, self._checked[g], old)):
-                    self._checked[g] = tuple(groups[g])  # our scatter's output: the same layout
-                _follow_donations([c for h, c in enumerate(groups) if h != g], old, groups[g])
+                self._write_group(g, groups, writes, bad)
         finally:
             for req_id in loads:
                 self.transport.free(req_id)
@@ -288,20 +282,6 @@ class DecodeConnector:
                                 sum(s.num_slots - s.num_free_slots for s in self.stagings))
         return (groups[0] if single else groups), finished, failed_ids
 
-    def _check_layouts(self, groups: list[list[jax.Array]]) -> None:
-        """Caches of another layout raise before any state changes. Arrays already checked
-        (or written by this connector) are not checked again: D's engine calls this every
-        step, and deriving a layout costs a few microseconds per layer."""
-        for g, (group_caches, layout) in enumerate(zip(groups, self.layouts)):
-            checked = self._checked[g]
-            if len(checked) == len(group_caches) and all(map(operator.is_, checked, group_caches)):
-                continue
-            got = CacheLayout.from_caches(group_caches, self.config.kernel_ratio)
-            if got != layout:
-                raise LayoutMismatchError(f"group {g} caches have layout {got}, the connector "
-                                          f"was built for {layout}")
-            self._checked[g] = tuple(group_caches)
-
     def _finish(self, req_id: str, load: _Load | None, outcome: str, recompute: int = 0) -> None:
         """A load ended: its trace (whose `scatter` stages checked the fingerprints as the
         blocks landed), its bytes, and its outcome (the transport's reason, if it failed
@@ -319,7 +299,7 @@ class DecodeConnector:
         self.recorder.finish(trace, outcome)
 
     def stats(self, take: bool = False) -> Stats:
-        """Counters, totals and gauges since start (`kvxfer.stats.Stats`; the README lists
+        """Counters, totals and gauges since start (`kvxfer.stats.Stats`; docs/observability.md lists
         them); with `take`, also the series observed since the last take."""
         return self.recorder.stats(take)
 
@@ -327,15 +307,15 @@ class DecodeConnector:
         """The last finished loads' traces (a bounded ring), oldest first."""
         return self.recorder.traces()
 
-    def _write_group(self, g: int, caches: list[jax.Array], loads: Mapping[str, _Load],
-                     bad: dict[str, str]) -> list[jax.Array]:
-        """Scatter group `g` of every read request from staging into `caches`, then verify.
+    def _write_group(self, g: int, groups: list[list[jax.Array]], loads: Mapping[str, _Load],
+                     bad: dict[str, str]) -> None:
+        """Scatter group `g` of every read request from staging into `groups[g]`, then verify.
 
         One scatter straight out of the staging regions, which also fingerprints
         the blocks as they landed in the caches, checked per request against
         P's (`_processes`): a flipped bit anywhere from P's gather to here fails the
         request (its blocks are its own, and the engine recomputes them). A
-        request's problem goes into `bad` (request id -> reason).
+        request's problem goes into `bad`. New arrays replace the donated ones everywhere.
         """
         staging = self.stagings[g]
         ids: list[int] = []
@@ -352,9 +332,13 @@ class DecodeConnector:
             spans.append((req_id, len(ids), len(load.keys[g])))
             ids += load.kernel_ids[g]
         if not ids:
-            return caches
-        return self.hosts.scatter(g, caches, np.asarray(ids, np.int64),
-                                  np.asarray(slots, np.int64), spans, bad)
+            return
+        old = groups[g]
+        groups[g] = self.hosts.scatter(g, old, np.asarray(ids, np.int64),
+                                       np.asarray(slots, np.int64), spans, bad)
+        if self._checked[g] and all(map(operator.is_, self._checked[g], old)):
+            self._checked[g] = tuple(groups[g])  # our scatter's output: the same layout
+        _follow_donations([c for h, c in enumerate(groups) if h != g], old, groups[g])
 
     def expect(self, params: Any) -> None:
         """Keep P's lease alive for a request D accepted but has not started loading (waiting
@@ -377,6 +361,22 @@ class DecodeConnector:
 
     def close(self) -> None:
         self.transport.close()
+
+
+def _check_layouts(checked: list[tuple[jax.Array, ...]], groups: list[list[jax.Array]],
+                   layouts: Sequence[CacheLayout], kernel_ratio: int) -> None:
+    """Caches of another layout raise before any state changes. Arrays already checked
+    (`checked[g]`, or written by the connector) are not checked again: D's engine calls this
+    every step, and deriving a layout costs a few microseconds per layer."""
+    for g, (group_caches, layout) in enumerate(zip(groups, layouts)):
+        if len(checked[g]) == len(group_caches) and all(map(operator.is_, checked[g],
+                                                            group_caches)):
+            continue
+        got = CacheLayout.from_caches(group_caches, kernel_ratio)
+        if got != layout:
+            raise LayoutMismatchError(f"group {g} caches have layout {got}, the connector "
+                                      f"was built for {layout}")
+        checked[g] = tuple(group_caches)
 
 
 def _follow_donations(others: list[list[jax.Array]], old: Sequence[jax.Array],

@@ -130,7 +130,7 @@ class PrefillWorker:
                 trace.bytes += len(placed[g]) * staging.block_bytes * staging.num_layers
 
     def stats(self, take: bool = False) -> Stats:
-        """Counters, totals and gauges since start (`kvxfer.stats.Stats`; the README lists
+        """Counters, totals and gauges since start (`kvxfer.stats.Stats`; docs/observability.md lists
         them); with `take`, also the series observed since the last take."""
         return self.recorder.stats(take)
 

@@ -54,6 +54,7 @@ from kvxfer.nixl.reads import (
     read_descriptors,
     release,
     settle_posts,
+    wait_for_posts,
 )
 from kvxfer.nixl.streams import StreamReading
 from kvxfer.nixl.wire import (
@@ -230,6 +231,7 @@ class DecodeTransport(StreamReading):
         `failed`: request id -> the logical ids given to `start_read`; their
         slots are freed here.
         """
+        wait_for_posts(self._reads.values())
         now = time.monotonic() if now is None else now
         if not posting(self._reads.values()):
             self.handshakes.advance(now)

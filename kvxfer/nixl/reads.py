@@ -29,7 +29,7 @@ from kvxfer.plan.blocks import coalesce_pairs
 from kvxfer.stats import Recorder, Trace
 
 __all__ = ["Leg", "LegState", "Poster", "Read", "Zombies", "post", "posting", "read_descriptors",
-           "release", "settle_posts", "tags_match", "trace_read"]
+           "release", "settle_posts", "tags_match", "trace_read", "wait_for_posts"]
 
 logger = logging.getLogger("kvxfer.nixl.decode")
 
@@ -126,6 +126,23 @@ class Poster(ThreadPoolExecutor):
         if idle:
             started.wait(0.002)
         return future
+
+
+POST_WAIT_S = 0.0005
+"""How long `wait_for_posts` lets the poster thread run before the engine's thread goes on."""
+
+
+def wait_for_posts(reads: Iterable[Read], timeout: float = POST_WAIT_S) -> None:
+    """Wait, up to `timeout` seconds, for the posts under way on the poster thread.
+
+    An engine polls D every step; while a READ is being posted, a poll that returned at once
+    would have the engine's thread spin, holding the GIL the poster thread needs (a GIL
+    switch takes up to 5 ms, longer the more threads a many-core host runs). Waiting on the
+    posts' futures gives it up, and returns as soon as they are done."""
+    under_way = [leg.posting for read in reads for leg in read.legs.values()
+                 if leg.posting is not None and not leg.posting.done()]
+    if under_way:
+        futures.wait(under_way, timeout=timeout)
 
 
 def posting(reads: Iterable[Read]) -> bool:

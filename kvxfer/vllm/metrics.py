@@ -8,7 +8,7 @@ numbers (it crosses processes with msgspec/pickle). vLLM aggregates one per
 worker and per step (`aggregate`), logs `reduce`'s summary every interval,
 and hands the data to `KvxferPromMetrics.observe`. Gauges are kept per
 source (a worker's agent, or the scheduler side), so summing workers and
-taking a step's latest value do not mix. The README lists every series.
+taking a step's latest value do not mix. docs/observability.md lists every series.
 
 Imports only vLLM's metric base classes (and prometheus_client through them),
 as `kvxfer.vllm` does; no JAX.
