@@ -85,15 +85,15 @@ def test_a_write_that_moves_a_buffer_or_fails_is_refused_by_name_and_every_later
     moving = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
     failing = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
 
-    def moves(arrays, rows, at):
-        return [jax.device_put(np.array(a), host) for a in arrays]
+    def moves(arrays, args, ids, at):
+        return [jax.device_put(np.array(a), host) for a in arrays], np.zeros((2, len(ids), 3))
 
-    def fails(arrays, rows, at):
+    def fails(arrays, args, ids, at):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of pinned host memory")
 
     for regions, write, match in ((moving, moves, "moved its buffers"),
                                   (failing, fails, "RESOURCE_EXHAUSTED")):
-        monkeypatch.setattr(pinned, "_write_fn", lambda sharding, layers, w=write: w)
+        monkeypatch.setattr(pinned, "_take_and_write_fn", lambda *a, w=write: w)
         with pytest.raises(TransferError, match=match):
             gather_into(caches, np.array([1, 2]), regions, np.array([0, 1]))
         monkeypatch.undo()

@@ -86,7 +86,7 @@ def test_without_precompile_the_first_save_of_a_size_compiles(xla):
     staging = _staging(caches, layers=3)
     with compiles() as seen:
         gather_into(caches, np.arange(5), staging.regions, np.arange(5))  # chunks of 4 and 1
-    assert len(seen) >= 3  # takes of 4 and 1, the write of 4 (1's ran in pinned_regions' probe)
+    assert len(seen) >= 2  # one program per chunk size, 4 and 1, each taking and writing
 
 
 @pytest.mark.parametrize("devices", [1, 4], ids=["one-device-pinned", "tp4"])

@@ -78,9 +78,9 @@ def gather(layout: CacheLayout, view: Sequence[jax.Array], ids: np.ndarray, axis
     per-unit sums into `prints[dst]` (`[slots, units, layers, 3]`)."""
     mesh = view[0].sharding.mesh
     if isinstance(regions, PinnedRegions) and regions.serves(mesh):  # in place, no host copy
-        fn, on_mesh = _gather_fn(layout, mesh, axis, True), _weights_on(mesh, weights)
-        sums = pinned.write_chunks(regions, ids, dst,
-                                            lambda chunk: fn(list(view), chunk, on_mesh))
+        sums = pinned.write_chunks(regions, ids, dst, _gather_fn(layout, mesh, axis, True),
+                                   (list(view), _weights_on(mesh, weights)), 1,
+                                   NamedSharding(mesh, PartitionSpec(None, "units")))
         prints[dst] = np.concatenate([np.asarray(s) for s in sums])
         return
     rows, sums = _gather_fn(layout, mesh, axis, False)(
@@ -124,11 +124,9 @@ def precompile(layout: CacheLayout, view: Sequence[jax.Array], axis: int, weight
     mesh = view[0].sharding.mesh
     on_mesh, programs = _weights_on(mesh, weights), []
     if saves and isinstance(regions, PinnedRegions) and regions.serves(mesh):
-        rows_on = NamedSharding(mesh, PartitionSpec(None, None, "units"))  # the take's output
-        writes = pinned.write_programs(regions, max_blocks, rows_on)
-        programs += [*writes.values(), *(
-            (_gather_fn(layout, mesh, axis, True),
-             (list(view), jax.ShapeDtypeStruct((size,), np.int32), on_mesh)) for size in writes)]
+        programs += pinned.write_programs(regions, max_blocks, _gather_fn(layout, mesh, axis, True),
+                                          (list(view), on_mesh), 1,
+                                          NamedSharding(mesh, PartitionSpec(None, "units")))
         saves = False
     ids_on = NamedSharding(mesh, PartitionSpec())
     host = NamedSharding(mesh, PartitionSpec(None, "units"), memory_kind="pinned_host")
