@@ -13,6 +13,8 @@ caches of `layers` layers, the same arrays every step.
   first chunk and D is reading them, waiting for P's next.
 - `busy_calls_us`: each call's median, by layer count, in the busy step.
 - `layers_80_over_32`: idle and busy steps at 80 layers over 32 (target <= 1.2).
+- `in_flight`: D's reads still under way after the busy rounds; `ok` is false (and the
+  command exits 1) unless all 8 were, at every layer count.
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ def run(layer_counts: tuple[int, ...] = (32, 80), steps: int = 1000,
         "busy_step_us_by_side": rounded("busy", "sides"),
         "busy_calls_us": rounded("busy", "calls"),
         "in_flight": in_flight,
+        "ok": all(n == _IN_FLIGHT for n in in_flight.values()),  # else busy_* measured less
         f"layers_{last}_over_{first}": {
             "idle": round(idle[last] / idle[first], 3),
             "busy": round(busy[last] / busy[first], 3)},

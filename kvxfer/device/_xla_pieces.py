@@ -148,7 +148,7 @@ def precompile(layout: CacheLayout, view: Sequence[jax.Array], axis: int, weight
 @functools.lru_cache(maxsize=64)
 def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int, stacked: bool):
     """Rows, unit-major, and their per-unit sums: per layer in pinned host, or (`stacked`,
-    for `PinnedRegions`) stacked per layer as unsigned ints on the device."""
+    for `PinnedRegions` on one device) per layer as unsigned ints on the device."""
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
     spec = _unit_spec(1 + len(layout.block_shape), axis)
 
@@ -159,16 +159,15 @@ def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int, stacked: bool):
                                1 + axis, 1)
             sums.append(_unit_sums(row, weights))
             rows.append(row if stacked else lax.bitcast_convert_type(row, dtype))
-        return jnp.stack(rows) if stacked else rows, jnp.stack(sums, axis=2)
+        return rows, jnp.stack(sums, axis=2)
 
+    if stacked:  # one device: plain code, which XLA fuses into the copy (`pinned._gather_fn`)
+        return jax.jit(local)
     unit_major = PartitionSpec(None, "units")
-    rows_spec = PartitionSpec(None, None, "units") if stacked else [unit_major] * layout.num_layers
     per_shard = jax.shard_map(
         local, mesh=mesh,
         in_specs=([spec] * layout.num_layers, PartitionSpec(), PartitionSpec("units")),
-        out_specs=(rows_spec, unit_major), check_vma=False)
-    if stacked:
-        return jax.jit(per_shard)
+        out_specs=([unit_major] * layout.num_layers, unit_major), check_vma=False)
     host = NamedSharding(mesh, unit_major, memory_kind="pinned_host")
     return jax.jit(per_shard, out_shardings=([host] * layout.num_layers, host))
 
