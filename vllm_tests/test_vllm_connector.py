@@ -548,3 +548,23 @@ def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(
     params = engine.run_until(lambda r: "r" in r.finished).pop().finished["r"]
     assert params["sources"] == [{"peer": "p-0", "units": [0, 2]},
                                  {"peer": "p-1", "units": [2, 4]}] and params["units"] == 4
+
+
+def test_a_save_step_that_only_cancels_a_stream_reaches_p_worker():
+    """A streamed request aborted mid-prefill on a P with nothing else to save: the step that
+    carries only its cancel must still reach the worker, or the stream is held for ever and
+    its staging slots never come back."""
+    from kvxfer.connector.scheduler import SaveMeta
+    from kvxfer.vllm.connector import KvxferMetadata, Settings, _WorkerSide
+
+    side = _WorkerSide(Settings.from_extra({}), None, {}, producer=True, consumer=False)
+    seen = []
+
+    class Worker:
+        def save(self, caches, meta):
+            seen.append(meta.cancels)
+
+    side._prefill, side.runner, side._indices = Worker(), type("R", (), {"kv_caches": []}), []
+    side.save(KvxferMetadata(save=SaveMeta(instance="p", cancels=["s"])))
+    side.save(KvxferMetadata(save=SaveMeta(instance="p")))  # nothing at all: nothing to do
+    assert seen == [["s"]]

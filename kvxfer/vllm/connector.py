@@ -519,7 +519,7 @@ class _WorkerSide:
         save = meta.save
         if save is None:
             return
-        if save.blocks or save.holds:
+        if save.blocks or save.holds or save.cancels:  # a cancel alone frees a stream's slots
             self._prefill.save(self._caches(), save)
 
     def poll(self) -> tuple[set[str], set[str]]:
