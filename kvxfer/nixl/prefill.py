@@ -240,8 +240,8 @@ class PrefillTransport:
             req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
             generation = message_field(msg, "generation", is_generation, "a positive int", sender)
             instance = message_field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
-            readers = message_field(msg, "readers", lambda v: v is None or (is_int(v) and v >= 1),
-                             "a positive int", sender) or 1
+            readers = message_field(msg, "readers", lambda v: v is None or (is_int(v) and 1 <= v < 1 << 16),
+                             "a positive int below 65536", sender) or 1
             reader = message_field(msg, "reader", lambda v: v is None or (is_int(v) and 0 <= v < readers),
                             f"an int in [0, {readers})", sender) or 0
             token = message_field(msg, "token", is_done_token, "32 hex digits", sender)

@@ -43,6 +43,7 @@ from kvxfer.nixl.wire import (
     done_token,
     is_generation,
     is_stream_id,
+    is_wire_index,
     message_field,
 )
 from kvxfer.plan.blocks import is_int
@@ -276,25 +277,12 @@ class StreamReading:
         if msg.get("aborted") is True:
             self._fail(read, TransferError(f"P gave up on stream {stream}"), "refused")
             return
-        n = len(self.stagings)
-
-        def groups(v: object) -> bool:
-            return (isinstance(v, list) and len(v) == n and all(
-                isinstance(g, list) and all(is_int(x) and x >= 0 for x in g) for g in v))
-
-        keys = message_field(msg, "keys", groups, f"{n} lists of keys", sender)
-        slots = message_field(msg, "slots", groups, f"{n} lists of slots", sender)
-        fields = {key: message_field(msg, key, check, what, sender) for key, check, what in (
-            ("req_id", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
-            ("instance", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
-            ("secret", lambda v: is_stream_id(v), "32 hex digits"),
-            ("prompt", lambda v: v is None or is_stream_id(v), "absent or 32 hex digits"),
-            ("last", lambda v: isinstance(v, bool), "a bool"))}
+        try:
+            keys, slots, fields, generation = _chunk_fields(msg, len(self.stagings), sender, stream)
+        except TransferError as e:  # from the peer the stream names: fail this request alone
+            self._fail(read, e, "refused")
+            return
         last = fields["last"]
-        generation = message_field(msg, "generation", lambda v: v is None or is_generation(v),
-                                   "a positive int or None", sender)
-        if any(len(k) != len(s) for k, s in zip(keys, slots)) or (last and generation is None):
-            raise TransferError(f"chunk of stream {stream} from {sender!r} is malformed")
         if read.last:
             raise TransferError(f"chunk of stream {stream} from {sender!r} after its last")
         why = None
@@ -409,3 +397,28 @@ class StreamReading:
                 send(self.agent, read.stream.peer, "drop", stream=read.stream.stream)
             except TransferError as e:
                 logger.warning("D %s: %s", self.config.name, e)
+
+
+def _chunk_fields(msg: dict[str, Any], n: int, sender: str, stream: str
+                  ) -> tuple[list[list[int]], list[list[int]], dict[str, Any], int | None]:
+    """A `chunk`'s keys, slots, fields and generation, every one checked (`TransferError`
+    naming the first bad one): ints off the wire are range-checked here, where parsed."""
+
+    def groups(v: object) -> bool:
+        return (isinstance(v, list) and len(v) == n and all(
+            isinstance(g, list) and all(is_wire_index(x) for x in g) for g in v))
+
+    keys = message_field(msg, "keys", groups, f"{n} lists of keys below 2**63", sender)
+    slots = message_field(msg, "slots", groups, f"{n} lists of slots below 2**63", sender)
+    fields = {key: message_field(msg, key, check, what, sender) for key, check, what in (
+        ("req_id", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
+        ("instance", lambda v: isinstance(v, str) and bool(v), "a non-empty str"),
+        ("secret", lambda v: is_stream_id(v), "32 hex digits"),
+        ("prompt", lambda v: v is None or is_stream_id(v), "absent or 32 hex digits"),
+        ("last", lambda v: isinstance(v, bool), "a bool"))}
+    generation = message_field(msg, "generation", lambda v: v is None or is_generation(v),
+                               "a positive int or None", sender)
+    if any(len(k) != len(s) for k, s in zip(keys, slots)) or (fields["last"]
+                                                               and generation is None):
+        raise TransferError(f"chunk of stream {stream} from {sender!r} is malformed")
+    return keys, slots, fields, generation

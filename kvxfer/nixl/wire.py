@@ -25,9 +25,9 @@ from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.plan.blocks import is_int
 from kvxfer.plan.slots import SlotMap
 
-__all__ = ["PROTOCOL_VERSION", "ReadParams", "Source", "StreamParams", "check_piece",
+__all__ = ["PROTOCOL_VERSION", "WIRE_INT_LIMIT", "ReadParams", "Source", "StreamParams", "check_piece",
            "decode_message", "done_token", "encode_message", "is_done_token", "is_generation",
-           "is_stream_id", "message_field", "new_instance", "new_secret", "new_stream_id",
+           "is_stream_id", "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
            "parse_sources", "prompt_digest"]
 
 PROTOCOL_VERSION = 7
@@ -72,8 +72,18 @@ def message_field(msg: Mapping[str, Any], key: str, check: Callable[[Any], bool]
     return value
 
 
+WIRE_INT_LIMIT = 1 << 63
+"""Every int read off the wire (block keys, slots, generations) is below this, as numpy's
+int64 holds it: a larger one would raise OverflowError where D indexes its staging."""
+
+
+def is_wire_index(value: object) -> bool:
+    """A non-negative int that a peer may send: a block key or a staging slot."""
+    return is_int(value) and 0 <= value < WIRE_INT_LIMIT
+
+
 def is_generation(value: object) -> bool:
-    return is_int(value) and value >= 1
+    return is_int(value) and 1 <= value < WIRE_INT_LIMIT
 
 
 def new_instance() -> str:
@@ -231,10 +241,10 @@ class ReadParams:
             k = group.get("keys") if isinstance(group, Mapping) else None
             s = group.get("slots") if isinstance(group, Mapping) else None
             if not (isinstance(k, list) and isinstance(s, list) and len(k) == len(s)
-                    and all(is_int(x) and x >= 0 for x in k + s)):
+                    and all(is_wire_index(x) for x in k + s)):
                 raise InvalidInputError(
                     f"transfer params group {g} must have equal-length lists of non-negative int "
-                    f"'keys' and 'slots', got {group!r:.120}")
+                    f"'keys' and 'slots' below 2**63, got {group!r:.120}")
             if len(set(k)) != len(k) or len(set(s)) != len(s):
                 raise InvalidInputError(f"transfer params group {g} repeats a key or a slot")
             keys.append(tuple(k))
@@ -302,9 +312,9 @@ def parse_sources(sources: object, units: object) -> tuple[tuple[Source, ...], i
     """
     if sources is None and units is None:
         return (), 0
-    if not is_int(units) or units <= 0:
-        raise InvalidInputError(f"transfer params field 'units' must be a positive int, "
-                                f"got {units!r:.80}")
+    if not is_int(units) or not 0 < units < WIRE_INT_LIMIT:
+        raise InvalidInputError(f"transfer params field 'units' must be a positive int below "
+                                f"2**63, got {units!r:.80}")
     if not isinstance(sources, list) or not sources:
         raise InvalidInputError(f"transfer params field 'sources' must be a non-empty list, "
                                 f"got {sources!r:.80}")

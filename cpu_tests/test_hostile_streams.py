@@ -1,0 +1,54 @@
+"""Streams under attack: what a peer may send D in a `chunk` ends in a named failure of one
+request, never an exception out of the engine's step (issue: safe at every edge)."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from kvxfer.connector.scheduler import LoadRequest
+from kvxfer.nixl.agent import send
+from kvxfer.nixl.wire import StreamParams, new_stream_id
+from kvxfer.plan.save_plan import ScheduledRequest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("field,bad", [("keys", 2**64), ("slots", 2**64), ("keys", 2**63)])
+def test_a_chunk_naming_a_block_key_or_slot_past_int64_fails_its_request_alone(pair, field, bad):
+    pr = pair()
+    a = pr.p.worker.address
+    stream, other = new_stream_id(), new_stream_id()
+    for req_id, s in (("r", stream), ("q", other)):
+        pr.p.add_request(req_id, 64, stream=s)
+    pr.d.start_load_kv({
+        "r": LoadRequest(StreamParams(a.name, a.host, a.port, stream).to_dict(), [20, 21, 22, 23]),
+        "q": LoadRequest(StreamParams(a.name, a.host, a.port, other).to_dict(), [8, 9, 10, 11])})
+    pr.save(ScheduledRequest("r", 0, 16, ([5],), full_table=True),
+            ScheduledRequest("q", 0, 16, ([6],), full_table=True))
+    deadline = time.monotonic() + 10  # until D has P's first chunk of each: the stream is live
+    while time.monotonic() < deadline and not all(
+            (read := pr.d.transport.reading(r)) is not None and read.p_req_id for r in "rq"):
+        pr.p.get_finished()
+        pr.get_finished()
+        time.sleep(0.001)
+    read = pr.d.transport.reading("r")
+    chunk = {"stream": stream, "keys": [[1]], "slots": [[0]], "req_id": read.p_req_id,
+             "instance": read.instance, "secret": read.secret, "prompt": None,
+             "last": False, "generation": None}
+    chunk[field] = [[bad]]
+    send(pr.p.worker.transport.agent, pr.d.transport.config.name, "chunk", **chunk)
+    failed, deadline = [], time.monotonic() + 10
+    while "r" not in failed and time.monotonic() < deadline:
+        pr.p.get_finished()
+        failed += pr.get_finished()[1]  # never raises out of D's step
+        time.sleep(0.001)
+    assert failed == ["r"]
+    # The other stream goes on: P completes it and D holds every block.
+    pr.save(ScheduledRequest("q", 16, 48, ([7, 12, 13],)))
+    finished, deadline = [], time.monotonic() + 10
+    while "q" not in finished and time.monotonic() < deadline:
+        pr.p.get_finished()
+        finished += pr.get_finished()[0]
+    assert finished == ["q"]
