@@ -31,9 +31,9 @@ from kvxfer.plan.blocks import is_int
 if TYPE_CHECKING:
     from kvxfer.device.staging import Staging
 
-__all__ = ["CUDA_TLS", "HOST_TLS", "MIN_LEASE_S", "TransportConfig", "choose_ucx_tls", "claim_name",
-           "close_agent", "default_name", "free_port", "release_name", "send", "start_agent",
-           "ucx_sees_cuda"]
+__all__ = ["CUDA_TLS", "HOST_TLS", "MAX_WAIT_S", "MIN_LEASE_S", "MIN_TIMEOUT_S", "TransportConfig",
+           "choose_ucx_tls", "claim_name", "close_agent", "default_name", "free_port",
+           "release_name", "send", "start_agent", "ucx_sees_cuda"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,12 @@ _MAX_BIND_TRIES = 8
 
 
 MIN_LEASE_S = 1.0
+MIN_TIMEOUT_S = 0.1
+"""The least `handshake_timeout_s` and `transfer_timeout_s`: below it no handshake or read
+completes even on one machine (a READ's post and ack alone take milliseconds)."""
+MAX_WAIT_S = 24 * 3600.0
+"""The most any timeout, lease or heartbeat interval may be: a lease longer than a day holds
+a dead D's staging for good, and a timeout as long never fires."""
 """The shortest `TransportConfig.lease_s` (see there)."""
 
 
@@ -123,6 +129,16 @@ class TransportConfig:
                 raise InvalidInputError(
                     f"TransportConfig {name} must be a positive finite number of seconds, "
                     f"got {value!r}")
+        for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s"):
+            if getattr(self, name) > MAX_WAIT_S:
+                raise InvalidInputError(
+                    f"TransportConfig {name} {getattr(self, name)!r} is over {MAX_WAIT_S:.0f} s "
+                    f"(a day): nothing would ever time out or lapse; give at most {MAX_WAIT_S:.0f}")
+        for name in ("handshake_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) < MIN_TIMEOUT_S:
+                raise InvalidInputError(
+                    f"TransportConfig {name} {getattr(self, name)!r} is below {MIN_TIMEOUT_S} s: "
+                    f"every handshake or read would fail; give {name} >= {MIN_TIMEOUT_S}")
         workable = max(MIN_LEASE_S, 2 * self.heartbeat_interval_s)
         if self.lease_s < MIN_LEASE_S:
             raise InvalidInputError(
