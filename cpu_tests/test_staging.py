@@ -137,3 +137,15 @@ def test_staging_larger_than_the_machine_is_refused_naming_the_setting():
     with pytest.raises(InvalidInputError, match=r"needs .* GiB, more than this machine's .* "
                                                 r"lower staging_blocks"):
         Staging(80, 10**12, (16, 8, 2, 128), np.uint16)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (-1, 8), (2.5, 8), (), "ab", (True, 8), None])
+def test_staging_refuses_a_block_shape_that_is_not_positive_ints_by_name(shape):
+    with pytest.raises(InvalidInputError, match="Staging block_shape must be a non-empty sequence "
+                                                "of positive ints"):
+        Staging(1, 4, shape)
+
+
+def test_staging_refuses_a_dtype_numpy_does_not_know_by_name():
+    with pytest.raises(InvalidInputError, match="Staging dtype must be a numpy dtype"):
+        Staging(1, 4, (8,), dtype=object())

@@ -113,9 +113,19 @@ class Staging(SlotMap):
         if prints_per_layer is not None and (not is_int(prints_per_layer) or prints_per_layer <= 0):
             raise InvalidInputError(
                 f"Staging prints_per_layer must be None or a positive int, got {prints_per_layer!r}")
+        if (isinstance(block_shape, (str, bytes)) or not isinstance(block_shape, Sequence)
+                or not block_shape or not all(isinstance(d, (int, np.integer))
+                                              and not isinstance(d, bool) and d > 0
+                                              for d in block_shape)):
+            raise InvalidInputError(f"Staging block_shape must be a non-empty sequence of positive "
+                                    f"ints, got {block_shape!r:.80}")
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as e:
+            raise InvalidInputError(f"Staging dtype must be a numpy dtype, got {dtype!r:.80}") from e
         super().__init__(num_slots, placement)
         self.block_shape = tuple(int(d) for d in block_shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = dtype
         check_fits(num_layers * num_slots * math.prod(self.block_shape) * self.dtype.itemsize,
                     num_layers, num_slots)
         self.regions: Sequence[np.ndarray] = (
