@@ -319,6 +319,21 @@ def test_a_body_that_is_not_a_json_object_is_a_400(raw):
     assert p.seen == [] and d.seen == []
 
 
+def test_a_json_body_nested_too_deeply_to_read_is_a_400_not_a_500():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", data=b"[" * 100_000 + b"]" * 100_000,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                return resp.status, await resp.json()
+
+    status, answer = run(go())
+    assert status == 400 and "nested too deeply" in answer["error"]["message"]
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert p.seen == [] and d.seen == []
+
+
 def test_health_is_200_when_every_upstream_answers():
     async def go():
         async with pd([FakeVllm("P")], [FakeVllm("D")]) as (session, url):
@@ -380,6 +395,24 @@ def test_cli_refuses_a_bad_url_or_port_before_listening(capsys):
     assert "'ftp://p:1'" in capsys.readouterr().err
     assert cli.main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_port_in_use_or_a_host_that_does_not_resolve_by_flag_before_its_banner(
+        capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2",
+                         "--port", str(port)]) == 2
+        out = capsys.readouterr()
+        assert f"kvxfer: error: --port {port} on --host '127.0.0.1' cannot be listened on" in out.err
+        assert "kvxfer proxy on" not in out.out
+    assert cli.main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:2", "--port", "8000",
+                     "--host", "no-such-host.invalid"]) == 2
+    assert "kvxfer: error: --host 'no-such-host.invalid' does not resolve" in capsys.readouterr().err
 
 
 def test_cli_without_aiohttp_says_how_to_install_it():

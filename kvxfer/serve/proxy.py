@@ -36,6 +36,7 @@ import contextlib
 import itertools
 import json
 import logging
+import socket
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.nixl.wire import new_stream_id
 from kvxfer.plan.blocks import is_int
 
-__all__ = ["ProxyConfig", "build_app", "parse_urls", "serve"]
+__all__ = ["ProxyConfig", "build_app", "check_listen", "parse_urls", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +281,9 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
     except ValueError as e:
         return _error(400, f"request body is not JSON: {e}", "invalid_request_error")
+    except RecursionError:
+        return _error(400, "request body is JSON nested too deeply to read",
+                      "invalid_request_error")
     if not isinstance(body, dict):
         return _error(400, f"request body must be a JSON object, got {type(body).__name__}",
                       "invalid_request_error")
@@ -352,6 +356,22 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response(answer, status=503 if down else 200)
 
 
+def check_listen(host: str, port: int) -> None:
+    """`InvalidInputError` naming `--host` or `--port` unless a socket can listen there now."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise InvalidInputError(f"--host {host!r} does not resolve: {e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp listens
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise InvalidInputError(f"--port {port} on --host {host!r} cannot be listened on: "
+                                    f"{e.strerror or e}") from None
+
+
 def build_app(config: ProxyConfig) -> web.Application:
     """The proxy as an aiohttp application (run it with `serve`, or an `aiohttp.web.AppRunner`)."""
     app = web.Application()
@@ -372,7 +392,9 @@ def build_app(config: ProxyConfig) -> web.Application:
 
 
 def serve(config: ProxyConfig) -> None:
-    """Run the proxy until interrupted (SIGINT / SIGTERM)."""
+    """Run the proxy until interrupted (SIGINT / SIGTERM). A `--host` that does not resolve, or
+    a `--port` this process cannot listen on, is refused by name before the banner."""
+    check_listen(config.host, config.port)
     print(f"kvxfer proxy on http://{config.host}:{config.port}: prefill "
              f"{', '.join(config.prefill)}; decode {', '.join(config.decode)}")
     web.run_app(build_app(config), host=config.host, port=config.port, print=None)
