@@ -42,7 +42,7 @@ class FakeVllm:
         self.chunk_seen: list[asyncio.Event] = []
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=256 << 20)  # vLLM's server sets no limit
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/health", self._health)
@@ -107,13 +107,13 @@ def closed_port_url() -> str:
 
 @contextlib.asynccontextmanager
 async def pd(prefills: list[FakeVllm], decodes: list[FakeVllm], extra_prefill=(), extra_decode=(),
-             stream=False):
+             stream=False, **config):
     """Start the fakes and a proxy in front of them; yield a client session and the proxy's URL."""
     async with contextlib.AsyncExitStack() as stack:
         p_urls = [await stack.enter_async_context(serving(f.app())) for f in prefills]
         d_urls = [await stack.enter_async_context(serving(f.app())) for f in decodes]
         config = ProxyConfig(prefill=tuple(p_urls) + tuple(extra_prefill),
-                             decode=tuple(d_urls) + tuple(extra_decode), stream=stream)
+                             decode=tuple(d_urls) + tuple(extra_decode), stream=stream, **config)
         url = await stack.enter_async_context(serving(build_app(config)))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield session, url
@@ -332,6 +332,31 @@ def test_a_json_body_nested_too_deeply_to_read_is_a_400_not_a_500():
     assert status == 400 and "nested too deeply" in answer["error"]["message"]
     assert answer["error"]["type"] == "invalid_request_error"
     assert p.seen == [] and d.seen == []
+
+
+def test_a_real_prompt_over_a_mib_is_taken_and_a_body_over_the_limit_is_a_413_in_openai_shape():
+    """A 200k-token prompt as ids is about 1.4 MB (aiohttp's default limit, 1 MiB, refused it
+    with a plain-text 413); over --max-body-mb the proxy answers 413 itself."""
+    p, d = FakeVllm("P"), FakeVllm("D")
+    prompt = list(range(100_000, 300_000))
+
+    async def go(limit_mb, body):
+        async with pd([p], [d], max_body_mb=limit_mb) as (session, url):
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                return resp.status, await resp.json()
+
+    status, _ = run(go(64, {"model": "m", "prompt": prompt, "max_tokens": 4}))
+    assert status == 200 and p.seen and p.seen[0][1]["prompt"] == prompt
+    seen = len(p.seen)
+    status, answer = run(go(1, {"model": "m", "prompt": prompt, "max_tokens": 4}))
+    assert status == 413 and answer["error"]["type"] == "invalid_request_error"
+    assert "--max-body-mb 1 MiB" in answer["error"]["message"] and len(p.seen) == seen
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, "64", 1e9])
+def test_a_body_limit_that_is_not_a_size_is_refused(limit):
+    with pytest.raises(InvalidInputError, match="--max-body-mb"):
+        ProxyConfig(prefill=("http://p:8100",), decode=("http://d:8200",), max_body_mb=limit)
 
 
 def test_health_is_200_when_every_upstream_answers():

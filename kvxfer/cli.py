@@ -167,7 +167,8 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
         raise SetupError("kvxfer proxy needs aiohttp: pip install 'kvxfer[proxy]'") from None
     proxy.serve(proxy.ProxyConfig(prefill=proxy.parse_urls("--prefill", args.prefill),
                                   decode=proxy.parse_urls("--decode", args.decode),
-                                  host=args.host, port=args.port, stream=args.stream))
+                                  host=args.host, port=args.port, stream=args.stream,
+                                  max_body_mb=args.max_body_mb))
     return 0
 
 
@@ -283,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--stream", action="store_true",
                        help="send each request to P and D at once: D reads the KV chunk by chunk "
                             "while P prefills (once P's first answer gave its kvxfer address)")
+    proxy.add_argument("--max-body-mb", type=float, default=64.0,
+                       help="the largest request body taken, in MiB (default 64); a larger one "
+                            "is refused with 413 before P or D see it")
     proxy.set_defaults(func=_cmd_proxy)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")

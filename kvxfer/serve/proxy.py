@@ -104,6 +104,9 @@ class ProxyConfig:
     `prefill` and `decode` are base URLs (`parse_urls`); `health_timeout_s`
     bounds each upstream's `/health` answer, `connect_timeout_s` each
     connection to an upstream. Generation itself has no time limit.
+    `max_body_mb`: the largest request body taken (`--max-body-mb`); a larger one
+    is a 413 in the OpenAI shape before P or D see it. The default, 64 MiB, takes a
+    chat with a few base64 images or a 200k-token prompt as ids (about 1.4 MB).
     """
 
     prefill: tuple[str, ...]
@@ -113,6 +116,7 @@ class ProxyConfig:
     health_timeout_s: float = 5.0
     connect_timeout_s: float = 10.0
     stream: bool = False
+    max_body_mb: float = 64.0
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -125,6 +129,10 @@ class ProxyConfig:
             raise InvalidInputError(f"--host must be a host name or address, got {self.host!r}")
         if not isinstance(self.stream, bool):
             raise InvalidInputError(f"stream must be a bool, got {self.stream!r}")
+        if (isinstance(self.max_body_mb, bool) or not isinstance(self.max_body_mb, (int, float))
+                or not 0 < self.max_body_mb <= 4096):
+            raise InvalidInputError(f"--max-body-mb must be a number in (0, 4096], got "
+                                    f"{self.max_body_mb!r}")
         for name in ("health_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -279,6 +287,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     """P prefills, D decodes, the client gets D's answer."""
     try:
         body = await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[_UPSTREAMS].config.max_body_mb
+        return _error(413, f"request body is over --max-body-mb {limit:g} MiB",
+                      "invalid_request_error")
     except ValueError as e:
         return _error(400, f"request body is not JSON: {e}", "invalid_request_error")
     except RecursionError:
@@ -374,7 +386,7 @@ def check_listen(host: str, port: int) -> None:
 
 def build_app(config: ProxyConfig) -> web.Application:
     """The proxy as an aiohttp application (run it with `serve`, or an `aiohttp.web.AppRunner`)."""
-    app = web.Application()
+    app = web.Application(client_max_size=int(config.max_body_mb * (1 << 20)))
     upstreams = _Upstreams(config)
     app[_UPSTREAMS] = upstreams
 
