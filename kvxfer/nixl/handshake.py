@@ -25,7 +25,7 @@ from kvxfer.nixl.peers import Peer, Peers
 from kvxfer.nixl.wire import ReadParams
 from kvxfer.stats import Recorder
 
-__all__ = ["Handshakes"]
+__all__ = ["MAX_FAILED", "Handshakes"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ _REFETCH_S = 0.25  # how often a handshake asks for a peer's metadata again
 _REHELLO_S = 1.0  # how long a handshake waits for P's answer before fetching afresh
 
 _NO_ANSWER = object()  # a probe's answer: none within the deadline
+MAX_FAILED = 1024
+"""The most failed handshakes remembered at once (the oldest go first): params may name any
+number of made-up P agents, and each failure is kept `handshake_timeout_s`."""
+_SWEEP_S = 1.0  # how often expired failures are dropped
 
 
 @dataclass
@@ -59,6 +63,7 @@ class Handshakes:
         self._under_way: dict[str, _Handshake] = {}
         # peer -> (until, the instance asked for, why): a P restarted since is tried afresh
         self._failed: dict[str, tuple[float, str | None, KvxferError]] = {}
+        self._next_sweep = 0.0
         self._probes: dict[str, Any] = {}  # peer -> answer deadline, or the answer
 
     def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
@@ -145,6 +150,9 @@ class Handshakes:
         """Read notifications and move every handshake and probe on; never waits."""
         self.peers.drain()
         now = time.monotonic() if now is None else now
+        if self._failed and now >= self._next_sweep:
+            self._failed = {peer: f for peer, f in self._failed.items() if f[0] > now}
+            self._next_sweep = now + _SWEEP_S
         for peer, handshake in list(self._under_way.items()):
             try:
                 self._step(peer, handshake, now)
@@ -223,8 +231,11 @@ class Handshakes:
         if not isinstance(error, KvxferError):
             where = self._where(handshake) if handshake else ""
             error = TransferError(f"handshake with peer {peer!r} {where} failed: {error}")
+        self._failed.pop(peer, None)  # re-inserted last: the newest failure is kept longest
         self._failed[peer] = (now + self.config.handshake_timeout_s,
                               handshake.instance if handshake else None, error)
+        while len(self._failed) > MAX_FAILED:
+            del self._failed[next(iter(self._failed))]
         logger.warning("D %s: %s", self.config.name, error)
 
     def _source(self, handshake: _Handshake) -> tuple[Any, ...]:
