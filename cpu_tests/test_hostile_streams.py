@@ -9,7 +9,8 @@ import pytest
 
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.nixl.agent import send
-from kvxfer.nixl.wire import StreamParams, new_stream_id
+from kvxfer.nixl.streams import Published
+from kvxfer.nixl.wire import StreamParams, decode_message, new_stream_id
 from kvxfer.plan.save_plan import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,3 +53,34 @@ def test_a_chunk_naming_a_block_key_or_slot_past_int64_fails_its_request_alone(p
         pr.p.get_finished()
         finished += pr.get_finished()[0]
     assert finished == ["q"]
+
+
+class _Agent:
+    """What `Published` needs of a NIXL agent: who was sent what."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send_notif(self, peer, message):
+        self.sent.append((peer, decode_message(message, "P")))
+
+
+def test_one_peer_sending_made_up_subscriptions_cannot_starve_another_and_is_refused_by_name(
+        caplog):
+    agent = _Agent()
+    published = Published(agent, "P", "i", num_groups=1, max_wants=64, wait_s=30.0)
+    for _ in range(100):
+        published.on_want("hostile", {"t": "want", "stream": new_stream_id()}, 0.0, lambda r: None)
+    refused = [m for peer, m in agent.sent if peer == "hostile" and m.get("aborted") is True]
+    assert len(refused) == 100 - published.max_wants_per_peer == 84
+    assert "refuses subscriptions of hostile" in caplog.text
+    stream = new_stream_id()
+    published.on_want("real-d", {"t": "want", "stream": stream}, 0.0, lambda r: None)
+    assert not [m for peer, m in agent.sent if peer == "real-d"]  # kept, not refused
+    published.publish("r", stream, "0" * 32, None, [[]], [[]], False, None)
+    assert published._streams[stream].reader == "real-d"
+    # Another D naming a stream a D already waits for is refused, not given the stream.
+    other = new_stream_id()
+    published.on_want("real-d", {"t": "want", "stream": other}, 0.0, lambda r: None)
+    published.on_want("thief", {"t": "want", "stream": other}, 0.0, lambda r: None)
+    assert [peer for peer, m in agent.sent if m["stream"] == other] == ["thief"]

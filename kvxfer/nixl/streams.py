@@ -77,7 +77,10 @@ class Published:
     Arguments:
         agent: P's NIXL agent; `name`, `instance`: P's agent name and instance.
         num_groups: KV cache groups; `max_wants`: subscriptions kept for streams P
-            does not know yet (a D may subscribe before P's scheduler added the request).
+            does not know yet (a D may subscribe before P's scheduler added the request);
+            one D agent may hold a quarter of them (at least 16), so one peer sending
+            made-up subscriptions cannot starve the others. A subscription over either
+            bound is refused at once (D fails that request by name), never dropped.
         wait_s: how long such a subscription waits before P refuses it.
     """
 
@@ -88,6 +91,9 @@ class Published:
         self._streams: dict[str, _Stream] = {}  # stream id -> the request streamed
         self._stream_of: dict[str, str] = {}  # request id -> its stream id
         self._wants: dict[str, tuple[str, float]] = {}  # stream not yet known -> (D, until)
+        self._wants_of: dict[str, int] = {}  # D -> how many of `_wants` are its
+        self.max_wants_per_peer = max(16, max_wants // 4)
+        self._warned: set[str] = set()  # Ds told about once that they are over a bound
         self._gone: dict[str, None] = {}  # the last streams freed, oldest first
 
     def publish(self, req_id: str, stream: str, secret: str, prompt: str | None,
@@ -110,7 +116,7 @@ class Published:
                                                  [[] for _ in range(self.num_groups)],
                                                  [[] for _ in range(self.num_groups)])
             self._stream_of[req_id], first = stream, True
-            want = self._wants.pop(stream, None)
+            want = self._pop_want(stream)
             if want is not None:
                 st.reader = want[0]
         elif st.req_id != req_id or st.last or st.cancelled:
@@ -163,8 +169,21 @@ class Published:
         if st is None:
             if stream in self._gone:  # freed already (its lease lapsed while D queued it)
                 self._refuse(sender, stream)
-            elif len(self._wants) < self.max_wants:  # bounded: peers may be hostile
+            elif stream in self._wants:
+                if self._wants[stream][0] != sender:  # a stream has one reader
+                    self._refuse(sender, stream)
+            elif (len(self._wants) >= self.max_wants
+                  or self._wants_of.get(sender, 0) >= self.max_wants_per_peer):
+                if sender not in self._warned:  # once per D: a hostile one sends many
+                    self._warned = {sender} | (self._warned if len(self._warned) < 1024 else set())
+                    logger.warning("P %s refuses subscriptions of %s to streams it does not know: "
+                                   "%d pending from it, %d in all (at most %d per D, %d in all)",
+                                   self.name, sender, self._wants_of.get(sender, 0),
+                                   len(self._wants), self.max_wants_per_peer, self.max_wants)
+                self._refuse(sender, stream)
+            else:
                 self._wants[stream] = (sender, now + self.wait_s)
+                self._wants_of[sender] = self._wants_of.get(sender, 0) + 1
         elif st.reader not in (None, sender) or st.cancelled:
             self._refuse(sender, stream)
         else:
@@ -176,7 +195,7 @@ class Published:
         """D let go of a stream: the request to free now (one P gave up on), else None."""
         stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
         if self._wants.get(stream, (None,))[0] == sender:  # gave up before P had the request
-            del self._wants[stream]
+            self._pop_want(stream)
         st = self._streams.get(stream)
         if st is None or st.reader != sender:
             return None
@@ -187,8 +206,18 @@ class Published:
         """Refuse subscriptions to streams that never came (a D asked for one P never had)."""
         for stream, (sender, until) in list(self._wants.items()):
             if until <= now:
-                del self._wants[stream]
+                self._pop_want(stream)
                 self._refuse(sender, stream)
+
+    def _pop_want(self, stream: str) -> tuple[str, float] | None:
+        want = self._wants.pop(stream, None)
+        if want is not None:
+            left = self._wants_of[want[0]] - 1
+            if left:
+                self._wants_of[want[0]] = left
+            else:
+                del self._wants_of[want[0]]
+        return want
 
     def forget(self, req_id: str) -> None:
         """`req_id` is freed: a D that subscribes to its stream from now on is refused at
