@@ -349,7 +349,8 @@ class DecodeConnector:
     def cancel(self, params: Any) -> None:
         """D will not load this expected request (aborted, or computed locally): P may free
         its blocks now. Params not expected are ignored."""
-        self.transport.cancel(ReadParams.parse(params, len(self.layouts)).req_id)
+        p = ReadParams.parse(params, len(self.layouts))
+        self.transport.cancel(p.req_id, p.instance)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Logical block ids whose load failed since the last call (to recompute)."""

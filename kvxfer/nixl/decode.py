@@ -116,9 +116,12 @@ class DecodeTransport(StreamReading):
         self.recorder = recorder or Recorder()
         self.handshakes = Handshakes(self.peers, self.recorder)
         self._reads: dict[str, Read] = {}
-        # req -> (peers, instance, generation, done token); then the same, to say done for
-        self._expected: dict[str, tuple[list[str], str, int, str]] = {}
-        self._cancelled: list[tuple[str, list[str], str, int, str]] = []
+        # (P instance, P's req) -> (peers, generation, done token): two P instances may use
+        # one request id, and cancelling one must not free the other
+        self._expected: dict[tuple[str, str], tuple[list[str], int, str]] = {}
+        # to say done for: (req, peers, instance, generation, token, until); kept while a
+        # handshake with one of its P agents is under way, at most a lease
+        self._cancelled: list[tuple[str, list[str], str, int, str, float]] = []
         self._zombies = Zombies(self.stagings)
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
@@ -147,18 +150,20 @@ class DecodeTransport(StreamReading):
         """Keep P's lease on a request alive (heartbeats; connecting to P in the background)
         until `start_read` takes it or `cancel` drops it."""
         p = _check_params(params, len(self.stagings))
-        self._expected[p.req_id] = (p.peers, p.instance, p.generation, done_token(p.secret))
+        self._expected[(p.instance, p.req_id)] = (p.peers, p.generation, done_token(p.secret))
         for peer in p.peers:
             self.handshakes.begin(peer, p.host, p.port, p.instance)
 
-    def cancel(self, req_id: str) -> None:
+    def cancel(self, req_id: str, instance: str | None = None) -> None:
         """Stop keeping P's lease on an expected request D will not read (aborted, refused): P
-        may free it (a `done`, sent by the next `poll`). `req_id` is P's; unknown ids are ignored."""
+        may free it (a `done`, sent by a later `poll`, once D is connected to P). `req_id`
+        is P's, of P instance `instance` (None: of any instance); unknown ids are ignored."""
         if not isinstance(req_id, str):
             raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}")
-        entry = self._expected.pop(req_id, None)
-        if entry is not None:
-            self._cancelled.append((req_id, *entry))
+        until = time.monotonic() + self.config.lease_s  # P's lease lapses by then anyway
+        for key in [k for k in self._expected if k[1] == req_id and instance in (None, k[0])]:
+            peers, generation, token = self._expected.pop(key)
+            self._cancelled.append((req_id, peers, key[0], generation, token, until))
 
     def start_read(self, req_id: str, params: ReadParams, logical_ids: Sequence[int],
                    trace: Trace | None = None) -> None:
@@ -175,7 +180,7 @@ class DecodeTransport(StreamReading):
         """
         self._check_new(req_id, logical_ids)
         p = _check_params(params, len(self.stagings))
-        self._expected.pop(p.req_id, None)
+        self._expected.pop((p.instance, p.req_id), None)
         read = Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,
                      token=done_token(p.secret),
@@ -326,9 +331,14 @@ class DecodeTransport(StreamReading):
     def _heartbeat(self, now: float) -> None:
         """Extend P's leases of the requests D still wants (reading or expected), and say
         done for those cancelled."""
-        cancelled, self._cancelled = self._cancelled, []
+        keep, cancelled = [], []
+        for entry in self._cancelled:  # one whose P is still being connected to waits for it
+            waits = now < entry[5] and any(
+                name not in self.peers and self.handshakes.under_way(name) for name in entry[1])
+            (keep if waits else cancelled).append(entry)
+        self._cancelled = keep
         for say in (lambda: self.peers.heartbeat(_wanted(self._reads, self._expected), now),
-                    lambda: self.peers.say_done(cancelled, self.reader)):  # after those drops
+                    lambda: self.peers.say_done([c[:5] for c in cancelled], self.reader)):
             for peer, error in say().items():
                 self._drop_peer(peer, error)
 
@@ -370,12 +380,14 @@ class DecodeTransport(StreamReading):
         release_name(self.config.name)
 
 
-def _wanted(reads: Mapping[str, Read], expected: Mapping[str, tuple[list[str], str, int, str]]
+def _wanted(reads: Mapping[str, Read],
+            expected: Mapping[tuple[str, str], tuple[list[str], int, str]]
             ) -> dict[str, list[list[Any]]]:
     """Per P agent, the `[P's request id, generation, done token]` of each request D reads
     from it or expects (P extends a lease only for the token of its secret)."""
     wanted: dict[str, list[list[Any]]] = {}
-    held = [(e[0], r, e[2], e[3]) for r, e in expected.items()]
+    held = [(peers, key[1], generation, token)
+            for key, (peers, generation, token) in expected.items()]
     held += [(r.legs, r.p_req_id, r.generation, r.token)
              for r in reads.values() if r.generation]
     for peers, req_id, generation, token in held:

@@ -114,6 +114,10 @@ class Handshakes:
             return None
         return self._failure(peer, instance)
 
+    def under_way(self, peer: str) -> bool:
+        """Whether a handshake with `peer` is under way."""
+        return peer in self._under_way
+
     def _failure(self, peer: str, instance: str | None, now: float | None = None
                  ) -> KvxferError | None:
         failed = self._failed.get(peer)
