@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -31,15 +32,21 @@ class FakeVllm:
 
     `fail` is `(status, body)` to answer every completion with; `params`
     False makes a P that returns `kv_transfer_params: null` (not a kv_producer).
+    `hold` makes each completion wait for `release` (set `holding` meanwhile), as a
+    P prefilling or a D decoding a long time. Served by `pd`, a request whose
+    connection closes while it waits is cancelled, as vLLM aborts it, and noted in
+    `aborted`.
     """
 
     def __init__(self, name: str, fail: tuple[int, str] | None = None, params: bool = True,
-                 health: int = 200, break_after: int | None = None) -> None:
+                 health: int = 200, break_after: int | None = None, hold: bool = False) -> None:
         self.name, self.fail, self.params, self.health = name, fail, params, health
         self.break_after = break_after  # streamed chunks sent before D drops the connection
         self.seen: list[tuple[str, dict, Any]] = []
         self.events: list[str] = []
         self.chunk_seen: list[asyncio.Event] = []
+        self.hold = hold
+        self.release, self.holding, self.aborted = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)  # vLLM's server sets no limit
@@ -58,6 +65,9 @@ class FakeVllm:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append((request.path, body, request.headers.copy()))  # case-insensitive
+        if self.hold:
+            self.holding.set()
+            await self._wait(self.release)
         if self.fail:
             return web.Response(status=self.fail[0], text=self.fail[1], content_type="application/json")
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):  # P's part
@@ -79,16 +89,25 @@ class FakeVllm:
             if i + 1 == self.break_after:
                 request.transport.close()
                 return out
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.chunk_seen[i].wait(), WAIT_S)
+            await self._wait(self.chunk_seen[i])
         await out.write(b"data: [DONE]\n\n")
         return out
 
+    async def _wait(self, event: asyncio.Event) -> None:
+        """Wait (bounded) for `event`; note in `aborted` a request cancelled meanwhile."""
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(event.wait(), WAIT_S)
+        except asyncio.CancelledError:
+            self.aborted.set()
+            raise
+
 
 @contextlib.asynccontextmanager
-async def serving(app: web.Application):
-    """Serve `app` on an ephemeral port of 127.0.0.1; yield its base URL."""
-    runner = web.AppRunner(app)
+async def serving(app: web.Application, **options):
+    """Serve `app` on an ephemeral port of 127.0.0.1 (`options` go to its `AppRunner`); yield its
+    base URL."""
+    runner = web.AppRunner(app, **options)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -107,14 +126,21 @@ def closed_port_url() -> str:
 
 @contextlib.asynccontextmanager
 async def pd(prefills: list[FakeVllm], decodes: list[FakeVllm], extra_prefill=(), extra_decode=(),
-             stream=False, **config):
-    """Start the fakes and a proxy in front of them; yield a client session and the proxy's URL."""
+             stream=False, handler_cancellation=False, **config):
+    """Start the fakes and a proxy in front of them; yield a client session and the proxy's URL.
+
+    The fakes cancel a request whose connection closes, as vLLM does; the proxy's server does
+    so only with `handler_cancellation` (aiohttp's default is not to).
+    """
     async with contextlib.AsyncExitStack() as stack:
-        p_urls = [await stack.enter_async_context(serving(f.app())) for f in prefills]
-        d_urls = [await stack.enter_async_context(serving(f.app())) for f in decodes]
+        p_urls = [await stack.enter_async_context(serving(f.app(), handler_cancellation=True))
+                  for f in prefills]
+        d_urls = [await stack.enter_async_context(serving(f.app(), handler_cancellation=True))
+                  for f in decodes]
         config = ProxyConfig(prefill=tuple(p_urls) + tuple(extra_prefill),
                              decode=tuple(d_urls) + tuple(extra_decode), stream=stream, **config)
-        url = await stack.enter_async_context(serving(build_app(config)))
+        url = await stack.enter_async_context(
+            serving(build_app(config), handler_cancellation=handler_cancellation))
         session = await stack.enter_async_context(aiohttp.ClientSession())
         yield session, url
 
@@ -544,3 +570,158 @@ def test_without_stream_mode_every_request_goes_by_params():
     assert run(go()) == ["params", "params"]
     assert all("stream" not in body["kv_transfer_params"] for _, body, _ in p.seen)
 
+
+
+async def _until(condition, what: str) -> None:
+    """Wait (bounded) until `condition()` holds."""
+    for _ in range(WAIT_S * 20):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {WAIT_S} s")
+
+
+async def _learn_p_address(session, url: str, *held: FakeVllm) -> None:
+    """Have a stream-mode proxy learn P's kvxfer address from a first request; then hold `held`."""
+    async with session.post(url + "/v1/completions", json=BODY) as resp:
+        assert (resp.status, resp.headers["X-Kvxfer-Transfer"]) == (200, "params")
+    for fake in held:
+        fake.hold = True
+
+
+@pytest.mark.parametrize("handler_cancellation", [False, True])
+def test_a_client_that_goes_away_while_p_prefills_has_p_s_request_closed_and_d_never_asked(
+        handler_cancellation, caplog):
+    """aiohttp by default goes on with the handler of a client that left, so the proxy must see
+    it itself; where the server cancels the handler, the cancellation closes P's request too."""
+    caplog.set_level(logging.INFO, logger="kvxfer.serve.proxy")
+    p, d = FakeVllm("P", hold=True), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], handler_cancellation=handler_cancellation) as (session, url):
+            asked = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY,
+                                                       headers={"X-Request-Id": "gone-1"}))
+            await asyncio.wait_for(p.holding.wait(), WAIT_S)
+            asked.cancel()  # the client goes away: its connection to the proxy closes
+            await asyncio.wait((asked,))
+            await asyncio.wait_for(p.aborted.wait(), WAIT_S)  # P's request closed: vLLM aborts it
+            await _until(lambda: "gone-1" in caplog.text, "the log line naming the request")
+            p.release.set()  # too late: nobody is waiting for P's answer
+
+    run(go())
+    assert d.seen == [] and len(p.seen) == 1
+    [line] = [r.getMessage() for r in caplog.records if "gone-1" in r.getMessage()]
+    assert "the client went away" in line
+
+
+def test_a_client_that_goes_away_in_stream_mode_has_p_s_and_d_s_requests_closed():
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], stream=True) as (session, url):
+            await _learn_p_address(session, url, p, d)
+            asked = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+            await asyncio.wait_for(p.holding.wait(), WAIT_S)
+            await asyncio.wait_for(d.holding.wait(), WAIT_S)
+            asked.cancel()
+            await asyncio.wait((asked,))
+            await asyncio.wait_for(p.aborted.wait(), WAIT_S)
+            await asyncio.wait_for(d.aborted.wait(), WAIT_S)
+
+    run(go())
+    assert d.seen[1][1]["kv_transfer_params"]["stream"] == p.seen[1][1]["kv_transfer_params"]["stream"]
+
+
+def test_a_client_that_goes_away_while_d_streams_has_d_s_request_closed():
+    p, d = FakeVllm("P"), FakeVllm("D")  # D sends one chunk, then waits for the client's word
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+                assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: ")
+                resp.close()  # the client goes away mid-answer
+            await asyncio.wait_for(d.aborted.wait(), WAIT_S)
+
+    run(go())
+    assert d.events == ["D sent 0"]  # D did not go on decoding for nobody
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_p_slower_than_prefill_timeout_is_a_504_naming_the_flag_and_d_is_not_left_waiting(stream):
+    p, d = FakeVllm("P", hold=not stream), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], stream=stream, prefill_timeout_s=0.3) as (session, url):
+            if stream:  # D is asked at once, and waits for P's stream
+                await _learn_p_address(session, url, p, d)
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                status, answer = resp.status, await resp.json()
+            await asyncio.wait_for(p.aborted.wait(), WAIT_S)  # P's request is closed, not left
+            if stream:
+                await asyncio.wait_for(d.aborted.wait(), WAIT_S)
+            return status, answer
+
+    status, answer = run(go())
+    assert status == 504
+    error = answer["error"]
+    assert error["type"] == "upstream_timeout" and error["code"] == 504
+    assert "--prefill-timeout 0.3 s" in error["message"] and "prefill" in error["message"]
+    assert error["upstream"].startswith("http://127.0.0.1:") and error["upstream"] in error["message"]
+    assert len(d.seen) == (2 if stream else 0)  # stream mode asks D at once; it was closed (above)
+
+
+def test_a_d_slower_than_decode_timeout_is_a_504_naming_the_flag():
+    p, d = FakeVllm("P"), FakeVllm("D", hold=True)
+
+    async def go():
+        async with pd([p], [d], decode_timeout_s=0.3) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                status, answer = resp.status, await resp.json()
+            await asyncio.wait_for(d.aborted.wait(), WAIT_S)  # D's request is closed, not left
+            return status, answer
+
+    status, answer = run(go())
+    assert status == 504 and answer["error"]["type"] == "upstream_timeout"
+    assert "decode" in answer["error"]["message"]
+    assert "--decode-timeout 0.3 s" in answer["error"]["message"]
+    assert answer["error"]["upstream"] in answer["error"]["message"]
+
+
+def test_a_stream_d_stalls_past_decode_timeout_is_ended_not_cleanly_for_the_client():
+    p, d = FakeVllm("P"), FakeVllm("D")  # D sends one chunk, then waits for the client's word
+
+    async def go():
+        async with pd([p], [d], decode_timeout_s=2) as (session, url):
+            async with session.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+                assert resp.status == 200
+                received = b""
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async for data in resp.content.iter_any():
+                        received += data
+            await asyncio.wait_for(d.aborted.wait(), WAIT_S)
+            return received
+
+    assert run(go()).startswith(b"data: ")
+    assert d.events == ["D sent 0"]
+
+
+@pytest.mark.parametrize("field, flag", [("prefill_timeout_s", "--prefill-timeout"),
+                                         ("decode_timeout_s", "--decode-timeout")])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "600"])
+def test_a_timeout_that_is_not_a_positive_finite_number_of_seconds_is_refused_naming_its_flag(
+        field, flag, value):
+    with pytest.raises(InvalidInputError, match=flag):
+        ProxyConfig(prefill=("http://p:8100",), decode=("http://d:8200",), **{field: value})
+
+
+def test_cli_takes_the_timeouts_with_their_defaults_and_refuses_a_bad_one_by_flag(monkeypatch, capsys):
+    from kvxfer.serve import proxy
+
+    configs = []
+    monkeypatch.setattr(proxy, "serve", configs.append)
+    args = ["proxy", "--prefill", "http://p:1", "--decode", "http://d:2", "--port", "8000"]
+    assert cli.main(args) == 0
+    assert cli.main([*args, "--prefill-timeout", "30", "--decode-timeout", "90.5"]) == 0
+    assert [(c.prefill_timeout_s, c.decode_timeout_s) for c in configs] == [(600, 3600), (30, 90.5)]
+    assert cli.main([*args, "--decode-timeout", "0"]) == 2
+    assert "kvxfer: error: --decode-timeout must be a positive" in capsys.readouterr().err

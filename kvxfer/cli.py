@@ -168,7 +168,9 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     proxy.serve(proxy.ProxyConfig(prefill=proxy.parse_urls("--prefill", args.prefill),
                                   decode=proxy.parse_urls("--decode", args.decode),
                                   host=args.host, port=args.port, stream=args.stream,
-                                  max_body_mb=args.max_body_mb))
+                                  max_body_mb=args.max_body_mb,
+                                  prefill_timeout_s=args.prefill_timeout,
+                                  decode_timeout_s=args.decode_timeout))
     return 0
 
 
@@ -287,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--max-body-mb", type=float, default=64.0,
                        help="the largest request body taken, in MiB (default 64); a larger one "
                             "is refused with 413 before P or D see it")
+    proxy.add_argument("--prefill-timeout", type=float, default=600.0, metavar="S",
+                       help="seconds P has for its whole answer, prefill included (default 600); "
+                            "a P over it is a 504 and D is not asked")
+    proxy.add_argument("--decode-timeout", type=float, default=3600.0, metavar="S",
+                       help="seconds D has for its whole answer, from P's answer on (default 3600); "
+                            "a D over it is a 504, or an ended stream once streaming began")
     proxy.set_defaults(func=_cmd_proxy)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")

@@ -315,8 +315,7 @@ class DecodeConnector:
         the blocks as they landed in the caches, checked per request against
         P's (`_processes`): a flipped bit anywhere from P's gather to here fails the
         request (its blocks are its own, and the engine recomputes them). A
-        request's problem goes into `bad`. New arrays replace the donated ones everywhere.
-        """
+        request's problem goes into `bad`. New arrays replace the donated ones everywhere."""
         staging = self.stagings[g]
         ids: list[int] = []
         slots: list[int] = []

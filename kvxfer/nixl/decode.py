@@ -116,12 +116,9 @@ class DecodeTransport(StreamReading):
         self.recorder = recorder or Recorder()
         self.handshakes = Handshakes(self.peers, self.recorder)
         self._reads: dict[str, Read] = {}
-        # (P instance, P's req) -> (peers, generation, done token): two P instances may use
-        # one request id, and cancelling one must not free the other
+        # (P instance, P's req) -> (peers, generation, done token): P instances may share ids
         self._expected: dict[tuple[str, str], tuple[list[str], int, str]] = {}
-        # to say done for: (req, peers, instance, generation, token, until); kept while a
-        # handshake with one of its P agents is under way, at most a lease
-        self._cancelled: list[tuple[str, list[str], str, int, str, float]] = []
+        self._cancelled: list[_Cancelled] = []  # to say done for (`_due`)
         self._zombies = Zombies(self.stagings)
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
@@ -331,12 +328,7 @@ class DecodeTransport(StreamReading):
     def _heartbeat(self, now: float) -> None:
         """Extend P's leases of the requests D still wants (reading or expected), and say
         done for those cancelled."""
-        keep, cancelled = [], []
-        for entry in self._cancelled:  # one whose P is still being connected to waits for it
-            waits = now < entry[5] and any(
-                name not in self.peers and self.handshakes.under_way(name) for name in entry[1])
-            (keep if waits else cancelled).append(entry)
-        self._cancelled = keep
+        self._cancelled, cancelled = _due(self._cancelled, now, self.peers, self.handshakes)
         for say in (lambda: self.peers.heartbeat(_wanted(self._reads, self._expected), now),
                     lambda: self.peers.say_done([c[:5] for c in cancelled], self.reader)):
             for peer, error in say().items():
@@ -378,6 +370,22 @@ class DecodeTransport(StreamReading):
         close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
+
+
+_Cancelled = tuple[str, list[str], str, int, str, float]
+"""A request D cancelled: P's id, P agents, instance, generation, done token, and until when
+to wait for a handshake with one of those agents to say it (at most a lease)."""
+
+
+def _due(cancelled: list[_Cancelled], now: float, peers: Peers, handshakes: Handshakes
+         ) -> tuple[list[_Cancelled], list[_Cancelled]]:
+    """`(still waiting, to say done for now)`: one whose P D is still connecting to waits."""
+    keep, due = [], []
+    for entry in cancelled:
+        waits = now < entry[5] and any(name not in peers and handshakes.under_way(name)
+                                       for name in entry[1])
+        (keep if waits else due).append(entry)
+    return keep, due
 
 
 def _wanted(reads: Mapping[str, Read],

@@ -22,7 +22,18 @@ request is dropped. Every answer says how its KV moved in
 An upstream's error answer reaches the client with its own status and body;
 an upstream that cannot be reached, or a P that returns no
 `kv_transfer_params` (one not started as `kv_producer`), is a 502 that names
-the URL. `GET /health` asks every upstream's `/health`; `GET /v1/models` is
+the URL. A P that does not answer within `--prefill-timeout`, or a D within
+`--decode-timeout`, is a 504 naming the URL and the flag (after P's, D is not
+asked); a D that runs over once its answer has begun ends the stream.
+
+A client that goes away (its connection closes) stops its request: the
+proxy closes its requests to P and D, which is how vLLM learns to abort
+them, and never asks D after P. aiohttp (since 3.9, by default) does not
+cancel a handler whose client left, so the proxy looks at the client's
+connection itself while it waits; a handler that is cancelled (an app run
+with `handler_cancellation=True`, or shutting down) closes them too.
+
+`GET /health` asks every upstream's `/health`; `GET /v1/models` is
 answered by a D instance.
 
 This module needs aiohttp (`pip install 'kvxfer[proxy]'`); nothing else in
@@ -32,13 +43,13 @@ kvxfer imports it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
+import math
 import socket
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,6 +71,14 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 _DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 """Fields P must not see: `stream_options` needs `stream`, and a minimum above
 P's one token would be refused (vLLM's NIXL proxy drops the same)."""
+
+_CLIENT_CHECK_S = 0.5
+"""How often a waiting request looks whether its client is still connected: P and D learn
+that a request is abandoned at most this late (and every look is a timer, cheap)."""
+
+_CLIENT_GONE = 499
+"""The status logged for a request whose client went away (nginx's "client closed request");
+nothing reaches the client."""
 
 _FORWARDED_HEADERS = ("Authorization",)
 _REQUEST_ID = "X-Request-Id"
@@ -103,7 +122,14 @@ class ProxyConfig:
 
     `prefill` and `decode` are base URLs (`parse_urls`); `health_timeout_s`
     bounds each upstream's `/health` answer, `connect_timeout_s` each
-    connection to an upstream. Generation itself has no time limit.
+    connection to an upstream.
+    `prefill_timeout_s` (`--prefill-timeout`) bounds P's whole answer: its queue, the
+    prompt's prefill and the transfer's start. The default, 600 s, leaves a busy P many
+    minutes for a prompt of hundreds of thousands of tokens, yet frees a hung one.
+    `decode_timeout_s` (`--decode-timeout`) bounds D's answer, from P's answer to D's last
+    byte. The default, 3600 s, lets a long generation finish (30k tokens at 10 tokens/s
+    under load), yet frees a D that stalls. A P over its time is a 504 and D is not asked;
+    a D over its time is a 504 or, once its answer has begun, an ended stream.
     `max_body_mb`: the largest request body taken (`--max-body-mb`); a larger one
     is a 413 in the OpenAI shape before P or D see it. The default, 64 MiB, takes a
     chat with a few base64 images or a 200k-token prompt as ids (about 1.4 MB).
@@ -117,6 +143,8 @@ class ProxyConfig:
     connect_timeout_s: float = 10.0
     stream: bool = False
     max_body_mb: float = 64.0
+    prefill_timeout_s: float = 600.0
+    decode_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -137,6 +165,12 @@ class ProxyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise InvalidInputError(f"{name} must be a positive number of seconds, got {value!r}")
+        for flag, value in (("--prefill-timeout", self.prefill_timeout_s),
+                            ("--decode-timeout", self.decode_timeout_s)):
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                    or not math.isfinite(value)):
+                raise InvalidInputError(f"{flag} must be a positive, finite number of seconds, "
+                                        f"got {value!r}")
 
 
 class _Upstreams:
@@ -197,6 +231,59 @@ def _unreachable(role: str, url: str, exc: BaseException) -> web.Response:
     return _error(502, f"{role} instance {url} failed: {reason}", "upstream_unreachable", upstream=url)
 
 
+def _timed_out(role: str, url: str, flag: str, timeout_s: float, request_id: str) -> web.Response:
+    """The 504 for an upstream that did not answer within `flag`'s `timeout_s`."""
+    log.warning("request %s: %s instance %s did not answer within %s %g s", request_id, role, url,
+                flag, timeout_s)
+    return _error(504, f"{role} instance {url} did not answer within {flag} {timeout_s:g} s",
+                  "upstream_timeout", upstream=url)
+
+
+def _connected(request: web.Request) -> bool:
+    """Whether the client's connection is still open."""
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
+
+
+async def _disconnected(request: web.Request) -> None:
+    """Return once the client's connection has closed (looked at every `_CLIENT_CHECK_S`: aiohttp
+    has no event for it, and by default does not cancel the handler)."""
+    while _connected(request):
+        await asyncio.sleep(_CLIENT_CHECK_S)
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it has ended, its `async with`s having closed what it opened
+    (again, should a `wait_for` in it have swallowed the cancellation, as on Python < 3.12)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait((task,), timeout=_CLIENT_CHECK_S)
+
+
+async def _for_client(request: web.Request, request_id: str,
+                      work: Coroutine[Any, Any, web.StreamResponse]) -> web.StreamResponse:
+    """`work`'s answer while the client is connected. Once it has gone away, `work` is cancelled:
+    its requests to P and D are closed (vLLM aborts a request whose connection closes) and D is
+    not asked after P. So is it when this handler is cancelled, and the cancellation goes on."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # aiohttp's handler_cancellation, or the proxy stopping
+        await _cancel(task)
+        log.info("request %s: cancelled (%s); its requests to P and D are closed", request_id,
+                 "the proxy is stopping" if _connected(request) else "the client went away")
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        await _cancel(task)
+    if task.cancelled() or (task.exception() is not None and not _connected(request)):
+        log.info("request %s: the client went away; its requests to P and D are closed", request_id)
+        return _error(_CLIENT_GONE, "the client closed the request", "client_closed_request")
+    return task.result()
+
+
 def _upstream_headers(request: web.Request, request_id: str) -> dict[str, str]:
     headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
     headers[_REQUEST_ID] = request_id
@@ -219,20 +306,33 @@ def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return sent
 
 
+async def _ask_prefill(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> tuple[int, bytes, str | None] | web.Response:
+    """P's status, body and content type for `body`, or the 502 when P at `url` cannot be had."""
+    try:
+        async with session.post(url + path, json=body, headers=headers) as resp:
+            return resp.status, await resp.read(), resp.headers.get("Content-Type")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return _unreachable("prefill", url, e)
+
+
 async def _prefill(upstreams: _Upstreams, url: str, path: str, body: dict[str, Any],
                    headers: dict[str, str], stream: str | None = None
                    ) -> dict[str, Any] | web.Response:
-    """Run P's part at `url` (streamed to D under `stream`, if given); return P's
-    `kv_transfer_params`, or the answer the client gets instead."""
+    """Run P's part at `url` (streamed to D under `stream`, if given) within `--prefill-timeout`;
+    return P's `kv_transfer_params`, or the answer the client gets instead."""
     sent = _prefill_body(body)
     if stream is not None:
         sent["kv_transfer_params"]["stream"] = stream
-    try:
-        async with upstreams.session.post(url + path, json=sent, headers=headers) as resp:
-            data = await resp.read()
-            status, content_type = resp.status, resp.headers.get("Content-Type")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        return _unreachable("prefill", url, e)
+    timeout_s = upstreams.config.prefill_timeout_s
+    try:  # a timeout inside _ask_prefill is its 502: one that comes out is this one
+        answer = await asyncio.wait_for(_ask_prefill(upstreams.session, url, path, sent, headers),
+                                        timeout_s)
+    except asyncio.TimeoutError:
+        return _timed_out("prefill", url, "--prefill-timeout", timeout_s, headers[_REQUEST_ID])
+    if isinstance(answer, web.Response):
+        return answer
+    status, data, content_type = answer
     if not 200 <= status < 300:
         log.debug("prefill instance %s answered %s for %s", url, status, headers[_REQUEST_ID])
         return _passed_through(status, data, content_type)
@@ -248,10 +348,11 @@ async def _prefill(upstreams: _Upstreams, url: str, path: str, body: dict[str, A
     return params
 
 
-async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
+async def _relay(request: web.Request, resp: aiohttp.ClientResponse, out: web.StreamResponse,
                  request_id: str, transfer: str) -> web.StreamResponse:
-    """Send `resp` to the client as it arrives: status, content type and body, chunk by chunk."""
-    out = web.StreamResponse(status=resp.status, reason=resp.reason)
+    """Send `resp` to the client through `out` as it arrives: status, content type and body,
+    chunk by chunk."""
+    out.set_status(resp.status, resp.reason)
     if "Content-Type" in resp.headers:
         out.headers["Content-Type"] = resp.headers["Content-Type"]
     out.headers[_REQUEST_ID] = request_id
@@ -265,21 +366,53 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
     return out
 
 
-async def _decode(request: web.Request, url: str, sent: Awaitable[aiohttp.ClientResponse],
+def _drop(sent: asyncio.Future) -> None:
+    """Cancel the request `sent` to D, closing D's answer if it has come (D aborts the request)."""
+
+    def close(done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            done.result().close()
+
+    sent.add_done_callback(close)
+    sent.cancel()
+
+
+async def _decode(request: web.Request, upstreams: _Upstreams, url: str, sent: asyncio.Future,
                   headers: dict[str, str], transfer: str) -> web.StreamResponse:
-    """Relay D's answer to the request `sent` to D at `url`."""
+    """Relay D's answer to the request `sent` to D at `url` within `--decode-timeout`: a D over
+    its time is a 504 or, once the client has D's status, an ended stream. Whatever way this
+    ends, D's answer is closed."""
+    timeout_s = upstreams.config.decode_timeout_s
+    out = web.StreamResponse()
+    try:  # errors inside _relayed are its own: a timeout that comes out is this one
+        return await asyncio.wait_for(_relayed(request, url, sent, out, headers, transfer), timeout_s)
+    except asyncio.TimeoutError:
+        if not out.prepared:
+            return _timed_out("decode", url, "--decode-timeout", timeout_s, headers[_REQUEST_ID])
+        # As when D breaks off: dropping the client's connection says the answer is incomplete.
+        log.warning("request %s: decode instance %s did not finish within --decode-timeout %g s; "
+                    "ending the stream", headers[_REQUEST_ID], url, timeout_s)
+        raise
+    finally:
+        _drop(sent)
+
+
+async def _relayed(request: web.Request, url: str, sent: asyncio.Future, out: web.StreamResponse,
+                   headers: dict[str, str], transfer: str) -> web.StreamResponse:
+    """D's answer to the request `sent` relayed through `out`, or the 502 when D cannot be had."""
     try:
         resp = await sent
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return _unreachable("decode", url, e)
     async with resp:
         try:
-            return await _relay(request, resp, headers[_REQUEST_ID], transfer)
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
-            # The client already has D's status: dropping its connection is the
-            # only way left to tell it that the answer is incomplete.
-            log.warning("request %s: relaying decode instance %s broke off: %r",
-                        headers[_REQUEST_ID], url, e)
+            return await _relay(request, resp, out, headers[_REQUEST_ID], transfer)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            if _connected(request):  # else the client left, which _for_client logs
+                # The client already has D's status: dropping its connection is the
+                # only way left to tell it that the answer is incomplete.
+                log.warning("request %s: relaying decode instance %s broke off: %r",
+                            headers[_REQUEST_ID], url, e)
             raise
 
 
@@ -301,6 +434,12 @@ async def _completions(request: web.Request) -> web.StreamResponse:
                       "invalid_request_error")
     request_id = request.headers.get(_REQUEST_ID) or uuid.uuid4().hex
     headers = _upstream_headers(request, request_id)
+    return await _for_client(request, request_id, _route(request, body, headers))
+
+
+async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, str]
+                 ) -> web.StreamResponse:
+    """P's part, then D's with P's `kv_transfer_params` (or both at once: `_streamed`)."""
     upstreams = request.app[_UPSTREAMS]
     p_url, d_url = upstreams.prefill(), upstreams.decode()
     address = upstreams.kv.get(p_url) if upstreams.config.stream else None
@@ -309,10 +448,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     params = await _prefill(upstreams, p_url, request.path, body, headers)
     if isinstance(params, web.Response):
         return params
-    log.debug("request %s prefilled; params %s", request_id, params)
-    sent = upstreams.session.post(d_url + request.path, headers=headers,
-                                  json={**body, "kv_transfer_params": params})
-    return await _decode(request, d_url, sent, headers, "params")
+    log.debug("request %s prefilled; params %s", headers[_REQUEST_ID], params)
+    sent = asyncio.ensure_future(upstreams.session.post(
+        d_url + request.path, headers=headers, json={**body, "kv_transfer_params": params}))
+    return await _decode(request, upstreams, d_url, sent, headers, "params")
 
 
 async def _streamed(request: web.Request, upstreams: _Upstreams, p_url: str, d_url: str,
@@ -323,13 +462,15 @@ async def _streamed(request: web.Request, upstreams: _Upstreams, p_url: str, d_u
     to_d = {"do_remote_prefill": True, "do_remote_decode": False, "stream": stream, **address}
     sent = asyncio.ensure_future(upstreams.session.post(
         d_url + request.path, headers=headers, json={**body, "kv_transfer_params": to_d}))
-    params = await _prefill(upstreams, p_url, request.path, body, headers, stream)
+    try:
+        params = await _prefill(upstreams, p_url, request.path, body, headers, stream)
+    except BaseException:  # cancelled, the client gone: D would wait for a stream P never fills
+        _drop(sent)
+        raise
     if isinstance(params, web.Response):  # D would wait for a stream P never fills
-        sent.cancel()
-        with contextlib.suppress(BaseException):
-            (await sent).close()
+        _drop(sent)
         return params
-    return await _decode(request, d_url, sent, headers, "stream")
+    return await _decode(request, upstreams, d_url, sent, headers, "stream")
 
 
 async def _models(request: web.Request) -> web.Response:
