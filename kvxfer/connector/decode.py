@@ -75,14 +75,14 @@ class DecodeConnector:
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                  model: Mapping[str, Any] | None = None):
-        self.hosts = for_caches(config, caches)
-        self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
+        self.processes = for_caches(config, caches)
+        self.config, self.layouts, self.stagings = config, self.processes.layouts, self.processes.stagings
         self.recorder = Recorder(config.stats)
-        self.hosts.precompile(caches, saves=False)  # before the agent: nothing to close if it fails
+        self.processes.precompile(caches, saves=False)  # before the agent: nothing to close if it fails
         self.transport = DecodeTransport(
-            self.hosts.transport_config, self.stagings, advertised(self.layouts, model),
-            layout_check=check_block_compatible, piece=self.hosts.piece,
-            reader=self.hosts.reader, recorder=self.recorder,
+            self.processes.transport_config, self.stagings, advertised(self.layouts, model),
+            layout_check=check_block_compatible, piece=self.processes.piece,
+            reader=self.processes.reader, recorder=self.recorder,
         )
         self._traces: dict[str, Trace] = {}  # loads under way (read, or held locally)
         self._loads: dict[str, _Load] = {}
@@ -220,11 +220,11 @@ class DecodeConnector:
         groups, single = per_group(caches, len(self.layouts))
         if self._loads:  # else nothing is written into them this step
             _check_layouts(self._checked, groups, self.layouts, self.config.kernel_ratio)
-        done, failed = self.hosts.agree_reads(*self.transport.poll(), self._loads,
+        done, failed = self.processes.agree_reads(*self.transport.poll(), self._loads,
                                               self.transport.free)
         # One process writes blocks as they arrive (while the ack travels, or P prefills the
         # rest of a stream); across hosts, once every process has all of them.
-        early = self.hosts.piece is None
+        early = self.processes.piece is None
         arrived = self.transport.arrived() if early else {}
         failed_ids, self._refused = self._refused, []
         local, self._held_locally = self._held_locally, []
@@ -251,7 +251,7 @@ class DecodeConnector:
         finally:
             for req_id in loads:
                 self.transport.free(req_id)
-        self.hosts.agree_bad(writes, bad)  # a block bad on one host is bad on every host
+        self.processes.agree_bad(writes, bad)  # a block bad in one process is bad in every one
         if writes:
             end = time.monotonic()
             self.recorder.observe("d_step_scatter_s", end - start)
@@ -333,7 +333,7 @@ class DecodeConnector:
         if not ids:
             return
         old = groups[g]
-        groups[g] = self.hosts.scatter(g, old, np.asarray(ids, np.int64),
+        groups[g] = self.processes.scatter(g, old, np.asarray(ids, np.int64),
                                        np.asarray(slots, np.int64), spans, bad)
         if self._checked[g] and all(map(operator.is_, self._checked[g], old)):
             self._checked[g] = tuple(groups[g])  # our scatter's output: the same layout

@@ -48,14 +48,14 @@ class PrefillWorker:
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                  instance: str | None = None, model: Mapping[str, Any] | None = None):
-        self.hosts = for_caches(config, caches)
-        self.config, self.layouts, self.stagings = config, self.hosts.layouts, self.hosts.stagings
+        self.processes = for_caches(config, caches)
+        self.config, self.layouts, self.stagings = config, self.processes.layouts, self.processes.stagings
         self.recorder = Recorder(config.stats)
-        self.hosts.precompile(caches, saves=True)  # before the agent: nothing to close if it fails
-        self.transport = PrefillTransport(self.hosts.transport_config, self.stagings,
+        self.processes.precompile(caches, saves=True)  # before the agent: nothing to close if it fails
+        self.transport = PrefillTransport(self.processes.transport_config, self.stagings,
                                           advertised(self.layouts, model),
-                                          instance=self.hosts.instance(instance),
-                                          piece=self.hosts.piece, recorder=self.recorder)
+                                          instance=self.processes.instance(instance),
+                                          piece=self.processes.piece, recorder=self.recorder)
         self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
 
     @property
@@ -66,12 +66,12 @@ class PrefillWorker:
     @property
     def sources(self) -> list[Source]:
         """Every process of a P that spans several (its agent, the units it stages); else []."""
-        return self.hosts.sources
+        return self.processes.sources
 
     @property
     def units(self) -> int:
         """The units a block is cut into, with `sources`; 0 for one process."""
-        return self.hosts.units
+        return self.processes.units
 
     def save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
              meta: SaveMeta) -> None:
@@ -94,7 +94,7 @@ class PrefillWorker:
             ids = [k for placed in meta.blocks.values() for _, k in placed[g]]
             if ids:
                 slots = [s for slots in meta.slots.values() for s in slots[g]]
-                self.hosts.gather(g, group_caches, np.asarray(ids, np.int64),
+                self.processes.gather(g, group_caches, np.asarray(ids, np.int64),
                                   np.asarray(slots, np.int64))
                 self.stagings[g].tags[slots] = np.concatenate([
                     block_tags(meta.secrets[req_id], g, [pos for pos, _ in placed[g]])
@@ -176,7 +176,7 @@ class PrefillConnector:
                 groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
                 address=self.worker.address, instance=self.worker.transport.instance,
                 sources=self.worker.sources,
-                units=self.worker.hosts.units, secret_key=self.worker.hosts.secret_key())
+                units=self.worker.processes.units, secret_key=self.worker.processes.secret_key())
         except BaseException:
             self.worker.close()
             raise
@@ -237,7 +237,7 @@ class PrefillConnector:
         released once every process has freed its piece, so that every
         process's scheduler reuses the same slots at the same step.
         """
-        released = self.worker.hosts.released(self.worker.poll(), self.scheduler.held())
+        released = self.worker.processes.released(self.worker.poll(), self.scheduler.held())
         self.scheduler.release(released)
         return released
 
