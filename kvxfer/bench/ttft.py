@@ -42,6 +42,11 @@ from kvxfer.plan.blocks import cdiv
 
 __all__ = ["TTFTConfig", "run"]
 
+_STEP_S = 0.0005
+"""How long P's and D's loops wait for a message between two steps, as an engine with
+nothing scheduled waits (vLLM's steps with no tokens to run take about this long): a loop
+that polled without waiting would measure its own spinning, not the library's."""
+
 
 @dataclass
 class TTFTConfig:
@@ -89,7 +94,7 @@ def _serve_p(cfg: TTFTConfig, out: Any) -> None:
     say(out, peer=a.name, host=a.host, port=a.port)
     inbox = Lines(sys.stdin.fileno())
     while not inbox.closed:
-        msgs = inbox.ready(0)
+        msgs = inbox.ready(_STEP_S)  # an engine's idle step: waits on its input, never spins
         if any("stop" in m for m in msgs):
             break
         for msg in msgs:
@@ -107,7 +112,6 @@ def _serve_p(cfg: TTFTConfig, out: Any) -> None:
                 done += n
             say(out, req_id=req_id, done=time.monotonic(), params=conn.request_finished(req_id))
         conn.get_finished()
-        time.sleep(0.0002)
     conn.close()
 
 
@@ -127,7 +131,7 @@ def _serve_d(cfg: TTFTConfig, out: Any) -> None:
     inbox = Lines(sys.stdin.fileno())
     loading: set[str] = set()
     while not inbox.closed:
-        msgs = inbox.ready(0)
+        msgs = inbox.ready(_STEP_S)
         if any("stop" in m for m in msgs):
             break
         for msg in msgs:
@@ -143,7 +147,6 @@ def _serve_d(cfg: TTFTConfig, out: Any) -> None:
             conn.start_load_kv({msg["req_id"]: LoadRequest(msg["params"], table)})
             loading.add(msg["req_id"])
         if not loading:
-            time.sleep(0.0002)
             continue
         caches, finished, failed = conn.get_finished(caches)
         now = time.monotonic()
