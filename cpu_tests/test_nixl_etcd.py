@@ -200,3 +200,39 @@ def test_bad_etcd_endpoints_are_refused_by_name(endpoints):
 def test_a_listen_port_with_etcd_is_refused_naming_it():
     with pytest.raises(InvalidInputError, match="listen_port 5610 is unused with etcd_endpoints"):
         TransportConfig("P", etcd_endpoints="http://127.0.0.1:2379", listen_port=5610)
+
+
+_FETCH_WHILE_ETCD_DOWN = """
+import sys, time
+from kvxfer.bench.hosts import EtcdServer
+from kvxfer.device.layout import check_block_compatible
+from kvxfer.device.staging import Staging
+from kvxfer.nixl.agent import TransportConfig
+from kvxfer.nixl.decode import DecodeTransport
+server = EtcdServer()
+d = DecodeTransport(TransportConfig("d-etcd-down", etcd_endpoints=server.endpoint,
+                                    handshake_timeout_s=1.0),
+                    Staging(1, 4, (8,)), {}, check_block_compatible)
+server.stop()
+d.handshakes.begin("some-p", "127.0.0.1", 0)
+deadline = time.monotonic() + 3
+while time.monotonic() < deadline:
+    d.poll()
+    time.sleep(0.01)
+d.close()
+print("closed", flush=True)
+"""
+
+
+def test_an_agent_that_fetched_a_peer_while_etcd_was_down_exits_after_close():
+    """NIXL's own fetch from etcd, issued while etcd was down, left a native thread the agent's
+    destructor waited for: the process never exited after close()."""
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _FETCH_WHILE_ETCD_DOWN], capture_output=True,
+                             text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process hung after close()")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "closed" in out.stdout

@@ -41,7 +41,7 @@ from typing import Any
 from kvxfer.device.staging import Staging, free_in_all, stagings_of
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, start_agent
-from kvxfer.nixl.etcd import Publication
+from kvxfer.nixl.etcd import Fetcher, Publication
 from kvxfer.nixl.handshake import Handshakes
 from kvxfer.nixl.peers import LayoutCheck, Peers
 from kvxfer.nixl.reads import (
@@ -114,7 +114,8 @@ class DecodeTransport(StreamReading):
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
                            self.piece, on_ack=self._on_ack, on_chunk=self._on_chunk)
         self.recorder = recorder or Recorder()
-        self.handshakes = Handshakes(self.peers, self.recorder)
+        self._fetcher = Fetcher(self.agent, config) if config.uses_etcd else None
+        self.handshakes = Handshakes(self.peers, self.recorder, self._fetcher)
         self._reads: dict[str, Read] = {}
         # (P instance, P's req) -> (peers, generation, done token): P instances may share ids
         self._expected: dict[tuple[str, str], tuple[list[str], int, str]] = {}
@@ -367,6 +368,8 @@ class DecodeTransport(StreamReading):
             return
         self._poster.shutdown(wait=True, cancel_futures=True)  # none may start on a closed agent
         self._publication.close()
+        if self._fetcher is not None:
+            self._fetcher.close()
         close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)

@@ -9,6 +9,11 @@ publishes again, with backoff, until etcd holds this agent's metadata,
 warning meanwhile. Once it holds, it is read back now and then, so a record
 etcd lost (restarted without its data) or another agent overwrote (two live
 agents under one name) is put back, with a warning.
+
+`Fetcher` reads peers' records the same way and loads them into the agent
+(`add_remote_agent`), instead of NIXL's own fetch from etcd: one NIXL fetch
+issued while etcd was down left a native thread that the agent's destructor
+then waited for, for good (the process hung at exit, after `close`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvxfer.nixl.agent import TransportConfig
 
-__all__ = ["Publication", "read_record", "record_key"]
+__all__ = ["Fetcher", "Publication", "read_record", "record_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,3 +150,46 @@ class Publication:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+class Fetcher:
+    """Loads peers' NIXL metadata from etcd into `agent`; `tick` it from `poll`.
+
+    `fetch(peer)` starts a read of `peer`'s record on a thread of its own (none if one is
+    under way); `tick` loads each record read into the agent, on the caller's thread (the
+    one that makes every other NIXL call). A peer with no record yet, or an etcd that is
+    down, loads nothing: the caller fetches again, as it would after NIXL's own fetch.
+    """
+
+    def __init__(self, agent: Any, config: TransportConfig):
+        self.agent, self.config = agent, config
+        self._reading: dict[str, Future] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-fetch-{config.name}")
+
+    def fetch(self, peer: str) -> None:
+        if peer not in self._reading:
+            self._reading[peer] = self._reader.submit(read_record, self.config.etcd_endpoints,
+                                                      record_key(peer))
+
+    def tick(self) -> None:
+        """Load the records read since the last call. Never raises."""
+        for peer in [p for p, f in self._reading.items() if f.done()]:
+            try:
+                record = self._reading.pop(peer).result()
+                if record:
+                    self._load(peer, record)
+            except Exception as e:  # unreachable, unreadable, or NIXL refused it: fetch again
+                logger.debug("%s fetching %s's NIXL metadata from etcd: %s", self.config.name,
+                             peer, e)
+
+    def _load(self, peer: str, record: bytes) -> None:
+        """Load `record`; NIXL refuses other metadata under a name it holds (a peer restarted
+        under its name), so that is dropped first. The same metadata again loads as it is."""
+        try:
+            self.agent.add_remote_agent(record)
+        except Exception:
+            self.agent.remove_remote_agent(peer)
+            self.agent.add_remote_agent(record)
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)

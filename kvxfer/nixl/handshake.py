@@ -21,6 +21,7 @@ from typing import Any
 
 from kvxfer.errors import KvxferError, TransferError
 from kvxfer.nixl.agent import send
+from kvxfer.nixl.etcd import Fetcher
 from kvxfer.nixl.peers import Peer, Peers
 from kvxfer.nixl.wire import ReadParams
 from kvxfer.stats import Recorder
@@ -57,8 +58,10 @@ class Handshakes:
     """The handshakes and probes of D's `Peers`, none of which waits; their times, failures
     and retries go to `recorder` (`d_handshake_s`, `d_handshake_failures`, `d_handshake_retries`)."""
 
-    def __init__(self, peers: Peers, recorder: Recorder | None = None):
+    def __init__(self, peers: Peers, recorder: Recorder | None = None,
+                 fetcher: Fetcher | None = None):
         self.peers, self.agent, self.config = peers, peers.agent, peers.config
+        self.fetcher = fetcher  # with etcd: reads peers' records (`kvxfer.nixl.etcd.Fetcher`)
         self.recorder = recorder or Recorder()
         self._under_way: dict[str, _Handshake] = {}
         # peer -> (until, the instance asked for, why): a P restarted since is tried afresh
@@ -101,7 +104,7 @@ class Handshakes:
             if not self.config.uses_etcd and port == 0:
                 raise TransferError(f"peer {peer!r} has no listener (port 0: it publishes its "
                                     f"metadata in etcd); give this D etcd_endpoints")
-            self.agent.fetch_remote_metadata(peer, *self._source(handshake))
+            self._fetch(peer, handshake)
         except Exception as e:
             self._give_up(peer, e, now)
 
@@ -153,6 +156,8 @@ class Handshakes:
     def advance(self, now: float | None = None) -> None:
         """Read notifications and move every handshake and probe on; never waits."""
         self.peers.drain()
+        if self.fetcher is not None:
+            self.fetcher.tick()
         now = time.monotonic() if now is None else now
         if self._failed and now >= self._next_sweep:
             self._failed = {peer: f for peer, f in self._failed.items() if f[0] > now}
@@ -186,7 +191,7 @@ class Handshakes:
                 # NIXL may first spend a fetch on a cached socket to a previous
                 # listener at that address (a restarted P), which it then closes;
                 # a P starting up may not have published yet.
-                self.agent.fetch_remote_metadata(peer, *self._source(handshake))
+                self._fetch(peer, handshake)
                 handshake.refetch = now + _REFETCH_S
             return
         advert = self.peers.take_advert(peer)
@@ -198,7 +203,7 @@ class Handshakes:
                 # No answer: the metadata may be a dead P's (a stale etcd record, a listener
                 # since restarted). Fetch it afresh and say hello again.
                 self.peers.forget(peer)
-                self.agent.fetch_remote_metadata(peer, *self._source(handshake))
+                self._fetch(peer, handshake)
                 handshake.hello_sent, handshake.refetch = False, now + _REFETCH_S
                 self.recorder.count("d_handshake_retries")
             return
@@ -241,6 +246,13 @@ class Handshakes:
         while len(self._failed) > MAX_FAILED:
             del self._failed[next(iter(self._failed))]
         logger.warning("D %s: %s", self.config.name, error)
+
+    def _fetch(self, peer: str, handshake: _Handshake) -> None:
+        """Ask for `peer`'s metadata: from etcd (through `fetcher`), or from its listener."""
+        if self.config.uses_etcd and self.fetcher is not None:
+            self.fetcher.fetch(peer)
+        else:
+            self.agent.fetch_remote_metadata(peer, *self._source(handshake))
 
     def _source(self, handshake: _Handshake) -> tuple[Any, ...]:
         return () if self.config.uses_etcd else (handshake.host, handshake.port)

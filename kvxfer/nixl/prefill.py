@@ -30,7 +30,7 @@ from typing import Any
 from kvxfer.device.staging import Staging, block_tags, free_in_all, stagings_of
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
-from kvxfer.nixl.etcd import Publication
+from kvxfer.nixl.etcd import Fetcher, Publication
 from kvxfer.nixl.streams import Published
 from kvxfer.nixl.wire import (
     ReadParams,
@@ -97,6 +97,7 @@ class PrefillTransport:
         self.instance = instance or new_instance()
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
         self._publication = Publication(self.agent, config)
+        self._fetcher = Fetcher(self.agent, config) if config.uses_etcd else None
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
@@ -216,6 +217,8 @@ class PrefillTransport:
                     self._handle(sender, decode_message(raw, sender), now)
                 except TransferError as e:
                     logger.warning("P %s ignores a message: %s", self.config.name, e)
+        if self._fetcher is not None:
+            self._fetcher.tick()
         self._answer_hellos(now)
         self.streams.expire_wants(now)
         self._publication.tick()  # D cannot find P until etcd holds P's record
@@ -230,12 +233,8 @@ class PrefillTransport:
         kind = msg["t"]
         if kind == "hello":
             self._hellos[sender] = now + self.config.handshake_timeout_s
-            if self.config.uses_etcd:  # D published it there before saying hello
-                try:
-                    self.agent.fetch_remote_metadata(sender)
-                except Exception as e:
-                    logger.warning("P %s cannot fetch %s's metadata: %s", self.config.name,
-                                   sender, e)
+            if self._fetcher is not None:  # D published it in etcd before saying hello
+                self._fetcher.fetch(sender)
         elif kind == "done":
             req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
             generation = message_field(msg, "generation", is_generation, "a positive int", sender)
@@ -306,6 +305,8 @@ class PrefillTransport:
         if self.agent is None:
             return
         self._publication.close()
+        if self._fetcher is not None:
+            self._fetcher.close()
         close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
