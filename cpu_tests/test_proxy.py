@@ -238,18 +238,23 @@ def test_streamed_chunks_reach_the_client_in_order_as_d_sends_them():
     assert p.seen[0][1]["stream"] is False and d.seen[0][1]["stream"] is True
 
 
+async def _stream_broken_off(session, url):
+    """What a streamed request received before the proxy ended its answer not cleanly."""
+    async with session.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+        assert resp.status == 200
+        received = b""
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async for data in resp.content.iter_any():
+                received += data
+    return received
+
+
 def test_a_stream_d_breaks_off_is_not_ended_cleanly_for_the_client():
     p, d = FakeVllm("P"), FakeVllm("D", break_after=1)
 
     async def go():
         async with pd([p], [d]) as (session, url):
-            async with session.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
-                assert resp.status == 200
-                received = b""
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    async for data in resp.content.iter_any():
-                        received += data
-                return received
+            return await _stream_broken_off(session, url)
 
     assert run(go()).startswith(b"data: ")
 
@@ -692,12 +697,7 @@ def test_a_stream_d_stalls_past_decode_timeout_is_ended_not_cleanly_for_the_clie
 
     async def go():
         async with pd([p], [d], decode_timeout_s=2) as (session, url):
-            async with session.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
-                assert resp.status == 200
-                received = b""
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    async for data in resp.content.iter_any():
-                        received += data
+            received = await _stream_broken_off(session, url)
             await asyncio.wait_for(d.aborted.wait(), WAIT_S)
             return received
 
