@@ -433,6 +433,8 @@ def test_cancel_refuses_an_id_that_is_not_a_str():
     try:
         with pytest.raises(InvalidInputError, match=r"cancel takes P's request id \(a str\), got \['r'\]"):
             d.cancel(["r"])
+        with pytest.raises(InvalidInputError, match=r"its instance \(a str or None\), got 5"):
+            d.cancel("r", 5)
         d.cancel("never-expected")  # ignored
     finally:
         d.close()

@@ -146,8 +146,8 @@ def precompile(layout: CacheLayout, view: Sequence[jax.Array], axis: int, weight
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int, stacked: bool):
-    """Rows, unit-major, and their per-unit sums: per layer in pinned host, or (`stacked`,
+def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int, in_place: bool):
+    """Rows, unit-major, and their per-unit sums: per layer in pinned host, or (`in_place`,
     for `PinnedRegions` on one device) per layer as unsigned ints on the device."""
     dtype, udtype = layout.np_dtype, _uint(layout.np_dtype)
     spec = _unit_spec(1 + len(layout.block_shape), axis)
@@ -158,10 +158,10 @@ def _gather_fn(layout: CacheLayout, mesh: Mesh, axis: int, stacked: bool):
             row = jnp.moveaxis(jnp.take(lax.bitcast_convert_type(cache, udtype), ids, axis=0),
                                1 + axis, 1)
             sums.append(_unit_sums(row, weights))
-            rows.append(row if stacked else lax.bitcast_convert_type(row, dtype))
+            rows.append(row if in_place else lax.bitcast_convert_type(row, dtype))
         return rows, jnp.stack(sums, axis=2)
 
-    if stacked:  # one device: plain code, which XLA fuses into the copy (`pinned._gather_fn`)
+    if in_place:  # one device: plain code, as `pinned._gather_fn`
         return jax.jit(local)
     unit_major = PartitionSpec(None, "units")
     per_shard = jax.shard_map(

@@ -218,10 +218,11 @@ def _chunks(length: int) -> list[tuple[int, int]]:
 def _gather_fn(layout: CacheLayout, mesh: Mesh):
     """Rows of ids (per layer, unsigned, on the device) and their fingerprints.
 
-    The take is plain jitted code, outside the fingerprints' `shard_map`: pinned staging
-    serves caches on one device, and inside `write_chunks`' one program XLA may then fuse
-    the take into the copy to pinned host (a take inside the `shard_map` cost 1.2-1.7 ms
-    more per save of 134-537 MB on the H200 than `scripts/pinned-probe`'s plain take)."""
+    The take is plain jitted code, outside the fingerprints' `shard_map` (pinned staging
+    serves caches on one device), as `scripts/pinned-probe`'s one-program save takes it.
+    On the H200 that made no difference to the save as P runs it (0.56-0.84 of
+    `device_put` against 0.61-0.84 with the take inside); the program alone, measured this
+    way, reached 0.91-0.97 (`scripts/pinned-probe-overhead`)."""
     udtype, spec = _uint(layout.np_dtype), layout.partition_spec()
     prints = jax.shard_map(  # the fingerprint mixes in each shard's place
         lambda rows: jnp.stack([device_fingerprint(r, layout) for r in rows]), mesh=mesh,

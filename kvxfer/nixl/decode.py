@@ -50,7 +50,6 @@ from kvxfer.nixl.reads import (
     Poster,
     Read,
     Zombies,
-    posting,
     read_descriptors,
     release,
     settle_posts,
@@ -153,11 +152,11 @@ class DecodeTransport(StreamReading):
             self.handshakes.begin(peer, p.host, p.port, p.instance)
 
     def cancel(self, req_id: str, instance: str | None = None) -> None:
-        """Stop keeping P's lease on an expected request D will not read (aborted, refused): P
-        may free it (a `done`, sent by a later `poll`, once D is connected to P). `req_id`
-        is P's, of P instance `instance` (None: of any instance); unknown ids are ignored."""
-        if not isinstance(req_id, str):
-            raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}")
+        """Stop keeping P's lease on P's request `req_id` of `instance` (None: any), which D
+        will not read: P may free it (`done`, once D is connected to P). Unknown ids: ignored."""
+        if not isinstance(req_id, str) or not isinstance(instance, (str, type(None))):
+            raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}, "
+                                    f"and its instance (a str or None), got {instance!r:.80}")
         until = time.monotonic() + self.config.lease_s  # P's lease lapses by then anyway
         for key in [k for k in self._expected if k[1] == req_id and instance in (None, k[0])]:
             peers, generation, token = self._expected.pop(key)
@@ -234,9 +233,9 @@ class DecodeTransport(StreamReading):
         `failed`: request id -> the logical ids given to `start_read`; their
         slots are freed here.
         """
-        wait_for_posts(self._reads.values())
+        still_posting = wait_for_posts(self._reads.values())
         now = time.monotonic() if now is None else now
-        if not posting(self._reads.values()):
+        if not still_posting:
             self.handshakes.advance(now)
             for read in list(self._reads.values()):
                 if read.req_id not in self._reads:  # failed with a peer meanwhile

@@ -132,8 +132,9 @@ POST_WAIT_S = 0.0005
 """How long `wait_for_posts` lets the poster thread run before the engine's thread goes on."""
 
 
-def wait_for_posts(reads: Iterable[Read], timeout: float = POST_WAIT_S) -> None:
-    """Wait, up to `timeout` seconds, for the posts under way on the poster thread.
+def wait_for_posts(reads: Iterable[Read], timeout: float = POST_WAIT_S) -> bool:
+    """Wait, up to `timeout` seconds, for the posts under way on the poster thread; whether
+    one still is (`posting`, without looking again).
 
     An engine polls D every step; while a READ is being posted, a poll that returned at once
     would have the engine's thread spin, holding the GIL the poster thread needs (a GIL
@@ -141,8 +142,7 @@ def wait_for_posts(reads: Iterable[Read], timeout: float = POST_WAIT_S) -> None:
     posts' futures gives it up, and returns as soon as they are done."""
     under_way = [leg.posting for read in reads for leg in read.legs.values()
                  if leg.posting is not None and not leg.posting.done()]
-    if under_way:
-        futures.wait(under_way, timeout=timeout)
+    return bool(under_way) and bool(futures.wait(under_way, timeout=timeout).not_done)
 
 
 def posting(reads: Iterable[Read]) -> bool:
