@@ -131,6 +131,27 @@ def test_a_replicated_cache_is_one_whole_piece_per_process():
     assert process_pieces(mla) == {0: Piece(0, 16, 0, 16)}
 
 
+@pytest.mark.parametrize("backend", ["host", "xla"])
+def test_tpu_inference_caches_with_a_data_axis_of_one_move_as_pieces(backend, monkeypatch):
+    """tpu-inference shards its caches `P('data', None, 'model')`; with a `data` axis of 1 the
+    block axis is not cut, so they are pieces like any other (under Ray, on two hosts, they
+    were refused)."""
+    monkeypatch.setenv("KVXFER_BACKEND", backend)
+    spec = PartitionSpec("data", None, "model")
+    p_caches = caches((1, 8), spec, seed=3)
+    layout = CacheLayout.from_caches(p_caches)
+    assert split_axis(layout) == 1
+    whole = Piece(1, 8, 0, 8)
+    assert process_pieces(p_caches) == {0: whole}
+    halves = [Piece(1, 8, 0, 4), Piece(1, 8, 4, 8)]
+    d_caches, checks = move(p_caches, halves, [3, 9, 1], caches((1, 8), spec, zeros=True),
+                            [whole], [0, 5, 7])
+    for p, d in zip(p_caches, d_caches):
+        assert (bits(d)[[0, 5, 7]] == bits(p)[[3, 9, 1]]).all()
+    for landed, expected in checks:
+        assert (np.asarray(landed) == np.asarray(expected)).all()
+
+
 def test_pieces_refuse_layouts_they_cannot_cut():
     with pytest.raises(LayoutMismatchError, match="shard the block axis"):
         split_axis(CacheLayout.from_caches(caches((2, 4), PartitionSpec("data", None, "model"))))

@@ -26,6 +26,7 @@ runs jitted programs on a mesh of this process's own devices
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,9 +95,11 @@ def split_axis(layout: CacheLayout) -> int:
     """The block axis (index into `block_shape`) a piece cuts: the one sharded inner axis.
 
     0 for caches whose blocks are not split (replicated). Raises
-    `LayoutMismatchError` for a sharded block axis or several sharded inner axes.
+    `LayoutMismatchError` for a sharded block axis or several sharded inner axes. A block
+    axis named on mesh axes of size 1 is not sharded: tpu-inference's caches are
+    `P('data', None, 'model')` with a `data` axis of 1.
     """
-    if layout.spec[0]:
+    if math.prod(dict(layout.mesh_axes)[n] for n in layout.spec[0]) > 1:
         raise LayoutMismatchError(
             f"caches shard the block axis over {layout.spec[0]}: pieces across hosts need "
             f"every process to hold every block (spec {layout.spec})")
