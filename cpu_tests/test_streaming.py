@@ -251,3 +251,47 @@ def test_d_subscribing_after_p_freed_the_stream_is_refused_at_once(pair):
         finished, failed = pr.get_finished()
         time.sleep(0.001)
     assert (finished, failed) == ([], ["r"])
+
+
+def test_a_stream_queued_on_p_longer_than_ds_deadline_is_read_once_p_prefills_it(pair):
+    # D's deadline is 1 s; the request reaches P's scheduler 3 s after D subscribed. P's
+    # `wait`, about every 0.25 s here, keeps D's read alive meanwhile.
+    pr = pair(deadline=1.0, heartbeat=0.25)
+    stream = new_stream_id()
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2])})
+    assert _drive(pr, lambda f, x: f or x, timeout=3.0) == ([], [])
+    pr.p.add_request("r", 32, stream=stream)
+    pr.save(ScheduledRequest("r", 0, 32, ([5, 6],), full_table=True))
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["r"], []) and _same(pr, [1, 2], [5, 6])
+
+
+def _d_alone(pr, until, timeout):
+    """Poll D only (P's engine thread is busy) until `until(failed)`; the failed ids."""
+    failed, deadline = [], time.monotonic() + timeout
+    while not until(failed) and time.monotonic() < deadline:
+        failed += pr.get_finished()[1]
+        time.sleep(0.001)
+    return failed
+
+
+@pytest.mark.parametrize("when", ["queued", "prefilling"])
+def test_p_stages_nothing_more_for_a_stream_whose_d_gave_up(pair, when):
+    pr = pair(deadline=1.0, heartbeat=0.25)
+    stream = new_stream_id()
+    if when == "prefilling":
+        pr.p.add_request("r", 48, stream=stream)
+        pr.save(ScheduledRequest("r", 0, 16, ([5],), full_table=True))
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2, 3])})
+    _drive(pr, lambda f, x: (read := pr.d.transport.reading("r")) is not None
+           and not read.waiting and (when == "queued" or _same(pr, [1], [5])), timeout=10)
+    # P stalls past D's deadline: D gives up and says so.
+    assert _d_alone(pr, lambda failed: failed, timeout=5) == ["r"]
+    if when == "queued":  # P gets to the request only now
+        pr.p.add_request("r", 48, stream=stream)
+        pr.save(ScheduledRequest("r", 0, 16, ([5],), full_table=True))
+    _drive(pr, lambda f, x: "r" in pr.freed, timeout=5)
+    assert "r" in pr.freed and "r" not in pr.p.slot_map
+    meta = pr.save(ScheduledRequest("r", 16, 32, ([6, 7],)))  # P's engine prefills on
+    assert "r" not in meta.blocks and "r" not in pr.p.slot_map
+    assert pr.p.request_finished("r") is None

@@ -333,12 +333,16 @@ class PrefillScheduler:
 
         Only a request handed to D can have been freed: any other id (one still being
         prefilled, or unknown) is ignored, so its staged blocks stay where its params
-        will name them.
+        will name them. A streamed request freed while still being prefilled is one its
+        D gave up on: none of it is staged from then on, and it has no params.
         """
         for req_id in freed:
             if req_id not in self._held:
                 logger.debug("P ignores the release of %s, which it does not hold for D", req_id)
                 continue
+            if req_id in self.tracker:
+                self.tracker.abort(req_id)
+            self._params.pop(req_id, None)  # they would name freed slots
             self._held.discard(req_id)
             self._free_slots(req_id)
 

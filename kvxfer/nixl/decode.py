@@ -24,7 +24,9 @@ Streams (`start_stream`). D subscribes to P with the request's stream id
 (`want`, once connected) and reads each `chunk` of blocks P names final, one
 READ at a time (chunks that arrived meanwhile in one), checking each
 chunk's tags as it lands; after the last chunk it says `done` under the
-generation P named with it. Each chunk moves the read's deadline on. Every
+generation P named with it. Each chunk moves the read's deadline on, and so
+does each `wait` P sends while the stream's last chunk is still to come (the
+request waits in P's queue, or is being prefilled). Every
 read's blocks, streamed or not, are reported as they arrive and check
 (`arrived`), before `done` is even sent: the caller may write them out while
 the ack travels, and reports the request only once `poll` says it finished.
@@ -245,8 +247,15 @@ class DecodeTransport(StreamReading):
                 else:
                     self._advance(read)
                 if now > read.deadline and read.req_id in self._reads:
-                    logger.warning("D %s read of %s timed out in states %s", self.config.name,
-                                   read.req_id, {p: leg.state.value for p, leg in read.legs.items()})
+                    if read.stream is not None and not read.waiting:
+                        logger.warning("D %s read of %s: P %s said nothing of stream %s (no "
+                                       "chunk, no wait) for %s s", self.config.name, read.req_id,
+                                       read.stream.peer, read.stream.stream,
+                                       self.config.transfer_timeout_s)
+                    else:
+                        logger.warning("D %s read of %s timed out in states %s", self.config.name,
+                                       read.req_id,
+                                       {p: leg.state.value for p, leg in read.legs.items()})
                     self._fail(read, reason="deadline")
             self.recorder.gauge("d_requests_waiting", len(self._reads) + len(self._expected))
             self._heartbeat(now)

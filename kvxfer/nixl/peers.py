@@ -63,7 +63,7 @@ class Peers:
     - `piece`: `(lo, hi, units)` D's staging holds of each block; None for whole blocks.
     - `on_ack`: `(sender, message)`, called with each `ack` as it is read (D's read
       state machine); a `TransferError` it raises is a malformed message.
-    - `on_chunk`: the same for each `chunk` of a stream.
+    - `on_chunk`: the same for each `chunk` and `wait` of a stream.
 
     Notifications are read here (`drain`), wherever D waits for a peer.
     """
@@ -239,7 +239,7 @@ class Peers:
                         self._adverts[sender] = msg
                     elif msg["t"] == "ack":
                         self.on_ack(sender, msg)
-                    elif msg["t"] == "chunk" and self.on_chunk is not None:
+                    elif msg["t"] in ("chunk", "wait") and self.on_chunk is not None:
                         self.on_chunk(sender, msg)
                     else:
                         logger.warning("D %s ignores %r message from %s", self.config.name,

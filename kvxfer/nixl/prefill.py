@@ -14,7 +14,9 @@ block once no later chunk copies it again (`chunk`: its keys and slots, the
 request's secret and instance, and with the last chunk the generation D's
 `done` names). Its lease runs from its last chunk, as any other's; before
 that only P's own give-up (`cancel_stream`: P tells D and frees once D let
-go, `drop`, or a lease later) frees it.
+go, `drop`, or a lease later) or D's (`drop`: P frees at once and stages no more
+of it) frees it. Until the last chunk, P tells its D about once a second that
+the stream is still coming (`wait`), so D's deadline follows P's progress.
 """
 
 
@@ -103,7 +105,8 @@ class PrefillTransport:
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
         self._freed: list[str] = []
         self.streams = Published(self.agent, config.name, self.instance, len(self.stagings),
-                                 4 * self.staging.num_slots, config.lease_s)
+                                 4 * self.staging.num_slots, config.lease_s,
+                                 min(1.0, config.heartbeat_interval_s))
 
     @property
     def staging(self) -> Staging:
@@ -185,11 +188,21 @@ class PrefillTransport:
         The first call holds the request for D under `stream` (its slots are freed
         only by D's `done`, a lease, or `cancel_stream`); `last` once its prefill is
         done, after `lease` gave it its generation. The subscribed D, if any, is told now
-        (`kvxfer.nixl.streams`).
+        (`kvxfer.nixl.streams`). A stream whose D gave up on it is held no more: `poll`
+        reports the request freed, and the scheduler side stages none of it from then on.
         """
         lease = self._leases.get(req_id)
-        if self.streams.publish(req_id, stream, secret, prompt, keys, slots, last,
-                                lease.generation if lease else None):
+        first = self.streams.publish(req_id, stream, secret, prompt, keys, slots, last,
+                                     lease.generation if lease else None)
+        if first is None:
+            logger.info("P %s stages no more of %s: its D gave up on stream %s",
+                        self.config.name, req_id, stream)
+            if lease is not None:
+                self._free(req_id, "cancelled")
+            else:
+                free_in_all(self.stagings, req_id)
+                self._freed.append(req_id)
+        elif first:
             self._leases.setdefault(req_id, _Lease(_PENDING, float("inf")))
 
     def cancel_stream(self, req_id: str) -> None:
@@ -221,6 +234,7 @@ class PrefillTransport:
             self._fetcher.tick()
         self._answer_hellos(now)
         self.streams.expire_wants(now)
+        self.streams.keep_alive(now)
         self._publication.tick()  # D cannot find P until etcd holds P's record
         for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
             logger.debug("P %s lease of %s expired", self.config.name, req_id)

@@ -10,6 +10,12 @@ staged block; its lease runs from its last chunk, as any other's. If P gives
 up on it (aborted, preempted), it tells D (`chunk` with `aborted`) and frees
 it once D let go (`drop`) or a lease later.
 
+P answers each `want` at once and, until its last chunk, says so again about once a
+second (`wait`), whether the request still waits in P's queue or is being prefilled:
+D's deadline follows P's word, not a guess of P's queue. A D that gives up on a stream
+(its deadline, or its engine dropped the request) says `drop`; P then frees what it
+staged for it and stages no more of it (the scheduler side stops planning its saves).
+
 - `Published`: P's side (in `kvxfer.nixl.prefill.PrefillTransport`).
 - `StreamReading`: D's side, a part of `kvxfer.nixl.decode.DecodeTransport`.
 """
@@ -82,25 +88,29 @@ class Published:
             made-up subscriptions cannot starve the others. A subscription over either
             bound is refused at once (D fails that request by name), never dropped.
         wait_s: how long such a subscription waits before P refuses it.
+        every_s: how often P tells each subscribed D that a stream it has not finished
+            is still coming (`wait`).
     """
 
     def __init__(self, agent: Any, name: str, instance: str, num_groups: int, max_wants: int,
-                 wait_s: float):
+                 wait_s: float, every_s: float = 1.0):
         self.agent, self.name, self.instance = agent, name, instance
         self.num_groups, self.max_wants, self.wait_s = num_groups, max_wants, wait_s
+        self.every_s, self._next_word = every_s, 0.0
         self._streams: dict[str, _Stream] = {}  # stream id -> the request streamed
         self._stream_of: dict[str, str] = {}  # request id -> its stream id
         self._wants: dict[str, tuple[str, float]] = {}  # stream not yet known -> (D, until)
         self._wants_of: dict[str, int] = {}  # D -> how many of `_wants` are its
         self.max_wants_per_peer = max(16, max_wants // 4)
         self._warned: set[str] = set()  # Ds told about once that they are over a bound
-        self._gone: dict[str, None] = {}  # the last streams freed, oldest first
+        self._gone: dict[str, None] = {}  # the last streams freed or given up, oldest first
 
     def publish(self, req_id: str, stream: str, secret: str, prompt: str | None,
                 keys: Sequence[Sequence[int]], slots: Sequence[Sequence[int]], last: bool,
-                generation: int | None) -> bool:
+                generation: int | None) -> bool | None:
         """Name blocks of `req_id` final (see `PrefillTransport.publish`); whether this is
-        the stream's first call (P holds the request for D from now)."""
+        the stream's first call (P holds the request for D from now); None for a stream
+        its D gave up on, or one freed already: nobody will read it, so hold nothing."""
         if not is_stream_id(stream):
             raise InvalidInputError(f"request {req_id!r}: stream must be 32 hex digits, got "
                                     f"{stream!r:.80}")
@@ -109,6 +119,8 @@ class Published:
             raise InvalidInputError(f"request {req_id!r}: equal-length keys and slots of "
                                     f"{self.num_groups} groups expected")
         st, first = self._streams.get(stream), False
+        if st is None and stream in self._gone:
+            return None
         if st is None:
             if req_id in self._stream_of:
                 raise InvalidInputError(f"request {req_id!r} is already streamed")
@@ -184,23 +196,47 @@ class Published:
             else:
                 self._wants[stream] = (sender, now + self.wait_s)
                 self._wants_of[sender] = self._wants_of.get(sender, 0) + 1
+                self._word(sender, stream)
         elif st.reader not in (None, sender) or st.cancelled:
             self._refuse(sender, stream)
         else:
             st.reader = sender
             if any(st.keys) or st.last:
                 self._tell(st, st.keys, st.slots, generation(st.req_id))
+            else:
+                self._word(sender, stream)
+
+    def keep_alive(self, now: float) -> None:
+        """Every `every_s`, tell each D subscribed to a stream whose last chunk is still to
+        come (waiting for P's scheduler, or being prefilled) that P has not forgotten it."""
+        if now < self._next_word:
+            return
+        self._next_word = now + self.every_s
+        for stream, (sender, _) in list(self._wants.items()):
+            self._word(sender, stream)
+        for st in list(self._streams.values()):
+            if st.reader is not None and not (st.last or st.cancelled):
+                self._word(st.reader, self._stream_of[st.req_id])
+
+    def _word(self, reader: str, stream: str) -> None:
+        try:
+            send(self.agent, reader, "wait", stream=stream, instance=self.instance)
+        except TransferError as e:  # its D is gone: its deadline or a lease ends the stream
+            logger.debug("P %s: %s", self.name, e)
 
     def on_drop(self, sender: str, msg: dict[str, Any]) -> str | None:
-        """D let go of a stream: the request to free now (one P gave up on), else None."""
+        """D let go of a stream (P gave up on it, or D did): the request to free now, else
+        None. A D that let go does not come back (a stream has one reader), so P frees its
+        blocks at once and, for a stream P does not know yet, stages none of it later."""
         stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
         if self._wants.get(stream, (None,))[0] == sender:  # gave up before P had the request
             self._pop_want(stream)
+            self._remember(stream)
         st = self._streams.get(stream)
         if st is None or st.reader != sender:
             return None
         st.reader = None
-        return st.req_id if st.cancelled else None
+        return st.req_id
 
     def expire_wants(self, now: float) -> None:
         """Refuse subscriptions to streams that never came (a D asked for one P never had)."""
@@ -225,9 +261,12 @@ class Published:
         stream = self._stream_of.pop(req_id, None)
         if stream is not None:
             del self._streams[stream]
-            self._gone[stream] = None
-            if len(self._gone) > self.max_wants:
-                del self._gone[next(iter(self._gone))]
+            self._remember(stream)
+
+    def _remember(self, stream: str) -> None:
+        self._gone[stream] = None
+        if len(self._gone) > self.max_wants:
+            del self._gone[next(iter(self._gone))]
 
     def _refuse(self, sender: str, stream: str) -> None:
         try:
@@ -297,11 +336,17 @@ class StreamReading:
         read.mark = read.trace.stage("connect", read.started)
 
     def _on_chunk(self, sender: str, msg: dict[str, Any]) -> None:
-        """P names blocks of a stream final (or gives the stream up): queue them to read."""
+        """P names blocks of a stream final (or gives the stream up): queue them to read. A
+        `wait` (P still has the stream's last chunk to come) moves its deadline on."""
         stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
         read = next((r for r in self._reads.values() if r.stream is not None
                      and r.stream.stream == stream and r.stream.peer == sender), None)
         if read is None or read.waiting:
+            return
+        if msg["t"] == "wait":
+            if msg.get("instance") == read.instance and not read.last:  # not a past P's word
+                read.deadline = max(read.deadline,
+                                    time.monotonic() + self.config.transfer_timeout_s)
             return
         if msg.get("aborted") is True:
             self._fail(read, TransferError(f"P gave up on stream {stream}"), "refused")
