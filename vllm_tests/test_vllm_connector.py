@@ -386,6 +386,8 @@ def test_p_and_d_find_each_other_through_etcd(etcd, pd):
     ({"verify_fingerprints": "yes"}, "verify_fingerprints must be a bool, got 'yes'"),
     ({"etcd_endpoints": "etcd:2379"}, "etcd_endpoints must be None or comma-separated"),
     ({"progress_wake_us": -5}, r"progress_wake_us must be an int in \[0, 10_000_000\], got -5"),
+    ({"kv_recompute_threshold": -1}, "'kv_recompute_threshold' must be an int >= 0 .*got -1"),
+    ({"kv_recompute_threshold": 64.0}, "'kv_recompute_threshold' must be an int >= 0 .*got 64.0"),
 ])
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
 def test_bad_extra_config_is_refused_by_name_on_both_roles(model_dir, engines, extra, named, role):

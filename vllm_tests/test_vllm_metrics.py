@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvxfer.vllm import TPUConnector
+from kvxfer.vllm.fallbacks import counter_name
 from kvxfer.vllm.metrics import HISTOGRAMS, KvxferStats
 
 LABELS = ["model_name", "engine"]
@@ -162,3 +163,4 @@ def test_through_vllm_a_p_gone_counts_as_a_failure_with_its_reason(pd):
     got = _stats_of(steps).data["counters"]
     assert got["d_requests_failed"] == 1 and got["d_failed_peer_gone"] == 1
     assert got["d_recompute_blocks"] == -(-len(prompt) // d.block_size)
+    assert got[counter_name("load_failed", params["peer"])] == 1  # a fallback, by P engine

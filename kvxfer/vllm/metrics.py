@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvxfer.stats import OUTCOMES, Stats
+from kvxfer.vllm.fallbacks import REASONS, parse_counter
 
 __all__ = ["HISTOGRAMS", "KvxferPromMetrics", "KvxferStats", "StatsDelta", "StatsReporting"]
 
@@ -89,9 +90,16 @@ class KvxferStats(KVConnectorStats):
         read_s = sum(series.get("d_read_s", ()))
         if read_s > 0:
             out["Read throughput (MB/s)"] = round(counters.get("d_bytes", 0) / 2**20 / read_s, 3)
+        fallbacks = {reason: 0 for reason in REASONS}
         for key, n in sorted(counters.items()):
-            if n and "_failed_" in key:
+            fallback = parse_counter(key)
+            if fallback is not None:
+                fallbacks[fallback[0]] += n
+            elif n and "_failed_" in key:
                 out[f"Failed {key.split('_failed_', 1)[1]} ({key[0].upper()})"] = n
+        for reason, n in fallbacks.items():
+            if n:
+                out[f"Fallback {reason} (D)"] = n
         return out
 
 
@@ -187,6 +195,11 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
         self.handshakes = self._counter_cls(
             name="vllm:kvxfer_num_failed_handshakes", labelnames=labelnames,
             documentation="D: handshakes with a P agent that failed")
+        self.fallbacks = self._counter_cls(
+            name="vllm:kvxfer_num_fallbacks", labelnames=[*labelnames, "reason", "p_engine"],
+            documentation="D: requests whose prompt D computed itself instead of loading P's "
+                          "KV, by reason (no_params, below_threshold, other_prompt, "
+                          "load_failed) and P engine (P's agent name; none without params)")
         self.gauges = {
             name: self._gauge_cls(name=f"vllm:kvxfer_{name}", documentation=doc,
                                   multiprocess_mode="mostrecent", labelnames=role)
@@ -211,6 +224,10 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                 _inc(self.failed, [*labels, r, reason], counters.get(f"{role}_failed_{reason}", 0))
         _inc(self.recomputed, labels, counters.get("d_recompute_blocks", 0))
         _inc(self.handshakes, labels, counters.get("d_handshake_failures", 0))
+        for key, n in counters.items():
+            fallback = parse_counter(key)
+            if fallback is not None:
+                _inc(self.fallbacks, [*labels, *fallback], n)
         sources = self._gauge_sources.setdefault(engine_idx, {})
         for source, gauges in stats.data.get("gauges", {}).items():
             sources.setdefault(source, {}).update(gauges)
@@ -231,7 +248,8 @@ class StatsReporting:
 
     Worker side: what each of the worker's connectors (P's `PrefillWorker`, D's
     `DecodeConnector`) changed since the last step; scheduler side: P's staging
-    slots in use and requests held for D (`PrefillScheduler.gauges`).
+    slots in use and requests held for D (`PrefillScheduler.gauges`), and D's
+    fallbacks (`kvxfer.vllm.fallbacks`).
     """
 
     def get_kv_connector_stats(self) -> KvxferStats | None:
@@ -262,6 +280,10 @@ def _sources(connector: Any) -> list[tuple[str, Stats]]:
         return [(side.transport.config.name, side.stats(take=True))
                 for side in (worker._prefill, worker._decode) if side is not None]
     scheduler = getattr(connector, "_scheduler", None)
-    if scheduler is not None and scheduler.prefill is not None:
-        return [("scheduler", Stats(gauges=scheduler.prefill.gauges()))]
-    return []
+    if scheduler is None:
+        return []
+    prefill, fallbacks = scheduler.prefill, getattr(scheduler, "fallbacks", None)
+    if prefill is None and fallbacks is None:
+        return []
+    return [("scheduler", Stats(counters=dict(fallbacks.counters) if fallbacks else {},
+                                gauges=prefill.gauges() if prefill is not None else {}))]

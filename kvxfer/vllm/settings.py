@@ -26,6 +26,9 @@ _ADDRESS = ("host", "port", "name")
 `transport`) or of `TransportConfig` (but `name`, `host`, `listen_port`), with its default
 and its check."""
 
+_THRESHOLD = "kv_recompute_threshold"
+"""D's recompute threshold (tokens), which `Settings` reads itself too."""
+
 
 def _option_keys() -> tuple[list[str], list[str]]:
     """The fields of `ConnectorConfig` and of `TransportConfig` a user may set."""
@@ -56,6 +59,10 @@ class Settings:
       `num_threads`, `progress_wake_us`, `etcd_endpoints`), documented there.
       With `etcd_endpoints` (the same on P and D) agents find each other in
       etcd by name, so `port` is unused and D needs no route to a P listener.
+    - `kv_recompute_threshold`: D's; a request with fewer prompt tokens to load than
+      this (its prompt less D's own prefix hit) is not loaded: D computes it, as vLLM's
+      NIXL connector does under the same key. 0 (the default) loads every prompt; see
+      docs/vllm-and-serving.md for why.
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +70,7 @@ class Settings:
     name: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     engine_id: str | None = None
+    kv_recompute_threshold: int = 0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None,
@@ -70,13 +78,13 @@ class Settings:
         """`extra` is `kv_connector_extra_config`; `engine_id` vLLM's `kv_transfer_config.engine_id`."""
         extra = dict(extra or {})
         connector, transport = _option_keys()
-        known = {*_ADDRESS, *connector, *transport}
+        known = {*_ADDRESS, _THRESHOLD, *connector, *transport}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise InvalidInputError(f"kv_connector_extra_config has unknown keys {unknown}; "
                                     f"kvxfer reads {sorted(known)}")
-        settings = cls(**{k: extra.pop(k) for k in _ADDRESS if k in extra}, options=extra,
-                       engine_id=engine_id)
+        settings = cls(**{k: extra.pop(k) for k in (*_ADDRESS, _THRESHOLD) if k in extra},
+                       options=extra, engine_id=engine_id)
         if settings.name is not None and not (isinstance(settings.name, str) and settings.name):
             raise InvalidInputError(f"kv_connector_extra_config 'name' must be a non-empty str "
                                     f"(or absent, for the default), got {settings.name!r}")
@@ -84,6 +92,10 @@ class Settings:
             raise InvalidInputError(
                 f"kv_connector_extra_config 'port' must be an int in [1, 65535], got "
                 f"{settings.port!r}")
+        if not is_int(settings.kv_recompute_threshold) or settings.kv_recompute_threshold < 0:
+            raise InvalidInputError(
+                f"kv_connector_extra_config {_THRESHOLD!r} must be an int >= 0 (tokens; 0 "
+                f"loads every prompt), got {settings.kv_recompute_threshold!r}")
         settings.connector_config(True)  # every value checked now, on both roles
         try:  # D connects to it: a name nobody resolves would fail every transfer, later
             socket.getaddrinfo(settings.host, None)

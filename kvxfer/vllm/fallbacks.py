@@ -1,0 +1,129 @@
+"""D's fallbacks: requests whose prompt D computes itself instead of loading P's KV.
+
+A router in front of P and D may send D a request without P's `kv_transfer_params` (P
+returned none, or the router sent the client's request to D alone); D then computes the
+prompt, and the client gets an answer as good as P's, only later. Nothing in the answer
+says so. `Fallbacks` counts each such request on D's scheduler side, once, by reason and by
+the P engine that prefilled it, and logs a warning at most once per reason per minute:
+
+- `no_params`: the request came with no `kv_transfer_params` asking D to load (P engine
+  `none`);
+- `below_threshold`: fewer tokens to load than `kv_recompute_threshold`;
+- `other_prompt`: params made for another prompt (P's prompt length or digest differ);
+- `load_failed`: the load failed and vLLM recomputes the prompt
+  (`kv_load_failure_policy="recompute"`).
+
+The counts go out as `Stats` counters named `d_fallback_<reason>|<P engine>`
+(`counter_name`), which `kvxfer.vllm.metrics` turns into `vllm:kvxfer_num_fallbacks_total
+{reason, p_engine}`. The P engine is P's agent name as its params name it (`peer`): one
+per P instance. A label's values must stay few, and params come from clients, so at most
+`MAX_ENGINES` names are kept; later ones count as `other`.
+
+Plain Python: vLLM's scheduler process imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+__all__ = ["MAX_ENGINES", "REASONS", "Fallbacks", "counter_name", "parse_counter", "p_engine"]
+
+logger = logging.getLogger(__name__)
+
+REASONS = ("no_params", "below_threshold", "other_prompt", "load_failed")
+PREFIX = "d_fallback_"
+NO_ENGINE = "none"  # no params: no P named
+UNNAMED = "unknown"  # params that name no P
+OTHER = "other"  # beyond MAX_ENGINES names
+MAX_ENGINES = 64
+WARN_INTERVAL_S = 60.0
+
+
+def counter_name(reason: str, engine: str) -> str:
+    """The `Stats` counter of one reason and one P engine."""
+    return f"{PREFIX}{reason}|{engine}"
+
+
+def parse_counter(name: str) -> tuple[str, str] | None:
+    """`(reason, P engine)` of a fallback counter's name; None for any other counter."""
+    if not name.startswith(PREFIX):
+        return None
+    reason, sep, engine = name[len(PREFIX):].partition("|")
+    return (reason, engine) if sep and reason in REASONS else None
+
+
+def p_engine(params: Mapping[str, Any] | None) -> str:
+    """The P engine a request's params name: P's agent name (`peer`), or `unknown`."""
+    peer = params.get("peer") if isinstance(params, Mapping) else None
+    return peer[:128] if isinstance(peer, str) and peer else UNNAMED
+
+
+class Fallbacks:
+    """D's fallback counts (`counters`) and their warnings, on D's scheduler side.
+
+    `recompute`: vLLM recomputes a failed load (D's `kv_load_failure_policy`); under `fail`
+    a failed load fails its request, which is no fallback. `clock` is for tests.
+    """
+
+    def __init__(self, recompute: bool = True, warn_interval_s: float = WARN_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.recompute = recompute
+        self.warn_interval_s = warn_interval_s
+        self.counters: dict[str, int] = {}
+        self._clock = clock
+        self._engines: set[str] = set()
+        self._seen: set[str] = set()  # requests D has looked at, until they finish
+        self._loading: dict[str, str] = {}  # request -> P engine, while its load is under way
+        self._unwarned: dict[str, int] = {}  # reason -> counted since its last warning
+        self._next_warning: dict[str, float] = {}
+
+    def arrived(self, req_id: str, params: Mapping[str, Any] | None) -> None:
+        """D's scheduler looks at a request (each time it tries to schedule it): the first
+        time, a request whose params do not ask D to load is counted (`no_params`)."""
+        if req_id in self._seen:
+            return
+        self._seen.add(req_id)
+        if not (isinstance(params, Mapping) and params.get("do_remote_prefill") is True):
+            self.count("no_params", NO_ENGINE, req_id, "no kv_transfer_params from P")
+
+    def loading(self, req_id: str, params: Mapping[str, Any]) -> None:
+        """D starts loading a request's KV from the P its params name."""
+        self._loading[req_id] = p_engine(params)
+
+    def loaded(self, finished: Iterable[str], failed: Iterable[str]) -> None:
+        """The worker reported these loads over (`finished_recving`), these among them failed."""
+        failed = set(failed)
+        for req_id in finished:
+            engine = self._loading.pop(req_id, None)
+            if engine is not None and req_id in failed and self.recompute:
+                self.count("load_failed", engine, req_id, "its KV load failed")
+
+    def finished(self, req_id: str) -> None:
+        """The request left D's scheduler (finished or aborted)."""
+        self._seen.discard(req_id)
+        self._loading.pop(req_id, None)
+
+    def count(self, reason: str, engine: str, req_id: str, why: str) -> None:
+        """Count one fallback; warn if this reason has not warned within the interval."""
+        if engine not in self._engines and engine not in (NO_ENGINE, UNNAMED):
+            if len(self._engines) >= MAX_ENGINES:
+                engine = OTHER
+            else:
+                self._engines.add(engine)
+        name = counter_name(reason, engine)
+        self.counters[name] = self.counters.get(name, 0) + 1
+        unwarned = self._unwarned.get(reason, 0) + 1
+        now = self._clock()
+        if now < self._next_warning.get(reason, float("-inf")):
+            self._unwarned[reason] = unwarned
+            return
+        self._unwarned[reason] = 0
+        self._next_warning[reason] = now + self.warn_interval_s
+        logger.warning("D request %s: %s (P engine %s); D computes its prompt itself. "
+                       "Fallbacks '%s' since this reason's last warning: %d (at most one "
+                       "warning per %g s; every one is counted in "
+                       "vllm:kvxfer_num_fallbacks_total)", req_id, why, engine, reason,
+                       unwarned, self.warn_interval_s)
