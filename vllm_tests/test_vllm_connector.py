@@ -522,9 +522,9 @@ def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(
     from kvxfer.vllm.connector import Settings, WorkerReport, _SchedulerSide
 
     halves = (Source("p-0", 0, 2), Source("p-1", 2, 4))
-    merged = WorkerReport({"a"}).aggregate(WorkerReport({"b"}, halves, 4))
-    assert merged == WorkerReport({"a", "b"}, halves, 4)
-    assert WorkerReport({"c"}, halves, 4).aggregate(WorkerReport({"d"})).sources == halves
+    merged = WorkerReport({"a": 1}).aggregate(WorkerReport({"b": 1}, halves, 4))
+    assert merged == WorkerReport({"a": 1, "b": 1}, halves, 4)
+    assert WorkerReport({"c": 1}, halves, 4).aggregate(WorkerReport({"d": 1})).sources == halves
 
     p = _SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=True, consumer=False)
     assert p.prefill.sources == () and p.prefill.units == 0
@@ -543,7 +543,7 @@ def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(
     engine = engines(model_dir, kv_role="kv_producer",
                      extra_config={"port": free_port(), "staging_blocks": 8})
     engine.connector.update_connector_output(
-        KVConnectorOutput(kv_connector_worker_meta=WorkerReport(set(), halves, 4)))
+        KVConnectorOutput(kv_connector_worker_meta=WorkerReport({}, halves, 4)))
     prefill = engine.connector._scheduler.prefill
     assert (prefill.sources, prefill.units) == (halves, 4)
     engine.add_request("r", list(range(10, 30)), kv_transfer_params={"do_remote_decode": True})

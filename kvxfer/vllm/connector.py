@@ -76,8 +76,8 @@ from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillSchedule
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.wire import Source, StreamParams, is_stream_id, prompt_digest
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
-from kvxfer.vllm.fallbacks import Fallbacks, p_engine
 from kvxfer.vllm.metrics import StatsReporting
+from kvxfer.vllm.reports import WorkerReport, worker_processes
 from kvxfer.vllm.settings import Settings
 
 if TYPE_CHECKING:
@@ -163,26 +163,6 @@ class KvxferMetadata(KVConnectorMetadata):
     cancels: list[dict[str, Any]] = field(default_factory=list)  # D: expected, then dropped
 
 
-@dataclass
-class WorkerReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, each step it has news: P requests whose staging D has read (or
-    whose lease expired); and, from every worker of a P whose caches span several processes
-    (hosts), every P process's agent and the units of each block it stages (each worker
-    knows them all, from the caches' sharding), which the scheduler names in the params.
-    vLLM aggregates the workers' metadata (`aggregate`)."""
-
-    freed: set[str] = field(default_factory=set)
-    sources: tuple[Source, ...] = ()
-    units: int = 0
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, WorkerReport):
-            return self
-        sources, units = (self.sources, self.units) if self.sources else (other.sources,
-                                                                          other.units)
-        return WorkerReport(self.freed | other.freed, sources, units)
-
-
 class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
     """kvxfer's P/D transfer for vLLM-TPU (stats: `kvxfer.vllm.metrics`); see the module docstring."""
 
@@ -197,9 +177,8 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         instance = _p_instance(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
-            recompute = getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute"
             self._scheduler = _SchedulerSide(self.settings, self.groups, self.producer,
-                                             self.consumer, instance, recompute)
+                                             self.consumer, instance)
         else:
             self._worker = _WorkerSide(self.settings, kv_cache_config,
                                        model_description(vllm_config, self.groups),
@@ -267,9 +246,6 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.build(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self._scheduler.fallbacks is not None:
-            self._scheduler.fallbacks.loaded(connector_output.finished_recving or (),
-                                             getattr(connector_output, "failed_recving", ()))
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, WorkerReport):
             self._scheduler.learn_sources(meta.sources, meta.units)
@@ -287,15 +263,19 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         return self._scheduler.holding()
 
+    def get_finished_count(self) -> int | None:
+        """How many workers report each load finished: vLLM's aggregator waits for that many
+        (by default its world size, TP x PP). Under a Ray executor, one worker per placement
+        group bundle holding the platform's devices (tpu-inference: one per host, TP x PP
+        devices among them); None elsewhere (vLLM's default)."""
+        return worker_processes(self._vllm_config)
+
 
 class _SchedulerSide:
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
-                 consumer: bool, instance: str | None = None, recompute: bool = True):
+                 consumer: bool, instance: str | None = None):
         self.groups = list(groups)
         self.consumer = consumer
-        self.threshold = settings.kv_recompute_threshold  # D: fewer tokens to load: computed
-        # D (not kv_both): requests it computes itself instead of loading, counted and warned of
-        self.fallbacks = Fallbacks(recompute) if consumer and not producer else None
         config = settings.connector_config(True)
         self.prefill = PrefillScheduler(
             groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
@@ -314,30 +294,29 @@ class _SchedulerSide:
         self._transfers: dict[str, str] = {}
         self._reuses = itertools.count(1)
         self._refused_sources: tuple[tuple[Source, ...], int] = ((), 0)  # P: logged already
+        self._frees: dict[str, int] = {}  # P: request -> P processes that freed it so far
 
     # D
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        params, req_id = request.kv_transfer_params, request.request_id
-        if self.fallbacks is not None:
-            self.fallbacks.arrived(req_id, params)
-        if not self.consumer or not _asks(params, "do_remote_prefill", req_id):
+        params = request.kv_transfer_params
+        if not self.consumer or not _asks(params, "do_remote_prefill", request.request_id):
             return 0, False
         streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
         sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
+        if sent != request.num_prompt_tokens:
+            logger.warning("D request %s: P prefilled %r prompt tokens, D's prompt has %s; "
+                           "D computes the prompt itself", request.request_id, sent,
+                           request.num_prompt_tokens)
+            params["do_remote_prefill"] = False
+            return 0, False
         digest = _prompt_digest(request)
-        if sent != request.num_prompt_tokens or (not streamed and params.get("prompt") != digest):
-            self._fall_back("other_prompt", request, f"its kv_transfer_params are for another "
-                            f"prompt ({sent!r} tokens, D's has {request.num_prompt_tokens})")
+        if not streamed and params.get("prompt") != digest:
+            logger.warning("D request %s: its kv_transfer_params are for another prompt (or "
+                           "none); D computes it itself", request.request_id)
+            params["do_remote_prefill"] = False
             return 0, False
         count = request.num_prompt_tokens - num_computed
         if count <= 0:
-            return 0, False
-        if count < self.threshold and not streamed:  # P's lease let go of at once (below)
-            self._waiting.pop(req_id, None)
-            self._expects.append(dict(params))
-            self._cancels.append(dict(params))
-            self._fall_back("below_threshold", request, f"{count} tokens to load, below "
-                            f"kv_recompute_threshold {self.threshold}")
             return 0, False
         self._local[request.request_id] = num_computed
         self._prompts[request.request_id] = digest
@@ -372,8 +351,6 @@ class _SchedulerSide:
             if num_external <= 0 and waited is not None:
                 self._cancels.append(waited)  # D computes it all itself
             if num_external > 0:
-                if self.fallbacks is not None:
-                    self.fallbacks.loading(request.request_id, params)
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
                         for g in self.groups]
                 self._loads[request.request_id] = LoadRequest(
@@ -392,9 +369,19 @@ class _SchedulerSide:
         meta.cancels, self._cancels = self._cancels, []
         return meta
 
-    def release(self, freed: set[str]) -> None:
-        if self.prefill is not None:
-            self.prefill.release(freed)
+    def release(self, freed: Mapping[str, int]) -> None:
+        """Reuse the slots of the requests every P process has freed (each worker of a P
+        across hosts frees its own piece: `WorkerReport.freed` counts them)."""
+        if self.prefill is None:
+            return
+        processes = max(1, len(self.prefill.sources))
+        held = set(self.prefill.held())
+        counts = {r: n for r, n in self._frees.items() if r in held}  # the rest: gone
+        for req_id, n in freed.items():
+            counts[req_id] = counts.get(req_id, 0) + n
+        done = {r for r, n in counts.items() if n >= processes}
+        self._frees = {r: n for r, n in counts.items() if r not in done}
+        self.prefill.release(done)
 
     def learn_sources(self, sources: tuple[Source, ...], units: int) -> None:
         """P across hosts: name every P process in the params from now on. Until the
@@ -415,8 +402,6 @@ class _SchedulerSide:
                     [s.peer for s in sources])
 
     def finished(self, request: Request) -> dict[str, Any] | None:
-        if self.fallbacks is not None:
-            self.fallbacks.finished(request.request_id)
         self._local.pop(request.request_id, None)
         self._prompts.pop(request.request_id, None)
         waited = self._waiting.pop(request.request_id, None)
@@ -433,16 +418,6 @@ class _SchedulerSide:
 
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
-
-    def _fall_back(self, reason: str, request: Request, why: str) -> None:
-        """D computes this request's prompt itself (once: its params stop asking)."""
-        params = request.kv_transfer_params
-        if self.fallbacks is not None:
-            self.fallbacks.count(reason, p_engine(params), request.request_id, why)
-        else:
-            logger.warning("D request %s: %s; D computes its prompt itself",
-                           request.request_id, why)
-        params["do_remote_prefill"] = False
 
 
 def _prompt_digest(request: Request) -> str | None:
@@ -563,9 +538,10 @@ class _WorkerSide:
         on a P across hosts, every step, every P process's agent and units."""
         freed, self._freed = self._freed, set()
         prefill = self._prefill
+        counts = dict.fromkeys(freed, 1)  # this worker's: the aggregate adds every worker's
         if prefill is not None and prefill.sources:
-            return WorkerReport(freed, tuple(prefill.sources), prefill.units)
-        return WorkerReport(freed) if freed else None
+            return WorkerReport(counts, tuple(prefill.sources), prefill.units)
+        return WorkerReport(counts) if counts else None
 
     def close(self) -> None:
         for side in (self._prefill, self._decode):

@@ -1,0 +1,61 @@
+"""What vLLM's workers report to its scheduler about kvxfer's transfers, and how many report.
+
+Under a multi-process executor (tpu-inference's Ray executor: one worker per host), vLLM's
+`KVOutputAggregator` merges every worker's output before the scheduler sees it: a request's
+load is finished once as many workers as `get_finished_count` says have reported it, and
+the workers' metadata are merged by `WorkerReport.aggregate`. kvxfer's own state never acts
+on one worker's report alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+from kvxfer.nixl.wire import Source
+
+__all__ = ["WorkerReport", "worker_processes"]
+
+
+@dataclass
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step it has news: P requests whose staging D has read (or
+    whose lease expired), each with how many workers freed it; and, from every worker of a
+    P whose caches span several processes (hosts), every P process's agent and the units of
+    each block it stages (each worker knows them all, from the caches' sharding), which the
+    scheduler names in the params. vLLM aggregates the workers' metadata (`aggregate`): the
+    counts add up, so the scheduler reuses a request's slots only once every worker has
+    freed its piece (one worker's report alone would hand slots another worker still
+    serves to D to the next request)."""
+
+    freed: dict[str, int] = field(default_factory=dict)
+    sources: tuple[Source, ...] = ()
+    units: int = 0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, WorkerReport):
+            return self
+        sources, units = (self.sources, self.units) if self.sources else (other.sources,
+                                                                          other.units)
+        freed = dict(self.freed)
+        for req_id, n in other.freed.items():
+            freed[req_id] = freed.get(req_id, 0) + n
+        return WorkerReport(freed, sources, units)
+
+
+def worker_processes(vllm_config: Any) -> int | None:
+    """How many workers report each transfer: under a Ray executor, the placement group's
+    bundles that hold the platform's devices (tpu-inference's executors place one worker
+    per such bundle: one per host); None where vLLM's default (its world size, TP x PP)
+    holds, or where no aggregator runs (one process)."""
+    group = getattr(vllm_config.parallel_config, "placement_group", None)
+    if group is None or os.environ.get("VLLM_RAY_BUNDLE_INDICES"):
+        return None  # no Ray; or bundles chosen per rank: one worker per rank, the default
+    from vllm.platforms import current_platform
+
+    key = current_platform.ray_device_key
+    workers = sum(1 for bundle in group.bundle_specs if key and bundle.get(key, 0))
+    return workers or None
