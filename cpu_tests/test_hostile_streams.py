@@ -76,11 +76,14 @@ def test_one_peer_sending_made_up_subscriptions_cannot_starve_another_and_is_ref
     assert "refuses subscriptions of hostile" in caplog.text
     stream = new_stream_id()
     published.on_want("real-d", {"t": "want", "stream": stream}, 0.0, lambda r: None)
-    assert not [m for peer, m in agent.sent if peer == "real-d"]  # kept, not refused
+    # Kept, not refused: P answers that it waits for the request.
+    assert [m["t"] for peer, m in agent.sent if peer == "real-d"] == ["wait"]
     published.publish("r", stream, "0" * 32, None, [[]], [[]], False, None)
     assert published._streams[stream].reader == "real-d"
     # Another D naming a stream a D already waits for is refused, not given the stream.
     other = new_stream_id()
     published.on_want("real-d", {"t": "want", "stream": other}, 0.0, lambda r: None)
     published.on_want("thief", {"t": "want", "stream": other}, 0.0, lambda r: None)
-    assert [peer for peer, m in agent.sent if m["stream"] == other] == ["thief"]
+    assert [(peer, m["t"]) for peer, m in agent.sent if m["stream"] == other] == [
+        ("real-d", "wait"), ("thief", "chunk")]
+    assert [m.get("aborted") for peer, m in agent.sent if peer == "thief"][-1] is True
