@@ -16,7 +16,7 @@ import pytest
 from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, claim_name, free_port, release_name, start_agent
-from kvxfer.nixl.wire import decode_message, done_token, encode_message
+from kvxfer.nixl.wire import StreamParams, decode_message, done_token, encode_message, new_stream_id
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs.harness import Peer, PeerError  # noqa: E402
@@ -339,6 +339,25 @@ def test_restarted_p_refuses_old_params_and_serves_new_ones(peers, same_port):
         assert read(d, "r2", {**old, "req_id": "r2"}, [5]).get("failed") == [5]
         assert_read_intact(d, "r2", again, [5], {1: 23, 2: 23})
         assert p.call("freed")["held"] == []
+    finally:
+        p.kill()
+
+
+def test_the_first_stream_to_a_p_restarted_under_its_name_and_port_is_read(peers):
+    """A stream names no P instance: D's first `want` after the restart meets the connection
+    to the killed start, and D connects afresh instead of failing the request."""
+    d, name, port = peers["D"], "P_restart_stream", free_port()
+    p = Peer("P", spec(name, listen_port=port))
+    try:
+        assert_read_intact(d, "warm", stage_and_hold(p, "warm", [5], seed=20), [9], {5: 20})
+        p = _restarted(p, name, port)
+        stream = new_stream_id()
+        d.call("stream", req_id="s", logical_ids=[1, 2],
+               params=StreamParams(name, "127.0.0.1", port, stream).to_dict())
+        p.call("publish", req_id="s", stream=stream, kernel_ids=[3, 4], seed=24, last=True)
+        assert d.call("wait", req_id="s", within=TIMEOUT + 2, timeout=TIMEOUT + 15).get("finished")
+        assert_same_bytes(d_rows(d, "s", [3, 4]), expected({3: 24, 4: 24}, [3, 4]))
+        d.call("free", req_id="s")
     finally:
         p.kill()
 

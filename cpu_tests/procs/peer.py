@@ -19,11 +19,11 @@ import time
 import numpy as np
 
 from kvxfer.device.layout import check_block_compatible
-from kvxfer.device.staging import Staging
+from kvxfer.device.staging import Staging, block_tags
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.prefill import PrefillTransport
-from kvxfer.nixl.wire import ReadParams
+from kvxfer.nixl.wire import ReadParams, StreamParams, new_secret
 
 
 def block_rows(seed, kernel_ids, layer, block_shape, dtype):
@@ -60,7 +60,7 @@ def main():
     else:
         t = DecodeTransport(config, staging, layout, check_block_compatible)
     print(json.dumps({"port": t.port, "name": t.config.name}), file=answers, flush=True)
-    finished, failed, freed = [], {}, []
+    finished, failed, freed, secrets = [], {}, [], {}
 
     def pump():
         if role == "P":
@@ -89,6 +89,23 @@ def main():
                 if "reserve" in cmd:
                     staging.reserve(cmd["req_id"], cmd["reserve"])
                 out = {"slots": staging.stage(cmd["req_id"], ids, rows)}
+            elif op == "publish":
+                # P stages `kernel_ids` of a streamed request and names them final to its D.
+                ids, secret = cmd["kernel_ids"], secrets.setdefault(cmd["req_id"], new_secret())
+                rows = [block_rows(cmd["seed"], ids, layer, staging.block_shape, staging.dtype)
+                        for layer in range(staging.num_layers)]
+                slots = staging.stage(cmd["req_id"], ids, rows)
+                staging.tags[slots] = block_tags(secret, 0, ids)
+                if cmd["last"]:
+                    t.lease(cmd["req_id"], t._next_generation, secret)
+                t.publish(cmd["req_id"], cmd["stream"], secret, None, [ids], [slots],
+                          last=cmd["last"])
+                out = {"slots": slots}
+            elif op == "stream":
+                t.start_stream(cmd["req_id"], StreamParams.parse(cmd["params"]),
+                               cmd["logical_ids"])
+                failed.pop(cmd["req_id"], None)
+                out = {}
             elif op == "hold":
                 out = {"params": t.hold(cmd["req_id"])}
             elif op == "freed":

@@ -328,6 +328,13 @@ class StreamReading:
         try:
             send(self.agent, s.peer, "want", stream=s.stream)
         except TransferError as e:
+            # A stream names no P instance: a P restarted under its name and address shows
+            # only here, as a connection to its past start that is gone. Connect afresh
+            # (once) and subscribe then; the drop fails the reads of that past start.
+            if not read.reconnected:
+                read.reconnected = True
+                self._drop_peer(s.peer, f"{e} (restarted?); connecting afresh")
+                return
             self._fail(read, reason="peer_gone")
             self._drop_peer(s.peer, str(e))
             return
