@@ -20,3 +20,10 @@ def fail_stack() -> Iterator[Stack]:
     """P and D at TP 1, D failing a request whose load failed (`kv_load_failure_policy=fail`)."""
     yield from start("fail", PD_D_POLICY="fail", PD_P_PORT="8120", PD_D_PORT="8220",
                      PD_PROXY_PORT="8020", PD_KV_PORT="5612")
+
+
+@pytest.fixture(scope="module")
+def router_stack() -> Iterator[Stack]:
+    """P and D at TP 1 behind vllm-router (`PD_FRONT=vllm-router`) instead of `kvxfer proxy`."""
+    yield from start("router", PD_FRONT="vllm-router", PD_P_PORT="8140", PD_D_PORT="8240",
+                     PD_PROXY_PORT="8040", PD_KV_PORT="5614")
