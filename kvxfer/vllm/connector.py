@@ -76,6 +76,7 @@ from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillSchedule
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.wire import Source, StreamParams, is_stream_id, prompt_digest
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
+from kvxfer.vllm.fallbacks import Fallbacks, p_engine
 from kvxfer.vllm.metrics import StatsReporting
 from kvxfer.vllm.reports import WorkerReport, worker_processes
 from kvxfer.vllm.settings import Settings
@@ -177,8 +178,9 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         self.producer, self.consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         instance = _p_instance(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
+            recompute = getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute"
             self._scheduler = _SchedulerSide(self.settings, self.groups, self.producer,
-                                             self.consumer, instance)
+                                             self.consumer, instance, recompute)
         else:
             self._worker = _WorkerSide(self.settings, kv_cache_config,
                                        model_description(vllm_config, self.groups),
@@ -246,6 +248,9 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.build(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler.fallbacks is not None:
+            self._scheduler.fallbacks.loaded(connector_output.finished_recving or (),
+                                             getattr(connector_output, "failed_recving", ()))
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, WorkerReport):
             self._scheduler.learn_sources(meta.sources, meta.units)
@@ -273,9 +278,12 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
 
 class _SchedulerSide:
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
-                 consumer: bool, instance: str | None = None):
+                 consumer: bool, instance: str | None = None, recompute: bool = True):
         self.groups = list(groups)
         self.consumer = consumer
+        self.threshold = settings.kv_recompute_threshold  # D: fewer tokens to load: computed
+        # D (not kv_both): requests it computes itself instead of loading, counted and warned of
+        self.fallbacks = Fallbacks(recompute) if consumer and not producer else None
         config = settings.connector_config(True)
         self.prefill = PrefillScheduler(
             groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
@@ -298,25 +306,27 @@ class _SchedulerSide:
 
     # D
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not self.consumer or not _asks(params, "do_remote_prefill", request.request_id):
+        params, req_id = request.kv_transfer_params, request.request_id
+        if self.fallbacks is not None:
+            self.fallbacks.arrived(req_id, params)
+        if not self.consumer or not _asks(params, "do_remote_prefill", req_id):
             return 0, False
         streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
         sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
-        if sent != request.num_prompt_tokens:
-            logger.warning("D request %s: P prefilled %r prompt tokens, D's prompt has %s; "
-                           "D computes the prompt itself", request.request_id, sent,
-                           request.num_prompt_tokens)
-            params["do_remote_prefill"] = False
-            return 0, False
         digest = _prompt_digest(request)
-        if not streamed and params.get("prompt") != digest:
-            logger.warning("D request %s: its kv_transfer_params are for another prompt (or "
-                           "none); D computes it itself", request.request_id)
-            params["do_remote_prefill"] = False
+        if sent != request.num_prompt_tokens or (not streamed and params.get("prompt") != digest):
+            self._fall_back("other_prompt", request, f"its kv_transfer_params are for another "
+                            f"prompt ({sent!r} tokens, D's has {request.num_prompt_tokens})")
             return 0, False
         count = request.num_prompt_tokens - num_computed
         if count <= 0:
+            return 0, False
+        if count < self.threshold and not streamed:  # P's lease let go of at once (below)
+            self._waiting.pop(req_id, None)
+            self._expects.append(dict(params))
+            self._cancels.append(dict(params))
+            self._fall_back("below_threshold", request, f"{count} tokens to load, below "
+                            f"kv_recompute_threshold {self.threshold}")
             return 0, False
         self._local[request.request_id] = num_computed
         self._prompts[request.request_id] = digest
@@ -351,6 +361,8 @@ class _SchedulerSide:
             if num_external <= 0 and waited is not None:
                 self._cancels.append(waited)  # D computes it all itself
             if num_external > 0:
+                if self.fallbacks is not None:
+                    self.fallbacks.loading(request.request_id, params)
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
                         for g in self.groups]
                 self._loads[request.request_id] = LoadRequest(
@@ -402,6 +414,8 @@ class _SchedulerSide:
                     [s.peer for s in sources])
 
     def finished(self, request: Request) -> dict[str, Any] | None:
+        if self.fallbacks is not None:
+            self.fallbacks.finished(request.request_id)
         self._local.pop(request.request_id, None)
         self._prompts.pop(request.request_id, None)
         waited = self._waiting.pop(request.request_id, None)
@@ -418,6 +432,16 @@ class _SchedulerSide:
 
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
+
+    def _fall_back(self, reason: str, request: Request, why: str) -> None:
+        """D computes this request's prompt itself (once: its params stop asking)."""
+        params = request.kv_transfer_params
+        if self.fallbacks is not None:
+            self.fallbacks.count(reason, p_engine(params), request.request_id, why)
+        else:
+            logger.warning("D request %s: %s; D computes its prompt itself",
+                           request.request_id, why)
+        params["do_remote_prefill"] = False
 
 
 def _prompt_digest(request: Request) -> str | None:
