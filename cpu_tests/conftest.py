@@ -11,6 +11,12 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+import tempfile  # noqa: E402
+
+# Agents' names are claimed on the host (`kvxfer.nixl.claims`): this session's own folder, so
+# that test runs side by side on one machine, each naming its agents P and D, do not meet.
+os.environ.setdefault("KVXFER_AGENT_DIR", tempfile.mkdtemp(prefix="kvxfer-agents-"))
+
 import pytest  # noqa: E402
 
 

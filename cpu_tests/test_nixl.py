@@ -362,6 +362,14 @@ def test_the_first_stream_to_a_p_restarted_under_its_name_and_port_is_read(peers
         p.kill()
 
 
+def test_a_second_agent_under_a_live_agents_name_is_refused_at_start_naming_it(peers):
+    p, d = peers["P"], peers["D"]  # D is live, in a process of its own
+    with pytest.raises(InvalidInputError, match=rf"name 'D' is already in use by process "
+                                                rf"{d.proc.pid} \(on this host"):
+        start_agent(TransportConfig("D"), [Staging(1, 4, (8,))])
+    assert_read_intact(d, "twin", stage_and_hold(p, "twin", [90], seed=3), [2], {90: 3})
+
+
 def test_malformed_or_forged_notifications_are_dropped_alone_and_the_batch_goes_on(peers):
     p, d = peers["P"], peers["D"]
     connect(d, p, "P")

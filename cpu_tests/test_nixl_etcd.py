@@ -103,6 +103,17 @@ def test_a_killed_ps_stale_record_fails_its_requests_and_a_restart_serves_new_on
     assert_read_intact(d, "r", new, [5, 6], {1: 8, 2: 8})
 
 
+def test_a_second_agent_under_a_live_agents_name_is_refused_at_start_naming_it(peers, etcd):
+    d = peers("D", "D_twice")
+    d.port  # noqa: B018 - started: it holds its name
+    with pytest.raises(InvalidInputError, match=rf"name 'D_twice' is already in use by process "
+                                                rf"{d.proc.pid} on host .*claimed in etcd at "
+                                                rf"{etcd}"):
+        start_agent(TransportConfig("D_twice", etcd_endpoints=etcd), [Staging(1, 4, (8,))])
+    p = peers("P", "P_twice")
+    assert_read_intact(d, "r", stage_and_hold(p, "r", [4], seed=2), [1], {4: 2})
+
+
 def test_ps_left_at_the_default_name_are_each_reachable(peers):
     first, second, d = peers("P", None), peers("P", None), peers("D", "D_defaults")
     assert first.name != second.name and first.name.startswith("kvxfer-agent-")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.nixl import claims
 from kvxfer.nixl.wire import encode_message
 from kvxfer.plan.blocks import is_int
 
@@ -56,14 +57,13 @@ class TransportConfig:
     """Everything the transport reads, in one place.
 
     - `name`: this agent's name; P's name is what D connects to (params name
-      it). Unique among the live agents of a process. None (the default)
-      draws `default_name()`: host name, process id and random hex, so agents
-      left at the default never share a name, in etcd neither. A name another
-      live agent already published in etcd is not refused at start-up: NIXL's
-      records carry no lease, so a live agent's record reads the same as one
-      a killed agent left behind, and refusing it would keep a killed P from
-      restarting under its name. Two live agents under one name overwrite each
-      other's record; each warns when it finds the other's (`kvxfer.nixl.etcd`).
+      it). None (the default) draws `default_name()`: host name, process id
+      and random hex, so agents left at the default never share a name, in
+      etcd neither. A name a live agent holds is refused at start-up, naming
+      the name and its holder: in this process; with a listener, on this
+      host; with etcd, anywhere that etcd serves (`kvxfer.nixl.claims`). A
+      killed agent's name is free again at once on a host, and within
+      `claims.TTL_S` in etcd (a start waits that long before refusing).
     - `host`: the address this agent is reached at (advertised by P in params).
     - `listen_port`: NIXL metadata listener port; 0 picks a free one.
     - `handshake_timeout_s`: deadline of `connect`.
@@ -234,6 +234,7 @@ def claim_name(name: str) -> None:
 def release_name(name: str) -> None:
     with _live_lock:
         _live_names.discard(name)
+    claims.give_back(name)
 
 
 HOST_TLS = "cma,tcp,self"
@@ -394,6 +395,8 @@ def start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[A
         raise InvalidInputError(f"config must be a TransportConfig, got {config!r:.80}")
     claim_name(config.name)
     try:
+        # No live agent elsewhere has the name (`kvxfer.nixl.claims`).
+        claims.take(config.name, config.etcd_endpoints, config.host)
         agent, port = _create_agent(config)
         regs = [(addr, n, 0, "") for s in stagings
                 for addr, n in [*s.region_addresses(), s.prints_address(), s.tags_address()]]

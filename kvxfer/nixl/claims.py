@@ -1,0 +1,192 @@
+"""Claims on an agent's name, so that no two live agents start under one name.
+
+NIXL tells agents apart by name alone. A second agent under a live agent's name (one
+`kv_connector_extra_config` template copied to two instances) starts without error, but
+its peers keep the first one's metadata (NIXL refuses other metadata under a name it
+holds) and answer the first: the second never reads anything, and nothing names why. So
+`take` refuses it at start, naming the name and who holds it:
+
+- With a listener, on this host: a lock file per name (`flock`) under
+  `KVXFER_AGENT_DIR` (default `<temp dir>/kvxfer-agents-<uid>`). The kernel lets go
+  of it when its holder exits, killed or not, so a restart is never refused. Two
+  hosts are not compared: without etcd there is nowhere both could look.
+- With etcd, across hosts: a key under `/kvxfer/names/`, put only if absent, under an
+  etcd lease its holder keeps alive from a thread of its own. A killed holder's key
+  lapses within `TTL_S`; a start that finds the name held waits that long for it to
+  lapse (a P restarted under its name) before it refuses. An etcd unreachable at
+  start is no error (the agent starts, as for its record in `kvxfer.nixl.etcd`): the
+  name is then not checked, with a warning.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from kvxfer.errors import InvalidInputError
+
+__all__ = ["TTL_S", "give_back", "take"]
+
+logger = logging.getLogger(__name__)
+
+TTL_S = 5
+"""How long a killed holder's etcd claim outlives it (and a start waits for that)."""
+_KEEP_S = 1.0  # how often the holder renews its etcd lease
+_TIMEOUT_S = 2.0
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+_held: dict[str, Any] = {}  # name -> this process's claim (a lock file's fd, or `_EtcdClaim`)
+_lock = threading.Lock()
+
+
+def _refusal(name: str, holder: str, where: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"NIXL agent name {name!r} is already in use by {holder} ({where}): peers answer "
+        f"one agent per name, so a second one could never read or be read; give each "
+        f"agent its own name (TransportConfig name, 'name' in kv_connector_extra_config)")
+
+
+def _holder() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def take(name: str, etcd_endpoints: str | None, host: str) -> None:
+    """Claim `name` for this process's agent, reached at `host`, on this host or (with
+    `etcd_endpoints`) in etcd; `InvalidInputError` naming the name and its holder if a
+    live agent elsewhere has it."""
+    claim = _etcd_claim(name, etcd_endpoints, host) if etcd_endpoints else _lock_file(name)
+    with _lock:
+        _held[name] = claim
+
+
+def give_back(name: str) -> None:
+    """Let go of `name` (the agent closed, or failed to start). Never raises."""
+    with _lock:
+        claim = _held.pop(name, None)
+    if isinstance(claim, int):
+        os.close(claim)  # the lock goes with the descriptor; the file stays, unlocked
+    elif claim is not None:
+        claim.release()
+
+
+def _lock_file(name: str) -> int:
+    folder = os.environ.get("KVXFER_AGENT_DIR") or os.path.join(
+        tempfile.gettempdir(), f"kvxfer-agents-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, hashlib.blake2b(name.encode(), digest_size=16).hexdigest())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        held = os.pread(fd, 4096, 0).decode(errors="replace")
+        os.close(fd)
+        try:
+            holder = f"process {json.loads(held)['pid']}"
+        except (ValueError, KeyError, TypeError):
+            holder = "another process"
+        raise _refusal(name, holder, f"on this host, lock {path}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({**_holder(), "name": name}).encode(), 0)
+    return fd
+
+
+def _post(endpoints: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """etcd's JSON gateway at the first of `endpoints` that answers; `OSError` if none."""
+    error: OSError = OSError(f"no etcd endpoint in {endpoints!r}")
+    for endpoint in endpoints.split(","):
+        request = urllib.request.Request(f"{endpoint.rstrip('/')}{path}",
+                                         json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        try:
+            with _DIRECT.open(request, timeout=_TIMEOUT_S) as answer:
+                return json.loads(answer.read())
+        except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
+            error = e if isinstance(e, OSError) else OSError(f"{endpoint}: {e}")
+    raise error
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _etcd_claim(name: str, endpoints: str, host: str) -> _EtcdClaim | None:
+    key = f"/kvxfer/names/{name}".encode()
+    mine = json.dumps({**_holder(), "address": host}).encode()
+    try:
+        lease = _post(endpoints, "/v3/lease/grant", {"TTL": TTL_S})["ID"]
+    except (OSError, KeyError) as e:
+        logger.warning("%s cannot claim its name in etcd at %s (%s): a second agent under "
+                       "it is not refused", name, endpoints, e)
+        return None
+    txn = {"compare": [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}],
+           "success": [{"request_put": {"key": _b64(key), "value": _b64(mine), "lease": lease}}],
+           "failure": [{"request_range": {"key": _b64(key)}}]}
+    give_up = time.monotonic() + TTL_S + 1.0  # a killed holder's claim lapses by then
+    while True:
+        try:
+            answer = _post(endpoints, "/v3/kv/txn", txn)
+        except OSError as e:
+            logger.warning("%s cannot claim its name in etcd (%s): not checked", name, e)
+            return None
+        if answer.get("succeeded"):
+            return _EtcdClaim(name, endpoints, lease)
+        if time.monotonic() > give_up:
+            break
+        time.sleep(0.25)
+    _revoke(endpoints, lease)
+    try:
+        kvs = answer["responses"][0]["response_range"]["kvs"]
+        held = json.loads(base64.b64decode(kvs[0]["value"]))
+        holder = f"process {held['pid']} on host {held['host']} ({held['address']})"
+    except (LookupError, ValueError, TypeError):
+        holder = "another agent"
+    raise _refusal(name, holder, f"claimed in etcd at {endpoints}")
+
+
+def _revoke(endpoints: str, lease: str) -> None:
+    try:
+        _post(endpoints, "/v3/lease/revoke", {"ID": lease})
+    except OSError as e:
+        logger.debug("revoking etcd lease %s: %s", lease, e)
+
+
+class _EtcdClaim:
+    """A name held in etcd: its lease renewed every `_KEEP_S` until `release`."""
+
+    def __init__(self, name: str, endpoints: str, lease: str):
+        self.name, self.endpoints, self.lease = name, endpoints, lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep, daemon=True,
+                                        name=f"kvxfer-claim-{name}")
+        self._thread.start()
+
+    def _keep(self) -> None:
+        warned = False
+        while not self._stop.wait(_KEEP_S):
+            try:
+                answer = _post(self.endpoints, "/v3/lease/keepalive", {"ID": self.lease})
+                kept = int(answer.get("result", {}).get("TTL", 0)) > 0
+            except (OSError, ValueError, TypeError) as e:
+                kept, why = False, str(e)
+            else:
+                why = "its lease lapsed (etcd lost it, or this process stalled)"
+            if not kept and not warned:
+                logger.warning("%s no longer holds its name in etcd: %s; another agent may "
+                               "start under it", self.name, why)
+            warned = not kept
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * _TIMEOUT_S)
+        _revoke(self.endpoints, self.lease)
