@@ -247,15 +247,8 @@ class DecodeTransport(StreamReading):
                 else:
                     self._advance(read)
                 if now > read.deadline and read.req_id in self._reads:
-                    if read.stream is not None and not read.waiting:
-                        logger.warning("D %s read of %s: P %s said nothing of stream %s (no "
-                                       "chunk, no wait) for %s s", self.config.name, read.req_id,
-                                       read.stream.peer, read.stream.stream,
-                                       self.config.transfer_timeout_s)
-                    else:
-                        logger.warning("D %s read of %s timed out in states %s", self.config.name,
-                                       read.req_id,
-                                       {p: leg.state.value for p, leg in read.legs.items()})
+                    logger.warning("D %s read of %s %s", self.config.name, read.req_id,
+                                   _late(read, self.config.transfer_timeout_s))
                     self._fail(read, reason="deadline")
             self.recorder.gauge("d_requests_waiting", len(self._reads) + len(self._expected))
             self._heartbeat(now)
@@ -381,6 +374,14 @@ class DecodeTransport(StreamReading):
         close_agent(self.agent, self._reg, f"D {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
+
+
+def _late(read: Read, timeout_s: float) -> str:
+    """Why `read` missed its deadline: a stream's P fell silent, or where its legs stood."""
+    if read.stream is not None and not read.waiting:
+        return (f"failed: P {read.stream.peer} said nothing of stream {read.stream.stream} "
+                f"(no chunk, no wait) for {timeout_s} s")
+    return f"timed out in states {({p: leg.state.value for p, leg in read.legs.items()})}"
 
 
 _Cancelled = tuple[str, list[str], str, int, str, float]
