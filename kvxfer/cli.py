@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvxfer.errors import InvalidInputError, KvxferError, SetupError
 from kvxfer.plan.blocks import cdiv, is_int
@@ -211,7 +212,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidInputError("--tp-p and --tp-d are options of `kvxfer bench e2e` and `ttft`")
     if any(v < 1 for v in tp.values()):
         raise InvalidInputError(f"--tp-p and --tp-d take a device count, 1 or more, got {tp}")
-    module = importlib.import_module(_BENCHES[args.what])
+    if args.load and args.what != "serve":
+        raise InvalidInputError("--load is an option of `kvxfer bench serve`")
+    module = importlib.import_module("kvxfer.bench.load" if args.load else _BENCHES[args.what])
     if args.what == "e2e":
         result = module.run(module.E2EConfig(stats=not args.no_stats, trace=args.trace, **tp))
     elif args.what == "ttft":
@@ -297,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "a D over it is a 504, or an ended stream once streaming began")
     proxy.set_defaults(func=_cmd_proxy)
 
+    _add_bench(sub)
+    return parser
+
+
+def _add_bench(sub: Any) -> None:
+    """`kvxfer bench WHAT`."""
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
     bench.add_argument("what", choices=sorted(_BENCHES))
     bench.add_argument("--json", action="store_true", help="print one JSON object")
@@ -305,14 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "and draw them in kvxfer-trace.png (with matplotlib)")
     bench.add_argument("--no-stats", action="store_true",
                        help="e2e: collect no counters or traces (what collecting costs)")
+    bench.add_argument("--load", action="store_true",
+                       help="serve: under load, with vLLM's own client (vllm bench serve), "
+                            "kvxfer against tpu-inference's connector and one colocated instance")
     for side, default in (("p", 4), ("d", 8)):
         bench.add_argument(f"--tp-{side}", type=int, default=None, metavar="N",
                            help=f"e2e, ttft: {side.upper()}'s devices (default {default}: emulated "
                                 f"CPU devices; on an accelerator, with JAX_PLATFORMS set, as many as "
                                 f"it has)")
     bench.set_defaults(func=_cmd_bench)
-    return parser
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

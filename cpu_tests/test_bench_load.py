@@ -1,0 +1,68 @@
+"""`kvxfer bench serve --load`'s arithmetic: what it reads off the engines' `/metrics` around
+a load point (the run itself needs `.venv-tpu` and minutes: `kvxfer bench serve --load`)."""
+
+import http.server
+import threading
+
+import pytest
+
+from kvxfer.bench import load
+from kvxfer.cli import main
+
+METRICS = """# HELP vllm:kvxfer_num_transfers_total transfers
+# TYPE vllm:kvxfer_num_transfers_total counter
+vllm:kvxfer_num_transfers_total{engine="0",model_name="tiny",role="D"} 6.0
+vllm:kvxfer_num_fallbacks_total{engine="0",reason="no_params",p_engine="none"} 1.0
+vllm:kvxfer_num_fallbacks_total{engine="0",reason="load_failed",p_engine="p"} 1.0
+vllm:kvxfer_kv_wait_time_seconds_sum{engine="0",role="D"} 0.6
+vllm:kvxfer_kv_wait_time_seconds_count{engine="0",role="D"} 6.0
+vllm:request_queue_time_seconds_sum{engine="0"} 0.9
+vllm:request_queue_time_seconds_count{engine="0"} 6.0
+vllm:request_prefill_time_seconds_sum{engine="0"} 0.12
+vllm:request_prefill_time_seconds_count{engine="0"} 6.0
+"""
+
+
+@pytest.fixture
+def d_url():
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_load_points_kv_moved_and_breakdown_come_from_the_metrics_deltas(d_url):
+    after = load._scrape({"D": d_url, "P": None})
+    assert after[("D", "vllm:kvxfer_num_fallbacks_total")] == 2.0  # label sets summed
+    before = {("D", "vllm:kvxfer_num_transfers_total"): 2.0,
+              ("D", "vllm:kvxfer_kv_wait_time_seconds_sum"): 0.2,
+              ("D", "vllm:kvxfer_kv_wait_time_seconds_count"): 2.0,
+              ("D", "vllm:request_queue_time_seconds_sum"): 0.3,
+              ("D", "vllm:request_queue_time_seconds_count"): 2.0}
+    out = load._deltas(before, after, completed=5)
+    assert out["kv_moved"] == 0.8  # 4 loads for 5 requests: one was computed on D
+    assert out["fallbacks"] == 2
+    b = out["breakdown_ms"]
+    assert b["d_kv_wait"] == 100.0 and b["d_queue"] == 150.0 and b["d_first_step"] == 20.0
+    assert b["d_handover"] == 70.0  # queued outside the KV wait, plus the first step
+    assert b["p_queue"] is None  # P's metrics were not scraped
+
+
+def test_a_stack_without_kvxfers_counters_says_kv_moved_is_unknown():
+    assert load._deltas({}, {("D", "vllm:num_requests_running"): 1.0}, 4) == {"kv_moved": None}
+
+
+def test_load_is_refused_by_name_for_other_benchmarks(capsys):
+    assert main(["bench", "ttft", "--load"]) == 2
+    assert "--load is an option of `kvxfer bench serve`" in capsys.readouterr().err

@@ -1,0 +1,240 @@
+"""`kvxfer bench serve --load`: P/D under load, sent by vLLM's own benchmark client.
+
+Three stacks, started in turn by `scripts/pd-up` on the same cores (tpu-inference 0.32's
+runner on JAX CPU, from `.venv-tpu`, the tiny float32 Llama, TP 1): kvxfer's connector
+behind `kvxfer proxy`, tpu-inference's own `TPUConnector` behind the same proxy, and one
+colocated `vllm serve` (the baseline disaggregation has to beat or explain). Against each,
+`vllm bench serve` (random dataset, fixed seed, the completions endpoint, `--ignore-eos`)
+at each load point: a prompt length and a number of requests in flight
+(`--max-concurrency`), after one unrecorded run per prompt length that compiles the
+batch shapes.
+
+Per stack and load point: completed and failed requests, p50/p90/p99 TTFT, TPOT and ITL,
+throughput, and `kv_moved`: the share of requests D loaded from P (kvxfer's
+`vllm:kvxfer_num_transfers` on D, against the requests completed; None for the stacks
+that do not count it). `ratios` are kvxfer's over tpu-inference's (p90 TTFT, p50 TPOT),
+per load point. `breakdown` says where kvxfer's TTFT went, as means per request from the
+engines' own histograms (deltas of `/metrics` around the load point): P's queue and
+prefill (vLLM's), P's gather into staging, D's wait for the KV (connect, read, ack,
+scatter: kvxfer's), and D's handover (D's queue time outside the KV wait, plus its first
+step). A progress line per load point goes to stderr; `.pd/bench/load.json` and
+`load.png` (TTFT and TPOT against load, one line per stack; with matplotlib) keep them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvxfer.errors import InvalidInputError
+
+__all__ = ["run", "LOADS", "STACKS"]
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / ".pd" / "bench"
+STACKS = {"kvxfer": {}, "tpu_inference": {"PD_CONNECTOR": "tpu"},
+          "colocated": {"PD_CONNECTOR": "none"}}
+LOADS = ((256, 1), (256, 2), (256, 4), (1024, 1), (1024, 2), (1024, 4))
+"""(prompt tokens, requests in flight) of each load point."""
+OUTPUT_TOKENS = 32
+PER_POINT = 3
+"""Requests per load point: this many times the concurrency (at least 4)."""
+
+_HIST = {  # breakdown name: (role, histogram)
+    "p_queue": ("P", "vllm:request_queue_time_seconds"),
+    "p_prefill": ("P", "vllm:request_prefill_time_seconds"),
+    "p_gather": ("P", "vllm:kvxfer_gather_time_seconds"),
+    "d_kv_wait": ("D", "vllm:kvxfer_kv_wait_time_seconds"),
+    "d_connect": ("D", "vllm:kvxfer_connect_time_seconds"),
+    "d_read": ("D", "vllm:kvxfer_read_time_seconds"),
+    "d_ack": ("D", "vllm:kvxfer_ack_time_seconds"),
+    "d_scatter": ("D", "vllm:kvxfer_scatter_time_seconds"),
+    "d_queue": ("D", "vllm:request_queue_time_seconds"),
+    "d_first_step": ("D", "vllm:request_prefill_time_seconds"),
+}
+_COUNTERS = {"d_transfers": ("D", "vllm:kvxfer_num_transfers_total"),
+             "d_fallbacks": ("D", "vllm:kvxfer_num_fallbacks_total")}
+
+
+def run(loads: tuple[tuple[int, int], ...] = LOADS) -> dict[str, Any]:
+    vllm = ROOT / ".venv-tpu" / "bin" / "vllm"
+    if not (ROOT / "scripts" / "pd-up").exists() or not vllm.exists():
+        raise InvalidInputError(f"kvxfer bench serve --load runs from a checkout of kvxfer with "
+                                f".venv-tpu built (bash scripts/tpu-inference-env); {vllm} is "
+                                f"missing")
+    OUT.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"loads": [list(x) for x in loads], "output_tokens": OUTPUT_TOKENS,
+                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}
+    for name, env in STACKS.items():
+        result[name] = _stack(name, env, loads)
+    result["ratios"] = {}
+    for key, point in result["kvxfer"].items():
+        other = result["tpu_inference"].get(key, {})
+        result["ratios"][key] = {m: _ratio(point.get(m), other.get(m))
+                                 for m in ("p90_ttft_ms", "median_tpot_ms")}
+    result["ok"] = all(p.get("failed", 1) == 0 for s in STACKS for p in result[s].values()) and \
+        all(p.get("kv_moved") == 1.0 for p in result["kvxfer"].values())
+    (OUT / "load.json").write_text(json.dumps(result, indent=1))
+    result["plot"] = _plot(result, loads)
+    return result
+
+
+def _stack(name: str, env: dict[str, str], loads: tuple[tuple[int, int], ...]
+           ) -> dict[str, dict[str, Any]]:
+    run_dir = ROOT / ".pd" / f"load-{name}"
+    model = ROOT / ".pd" / "bench-model"
+    if not (model / "config.json").exists():
+        subprocess.run([str(ROOT / ".venv-tpu/bin/python"), "scripts/tiny-model", str(model)],
+                       cwd=ROOT, check=True, timeout=300, stdout=sys.stderr)
+    longest = max(n for n, _ in loads) + OUTPUT_TOKENS
+    environ = {**os.environ, "PD_DIR": str(run_dir), "PD_MODEL_NAME": "tiny",
+               "PD_MAX_MODEL_LEN": str(1 << math.ceil(math.log2(longest))),
+               "PD_MAX_NUM_SEQS": str(max(c for _, c in loads)), "PD_EXTRA_ARGS": "", **env}
+    points: dict[str, dict[str, Any]] = {}
+    try:
+        subprocess.run(["bash", "scripts/pd-up", str(model)], cwd=ROOT, env=environ,
+                       check=True, timeout=600, stdout=sys.stderr)
+        urls = dict(line.split("=", 1) for line in (run_dir / "stack.env").read_text().splitlines()
+                    if "=" in line)
+        front = urls.get("PROXY_URL") or urls["P_URL"]
+        roles = {"P": urls["P_URL"], "D": urls.get("D_URL") or None}
+        for n in dict.fromkeys(n for n, _ in loads):  # compiles every batch shape, unrecorded
+            _client(front, model, n, max(c for _, c in loads), run_dir / f"warm-{n}.json",
+                    seed=n, ready_check=True)
+        for i, (n, concurrency) in enumerate(loads):
+            before = _scrape(roles)
+            point = _client(front, model, n, concurrency, run_dir / f"{n}-{concurrency}.json",
+                            seed=1_000_000 + i)
+            point.update(_deltas(before, _scrape(roles), point["completed"]))
+            points[f"{n}x{concurrency}"] = point
+            print(f"bench serve --load: {name} {n} tokens x {concurrency} in flight: p90 TTFT "
+                  f"{point['p90_ttft_ms']} ms, p50 TPOT {point['median_tpot_ms']} ms, "
+                  f"{point['completed']} done, {point['failed']} failed, KV moved "
+                  f"{point.get('kv_moved')}", file=sys.stderr, flush=True)
+    finally:
+        subprocess.run(["bash", "scripts/pd-down"], cwd=ROOT, env=environ, timeout=120,
+                       stdout=sys.stderr)
+    return points
+
+
+def _client(url: str, model: Path, prompt: int, concurrency: int, out: Path, seed: int,
+            ready_check: bool = False) -> dict[str, Any]:
+    """One `vllm bench serve` run; its figures. Each run has prompts of its own (`seed`): a
+    prompt an engine saw before would be a prefix-cache hit, on D not loaded at all. Only
+    the warm-up sends vLLM's ready-check request, which `completed` would not count."""
+    num = max(4, PER_POINT * concurrency)
+    argv = [str(ROOT / ".venv-tpu/bin/vllm"), "bench", "serve", "--backend", "vllm",
+            "--base-url", url, "--endpoint", "/v1/completions", "--model", "tiny",
+            "--tokenizer", str(model), "--dataset-name", "random",
+            "--random-input-len", str(prompt), "--random-output-len", str(OUTPUT_TOKENS),
+            "--random-range-ratio", "0", "--num-prompts", str(num),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
+            "--temperature", "0", "--seed", str(seed), "--num-warmups", "0",
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,90,99",
+            "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
+            "--result-filename", out.name,
+            "--ready-check-timeout-sec", "60" if ready_check else "0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(argv, cwd=ROOT, env=env, timeout=900, stdout=sys.stderr,
+                          stderr=sys.stderr)
+    if done.returncode or not out.exists():
+        raise InvalidInputError(f"vllm bench serve against {url} failed (exit "
+                                f"{done.returncode}); its output is above")
+    raw = json.loads(out.read_text())
+    point = {"completed": raw.get("completed", 0),
+             "failed": raw.get("failed", num - raw.get("completed", 0)),
+             "request_throughput": _round(raw.get("request_throughput")),
+             "output_throughput": _round(raw.get("output_throughput"))}
+    for metric in ("ttft", "tpot", "itl"):
+        for stat in ("median", "p90", "p99"):
+            point[f"{stat}_{metric}_ms"] = _round(raw.get(f"{stat}_{metric}_ms"))
+    return point
+
+
+_LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def _scrape(roles: dict[str, str | None]) -> dict[tuple[str, str], float]:
+    """Every sample of P's and D's `/metrics`, summed over label sets: `(role, name)`."""
+    out: dict[tuple[str, str], float] = {}
+    for role, url in roles.items():
+        if url is None:
+            continue
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            for line in response.read().decode().splitlines():
+                m = _LINE.match(line)
+                if m and not line.startswith("#"):
+                    key = (role, m.group(1))
+                    out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def _deltas(before: dict, after: dict, completed: int) -> dict[str, Any]:
+    """KV moved and the breakdown (mean seconds per request, as ms) between two scrapes."""
+    def delta(role: str, name: str) -> float | None:
+        if (role, name) not in after:
+            return None
+        return after[(role, name)] - before.get((role, name), 0.0)
+
+    moved = delta(*_COUNTERS["d_transfers"])
+    out: dict[str, Any] = {"kv_moved": None if moved is None or not completed
+                           else round(moved / completed, 3)}
+    fallbacks = delta(*_COUNTERS["d_fallbacks"])
+    if fallbacks is not None:
+        out["fallbacks"] = int(fallbacks)
+    if moved is None:
+        return out
+    breakdown = {}
+    for key, (role, name) in _HIST.items():
+        total, count = delta(role, name + "_sum"), delta(role, name + "_count")
+        breakdown[key] = round(1e3 * total / count, 2) if total is not None and count else None
+    wait, queue = breakdown.get("d_kv_wait"), breakdown.get("d_queue")
+    breakdown["d_handover"] = (round(queue - wait + (breakdown.get("d_first_step") or 0), 2)
+                               if wait is not None and queue is not None else None)
+    out["breakdown_ms"] = breakdown
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _round(v: Any) -> float | None:
+    return None if v is None else round(float(v), 2)
+
+
+def _plot(result: dict[str, Any], loads: tuple[tuple[int, int], ...]) -> str | None:
+    """TTFT and TPOT against load, one line per stack and prompt length; the file's path, or
+    None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, title in zip(axes, ("p90_ttft_ms", "median_tpot_ms"),
+                                 ("p90 TTFT (ms)", "p50 TPOT (ms)")):
+        for stack in STACKS:
+            for n in dict.fromkeys(n for n, _ in loads):
+                xs = [c for m, c in loads if m == n]
+                ys = [result[stack].get(f"{n}x{c}", {}).get(metric) for c in xs]
+                ax.plot(xs, ys, marker="o", label=f"{stack}, {n} tokens")
+        ax.set_xlabel("requests in flight")
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = OUT / "load.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
