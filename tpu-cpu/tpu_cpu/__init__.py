@@ -21,6 +21,10 @@ without TPUs, by changing as little as possible:
 
 With libtpu importable (a real TPU host) both entry points do nothing.
 
+Off by default: one JAX instance over several Ray nodes (`multihost`: `jax.distributed` from
+`TPU_CPU_JAX_COORDINATOR` and its siblings, which `scripts/ray-up` sets on each node), applied by
+`general()` in the worker of each node before its backends start.
+
 Off by default: what tpu-inference's own KV connector needs (`tpu_connector`: its copy kernels
 in plain JAX, and the order it needs vLLM 0.32 to call `start_load_kv` in), installed only with
 `TPU_CPU_TPU_CONNECTOR=1`, for the benchmark that compares connectors (`kvxfer bench serve`).
@@ -51,12 +55,15 @@ def platform() -> str | None:
 
 def general() -> None:
     """vLLM general plugin: the pure-JAX attention stand-in in place of the Pallas kernel (and,
-    with `TPU_CPU_TPU_CONNECTOR=1`, what tpu-inference's own connector needs: `tpu_connector`)."""
+    with `TPU_CPU_JAX_COORDINATOR` set, this process joined to a JAX instance over several
+    processes: `multihost`; with `TPU_CPU_TPU_CONNECTOR=1`, what tpu-inference's own connector
+    needs: `tpu_connector`)."""
     if not active():
         return
-    from tpu_cpu import attention, patches
+    from tpu_cpu import attention, multihost, patches
 
     patches.install()
+    multihost.install()
     attention.install()
     if os.environ.get("TPU_CPU_TPU_CONNECTOR") == "1":
         from tpu_cpu import tpu_connector
