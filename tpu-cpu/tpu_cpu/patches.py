@@ -40,6 +40,7 @@ def install() -> None:
     patch_device_kind()
     patch_compile_options()
     patch_device_put_copies_host_arrays()
+    patch_make_array_from_callback_copies_host_arrays()
     patch_torch_named_overloads()
     patch_torchvision_register_fake()
 
@@ -141,6 +142,36 @@ def patch_device_put_copies_host_arrays() -> None:
     device_put._tpu_cpu = True
     device_put.__wrapped__ = original
     jax.device_put = device_put
+
+
+def patch_make_array_from_callback_copies_host_arrays() -> None:
+    """Makes `jax.make_array_from_callback` copy the numpy arrays its callback returns.
+
+    Why: the same aliasing as `patch_device_put_copies_host_arrays`, on the other path.
+    Under its Ray executor (`TPU_MULTIHOST_BACKEND=ray`) tpu-inference puts every step's inputs
+    through `general_device_put`, which builds them with `make_array_from_callback(...,
+    lambda index: t[index])`: a view of the persistent host buffer it rewrites for the next step.
+    JAX's CPU backend may wrap that memory without copying. Seen across two Ray nodes: the same
+    greedy request, repeated on one server, gave decode logprobs that differed by about 1e-2 from
+    run to run. Copying restores a TPU's semantics (a host-to-device transfer copies).
+    """
+    import jax
+    import numpy as np
+
+    original = jax.make_array_from_callback
+    if getattr(original, "_tpu_cpu", False):
+        return
+
+    def make_array_from_callback(shape, sharding, data_callback, *args, **kwargs):
+        def copied(index):
+            data = data_callback(index)
+            return np.array(data, copy=True) if isinstance(data, np.ndarray) else data
+
+        return original(shape, sharding, copied, *args, **kwargs)
+
+    make_array_from_callback._tpu_cpu = True
+    make_array_from_callback.__wrapped__ = original
+    jax.make_array_from_callback = make_array_from_callback
 
 
 class _MissingOverload:
