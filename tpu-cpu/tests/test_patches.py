@@ -20,6 +20,8 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     if sys.argv[1] == "unpatched":
         jax.device_put = jax.device_put.__wrapped__
+    if sys.argv[1] == "unpatched_callback":
+        jax.make_array_from_callback = jax.make_array_from_callback.__wrapped__
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     from tpu_inference.utils import DeviceBuffer, device_array
 
@@ -51,8 +53,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run(mode: str) -> tuple[int, int]:
+def run(mode: str, backend: str = "") -> tuple[int, int]:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env.pop("TPU_MULTIHOST_BACKEND", None)
+    if backend:
+        env["TPU_MULTIHOST_BACKEND"] = backend
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=240
     )
@@ -68,3 +73,13 @@ def test_a_step_sees_its_own_metadata_while_the_next_step_is_prepared():
 def test_device_put_still_aliases_without_the_patch():
     # Documents why the patch exists; if a JAX release stops aliasing, the patch becomes a no-op.
     assert run("unpatched") != (sum(range(64)), 5)
+
+
+# Under its Ray executor (TPU_MULTIHOST_BACKEND=ray) tpu-inference's device_array builds the array
+# with jax.make_array_from_callback from views of the buffer instead of device_put.
+def test_under_ray_a_step_sees_its_own_metadata_while_the_next_step_is_prepared():
+    assert run("patched", backend="ray") == (sum(range(64)), 5)
+
+
+def test_make_array_from_callback_still_aliases_without_the_patch():
+    assert run("unpatched_callback", backend="ray") != (sum(range(64)), 5)
