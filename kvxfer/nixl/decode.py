@@ -331,7 +331,7 @@ class DecodeTransport(StreamReading):
         """Extend P's leases of the requests D still wants (reading or expected), and say
         done for those cancelled."""
         self._cancelled, cancelled = _due(self._cancelled, now, self.peers, self.handshakes)
-        for say in (lambda: self.peers.heartbeat(_wanted(self._reads, self._expected), now),
+        for say in (lambda: self.peers.heartbeat(lambda: _wanted(self._reads, self._expected), now),
                     lambda: self.peers.say_done([c[:5] for c in cancelled], self.reader)):
             for peer, error in say().items():
                 self._drop_peer(peer, error)

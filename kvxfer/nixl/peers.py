@@ -173,12 +173,17 @@ class Peers:
                 raise TransferError(f"params of {p.req_id!r} name P slots {bad[:4]} of group "
                                     f"{g}, past {source.peer!r}'s {group.num_slots}")
 
-    def heartbeat(self, wanted: Mapping[str, list[list[Any]]], now: float) -> dict[str, str]:
-        """Send `hb` to each connected peer in `wanted` (`[P's request id, generation, done
+    def heartbeat(self, wanted: Callable[[], Mapping[str, list[list[Any]]]], now: float
+                  ) -> dict[str, str]:
+        """Send `hb` to each connected peer in `wanted()` (`[P's request id, generation, done
         token]` per request) whose last one is `heartbeat_interval_s` old; returns the peers
-        it failed for, with why."""
+        it failed for, with why. `wanted` is called only when one is due: D's engine calls
+        this every step."""
+        interval = self.config.heartbeat_interval_s
+        if all(now - peer.last_heartbeat < interval for peer in self._peers.values()):
+            return {}
         failed = {}
-        for name, reqs in wanted.items():
+        for name, reqs in wanted().items():
             peer = self._peers.get(name)
             if peer is None or now - peer.last_heartbeat < self.config.heartbeat_interval_s:
                 continue

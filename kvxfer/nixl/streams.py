@@ -398,6 +398,8 @@ class StreamReading:
         (to write one part while the next is read) made single requests 1.2-2.5x slower
         and `kvxfer bench e2e`'s stream about 25% slower (the read and the write contend
         for the same cores, and the poster waits for the engine's thread between parts)."""
+        if not read.chunks:  # D's engine asks every step: nothing named since the last READ
+            return False
         n = len(self.stagings)
         chunks, read.chunks = read.chunks, []
         keys = tuple(tuple(k for c in chunks for k in c.keys[g]) for g in range(n))
