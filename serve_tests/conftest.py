@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from serve_stack import Stack, start
+from serve_stack import Stack, start, start_ray
 
 
 @pytest.fixture(scope="module")
@@ -27,3 +27,9 @@ def router_stack() -> Iterator[Stack]:
     """P and D at TP 1 behind vllm-router (`PD_FRONT=vllm-router`) instead of `kvxfer proxy`."""
     yield from start("router", PD_FRONT="vllm-router", PD_P_PORT="8140", PD_D_PORT="8240",
                      PD_PROXY_PORT="8040", PD_KV_PORT="5614")
+
+
+@pytest.fixture(scope="module")
+def ray_stack() -> Iterator[Stack]:
+    """P and D each over two Ray nodes (tpu-inference's Ray executor), by `scripts/ray-pd-up`."""
+    yield from start_ray("ray")

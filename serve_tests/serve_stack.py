@@ -89,3 +89,34 @@ def http_error(call) -> urllib.error.HTTPError:
     except urllib.error.HTTPError as e:
         return e
     pytest.fail(f"expected an error status, got an answer: {json.dumps(answer)[:300]}")
+
+
+def start_ray(name: str) -> Iterator[Stack]:
+    """P and D each over two Ray nodes of their own (network namespaces), tpu-inference's Ray
+    executor running their workers, started by `scripts/ray-pd-up` and stopped by
+    `scripts/ray-pd-down` whatever the tests did. Skipped where namespaces cannot be made
+    (not root, no `ip`) or Ray is not installed; CI runs as root, and the set-up installs Ray."""
+    from kvxfer.bench.hosts import netns_available
+
+    reason = netns_available()
+    if reason is None and not (ROOT / ".venv-tpu" / "bin" / "ray").exists():
+        reason = "Ray is not installed in .venv-tpu (scripts/tpu-inference-env installs it)"
+    if reason is not None:
+        pytest.skip(reason)
+    run_dir = ROOT / ".pd" / f"serve_tests-{name}"
+    environ = {**os.environ, "RAY_PD_DIR": str(run_dir), "RAY_PD_TAG": "st", "PD_CHUNK": str(CHUNK),
+               "PD_MODEL_NAME": "tiny",
+               "PD_EXTRA_ARGS": "--enable-prompt-tokens-details"}
+    model = ROOT / ".pd" / "serve_tests-model"
+    if not (model / "config.json").exists():
+        subprocess.run([ROOT / ".venv-tpu/bin/python", "scripts/tiny-model", str(model)],
+                       cwd=ROOT, check=True, timeout=300)
+    try:
+        subprocess.run(["bash", "scripts/ray-pd-up", str(model)], cwd=ROOT, env=environ,
+                       check=True, timeout=600)  # two clusters, two servers compiling
+        recorded = dict(line.split("=", 1) for line in
+                        (run_dir / "stack.env").read_text().splitlines() if "=" in line)
+        yield Stack(run_dir, recorded["MODEL_NAME"], recorded["P_URL"], recorded["D_URL"],
+                    recorded["PROXY_URL"])
+    finally:
+        subprocess.run(["bash", "scripts/ray-pd-down"], cwd=ROOT, env=environ, timeout=180)
