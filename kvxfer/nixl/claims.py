@@ -8,25 +8,30 @@ holds) and answer the first: the second never reads anything, and nothing names 
 
 - With a listener, on this host: a lock file per name (`flock`) under
   `KVXFER_AGENT_DIR` (default `<temp dir>/kvxfer-agents-<uid>`). The kernel lets go
-  of it when its holder exits, killed or not, so a restart is never refused. Two
-  hosts are not compared: without etcd there is nowhere both could look.
+  of it when its holder exits, killed or not, so a restart is never refused (a child
+  the holder forked holds none of it). Two hosts are not compared: without etcd there
+  is nowhere both could look. The folder must be this user's alone, and a lock file
+  a plain file: anything else is a `SetupError` naming it (in a shared temp dir
+  another user could make the folder first and plant links under the names' files).
 - With etcd, across hosts: a key under `/kvxfer/names/`, put only if absent, under an
   etcd lease its holder keeps alive from a thread of its own. A killed holder's key
   lapses within `TTL_S`; a start that finds the name held waits that long for it to
   lapse (a P restarted under its name) before it refuses. An etcd unreachable at
   start is no error (the agent starts, as for its record in `kvxfer.nixl.etcd`): the
-  name is then not checked, with a warning.
+  name is then not checked, with a warning; so is one whose answers are not etcd's.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -34,7 +39,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from kvxfer.errors import InvalidInputError
+from kvxfer.errors import InvalidInputError, SetupError
 
 __all__ = ["TTL_S", "give_back", "take"]
 
@@ -80,25 +85,75 @@ def give_back(name: str) -> None:
         claim.release()
 
 
+def _forget_in_child() -> None:
+    """A forked child holds no name: its copies of the lock files' descriptors would keep
+    them locked after the parent let go, and the parent's etcd lease is the parent's."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    for claim in _held.values():
+        if isinstance(claim, int):
+            os.close(claim)  # the parent's descriptor keeps the lock while the parent holds it
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _lock_file(name: str) -> int:
+    folder = _folder()
+    path = os.path.join(folder, hashlib.blake2b(name.encode(), digest_size=16).hexdigest())
+    try:  # never through a link: a file of this user's elsewhere would be overwritten
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        why = "not a plain file (a link)" if e.errno == errno.ELOOP else e.strerror
+        raise SetupError(f"cannot claim NIXL agent name {name!r}: lock {path} in "
+                         f"KVXFER_AGENT_DIR {folder!r}: {why}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SetupError(f"cannot claim NIXL agent name {name!r}: lock {path} in "
+                             f"KVXFER_AGENT_DIR {folder!r} is not a plain file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            held = os.pread(fd, 4096, 0).decode(errors="replace")
+            try:
+                holder = f"process {json.loads(held)['pid']}"
+            except (ValueError, KeyError, TypeError):
+                holder = "another process"
+            raise _refusal(name, holder, f"on this host, lock {path}") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({**_holder(), "name": name}).encode(), 0)
+        except OSError as e:
+            raise SetupError(f"cannot claim NIXL agent name {name!r}: writing lock {path}: "
+                             f"{e.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _folder() -> str:
+    """`KVXFER_AGENT_DIR`, made if missing: a folder of this user's that nobody else may
+    write to (the default is under the shared temp dir, where another user could make it
+    first and plant links under the names' lock files)."""
     folder = os.environ.get("KVXFER_AGENT_DIR") or os.path.join(
         tempfile.gettempdir(), f"kvxfer-agents-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    path = os.path.join(folder, hashlib.blake2b(name.encode(), digest_size=16).hexdigest())
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        held = os.pread(fd, 4096, 0).decode(errors="replace")
-        os.close(fd)
-        try:
-            holder = f"process {json.loads(held)['pid']}"
-        except (ValueError, KeyError, TypeError):
-            holder = "another process"
-        raise _refusal(name, holder, f"on this host, lock {path}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({**_holder(), "name": name}).encode(), 0)
-    return fd
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        info = os.stat(folder)
+    except OSError as e:
+        raise SetupError(f"KVXFER_AGENT_DIR {folder!r}, where agents claim their names, "
+                         f"cannot be made or read: {e.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise SetupError(f"KVXFER_AGENT_DIR {folder!r}, where agents claim their names, is "
+                         f"not a folder")
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise SetupError(f"KVXFER_AGENT_DIR {folder!r}, where agents claim their names, is "
+                         f"not this user's alone (owner uid {info.st_uid}, mode "
+                         f"{stat.S_IMODE(info.st_mode):o}): others may write to it; remove "
+                         f"it or point KVXFER_AGENT_DIR at a folder of this user's")
+    return folder
 
 
 def _post(endpoints: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -110,9 +165,13 @@ def _post(endpoints: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
                                          {"Content-Type": "application/json"})
         try:
             with _DIRECT.open(request, timeout=_TIMEOUT_S) as answer:
-                return json.loads(answer.read())
+                value = json.loads(answer.read())
         except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
             error = e if isinstance(e, OSError) else OSError(f"{endpoint}: {e}")
+            continue
+        if isinstance(value, dict):
+            return value
+        error = OSError(f"{endpoint}{path} answered {value!r:.80}, not a JSON object")
     raise error
 
 
@@ -124,8 +183,10 @@ def _etcd_claim(name: str, endpoints: str, host: str) -> _EtcdClaim | None:
     key = f"/kvxfer/names/{name}".encode()
     mine = json.dumps({**_holder(), "address": host}).encode()
     try:
-        lease = _post(endpoints, "/v3/lease/grant", {"TTL": TTL_S})["ID"]
-    except (OSError, KeyError) as e:
+        lease = _post(endpoints, "/v3/lease/grant", {"TTL": TTL_S}).get("ID")
+        if not (isinstance(lease, str) and lease.isdecimal() or type(lease) is int):
+            raise OSError(f"etcd granted lease {lease!r:.80}, not an int64")
+    except OSError as e:
         logger.warning("%s cannot claim its name in etcd at %s (%s): a second agent under "
                        "it is not refused", name, endpoints, e)
         return None
@@ -139,8 +200,13 @@ def _etcd_claim(name: str, endpoints: str, host: str) -> _EtcdClaim | None:
         except OSError as e:
             logger.warning("%s cannot claim its name in etcd (%s): not checked", name, e)
             return None
-        if answer.get("succeeded"):
+        if answer.get("succeeded") is True:
             return _EtcdClaim(name, endpoints, lease)
+        if not isinstance(answer.get("header"), dict):  # etcd's own answers all have one
+            logger.warning("%s cannot claim its name in etcd: it answered %r: not checked",
+                           name, f"{answer!r:.80}")
+            _revoke(endpoints, lease)
+            return None
         if time.monotonic() > give_up:
             break
         time.sleep(0.25)
@@ -175,8 +241,9 @@ class _EtcdClaim:
         warned = False
         while not self._stop.wait(_KEEP_S):
             try:
-                answer = _post(self.endpoints, "/v3/lease/keepalive", {"ID": self.lease})
-                kept = int(answer.get("result", {}).get("TTL", 0)) > 0
+                result = _post(self.endpoints, "/v3/lease/keepalive", {"ID": self.lease}
+                               ).get("result")
+                kept = isinstance(result, dict) and int(result.get("TTL", 0)) > 0
             except (OSError, ValueError, TypeError) as e:
                 kept, why = False, str(e)
             else:
