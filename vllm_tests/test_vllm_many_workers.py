@@ -8,6 +8,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import free_port
 from kvxfer.nixl.wire import Source
 from kvxfer.vllm.reports import WorkerReport, worker_processes
@@ -85,3 +86,19 @@ def test_p_reuses_a_requests_slots_only_once_every_p_worker_has_freed_it(engines
     engine.connector.update_connector_output(both.kv_connector_output)
     assert prefill.held() == []
     assert not engine.connector.has_pending_push_work()
+
+
+@pytest.mark.parametrize("freed", [{"r": -1}, {"r": 0}, {"r": True}, {"r": 1.0}, {"r": "1"},
+                                   {7: 1}, ["r"]])
+def test_a_worker_report_with_a_count_that_is_no_positive_int_is_refused_naming_it(freed):
+    """A negative count would hold a request's slots for ever (no worker frees it twice), a
+    str one would fail vLLM's scheduler at the next aggregate, far from the worker."""
+    with pytest.raises(InvalidInputError, match="WorkerReport freed"):
+        WorkerReport(freed)
+
+
+@pytest.mark.parametrize("sources,units", [(("p-0",), 4), (HALVES, -1), (HALVES, 2.0),
+                                           (list(HALVES), 4)])
+def test_a_worker_report_with_odd_sources_or_units_is_refused_naming_them(sources, units):
+    with pytest.raises(InvalidInputError, match="WorkerReport"):
+        WorkerReport({}, sources, units)

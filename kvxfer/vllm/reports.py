@@ -15,7 +15,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import Source
+from kvxfer.plan.blocks import is_int
 
 __all__ = ["WorkerReport", "worker_processes"]
 
@@ -34,6 +36,22 @@ class WorkerReport(KVConnectorWorkerMetadata):
     freed: dict[str, int] = field(default_factory=dict)
     sources: tuple[Source, ...] = ()
     units: int = 0
+
+    def __post_init__(self) -> None:
+        # The scheduler adds the counts up to the number of P processes: a count of 0 or
+        # below would hold a request's slots for ever (no worker frees it twice), one that
+        # is no int would fail vLLM's scheduler at the next aggregate, far from the worker.
+        if not isinstance(self.freed, dict) or not all(
+                isinstance(r, str) and is_int(n) and n >= 1 for r, n in self.freed.items()):
+            raise InvalidInputError(f"WorkerReport freed must map request ids (str) to "
+                                    f"positive ints, got {self.freed!r:.120}")
+        if not isinstance(self.sources, tuple) or not all(
+                isinstance(s, Source) for s in self.sources):
+            raise InvalidInputError(f"WorkerReport sources must be a tuple of Source, got "
+                                    f"{self.sources!r:.120}")
+        if not is_int(self.units) or self.units < 0:
+            raise InvalidInputError(f"WorkerReport units must be an int >= 0, got "
+                                    f"{self.units!r}")
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, WorkerReport):
