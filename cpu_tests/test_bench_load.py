@@ -63,6 +63,22 @@ def test_a_stack_without_kvxfers_counters_says_kv_moved_is_unknown():
     assert load._deltas({}, {("D", "vllm:num_requests_running"): 1.0}, 4) == {"kv_moved": None}
 
 
-def test_load_is_refused_by_name_for_other_benchmarks(capsys):
+def test_kv_moved_counts_each_request_once_over_ds_workers():
+    # D over two hosts: each worker counts a transfer once it read its piece of the KV.
+    before = {("D", "vllm:kvxfer_num_transfers_total"): 0.0}
+    after = {("D", "vllm:kvxfer_num_transfers_total"): 6.0}
+    assert load._deltas(before, after, completed=3, d_workers=2)["kv_moved"] == 1.0
+    assert load._deltas(before, after, completed=4, d_workers=2)["kv_moved"] == 0.75
+
+
+def test_load_and_hosts_are_refused_by_name_for_other_benchmarks(capsys):
     assert main(["bench", "ttft", "--load"]) == 2
-    assert "--load is an option of `kvxfer bench serve`" in capsys.readouterr().err
+    assert "--load and --hosts are options of `kvxfer bench serve`" in capsys.readouterr().err
+    assert main(["bench", "e2e", "--hosts", "2"]) == 2
+    assert "--load and --hosts are options of `kvxfer bench serve`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hosts", [0, 3, -1])
+def test_a_host_count_other_than_one_or_two_is_refused_naming_it(hosts, capsys):
+    assert main(["bench", "serve", "--hosts", str(hosts)]) == 2
+    assert "--hosts takes 1" in (err := capsys.readouterr().err) and f"got {hosts}" in err

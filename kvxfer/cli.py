@@ -212,10 +212,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidInputError("--tp-p and --tp-d are options of `kvxfer bench e2e` and `ttft`")
     if any(v < 1 for v in tp.values()):
         raise InvalidInputError(f"--tp-p and --tp-d take a device count, 1 or more, got {tp}")
-    if args.load and args.what != "serve":
-        raise InvalidInputError("--load is an option of `kvxfer bench serve`")
-    module = importlib.import_module("kvxfer.bench.load" if args.load else _BENCHES[args.what])
-    if args.what == "e2e":
+    if (args.load or args.hosts is not None) and args.what != "serve":
+        raise InvalidInputError("--load and --hosts are options of `kvxfer bench serve`")
+    load = args.load or args.hosts is not None
+    module = importlib.import_module("kvxfer.bench.load" if load else _BENCHES[args.what])
+    if load:
+        result = module.run(hosts=1 if args.hosts is None else args.hosts)
+    elif args.what == "e2e":
         result = module.run(module.E2EConfig(stats=not args.no_stats, trace=args.trace, **tp))
     elif args.what == "ttft":
         result = module.run(module.TTFTConfig(**tp))
@@ -317,6 +320,10 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("--load", action="store_true",
                        help="serve: under load, with vLLM's own client (vllm bench serve), "
                             "kvxfer against tpu-inference's connector and one colocated instance")
+    bench.add_argument("--hosts", type=int, default=None, metavar="N",
+                       help="serve: 2 runs P and D each over two hosts (Ray nodes in network "
+                            "namespaces, tpu-inference's Ray executor) against each on one, "
+                            "under load as --load")
     for side, default in (("p", 4), ("d", 8)):
         bench.add_argument(f"--tp-{side}", type=int, default=None, metavar="N",
                            help=f"e2e, ttft: {side.upper()}'s devices (default {default}: emulated "

@@ -5,11 +5,15 @@ over both nodes; `kvxfer proxy` in front (`scripts/ray-pd-up`).
 
 vLLM's `KVOutputAggregator` merges the two workers' output: D reports a load finished once
 both workers hold their shards, P frees a request's staging once both have freed theirs.
+The last test kills one of P's workers: keep it last.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 
 from serve_stack import random_prompt
 from test_serve import _metric, _same_answer, _until
@@ -18,6 +22,11 @@ from test_serve import _metric, _same_answer, _until
 def _counts(stack) -> tuple[float, float]:
     return (_metric(stack.d_url, "vllm:kvxfer_num_transfers_total", role="D"),
             _metric(stack.d_url, "vllm:kvxfer_num_fallbacks_total"))
+
+
+def _failures(stack) -> dict[str, float]:
+    return {reason: _metric(stack.d_url, "vllm:kvxfer_num_failed_transfers_total", role="D",
+                            reason=reason) for reason in ("peer_gone", "deadline", "other_process")}
 
 
 def test_tpu_inferences_ray_executor_runs_each_instances_workers_on_both_nodes(ray_stack):
@@ -43,3 +52,38 @@ def test_d_over_two_ray_nodes_answers_as_p_alone_from_ps_kv_for_every_request(ra
     assert _counts(stack)[1] == fallbacks  # D computed no prompt itself
     # P's workers each freed their piece once D read it: nothing left held for D.
     assert _until(lambda: _metric(stack.p_url, "vllm:kvxfer_requests_held"), 0.0) == 0.0
+
+
+def test_one_p_worker_killed_before_d_reads_fails_the_load_on_both_d_workers_and_d_computes_it(
+        ray_stack):
+    """Last: P's engine dies with its worker. One of D's two workers reads from the killed
+    P worker, the other from the live one: the failure is the whole instance's (counted
+    once per D worker, under a named reason), D computes the prompt itself within its
+    read deadline and answers as P did, and D serves on."""
+    stack = ray_stack
+    prompt = random_prompt(150, seed=6000)
+    alone = stack.complete(stack.p_url, prompt)
+    prefill = stack.complete(stack.p_url, prompt, max_tokens=1,
+                             kv_transfer_params={"do_remote_decode": True})
+    failed = _metric(stack.d_url, "vllm:kvxfer_num_failed_transfers_total", role="D")
+    was = _failures(stack)
+    load_failed = _metric(stack.d_url, "vllm:kvxfer_num_fallbacks_total", reason="load_failed")
+    log = (stack.dir / "P" / "serve.log").read_text(errors="replace")
+    (remote,) = set(re.findall(r"\(RayWorkerProc pid=(\d+), ip=[\d.]+\)", log))
+    os.kill(int(remote), signal.SIGKILL)  # the P worker on P's second node
+
+    started = time.monotonic()
+    got = stack.complete(stack.d_url, prompt, kv_transfer_params=prefill["kv_transfer_params"])
+    assert time.monotonic() - started < 60  # D's read deadline is 10 s; nothing hangs
+    _same_answer(got, alone)
+    # Both D workers fail it: the one whose READ failed (its peer gone, or no answer by the
+    # deadline), and the one that read from the live P worker (`other_process`).
+    assert _until(lambda: _metric(stack.d_url, "vllm:kvxfer_num_failed_transfers_total",
+                                  role="D"), failed + 2) == failed + 2
+    reasons = {k: v - was[k] for k, v in _failures(stack).items()}
+    assert reasons["other_process"] == 1 and reasons["peer_gone"] + reasons["deadline"] == 1, reasons
+    assert _metric(stack.d_url, "vllm:kvxfer_num_fallbacks_total",
+                   reason="load_failed") == load_failed + 1  # one request, computed on D
+    # D serves on: a prompt of its own.
+    other = random_prompt(90, seed=6001)
+    assert len(stack.complete(stack.d_url, other)["choices"][0]["token_ids"]) == 8

@@ -19,6 +19,13 @@ prefill (vLLM's), P's gather into staging, D's wait for the KV (connect, read, a
 scatter: kvxfer's), and D's handover (D's queue time outside the KV wait, plus its first
 step). A progress line per load point goes to stderr; `.pd/bench/load.json` and
 `load.png` (TTFT and TPOT against load, one line per stack; with matplotlib) keep them.
+
+`--hosts 2` (`run(hosts=2)`): P and D each over two hosts against each on one, kvxfer's
+connector and the same TP 4 in both: `scripts/ray-pd-up` (two Ray nodes of two devices per
+instance, tpu-inference's Ray executor, each node its own network namespace) against
+`scripts/pd-up` (one process of four devices per instance), at `HOSTS_LOADS`. One
+request's TTFT is the one-in-flight point's; `ratios` are two hosts over one;
+`.pd/bench/hosts.json` and `hosts.png` keep them.
 """
 
 from __future__ import annotations
@@ -32,18 +39,37 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvxfer.errors import InvalidInputError
 
-__all__ = ["run", "LOADS", "STACKS"]
+__all__ = ["run", "HOSTS", "HOSTS_LOADS", "LOADS", "STACKS", "Stack"]
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / ".pd" / "bench"
-STACKS = {"kvxfer": {}, "tpu_inference": {"PD_CONNECTOR": "tpu"},
-          "colocated": {"PD_CONNECTOR": "none"}}
+
+
+class Stack(NamedTuple):
+    """How to start and stop one stack, and what it counts."""
+
+    env: dict[str, str]
+    up: str = "pd-up"
+    down: str = "pd-down"
+    d_workers: int = 1
+    """D's worker processes: each counts a transfer when it has read its piece of the KV."""
+    counts: bool = True
+    """Whether D has kvxfer's counters (else `kv_moved` is None)."""
+
+
+STACKS = {"kvxfer": Stack({}),
+          "tpu_inference": Stack({"PD_CONNECTOR": "tpu"}, counts=False),
+          "colocated": Stack({"PD_CONNECTOR": "none"}, counts=False)}
 LOADS = ((256, 1), (256, 2), (256, 4), (1024, 1), (1024, 2), (1024, 4))
 """(prompt tokens, requests in flight) of each load point."""
+HOSTS = {"one_host": Stack({"PD_P_TP": "4", "PD_D_TP": "4"}),
+         "two_hosts": Stack({"RAY_PD_NODES": "2", "RAY_PD_DEVICES": "2"}, up="ray-pd-up",
+                            down="ray-pd-down", d_workers=2)}
+HOSTS_LOADS = ((256, 1), (256, 4))
 OUTPUT_TOKENS = 32
 PER_POINT = 3
 """Requests per load point: this many times the concurrency (at least 4)."""
@@ -64,7 +90,14 @@ _COUNTERS = {"d_transfers": ("D", "vllm:kvxfer_num_transfers_total"),
              "d_fallbacks": ("D", "vllm:kvxfer_num_fallbacks_total")}
 
 
-def run(loads: tuple[tuple[int, int], ...] = LOADS) -> dict[str, Any]:
+def run(loads: tuple[tuple[int, int], ...] | None = None, hosts: int = 1) -> dict[str, Any]:
+    if hosts not in (1, 2):
+        raise InvalidInputError(f"--hosts takes 1 (kvxfer, tpu-inference's connector and one "
+                                f"colocated instance) or 2 (P and D over two hosts against one), "
+                                f"got {hosts!r}")
+    stacks, (mine, theirs), name = ((STACKS, ("kvxfer", "tpu_inference"), "load") if hosts == 1
+                                    else (HOSTS, ("two_hosts", "one_host"), "hosts"))
+    loads = loads or (LOADS if hosts == 1 else HOSTS_LOADS)
     vllm = ROOT / ".venv-tpu" / "bin" / "vllm"
     if not (ROOT / "scripts" / "pd-up").exists() or not vllm.exists():
         raise InvalidInputError(f"kvxfer bench serve --load runs from a checkout of kvxfer with "
@@ -73,21 +106,22 @@ def run(loads: tuple[tuple[int, int], ...] = LOADS) -> dict[str, Any]:
     OUT.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"loads": [list(x) for x in loads], "output_tokens": OUTPUT_TOKENS,
                               "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}
-    for name, env in STACKS.items():
-        result[name] = _stack(name, env, loads)
+    for stack, how in stacks.items():
+        result[stack] = _stack(stack, how, loads)
     result["ratios"] = {}
-    for key, point in result["kvxfer"].items():
-        other = result["tpu_inference"].get(key, {})
+    for key, point in result[mine].items():
+        other = result[theirs].get(key, {})
         result["ratios"][key] = {m: _ratio(point.get(m), other.get(m))
-                                 for m in ("p90_ttft_ms", "median_tpot_ms")}
-    result["ok"] = all(p.get("failed", 1) == 0 for s in STACKS for p in result[s].values()) and \
-        all(p.get("kv_moved") == 1.0 for p in result["kvxfer"].values())
-    (OUT / "load.json").write_text(json.dumps(result, indent=1))
-    result["plot"] = _plot(result, loads)
+                                 for m in ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")}
+    result["ok"] = all(p.get("failed", 1) == 0 for s in stacks for p in result[s].values()) and \
+        all(p.get("kv_moved") == 1.0 for s, how in stacks.items() if how.counts
+            for p in result[s].values())
+    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))
+    result["plot"] = _plot(result, loads, stacks, OUT / f"{name}.png")
     return result
 
 
-def _stack(name: str, env: dict[str, str], loads: tuple[tuple[int, int], ...]
+def _stack(name: str, how: Stack, loads: tuple[tuple[int, int], ...]
            ) -> dict[str, dict[str, Any]]:
     run_dir = ROOT / ".pd" / f"load-{name}"
     model = ROOT / ".pd" / "bench-model"
@@ -95,12 +129,13 @@ def _stack(name: str, env: dict[str, str], loads: tuple[tuple[int, int], ...]
         subprocess.run([str(ROOT / ".venv-tpu/bin/python"), "scripts/tiny-model", str(model)],
                        cwd=ROOT, check=True, timeout=300, stdout=sys.stderr)
     longest = max(n for n, _ in loads) + OUTPUT_TOKENS
-    environ = {**os.environ, "PD_DIR": str(run_dir), "PD_MODEL_NAME": "tiny",
+    environ = {**os.environ, "PD_DIR": str(run_dir), "RAY_PD_DIR": str(run_dir),
+               "PD_MODEL_NAME": "tiny",
                "PD_MAX_MODEL_LEN": str(1 << math.ceil(math.log2(longest))),
-               "PD_MAX_NUM_SEQS": str(max(c for _, c in loads)), "PD_EXTRA_ARGS": "", **env}
+               "PD_MAX_NUM_SEQS": str(max(c for _, c in loads)), "PD_EXTRA_ARGS": "", **how.env}
     points: dict[str, dict[str, Any]] = {}
     try:
-        subprocess.run(["bash", "scripts/pd-up", str(model)], cwd=ROOT, env=environ,
+        subprocess.run(["bash", f"scripts/{how.up}", str(model)], cwd=ROOT, env=environ,
                        check=True, timeout=600, stdout=sys.stderr)
         urls = dict(line.split("=", 1) for line in (run_dir / "stack.env").read_text().splitlines()
                     if "=" in line)
@@ -113,14 +148,14 @@ def _stack(name: str, env: dict[str, str], loads: tuple[tuple[int, int], ...]
             before = _scrape(roles)
             point = _client(front, model, n, concurrency, run_dir / f"{n}-{concurrency}.json",
                             seed=1_000_000 + i)
-            point.update(_deltas(before, _scrape(roles), point["completed"]))
+            point.update(_deltas(before, _scrape(roles), point["completed"], how.d_workers))
             points[f"{n}x{concurrency}"] = point
             print(f"bench serve --load: {name} {n} tokens x {concurrency} in flight: p90 TTFT "
                   f"{point['p90_ttft_ms']} ms, p50 TPOT {point['median_tpot_ms']} ms, "
                   f"{point['completed']} done, {point['failed']} failed, KV moved "
                   f"{point.get('kv_moved')}", file=sys.stderr, flush=True)
     finally:
-        subprocess.run(["bash", "scripts/pd-down"], cwd=ROOT, env=environ, timeout=120,
+        subprocess.run(["bash", f"scripts/{how.down}"], cwd=ROOT, env=environ, timeout=120,
                        stdout=sys.stderr)
     return points
 
@@ -178,8 +213,12 @@ def _scrape(roles: dict[str, str | None]) -> dict[tuple[str, str], float]:
     return out
 
 
-def _deltas(before: dict, after: dict, completed: int) -> dict[str, Any]:
-    """KV moved and the breakdown (mean seconds per request, as ms) between two scrapes."""
+def _deltas(before: dict, after: dict, completed: int, d_workers: int = 1) -> dict[str, Any]:
+    """KV moved and the breakdown (mean seconds per request, as ms) between two scrapes.
+
+    Each of D's `d_workers` counts a transfer once it read its piece of a request's KV, so
+    `kv_moved` is the transfers over `completed * d_workers`.
+    """
     def delta(role: str, name: str) -> float | None:
         if (role, name) not in after:
             return None
@@ -187,7 +226,7 @@ def _deltas(before: dict, after: dict, completed: int) -> dict[str, Any]:
 
     moved = delta(*_COUNTERS["d_transfers"])
     out: dict[str, Any] = {"kv_moved": None if moved is None or not completed
-                           else round(moved / completed, 3)}
+                           else round(moved / (completed * d_workers), 3)}
     fallbacks = delta(*_COUNTERS["d_fallbacks"])
     if fallbacks is not None:
         out["fallbacks"] = int(fallbacks)
@@ -212,7 +251,8 @@ def _round(v: Any) -> float | None:
     return None if v is None else round(float(v), 2)
 
 
-def _plot(result: dict[str, Any], loads: tuple[tuple[int, int], ...]) -> str | None:
+def _plot(result: dict[str, Any], loads: tuple[tuple[int, int], ...], stacks: dict[str, Stack],
+          path: Path) -> str | None:
     """TTFT and TPOT against load, one line per stack and prompt length; the file's path, or
     None without matplotlib."""
     try:
@@ -225,7 +265,7 @@ def _plot(result: dict[str, Any], loads: tuple[tuple[int, int], ...]) -> str | N
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, title in zip(axes, ("p90_ttft_ms", "median_tpot_ms"),
                                  ("p90 TTFT (ms)", "p50 TPOT (ms)")):
-        for stack in STACKS:
+        for stack in stacks:
             for n in dict.fromkeys(n for n, _ in loads):
                 xs = [c for m, c in loads if m == n]
                 ys = [result[stack].get(f"{n}x{c}", {}).get(metric) for c in xs]
@@ -234,7 +274,6 @@ def _plot(result: dict[str, Any], loads: tuple[tuple[int, int], ...]) -> str | N
         ax.set_title(title)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    path = OUT / "load.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
