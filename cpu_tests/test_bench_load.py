@@ -82,3 +82,16 @@ def test_load_and_hosts_are_refused_by_name_for_other_benchmarks(capsys):
 def test_a_host_count_other_than_one_or_two_is_refused_naming_it(hosts, capsys):
     assert main(["bench", "serve", "--hosts", str(hosts)]) == 2
     assert "--hosts takes 1" in (err := capsys.readouterr().err) and f"got {hosts}" in err
+
+
+def test_a_stack_without_kvxfer_still_gets_vllms_own_queue_and_prefill_times():
+    # tpu-inference's connector, or one colocated instance: P's and D's vLLM histograms only.
+    after = {("P", "vllm:request_prefill_time_seconds_sum"): 3.0,
+             ("P", "vllm:request_prefill_time_seconds_count"): 4.0,
+             ("D", "vllm:request_queue_time_seconds_sum"): 0.4,
+             ("D", "vllm:request_queue_time_seconds_count"): 4.0}
+    out = load._deltas({}, after, completed=4)
+    assert out["kv_moved"] is None
+    b = out["breakdown_ms"]
+    assert b["p_prefill"] == 750.0 and b["d_queue"] == 100.0
+    assert b["d_kv_wait"] is None and b["d_handover"] is None  # kvxfer's own: unknown here

@@ -13,11 +13,12 @@ Per stack and load point: completed and failed requests, p50/p90/p99 TTFT, TPOT 
 throughput, and `kv_moved`: the share of requests D loaded from P (kvxfer's
 `vllm:kvxfer_num_transfers` on D, against the requests completed; None for the stacks
 that do not count it). `ratios` are kvxfer's over tpu-inference's (p90 TTFT, p50 TPOT),
-per load point. `breakdown` says where kvxfer's TTFT went, as means per request from the
+per load point. `breakdown` says where the TTFT went, as means per request from the
 engines' own histograms (deltas of `/metrics` around the load point): P's queue and
-prefill (vLLM's), P's gather into staging, D's wait for the KV (connect, read, ack,
-scatter: kvxfer's), and D's handover (D's queue time outside the KV wait, plus its first
-step). A progress line per load point goes to stderr; `.pd/bench/load.json` and
+prefill and D's queue and first step (vLLM's, for every stack: the colocated one is P
+alone), P's gather into staging and D's wait for the KV (connect, read, ack, scatter:
+kvxfer's, None elsewhere), and D's handover (D's queue time outside the KV wait, plus its
+first step). A progress line per load point goes to stderr; `.pd/bench/load.json` and
 `load.png` (TTFT and TPOT against load, one line per stack; with matplotlib) keep them.
 
 `--hosts 2` (`run(hosts=2)`): P and D each over two hosts against each on one, kvxfer's
@@ -31,7 +32,6 @@ request's TTFT is the one-in-flight point's; `ratios` are two hosts over one;
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -131,7 +131,7 @@ def _stack(name: str, how: Stack, loads: tuple[tuple[int, int], ...]
     longest = max(n for n, _ in loads) + OUTPUT_TOKENS
     environ = {**os.environ, "PD_DIR": str(run_dir), "RAY_PD_DIR": str(run_dir),
                "PD_MODEL_NAME": "tiny",
-               "PD_MAX_MODEL_LEN": str(1 << math.ceil(math.log2(longest))),
+               "PD_MAX_MODEL_LEN": str(-(-longest // 128) * 128),
                "PD_MAX_NUM_SEQS": str(max(c for _, c in loads)), "PD_EXTRA_ARGS": "", **how.env}
     points: dict[str, dict[str, Any]] = {}
     try:
@@ -230,8 +230,6 @@ def _deltas(before: dict, after: dict, completed: int, d_workers: int = 1) -> di
     fallbacks = delta(*_COUNTERS["d_fallbacks"])
     if fallbacks is not None:
         out["fallbacks"] = int(fallbacks)
-    if moved is None:
-        return out
     breakdown = {}
     for key, (role, name) in _HIST.items():
         total, count = delta(role, name + "_sum"), delta(role, name + "_count")
@@ -239,7 +237,8 @@ def _deltas(before: dict, after: dict, completed: int, d_workers: int = 1) -> di
     wait, queue = breakdown.get("d_kv_wait"), breakdown.get("d_queue")
     breakdown["d_handover"] = (round(queue - wait + (breakdown.get("d_first_step") or 0), 2)
                                if wait is not None and queue is not None else None)
-    out["breakdown_ms"] = breakdown
+    if any(v is not None for v in breakdown.values()):
+        out["breakdown_ms"] = breakdown
     return out
 
 
