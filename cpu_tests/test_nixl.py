@@ -48,6 +48,8 @@ def peers():
         "P_ratio": Peer("P", spec("P_ratio", layout={"groups": [{**GROUP, "kernel_ratio": 4}]})),
         "P_dtype": Peer("P", spec("P_dtype", layout={"groups": [{**GROUP, "dtype": "bfloat16"}]})),
         "P_corrupt": Peer("P", {**spec("P_corrupt"), "corrupt_layout": True}),
+        "P_busy": Peer("P", spec("P_busy")),
+        "P_busy_answering": Peer("P", {**spec("P_busy_answering"), "answer_in_background": True}),
     }
     try:
         for peer in started.values():
@@ -112,6 +114,37 @@ def test_d_reads_exactly_the_bytes_p_staged(peers):
     assert_read_intact(d, "exact", params, d_ids, dict.fromkeys(p_ids, 11))
     out = p.call("freed")
     assert "exact" in out["freed"] and "exact" not in out["held"]
+
+
+def test_a_busy_p_acks_ds_done_from_its_answering_thread_not_at_its_next_poll(peers):
+    """An engine thread inside a long forward pass polls nothing: D's read waits for P's
+    ack until the step ends. P's answering thread acks at once; the slots are still freed
+    only by the engine's poll."""
+    d = peers["D"]
+    for name, answering in (("P_busy", False), ("P_busy_answering", True)):
+        p, req = peers[name], f"busy-{answering}"
+        connect(d, p, name)
+        params = stage_and_hold(p, req, [5, 6, 7], seed=3)
+        p.call("busy", on=True)
+        free_slots = p.call("held")["free_slots"]
+        out = read(d, req, params, [50, 60, 70], within=1.0)
+        assert out.get("finished", False) is answering, (name, out)
+        assert p.call("held")["free_slots"] == free_slots  # freed only by the engine's poll
+        p.call("busy", on=False)
+        assert d.call("wait", req_id=req, within=TIMEOUT, timeout=TIMEOUT + 10).get("finished")
+        assert _until_freed(p, req)
+        assert p.call("held")["free_slots"] == free_slots + 3
+        assert_same_bytes(d_rows(d, req, [5, 6, 7]), expected(dict.fromkeys([5, 6, 7], 3), [5, 6, 7]))
+        d.call("free", req_id=req)
+
+
+def _until_freed(p, req, within=TIMEOUT):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if req in p.call("freed")["freed"]:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_restaged_block_is_read_in_its_newest_copy(peers):

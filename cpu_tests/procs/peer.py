@@ -3,7 +3,9 @@
 `python peer.py P|D CONFIG_JSON`. Each stdin line is a command
 `{"op": ..., ...}`; each answer is one JSON line on stdout, `{"error": ...}`
 when the command raised. Between commands the transport is polled, so P
-answers handshakes, acks and reaps leases on its own. Block contents are
+answers handshakes, acks and reaps leases on its own; after `{"op": "busy", "on":
+true}` it is not (an engine thread inside one long step: P polls only on `freed`).
+`"answer_in_background": true` in the spec starts P's answering thread. Block contents are
 derived from `(seed, kernel id, layer)` so the test process can compute what
 D should hold without NIXL.
 """
@@ -57,12 +59,18 @@ def main():
         transport.encode_message = truncating
     if role == "P":
         t = PrefillTransport(config, staging, layout)
+        if spec.get("answer_in_background"):
+            t.answer_in_background()
     else:
         t = DecodeTransport(config, staging, layout, check_block_compatible)
     print(json.dumps({"port": t.port, "name": t.config.name}), file=answers, flush=True)
     finished, failed, freed, secrets = [], {}, [], {}
 
+    busy = False
+
     def pump():
+        if busy:
+            return
         if role == "P":
             freed.extend(t.poll())
         else:
@@ -109,7 +117,8 @@ def main():
             elif op == "hold":
                 out = {"params": t.hold(cmd["req_id"])}
             elif op == "freed":
-                pump()
+                if role == "P":  # a busy P too: the engine's poll, at the end of its step
+                    freed.extend(t.poll())
                 out = {"freed": freed, "held": t.held(), "free_slots": staging.num_free_slots}
             elif op == "connect":
                 out = {"layout": t.handshakes.connect(cmd["peer"], cmd["host"], cmd["port"])}
@@ -156,6 +165,11 @@ def main():
                 while time.monotonic() < end:
                     pump()
                     time.sleep(0.005)
+                out = {}
+            elif op == "held":  # without polling
+                out = {"held": t.held(), "free_slots": staging.num_free_slots}
+            elif op == "busy":
+                busy = bool(cmd["on"])
                 out = {}
             elif op == "exit":
                 out, for_ever = {}, False

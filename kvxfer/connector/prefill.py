@@ -56,6 +56,7 @@ class PrefillWorker:
                                           advertised(self.layouts, model),
                                           instance=self.processes.instance(instance),
                                           piece=self.processes.piece, recorder=self.recorder)
+        self.transport.answer_in_background()  # D's acks do not wait for the engine's next step
         self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
 
     @property

@@ -17,13 +17,22 @@ that only P's own give-up (`cancel_stream`: P tells D and frees once D let
 go, `drop`, or a lease later) or D's (`drop`: P frees at once and stages no more
 of it) frees it. Until the last chunk, P tells its D about once a second that
 the stream is still coming (`wait`), so D's deadline follows P's progress.
+
+Answering. An engine calls `poll` once a step, and a step of a busy P is a
+whole forward pass: a D whose read ended just after one waits that long for
+its `ack`. `answer_in_background` answers D's messages (`done`, heartbeats,
+`want`, `drop`, `hello`) from a thread of its own as they come; what the
+engine's thread owns (the staging's slots, the counters, reaping leases)
+still happens only in `poll`, which reports the requests freed in between.
 """
 
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +73,19 @@ class _Lease:
 
 
 _PENDING = 0  # a streamed request's generation before its last chunk
+ANSWER_S = 0.001
+"""How often `answer_in_background`'s thread looks for D's messages (NIXL has no wait on
+notifications): at most this, plus a switch of the GIL, before a `done` is acked."""
+
+
+def _locked(method):
+    """Runs `method` under the transport's lock: the answering thread and the engine's
+    take turns at the leases, the streams and the agent."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class PrefillTransport:
@@ -104,6 +126,10 @@ class PrefillTransport:
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
         self._freed: list[str] = []
+        self._ended: list[tuple[str, _Lease, str]] = []  # leases ended, slots not yet freed
+        self._lock = threading.RLock()
+        self._answering: threading.Thread | None = None
+        self._stop = threading.Event()
         self.streams = Published(self.agent, config.name, self.instance, len(self.stagings),
                                  4 * self.staging.num_slots, config.lease_s,
                                  min(1.0, config.heartbeat_interval_s))
@@ -126,6 +152,7 @@ class PrefillTransport:
                        for s in self.stagings],
         }
 
+    @_locked
     def hold(self, req_id: str, now: float | None = None) -> dict[str, Any]:
         """Start `req_id`'s lease; returns the params D needs to read it.
 
@@ -146,6 +173,7 @@ class PrefillTransport:
         self.lease(req_id, params.generation, params.secret, now)
         return params.to_dict()
 
+    @_locked
     def lease(self, req_id: str, generation: int, secret: str, now: float | None = None,
               trace: Trace | None = None) -> None:
         """Start `req_id`'s lease under a `generation` and `secret` its params already name.
@@ -176,9 +204,11 @@ class PrefillTransport:
                                       held_at=time.monotonic())
         logger.debug("P %s holds %s gen %s", self.config.name, req_id, generation)
 
+    @_locked
     def held(self) -> list[str]:
         return list(self._leases)
 
+    @_locked
     def publish(self, req_id: str, stream: str, secret: str, prompt: str | None,
                 keys: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
                 last: bool = False) -> None:
@@ -205,6 +235,7 @@ class PrefillTransport:
         elif first:
             self._leases.setdefault(req_id, _Lease(_PENDING, float("inf")))
 
+    @_locked
     def cancel_stream(self, req_id: str) -> None:
         """P gave up on streamed `req_id` (aborted, or preempted) before its last chunk: its
         D is told, and its slots are freed once D let go of them (`drop`), or a lease
@@ -217,6 +248,7 @@ class PrefillTransport:
         elif free_now is False:
             self._leases[req_id].expires = time.monotonic() + self.config.lease_s
 
+    @_locked
     def poll(self, now: float | None = None) -> list[str]:
         """Handle D's notifications and reap expired leases.
 
@@ -224,12 +256,7 @@ class PrefillTransport:
         Never raises because of what a peer sent: a bad message is logged and dropped.
         """
         now = time.monotonic() if now is None else now
-        for sender, messages in self.agent.get_new_notifs().items():
-            for raw in messages:
-                try:
-                    self._handle(sender, decode_message(raw, sender), now)
-                except TransferError as e:
-                    logger.warning("P %s ignores a message: %s", self.config.name, e)
+        self._take_messages(now)
         if self._fetcher is not None:
             self._fetcher.tick()
         self._answer_hellos(now)
@@ -239,9 +266,27 @@ class PrefillTransport:
         for req_id in [r for r, lease in self._leases.items() if lease.expires <= now]:
             logger.debug("P %s lease of %s expired", self.config.name, req_id)
             self._free(req_id, "lease_expired")
+        self._free_ended()
         freed, self._freed = self._freed, []
         self.recorder.gauge("p_requests_held", len(self._leases))
         return freed
+
+    def answer_in_background(self, every_s: float = ANSWER_S) -> None:
+        """Answer D's messages from a thread of its own, every `every_s`, as well as in
+        `poll` (see the module's docs); `close` stops it. Calling it again does nothing."""
+        if self._answering is not None or self.agent is None:
+            return
+        self._answering = threading.Thread(target=_answer, args=(self, every_s), daemon=True,
+                                           name=f"kvxfer-P-{self.config.name}-answers")
+        self._answering.start()
+
+    def _take_messages(self, now: float) -> None:
+        for sender, messages in self.agent.get_new_notifs().items():
+            for raw in messages:
+                try:
+                    self._handle(sender, decode_message(raw, sender), now)
+                except TransferError as e:
+                    logger.warning("P %s ignores a message: %s", self.config.name, e)
 
     def _handle(self, sender: str, msg: dict[str, Any], now: float) -> None:
         kind = msg["t"]
@@ -305,17 +350,32 @@ class PrefillTransport:
                 logger.warning("P %s: no metadata from %s, hello dropped", self.config.name, peer)
 
     def _free(self, req_id: str, outcome: str) -> None:
+        """End `req_id`'s lease; its slots are freed in `poll` (`_free_ended`), on the
+        engine's thread, which owns the staging and the counters."""
         lease = self._leases.pop(req_id)
         self.streams.forget(req_id)
-        free_in_all(self.stagings, req_id)
-        self._freed.append(req_id)
-        if lease.trace is None:
-            return
-        lease.trace.stage("staged", lease.held_at)
-        self.recorder.finish(lease.trace, outcome)
+        if lease.trace is not None:
+            lease.trace.stage("staged", lease.held_at)
+        self._ended.append((req_id, lease, outcome))
+
+    def _free_ended(self) -> None:
+        ended, self._ended = self._ended, []
+        for req_id, lease, outcome in ended:
+            free_in_all(self.stagings, req_id)
+            self._freed.append(req_id)
+            if lease.trace is not None:
+                self.recorder.finish(lease.trace, outcome)
 
     def close(self) -> None:
-        """Deregister staging and drop the agent (its listener stops with it)."""
+        """Stop answering, deregister staging and drop the agent (its listener stops with
+        it)."""
+        self._stop.set()
+        if self._answering is not None and self._answering is not threading.current_thread():
+            self._answering.join(timeout=5.0)
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.agent is None:
             return
         self._publication.close()
@@ -324,6 +384,23 @@ class PrefillTransport:
         close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
         self.agent = None
         release_name(self.config.name)
+
+
+def _answer(p: PrefillTransport, every_s: float) -> None:
+    """`answer_in_background`'s thread: D's messages and hellos, every `every_s`, until
+    `close`."""
+    while not p._stop.wait(every_s):
+        with p._lock:
+            if p.agent is None:
+                return
+            try:
+                now = time.monotonic()
+                p._take_messages(now)
+                if p._hellos:
+                    p._answer_hellos(now)
+            except Exception:  # the engine's poll answers from now on
+                logger.exception("P %s stops answering in the background", p.config.name)
+                return
 
 
 def _holds(lease: _Lease, generation: int, token: str) -> bool:
