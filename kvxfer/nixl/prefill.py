@@ -274,6 +274,10 @@ class PrefillTransport:
     def answer_in_background(self, every_s: float = ANSWER_S) -> None:
         """Answer D's messages from a thread of its own, every `every_s`, as well as in
         `poll` (see the module's docs); `close` stops it. Calling it again does nothing."""
+        if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) \
+                or not 0 < every_s <= 1:
+            raise InvalidInputError(f"answer_in_background every_s must be seconds in (0, 1], "
+                                    f"got {every_s!r}")
         if self._answering is not None or self.agent is None:
             return
         self._answering = threading.Thread(target=_answer, args=(self, every_s), daemon=True,
