@@ -57,13 +57,17 @@ class Stack(NamedTuple):
     down: str = "pd-down"
     d_workers: int = 1
     """D's worker processes: each counts a transfer when it has read its piece of the KV."""
-    counts: bool = True
-    """Whether D has kvxfer's counters (else `kv_moved` is None)."""
+
+    @property
+    def counts(self) -> bool:
+        """Whether D runs kvxfer's connector, and so has its counters (else `kv_moved` is
+        None)."""
+        return self.env.get("PD_CONNECTOR", "kvxfer") == "kvxfer"
 
 
 STACKS = {"kvxfer": Stack({}),
-          "tpu_inference": Stack({"PD_CONNECTOR": "tpu"}, counts=False),
-          "colocated": Stack({"PD_CONNECTOR": "none"}, counts=False)}
+          "tpu_inference": Stack({"PD_CONNECTOR": "tpu"}),
+          "colocated": Stack({"PD_CONNECTOR": "none"})}
 LOADS = ((256, 1), (256, 2), (256, 4), (1024, 1), (1024, 2), (1024, 4))
 """(prompt tokens, requests in flight) of each load point."""
 HOSTS = {"one_host": Stack({"PD_P_TP": "4", "PD_D_TP": "4"}),

@@ -74,8 +74,11 @@ class _Lease:
 
 _PENDING = 0  # a streamed request's generation before its last chunk
 ANSWER_S = 0.001
-"""How often `answer_in_background`'s thread looks for D's messages (NIXL has no wait on
-notifications): at most this, plus a switch of the GIL, before a `done` is acked."""
+"""How often `answer_in_background`'s thread looks for D's messages while P holds a request
+or a hello waits (NIXL has no wait on notifications): at most this, plus a switch of the
+GIL, before a `done` is acked."""
+IDLE_ANSWER_S = 0.02
+"""How often it looks while P holds nothing (a new lease wakes it at once)."""
 
 
 def _locked(method):
@@ -130,6 +133,7 @@ class PrefillTransport:
         self._lock = threading.RLock()
         self._answering: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a lease began: answer at the busy pace
         self.streams = Published(self.agent, config.name, self.instance, len(self.stagings),
                                  4 * self.staging.num_slots, config.lease_s,
                                  min(1.0, config.heartbeat_interval_s))
@@ -202,6 +206,7 @@ class PrefillTransport:
             return
         self._leases[req_id] = _Lease(generation, now + self.config.lease_s, token, trace=trace,
                                       held_at=time.monotonic())
+        self._wake.set()
         logger.debug("P %s holds %s gen %s", self.config.name, req_id, generation)
 
     @_locked
@@ -234,6 +239,7 @@ class PrefillTransport:
                 self._freed.append(req_id)
         elif first:
             self._leases.setdefault(req_id, _Lease(_PENDING, float("inf")))
+            self._wake.set()
 
     @_locked
     def cancel_stream(self, req_id: str) -> None:
@@ -274,10 +280,8 @@ class PrefillTransport:
     def answer_in_background(self, every_s: float = ANSWER_S) -> None:
         """Answer D's messages from a thread of its own, every `every_s`, as well as in
         `poll` (see the module's docs); `close` stops it. Calling it again does nothing."""
-        if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) \
-                or not 0 < every_s <= 1:
-            raise InvalidInputError(f"answer_in_background every_s must be seconds in (0, 1], "
-                                    f"got {every_s!r}")
+        if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not 0 < every_s <= 1:
+            raise InvalidInputError(f"answer_in_background every_s must be seconds in (0, 1]: {every_s!r}")
         if self._answering is not None or self.agent is None:
             return
         self._answering = threading.Thread(target=_answer, args=(self, every_s), daemon=True,
@@ -371,29 +375,30 @@ class PrefillTransport:
                 self.recorder.finish(lease.trace, outcome)
 
     def close(self) -> None:
-        """Stop answering, deregister staging and drop the agent (its listener stops with
-        it)."""
+        """Stop answering, deregister staging and drop the agent (its listener with it)."""
         self._stop.set()
+        self._wake.set()
         if self._answering is not None and self._answering is not threading.current_thread():
             self._answering.join(timeout=5.0)
         with self._lock:
-            self._close()
-
-    def _close(self) -> None:
-        if self.agent is None:
-            return
-        self._publication.close()
-        if self._fetcher is not None:
-            self._fetcher.close()
-        close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
-        self.agent = None
-        release_name(self.config.name)
+            if self.agent is None:
+                return
+            self._publication.close()
+            if self._fetcher is not None:
+                self._fetcher.close()
+            close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
+            self.agent = None
+            release_name(self.config.name)
 
 
 def _answer(p: PrefillTransport, every_s: float) -> None:
-    """`answer_in_background`'s thread: D's messages and hellos, every `every_s`, until
-    `close`."""
-    while not p._stop.wait(every_s):
+    """`answer_in_background`'s thread: D's messages and hellos, every `every_s` while P
+    holds a request or a hello waits, else every `IDLE_ANSWER_S`, until `close`."""
+    while True:
+        p._wake.wait(every_s if p._leases or p._hellos else IDLE_ANSWER_S)  # a hint: no lock
+        p._wake.clear()
+        if p._stop.is_set():
+            return
         with p._lock:
             if p.agent is None:
                 return
