@@ -304,3 +304,38 @@ def test_a_post_that_raises_fails_its_request_in_logical_ids_and_d_goes_on(pair,
     assert pr.load("good", params["good"], [3, 4]) == (["good"], [])  # after a reconnect
     for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
         assert (as_bits(d_cache)[[3, 4]] == as_bits(p_cache)[[8, 9]]).all()
+
+
+@pytest.mark.parametrize("p_devices,d_devices", [((0, 1, 2, 3), (4,)), ((0,), (4, 5, 6, 7))],
+                         ids=["P-TP4-to-D-TP1", "P-TP1-to-D-TP4"])
+def test_one_process_instances_staging_units_deliver_every_byte_at_any_tp(pair, backend,
+                                                                          p_devices, d_devices):
+    """`stage_units`: each side stages blocks unit-major as an instance across hosts does
+    (one piece of every unit, along the heads even on one device), and D gets every byte."""
+    pr = pair(p_devices=p_devices, d_devices=d_devices, units=(True, True))
+    assert pr.p.worker.processes.piece == pr.d.processes.piece == (0, 4, 4)
+    pr.p.add_request("r", 40)
+    pr.save(ScheduledRequest("r", 0, 40, ([5, 9, 12],), full_table=True))
+    params = pr.p.request_finished("r")
+    assert params["units"] == 4 and params["sources"] == [{"peer": pr.p.worker.transport.config.name,
+                                                            "units": [0, 4]}]
+    pr.serve()
+    assert pr.load("r", params, [20, 21, 22]) == (["r"], [])
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[20, 21, 22]] == as_bits(p_cache)[[5, 9, 12]]).all()
+    assert pr.wait_freed(1) == ["r"]
+
+
+@pytest.mark.parametrize("units", [(True, False), (False, True)], ids=["P-units", "D-units"])
+def test_a_d_that_stages_otherwise_than_p_fails_the_request_naming_stage_units(pair, units,
+                                                                              caplog):
+    pr = pair(units=units)
+    pr.p.add_request("r", 20)
+    pr.save(ScheduledRequest("r", 0, 20, ([5, 9],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.serve()
+    before = [as_bits(c).copy() for c in pr.d_caches[0]]
+    assert pr.load("r", params, [20, 21]) == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {20, 21}
+    assert "stage_units" in caplog.text
+    assert all((as_bits(c) == b).all() for c, b in zip(pr.d_caches[0], before))

@@ -206,14 +206,15 @@ def test_a_replicated_cache_moves_as_one_piece_on_both_backends(backend):
 @pytest.mark.parametrize("whole", [Piece(1, 8, 0, 8), Piece(0, 16, 0, 16)])
 def test_a_one_device_cache_moves_as_one_whole_piece_cut_along_any_axis(backend, whole):
     """One chip (a single GPU, a one-chip host): nothing splits its blocks, so the whole
-    block is the piece, whichever axis names it (tpu_tests cut the heads axis)."""
+    block is the piece, whichever axis names it (tpu_tests cut the heads axis). Its own
+    piece cuts the axis the spec names, as the same caches at any TP do."""
     one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     p = [jax.device_put(c, NamedSharding(one, PartitionSpec(None, None, "model")))
          for c in caches((1, 8), PartitionSpec(), seed=6)]
     d = [jax.device_put(c, NamedSharding(one, PartitionSpec(None, None, "model")))
          for c in caches((1, 8), PartitionSpec(), zeros=True)]
     layout = CacheLayout.from_caches(p)
-    assert process_pieces(p) == {0: Piece(0, 16, 0, 16)}
+    assert process_pieces(p) == {0: Piece(1, 8, 0, 8)}
     st = piece_staging(layout, whole, 4)
     gather_piece_into(p, [3, 30, 7], st, [1, 2, 0], whole)
     d, landed = scatter_piece(d, st, [0, 4, 9], [1, 2, 0], whole)

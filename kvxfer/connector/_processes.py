@@ -6,6 +6,9 @@ caches, and calls it wherever the two cases differ:
 - `OneProcess`: this process addresses every shard of the caches. Each
   group's staging holds whole blocks, gathered with fingerprints
   (`kvxfer.device.gather`); what this process saw is the instance's view.
+- `InUnits`: this process addresses every shard, but stages each block
+  unit-major as one piece of all its units (`ConnectorConfig.stage_units`), so
+  that it pairs with an instance across hosts; otherwise as `OneProcess`.
 - `ManyProcesses`: the caches span several JAX processes (hosts). Each stages
   only its piece of every block (`kvxfer.device.pieces`) with its own agent
   (`<name>-<process>`, found through etcd), and the processes of an instance
@@ -43,7 +46,7 @@ from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.multihost import agree, shared_instance, spans_processes
 from kvxfer.nixl.wire import Source
 
-__all__ = ["ManyProcesses", "OneProcess", "Spans", "for_caches", "per_group"]
+__all__ = ["InUnits", "ManyProcesses", "OneProcess", "Spans", "for_caches", "per_group"]
 
 Caches = Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
 
@@ -71,16 +74,18 @@ def per_group(caches: object, count: int | None = None, of: str = "this connecto
     return groups, single
 
 
-def for_caches(config: object, caches: Caches) -> OneProcess | ManyProcesses:
+def for_caches(config: object, caches: Caches) -> OneProcess:
     """The worker side's checked config, its caches' layouts and staging, as one strategy."""
     if not isinstance(config, ConnectorConfig):
         raise InvalidInputError(f"config must be a ConnectorConfig, got {config!r:.80}")
     host_threads()  # a bad KVXFER_HOST_THREADS is refused at start-up, not in a save
     groups, _ = per_group(caches)
     layouts = [CacheLayout.from_caches(c, config.kernel_ratio) for c in groups]
-    if not spans_processes(groups[0]):
-        return OneProcess(config, layouts, [c[0].sharding.mesh for c in groups])
-    return ManyProcesses(config, layouts, groups)
+    if spans_processes(groups[0]):
+        return ManyProcesses(config, layouts, groups)
+    if config.stage_units:
+        return InUnits(config, layouts, groups)
+    return OneProcess(config, layouts, [c[0].sharding.mesh for c in groups])
 
 
 class OneProcess:
@@ -88,6 +93,8 @@ class OneProcess:
 
     piece: tuple[int, int, int] | None = None
     """`(lo, hi, units)` this process stages of each block; None: whole blocks."""
+    agrees = False
+    """Whether the processes of the instance agree on each request before acting on it."""
 
     def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout], meshes: list[Mesh]):
         self.config, self.layouts = config, layouts
@@ -175,15 +182,12 @@ class OneProcess:
         """D: a request bad on any process is bad on this one."""
 
 
-class ManyProcesses(OneProcess):
-    """An instance whose caches span several processes: each stages its piece of every block."""
+class InUnits(OneProcess):
+    """An instance whose caches this process addresses whole, staged unit-major: one piece of
+    every unit of each block, as an instance across hosts stages its pieces."""
 
     def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout],
                  groups: list[list[jax.Array]]):
-        if not config.transport.uses_etcd:
-            raise InvalidInputError(
-                f"caches span {jax.process_count()} processes: their agents find each other "
-                f"through etcd; give the TransportConfig etcd_endpoints")
         pieces = [Piece.local(c) for c in groups]  # per group: the same units, maybe another axis
         if any((p.units, p.lo, p.hi) != (pieces[0].units, pieces[0].lo, pieces[0].hi)
                for p in pieces):
@@ -194,19 +198,12 @@ class ManyProcesses(OneProcess):
                          for layout, piece, caches in zip(layouts, pieces, groups)]
         first = pieces[0]
         self.piece = (first.lo, first.hi, first.units)
-        self._sources = [Source(_agent_name(config, process), p.lo, p.hi)
+        self._sources = [Source(self.agent_name(process), p.lo, p.hi)
                          for process, p in process_pieces(groups[0]).items()]
-        self._freed_here: set[str] = set()  # P: freed here, not yet everywhere
-        self._read_here: set[str] = set()  # D: read here, not yet agreed
 
-    @property
-    def transport_config(self) -> TransportConfig:
-        """One agent per process, named `name-<process>`."""
-        return replace(self.config.transport, name=_agent_name(self.config, jax.process_index()))
-
-    @property
-    def reader(self) -> tuple[int, int]:
-        return (jax.process_index(), jax.process_count())
+    def agent_name(self, process: int) -> str:
+        """The agent that stages process `process`'s piece."""
+        return self.config.transport.name
 
     @property
     def sources(self) -> list[Source]:
@@ -215,12 +212,6 @@ class ManyProcesses(OneProcess):
     @property
     def units(self) -> int:
         return self.pieces[0].units
-
-    def instance(self, instance: str | None) -> str | None:
-        return instance if instance is not None else shared_instance()  # one for every process
-
-    def secret_key(self) -> str | None:
-        return shared_instance(32)  # every process's scheduler derives the same secrets
 
     def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
                slots: np.ndarray) -> None:
@@ -246,6 +237,40 @@ class ManyProcesses(OneProcess):
                                       expected[:, start : start + count]):
                     bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
         return caches
+
+
+class ManyProcesses(InUnits):
+    """An instance whose caches span several processes: each stages its piece of every block."""
+
+    agrees = True
+
+    def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout],
+                 groups: list[list[jax.Array]]):
+        if not config.transport.uses_etcd:
+            raise InvalidInputError(
+                f"caches span {jax.process_count()} processes: their agents find each other "
+                f"through etcd; give the TransportConfig etcd_endpoints")
+        super().__init__(config, layouts, groups)
+        self._freed_here: set[str] = set()  # P: freed here, not yet everywhere
+        self._read_here: set[str] = set()  # D: read here, not yet agreed
+
+    def agent_name(self, process: int) -> str:
+        return _agent_name(self.config, process)
+
+    @property
+    def transport_config(self) -> TransportConfig:
+        """One agent per process, named `name-<process>`."""
+        return replace(self.config.transport, name=_agent_name(self.config, jax.process_index()))
+
+    @property
+    def reader(self) -> tuple[int, int]:
+        return (jax.process_index(), jax.process_count())
+
+    def instance(self, instance: str | None) -> str | None:
+        return instance if instance is not None else shared_instance()  # one for every process
+
+    def secret_key(self) -> str | None:
+        return shared_instance(32)  # every process's scheduler derives the same secrets
 
     def released(self, freed: list[str], held: list[str]) -> list[str]:
         """Once every process has freed a request's piece, so that every process's scheduler

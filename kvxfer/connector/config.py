@@ -24,6 +24,12 @@ class ConnectorConfig:
     - `precompile`: at start-up, compile every program a save (P) or load (D) of any
       size runs on the XLA backend (`kvxfer.device.gather.precompile`), so that none compiles
       on the transfer path; nothing compiles on the host backend.
+    - `stage_units`: an instance in one process stages each block unit-major, in the
+      pieces an instance across hosts stages (`kvxfer.device.pieces`), instead of as a
+      whole block. P and D pair only when both stage blocks or both stage units, and an
+      instance across hosts always stages units: an instance on one host that pairs with
+      one across hosts sets it (D on one host reading from P over several, or P on one
+      host read by D over several).
     """
 
     transport: TransportConfig
@@ -32,6 +38,7 @@ class ConnectorConfig:
     verify_fingerprints: bool = True
     stats: bool = True
     precompile: bool = True
+    stage_units: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, TransportConfig):
@@ -41,7 +48,7 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise InvalidInputError(f"ConnectorConfig {name} must be a positive int, got {value!r}")
-        for name in ("verify_fingerprints", "stats", "precompile"):
+        for name in ("verify_fingerprints", "stats", "precompile", "stage_units"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(
                     f"ConnectorConfig {name} must be a bool, got {getattr(self, name)!r}")

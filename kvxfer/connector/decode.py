@@ -224,7 +224,7 @@ class DecodeConnector:
                                               self.transport.free)
         # One process writes blocks as they arrive (while the ack travels, or P prefills the
         # rest of a stream); across hosts, once every process has all of them.
-        early = self.processes.piece is None
+        early = not self.processes.agrees
         arrived = self.transport.arrived() if early else {}
         failed_ids, self._refused = self._refused, []
         local, self._held_locally = self._held_locally, []

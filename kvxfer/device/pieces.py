@@ -94,10 +94,11 @@ class Piece:
 def split_axis(layout: CacheLayout) -> int:
     """The block axis (index into `block_shape`) a piece cuts: the one sharded inner axis.
 
-    0 for caches whose blocks are not split (replicated). Raises
-    `LayoutMismatchError` for a sharded block axis or several sharded inner axes. A block
-    axis named on mesh axes of size 1 is not sharded: tpu-inference's caches are
-    `P('data', None, 'model')` with a `data` axis of 1.
+    Where no inner axis is split, the one inner axis the spec names on mesh axes of size 1
+    (tpu-inference's `P('data', None, 'model')` on one device cuts along the heads as at
+    any TP), else 0 (replicated caches). Raises `LayoutMismatchError` for a sharded block
+    axis or several sharded inner axes. A block axis named on mesh axes of size 1 is not
+    sharded: tpu-inference's caches are `P('data', None, 'model')` with a `data` axis of 1.
     """
     if math.prod(dict(layout.mesh_axes)[n] for n in layout.spec[0]) > 1:
         raise LayoutMismatchError(
@@ -108,7 +109,10 @@ def split_axis(layout: CacheLayout) -> int:
         raise LayoutMismatchError(
             f"caches split blocks along axes {split} of {layout.block_shape} (spec "
             f"{layout.spec}): pieces across hosts cut blocks along one axis")
-    return split[0] if split else 0
+    if split:
+        return split[0]
+    named = [a for a, entry in enumerate(layout.spec[1:]) if entry]
+    return named[0] if len(named) == 1 else 0
 
 
 def process_pieces(caches: Sequence[jax.Array]) -> dict[int, Piece]:
@@ -265,10 +269,10 @@ def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray
 def _check_words(layout: CacheLayout, piece: Piece) -> None:
     """A piece cuts blocks along their split axis; where nothing splits them (one device,
     or replicas), a whole block cut along any axis is a piece too."""
-    axis = split_axis(layout)
-    whole = piece.lo == 0 and piece.hi == piece.units and all(g == 1 for g in layout.shard_grid)
+    unsplit = all(g == 1 for g in layout.shard_grid)
+    fits = piece.lo == 0 and piece.hi == piece.units if unsplit else piece.axis == split_axis(layout)
     if (piece.axis >= len(layout.block_shape) or layout.block_shape[piece.axis] != piece.units
-            or (axis != piece.axis and not whole)):
+            or not fits):
         raise LayoutMismatchError(f"piece {piece} does not cut blocks of {layout.block_shape} "
                                   f"(spec {layout.spec}) along their split axis")
     if not sums_words(layout, layout.block_shape[-1]) or piece.axis == len(layout.block_shape) - 1:

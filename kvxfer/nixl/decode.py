@@ -439,11 +439,16 @@ def _units_to_read(p: ReadParams, piece: tuple[int, int, int] | None,
     if not p.sources:
         if piece is not None:
             raise TransferError(f"params of {p.req_id!r} are from a P of whole blocks, "
-                                f"this D process holds units {piece}")
+                                f"this D process holds units {piece}: P and D pair when both "
+                                f"stage units (P on one host sets stage_units) or neither")
         return {p.peer: (0, 1)}
-    if piece is None or p.units != piece[2]:
+    if piece is None:
+        raise TransferError(f"params of {p.req_id!r} name {p.units} units per block (P stages "
+                            f"pieces, as across hosts), this D process holds whole blocks: "
+                            f"set stage_units on D")
+    if p.units != piece[2]:
         raise TransferError(f"params of {p.req_id!r} name {p.units} units per block, this D "
-                            f"process holds {piece or 'whole blocks'}")
+                            f"process holds {piece}")
     plan: dict[str, tuple[int, int] | None] = {s.peer: None for s in p.sources}
     lo, hi = piece[:2]
     for span in sorted({(s.lo, s.hi) for s in p.sources}):

@@ -200,9 +200,10 @@ class ReadParams:
     """P's transfer params for one request, checked (`ReadParams.parse`).
 
     `keys[g]` are the staging keys of group `g`'s blocks, `slots[g]` their P slots.
-    `sources` (empty for a P of one process, which stages whole blocks) lists
-    every process of a multi-host P and the units of each block it stages
-    (`kvxfer.device.pieces`), of `units`; every one of them stages the same slots.
+    `sources` (empty for a P of one process staging whole blocks) lists every
+    process of a P that stages units (across hosts, or `stage_units` on one) and
+    the units of each block it stages (`kvxfer.device.pieces`), of `units`;
+    every one of them stages the same slots.
     """
 
     peer: str
