@@ -38,6 +38,7 @@ class Stack:
     p_url: str
     d_url: str
     proxy_url: str
+    d1_url: str | None = None  # a second D on one host (scripts/ray-pd-up with RAY_PD_D1=1)
 
     def complete(self, url: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
         """A greedy `/v1/completions` of token ids `prompt` at `url`, with top-3 logprobs;
@@ -91,11 +92,24 @@ def http_error(call) -> urllib.error.HTTPError:
     pytest.fail(f"expected an error status, got an answer: {json.dumps(answer)[:300]}")
 
 
+def _ray_env(name: str) -> dict[str, str]:
+    return {**os.environ, "RAY_PD_DIR": str(ROOT / ".pd" / f"serve_tests-{name}"),
+            "RAY_PD_TAG": "st", "RAY_PD_D1": "1", "PD_CHUNK": str(CHUNK), "PD_MODEL_NAME": "tiny",
+            "PD_EXTRA_ARGS": "--enable-prompt-tokens-details"}
+
+
+def restart_ray_p(name: str) -> None:
+    """Start P's server of `start_ray(name)`'s stack again (`scripts/ray-pd-up --restart-p`)."""
+    subprocess.run(["bash", "scripts/ray-pd-up", "--restart-p"], cwd=ROOT, env=_ray_env(name),
+                   check=True, timeout=START_S)
+
+
 def start_ray(name: str) -> Iterator[Stack]:
     """P and D each over two Ray nodes of their own (network namespaces), tpu-inference's Ray
-    executor running their workers, started by `scripts/ray-pd-up` and stopped by
-    `scripts/ray-pd-down` whatever the tests did. Skipped where namespaces cannot be made
-    (not root, no `ip`) or Ray is not installed; CI runs as root, and the set-up installs Ray."""
+    executor running their workers, and D1 on one host of its own (vLLM's one-process
+    executor), started by `scripts/ray-pd-up` and stopped by `scripts/ray-pd-down` whatever
+    the tests did. Skipped where namespaces cannot be made (not root, no `ip`) or Ray is not
+    installed; CI runs as root, and the set-up installs Ray."""
     from kvxfer.bench.hosts import netns_available
 
     reason = netns_available()
@@ -103,20 +117,18 @@ def start_ray(name: str) -> Iterator[Stack]:
         reason = "Ray is not installed in .venv-tpu (scripts/tpu-inference-env installs it)"
     if reason is not None:
         pytest.skip(reason)
-    run_dir = ROOT / ".pd" / f"serve_tests-{name}"
-    environ = {**os.environ, "RAY_PD_DIR": str(run_dir), "RAY_PD_TAG": "st", "PD_CHUNK": str(CHUNK),
-               "PD_MODEL_NAME": "tiny",
-               "PD_EXTRA_ARGS": "--enable-prompt-tokens-details"}
+    environ = _ray_env(name)
+    run_dir = Path(environ["RAY_PD_DIR"])
     model = ROOT / ".pd" / "serve_tests-model"
     if not (model / "config.json").exists():
         subprocess.run([ROOT / ".venv-tpu/bin/python", "scripts/tiny-model", str(model)],
                        cwd=ROOT, check=True, timeout=300)
     try:
         subprocess.run(["bash", "scripts/ray-pd-up", str(model)], cwd=ROOT, env=environ,
-                       check=True, timeout=600)  # two clusters, two servers compiling
+                       check=True, timeout=600)  # two clusters, three servers compiling
         recorded = dict(line.split("=", 1) for line in
                         (run_dir / "stack.env").read_text().splitlines() if "=" in line)
         yield Stack(run_dir, recorded["MODEL_NAME"], recorded["P_URL"], recorded["D_URL"],
-                    recorded["PROXY_URL"])
+                    recorded["PROXY_URL"], recorded["D1_URL"])
     finally:
         subprocess.run(["bash", "scripts/ray-pd-down"], cwd=ROOT, env=environ, timeout=180)

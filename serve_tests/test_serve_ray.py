@@ -1,11 +1,13 @@
 """P and D across hosts the way tpu-inference deploys them: each instance over two Ray nodes
 (its own cluster, each node in a network namespace of its own with two CPU devices), its
 workers run by tpu-inference's Ray executor (`TPU_MULTIHOST_BACKEND=ray`), tensor parallel
-over both nodes; `kvxfer proxy` in front (`scripts/ray-pd-up`).
+over both nodes; `kvxfer proxy` in front (`scripts/ray-pd-up`). D1 is a second D on one
+host (four devices, one process: vLLM's one-process executor), staging units
+(`stage_units`) to read from P's two workers.
 
 vLLM's `KVOutputAggregator` merges the two workers' output: D reports a load finished once
 both workers hold their shards, P frees a request's staging once both have freed theirs.
-The last test kills one of P's workers: keep it last.
+The last test kills one of P's workers, then starts P again: keep it last.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import re
 import signal
 import time
 
-from serve_stack import random_prompt
+from serve_stack import random_prompt, restart_ray_p
 from test_serve import _metric, _same_answer, _until
 
 
-def _counts(stack) -> tuple[float, float]:
-    return (_metric(stack.d_url, "vllm:kvxfer_num_transfers_total", role="D"),
-            _metric(stack.d_url, "vllm:kvxfer_num_fallbacks_total"))
+def _counts(stack, url=None) -> tuple[float, float]:
+    """D's (at `url`, default the stack's D) transfers and fallbacks."""
+    url = url or stack.d_url
+    return (_metric(url, "vllm:kvxfer_num_transfers_total", role="D"),
+            _metric(url, "vllm:kvxfer_num_fallbacks_total"))
 
 
 def _failures(stack) -> dict[str, float]:
@@ -38,6 +42,9 @@ def test_tpu_inferences_ray_executor_runs_each_instances_workers_on_both_nodes(r
         local = set(re.findall(r"\(RayWorkerProc pid=(\d+)\)", log))
         remote = set(re.findall(r"\(RayWorkerProc pid=(\d+), ip=[\d.]+\)", log))
         assert len(local) == 1 and len(remote) == 1, (role, local, remote)
+    log = (ray_stack.dir / "D1" / "serve.log").read_text(errors="replace")
+    assert "Force using UniProcExecutor" in log and "RayWorkerProc" not in log
+    assert "'stage_units': True" in log
 
 
 def test_d_over_two_ray_nodes_answers_as_p_alone_from_ps_kv_for_every_request(ray_stack):
@@ -51,6 +58,25 @@ def test_d_over_two_ray_nodes_answers_as_p_alone_from_ps_kv_for_every_request(ra
         _same_answer(got, stack.complete(stack.p_url, prompt))
     assert _counts(stack)[1] == fallbacks  # D computed no prompt itself
     # P's workers each freed their piece once D read it: nothing left held for D.
+    assert _until(lambda: _metric(stack.p_url, "vllm:kvxfer_requests_held"), 0.0) == 0.0
+
+
+def test_d_on_one_host_staging_units_answers_as_p_alone_from_the_kv_of_both_p_workers(ray_stack):
+    """P over two hosts, D on one: D1's one process reads units 0-3 of each block from P's
+    first worker and 4-7 from its second, into one unit-major piece of all eight."""
+    stack = ray_stack
+    transfers, fallbacks = _counts(stack, stack.d1_url)
+    for i, n in enumerate((70, 190)):
+        prompt = random_prompt(n, seed=5500 + i)
+        prefill = stack.complete(stack.p_url, prompt, max_tokens=1,
+                                 kv_transfer_params={"do_remote_decode": True})
+        sources = prefill["kv_transfer_params"]["sources"]
+        assert [s["units"] for s in sources] == [[0, 4], [4, 8]], sources
+        got = stack.complete(stack.d1_url, prompt, kv_transfer_params=prefill["kv_transfer_params"])
+        want = transfers + i + 1  # one D worker, one transfer per request
+        assert _until(lambda: _counts(stack, stack.d1_url)[0], want) == want
+        _same_answer(got, stack.complete(stack.p_url, prompt))
+    assert _counts(stack, stack.d1_url)[1] == fallbacks  # D1 computed no prompt itself
     assert _until(lambda: _metric(stack.p_url, "vllm:kvxfer_requests_held"), 0.0) == 0.0
 
 
@@ -87,3 +113,20 @@ def test_one_p_worker_killed_before_d_reads_fails_the_load_on_both_d_workers_and
     # D serves on: a prompt of its own.
     other = random_prompt(90, seed=6001)
     assert len(stack.complete(stack.d_url, other)["choices"][0]["token_ids"]) == 8
+
+    # P started again (the same agent names, a new instance): the pairs are healthy, and
+    # requests through the proxy and to D1 move their KV from the new P.
+    restart_ray_p("ray")
+    transfers, fallbacks = _counts(stack)
+    transfers1, fallbacks1 = _counts(stack, stack.d1_url)
+    prompt = random_prompt(130, seed=6002)
+    got = stack.complete(stack.proxy_url, prompt)
+    assert _until(lambda: _counts(stack)[0], transfers + 2) == transfers + 2
+    prefill = stack.complete(stack.p_url, prompt, max_tokens=1,
+                             kv_transfer_params={"do_remote_decode": True})
+    got1 = stack.complete(stack.d1_url, prompt, kv_transfer_params=prefill["kv_transfer_params"])
+    assert _until(lambda: _counts(stack, stack.d1_url)[0], transfers1 + 1) == transfers1 + 1
+    alone = stack.complete(stack.p_url, prompt)
+    _same_answer(got, alone)
+    _same_answer(got1, alone)
+    assert (_counts(stack)[1], _counts(stack, stack.d1_url)[1]) == (fallbacks, fallbacks1)
