@@ -332,6 +332,7 @@ def test_transport_config_refuses_bad_values(fields, message):
     (dict(kernel_ratio=True), "kernel_ratio must be a positive int, got True"),
     (dict(verify_fingerprints=1), "verify_fingerprints must be a bool, got 1"),
     (dict(precompile="yes"), "precompile must be a bool, got 'yes'"),
+    (dict(stage_units="true"), "stage_units must be a bool, got 'true'"),
     (dict(transport="P"), "transport must be a TransportConfig, got 'P'"),
 ])
 def test_connector_config_refuses_bad_values(fields, message):

@@ -322,8 +322,8 @@ def _add_bench(sub: Any) -> None:
                             "kvxfer against tpu-inference's connector and one colocated instance")
     bench.add_argument("--hosts", type=int, default=None, metavar="N",
                        help="serve: 2 runs P and D each over two hosts (Ray nodes in network "
-                            "namespaces, tpu-inference's Ray executor) against each on one, "
-                            "under load as --load")
+                            "namespaces, tpu-inference's Ray executor), and P over two with D "
+                            "on one, against each on one, under load as --load")
     for side, default in (("p", 4), ("d", 8)):
         bench.add_argument(f"--tp-{side}", type=int, default=None, metavar="N",
                            help=f"e2e, ttft: {side.upper()}'s devices (default {default}: emulated "

@@ -39,6 +39,7 @@ class Stack:
     d_url: str
     proxy_url: str
     d1_url: str | None = None  # a second D on one host (scripts/ray-pd-up with RAY_PD_D1=1)
+    d1_proxy_url: str | None = None  # `kvxfer proxy` to P, then D1
 
     def complete(self, url: str, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
         """A greedy `/v1/completions` of token ids `prompt` at `url`, with top-3 logprobs;
@@ -129,6 +130,6 @@ def start_ray(name: str) -> Iterator[Stack]:
         recorded = dict(line.split("=", 1) for line in
                         (run_dir / "stack.env").read_text().splitlines() if "=" in line)
         yield Stack(run_dir, recorded["MODEL_NAME"], recorded["P_URL"], recorded["D_URL"],
-                    recorded["PROXY_URL"], recorded["D1_URL"])
+                    recorded["PROXY_URL"], recorded["D1_URL"], recorded["D1_PROXY_URL"])
     finally:
         subprocess.run(["bash", "scripts/ray-pd-down"], cwd=ROOT, env=environ, timeout=180)

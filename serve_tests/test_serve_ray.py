@@ -63,16 +63,21 @@ def test_d_over_two_ray_nodes_answers_as_p_alone_from_ps_kv_for_every_request(ra
 
 def test_d_on_one_host_staging_units_answers_as_p_alone_from_the_kv_of_both_p_workers(ray_stack):
     """P over two hosts, D on one: D1's one process reads units 0-3 of each block from P's
-    first worker and 4-7 from its second, into one unit-major piece of all eight."""
+    first worker and 4-7 from its second, into one unit-major piece of all eight; through
+    D1's own proxy, and by P's params handed on by the test."""
     stack = ray_stack
     transfers, fallbacks = _counts(stack, stack.d1_url)
     for i, n in enumerate((70, 190)):
         prompt = random_prompt(n, seed=5500 + i)
-        prefill = stack.complete(stack.p_url, prompt, max_tokens=1,
-                                 kv_transfer_params={"do_remote_decode": True})
-        sources = prefill["kv_transfer_params"]["sources"]
-        assert [s["units"] for s in sources] == [[0, 4], [4, 8]], sources
-        got = stack.complete(stack.d1_url, prompt, kv_transfer_params=prefill["kv_transfer_params"])
+        if i == 0:
+            got = stack.complete(stack.d1_proxy_url, prompt)
+        else:
+            prefill = stack.complete(stack.p_url, prompt, max_tokens=1,
+                                     kv_transfer_params={"do_remote_decode": True})
+            sources = prefill["kv_transfer_params"]["sources"]
+            assert [s["units"] for s in sources] == [[0, 4], [4, 8]], sources
+            got = stack.complete(stack.d1_url, prompt,
+                                 kv_transfer_params=prefill["kv_transfer_params"])
         want = transfers + i + 1  # one D worker, one transfer per request
         assert _until(lambda: _counts(stack, stack.d1_url)[0], want) == want
         _same_answer(got, stack.complete(stack.p_url, prompt))
@@ -85,7 +90,8 @@ def test_one_p_worker_killed_before_d_reads_fails_the_load_on_both_d_workers_and
     """Last: P's engine dies with its worker. One of D's two workers reads from the killed
     P worker, the other from the live one: the failure is the whole instance's (counted
     once per D worker, under a named reason), D computes the prompt itself within its
-    read deadline and answers as P did, and D serves on."""
+    read deadline and answers as P did, and D serves on. Then P is started again on its
+    cluster, and both pairs (P-D, P-D1, through their proxies) move the KV again."""
     stack = ray_stack
     prompt = random_prompt(150, seed=6000)
     alone = stack.complete(stack.p_url, prompt)
@@ -122,9 +128,7 @@ def test_one_p_worker_killed_before_d_reads_fails_the_load_on_both_d_workers_and
     prompt = random_prompt(130, seed=6002)
     got = stack.complete(stack.proxy_url, prompt)
     assert _until(lambda: _counts(stack)[0], transfers + 2) == transfers + 2
-    prefill = stack.complete(stack.p_url, prompt, max_tokens=1,
-                             kv_transfer_params={"do_remote_decode": True})
-    got1 = stack.complete(stack.d1_url, prompt, kv_transfer_params=prefill["kv_transfer_params"])
+    got1 = stack.complete(stack.d1_proxy_url, prompt)
     assert _until(lambda: _counts(stack, stack.d1_url)[0], transfers1 + 1) == transfers1 + 1
     alone = stack.complete(stack.p_url, prompt)
     _same_answer(got, alone)

@@ -24,8 +24,10 @@ first step). A progress line per load point goes to stderr; `.pd/bench/load.json
 `--hosts 2` (`run(hosts=2)`): P and D each over two hosts against each on one, kvxfer's
 connector and the same TP 4 in both: `scripts/ray-pd-up` (two Ray nodes of two devices per
 instance, tpu-inference's Ray executor, each node its own network namespace) against
-`scripts/pd-up` (one process of four devices per instance), at `HOSTS_LOADS`. One
-request's TTFT is the one-in-flight point's; `ratios` are two hosts over one;
+`scripts/pd-up` (one process of four devices per instance), at `HOSTS_LOADS`; and P over
+two hosts with D on one (`RAY_PD_D_NODES=1`: one process of four devices, staging units).
+One request's TTFT is the one-in-flight point's; `ratios` are two hosts over one,
+`ratios_d_one_host` P over two hosts and D on one over both on one;
 `.pd/bench/hosts.json` and `hosts.png` keep them.
 """
 
@@ -72,7 +74,9 @@ LOADS = ((256, 1), (256, 2), (256, 4), (1024, 1), (1024, 2), (1024, 4))
 """(prompt tokens, requests in flight) of each load point."""
 HOSTS = {"one_host": Stack({"PD_P_TP": "4", "PD_D_TP": "4"}),
          "two_hosts": Stack({"RAY_PD_NODES": "2", "RAY_PD_DEVICES": "2"}, up="ray-pd-up",
-                            down="ray-pd-down", d_workers=2)}
+                            down="ray-pd-down", d_workers=2),
+         "d_one_host": Stack({"RAY_PD_NODES": "2", "RAY_PD_DEVICES": "2", "RAY_PD_D_NODES": "1"},
+                             up="ray-pd-up", down="ray-pd-down")}
 HOSTS_LOADS = ((256, 1), (256, 4))
 OUTPUT_TOKENS = 32
 PER_POINT = 3
@@ -112,11 +116,9 @@ def run(loads: tuple[tuple[int, int], ...] | None = None, hosts: int = 1) -> dic
                               "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}
     for stack, how in stacks.items():
         result[stack] = _stack(stack, how, loads)
-    result["ratios"] = {}
-    for key, point in result[mine].items():
-        other = result[theirs].get(key, {})
-        result["ratios"][key] = {m: _ratio(point.get(m), other.get(m))
-                                 for m in ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")}
+    result["ratios"] = _ratios(result[mine], result[theirs])
+    if hosts == 2:
+        result["ratios_d_one_host"] = _ratios(result["d_one_host"], result[theirs])
     result["ok"] = all(p.get("failed", 1) == 0 for s in stacks for p in result[s].values()) and \
         all(p.get("kv_moved") == 1.0 for s, how in stacks.items() if how.counts
             for p in result[s].values())
@@ -244,6 +246,14 @@ def _deltas(before: dict, after: dict, completed: int, d_workers: int = 1) -> di
     if any(v is not None for v in breakdown.values()):
         out["breakdown_ms"] = breakdown
     return out
+
+
+def _ratios(mine: dict[str, dict[str, Any]], theirs: dict[str, dict[str, Any]]
+            ) -> dict[str, dict[str, float | None]]:
+    """Per load point, `mine` over `theirs` for p50 and p90 TTFT and p50 TPOT."""
+    return {key: {m: _ratio(point.get(m), theirs.get(key, {}).get(m))
+                  for m in ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")}
+            for key, point in mine.items()}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
