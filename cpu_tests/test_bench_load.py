@@ -95,3 +95,21 @@ def test_a_stack_without_kvxfer_still_gets_vllms_own_queue_and_prefill_times():
     b = out["breakdown_ms"]
     assert b["p_prefill"] == 750.0 and b["d_queue"] == 100.0
     assert b["d_kv_wait"] is None and b["d_handover"] is None  # kvxfer's own: unknown here
+
+
+def test_the_clients_output_ends_in_a_newline_so_the_progress_line_starts_its_own(
+        tmp_path, monkeypatch, capsys):
+    """vllm bench serve's last words (nanobind's leak warning at exit) end without a newline."""
+    import json
+    import subprocess
+
+    out = tmp_path / "point.json"
+
+    def client(argv, **kw):
+        out.write_text(json.dumps({"completed": 4, "failed": 0, "median_ttft_ms": 12.5}))
+        return subprocess.CompletedProcess(argv, 0, stdout="Starting...\nSee https://nanobind")
+
+    monkeypatch.setattr(load.subprocess, "run", client)
+    point = load._client("http://127.0.0.1:1", tmp_path, 256, 1, out, seed=1)
+    assert point["completed"] == 4 and point["median_ttft_ms"] == 12.5
+    assert capsys.readouterr().err == "Starting...\nSee https://nanobind\n"

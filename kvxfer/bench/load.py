@@ -185,8 +185,12 @@ def _client(url: str, model: Path, prompt: int, concurrency: int, out: Path, see
             "--ready-check-timeout-sec", "60" if ready_check else "0"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(argv, cwd=ROOT, env=env, timeout=900, stdout=sys.stderr,
-                          stderr=sys.stderr)
+    done = subprocess.run(argv, cwd=ROOT, env=env, timeout=900, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, errors="replace")
+    # Its output, ended by a newline (nanobind's leak warning at exit has none, and the
+    # progress line would follow it on the same line).
+    sys.stderr.write(done.stdout if done.stdout.endswith("\n") or not done.stdout
+                     else done.stdout + "\n")
     if done.returncode or not out.exists():
         raise InvalidInputError(f"vllm bench serve against {url} failed (exit "
                                 f"{done.returncode}); its output is above")
