@@ -99,17 +99,25 @@ def test_a_stack_without_kvxfer_still_gets_vllms_own_queue_and_prefill_times():
 
 def test_the_clients_output_ends_in_a_newline_so_the_progress_line_starts_its_own(
         tmp_path, monkeypatch, capsys):
-    """vllm bench serve's last words (nanobind's leak warning at exit) end without a newline."""
+    """vllm bench serve's last words (nanobind's leak warning at exit) end without a newline;
+    its output is passed on as it comes."""
     import json
-    import subprocess
+    import sys
 
     out = tmp_path / "point.json"
-
-    def client(argv, **kw):
-        out.write_text(json.dumps({"completed": 4, "failed": 0, "median_ttft_ms": 12.5}))
-        return subprocess.CompletedProcess(argv, 0, stdout="Starting...\nSee https://nanobind")
-
-    monkeypatch.setattr(load.subprocess, "run", client)
+    out.write_text(json.dumps({"completed": 4, "failed": 0, "median_ttft_ms": 12.5}))
+    script = "import sys; sys.stdout.write('Starting...\\n'); sys.stderr.write('See nanobind')"
+    real = load._relay  # the client run is a stand-in that writes what vllm's ends with
+    monkeypatch.setattr(load, "_relay", lambda argv, env, timeout_s: real(
+        [sys.executable, "-c", script], {}, timeout_s))
     point = load._client("http://127.0.0.1:1", tmp_path, 256, 1, out, seed=1)
     assert point["completed"] == 4 and point["median_ttft_ms"] == 12.5
-    assert capsys.readouterr().err == "Starting...\nSee https://nanobind\n"
+    assert capsys.readouterr().err == "Starting...\nSee nanobind\n"
+
+
+def test_a_client_that_outlives_its_time_is_killed_and_its_status_says_so(capsys):
+    import sys
+
+    status = load._relay([sys.executable, "-c", "import time; print('up', flush=True); "
+                          "time.sleep(30)"], {}, timeout_s=1.0)
+    assert status != 0 and capsys.readouterr().err == "up\n"

@@ -160,6 +160,9 @@ def test_pieces_refuse_layouts_they_cannot_cut():
     layout = CacheLayout.from_caches(caches((1, 8), PartitionSpec(None, None, "model")))
     with pytest.raises(LayoutMismatchError, match="split axis"):
         piece_staging(layout, Piece(0, 16, 0, 8), 4)
+    blocks_split = CacheLayout.from_caches(caches((8, 1), PartitionSpec("data", None, "model")))
+    with pytest.raises(LayoutMismatchError, match="shard the block axis"):
+        piece_staging(blocks_split, Piece(1, 8, 0, 8), 4)  # the inner axes unsplit: still no
     with pytest.raises(InvalidInputError, match="lo < hi"):
         Piece(1, 8, 4, 4)
 

@@ -295,3 +295,15 @@ def test_p_stages_nothing_more_for_a_stream_whose_d_gave_up(pair, when):
     meta = pr.save(ScheduledRequest("r", 16, 32, ([6, 7],)))  # P's engine prefills on
     assert "r" not in meta.blocks and "r" not in pr.p.slot_map
     assert pr.p.request_finished("r") is None
+
+
+def test_a_d_staging_units_refuses_a_stream_by_name_and_fails_it_in_logical_ids(pair, caplog):
+    """Streams move whole blocks: a D with `stage_units` fails the request at once, saying why."""
+    pr = pair(units=(False, True))
+    stream = new_stream_id()
+    pr.p.add_request("r", 32, list(range(32)), stream=stream)
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2])})
+    finished, failed = _drive(pr, lambda f, x: f or x, timeout=5)
+    assert (finished, failed) == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {1, 2}
+    assert "streams are read by a D staging whole blocks, this D process holds units" in caplog.text

@@ -38,6 +38,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -185,15 +186,10 @@ def _client(url: str, model: Path, prompt: int, concurrency: int, out: Path, see
             "--ready-check-timeout-sec", "60" if ready_check else "0"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(argv, cwd=ROOT, env=env, timeout=900, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, errors="replace")
-    # Its output, ended by a newline (nanobind's leak warning at exit has none, and the
-    # progress line would follow it on the same line).
-    sys.stderr.write(done.stdout if done.stdout.endswith("\n") or not done.stdout
-                     else done.stdout + "\n")
-    if done.returncode or not out.exists():
+    returncode = _relay(argv, env, timeout_s=900)
+    if returncode or not out.exists():
         raise InvalidInputError(f"vllm bench serve against {url} failed (exit "
-                                f"{done.returncode}); its output is above")
+                                f"{returncode}); its output is above")
     raw = json.loads(out.read_text())
     point = {"completed": raw.get("completed", 0),
              "failed": raw.get("failed", num - raw.get("completed", 0)),
@@ -203,6 +199,28 @@ def _client(url: str, model: Path, prompt: int, concurrency: int, out: Path, see
         for stat in ("median", "p90", "p99"):
             point[f"{stat}_{metric}_ms"] = _round(raw.get(f"{stat}_{metric}_ms"))
     return point
+
+
+def _relay(argv: list[str], env: dict[str, str], timeout_s: float) -> int:
+    """Run `argv`, its output passed on to stderr as it comes and ended by a newline
+    (nanobind's leak warning at exit has none: the progress line would follow it on the
+    same line); killed after `timeout_s`. Its exit status."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace")
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    last = "\n"
+    try:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            last = line[-1:]
+    finally:
+        timer.cancel()
+        proc.stdout.close()
+        proc.wait()
+    if last != "\n":
+        sys.stderr.write("\n")
+    return proc.returncode
 
 
 _LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")

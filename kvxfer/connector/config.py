@@ -29,7 +29,7 @@ class ConnectorConfig:
       whole block. P and D pair only when both stage blocks or both stage units, and an
       instance across hosts always stages units: an instance on one host that pairs with
       one across hosts sets it (D on one host reading from P over several, or P on one
-      host read by D over several).
+      host read by D over several). Streams (`StreamParams`) move whole blocks only.
     """
 
     transport: TransportConfig

@@ -269,8 +269,9 @@ def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray
 def _check_words(layout: CacheLayout, piece: Piece) -> None:
     """A piece cuts blocks along their split axis; where nothing splits them (one device,
     or replicas), a whole block cut along any axis is a piece too."""
+    axis = split_axis(layout)  # refuses a sharded block axis
     unsplit = all(g == 1 for g in layout.shard_grid)
-    fits = piece.lo == 0 and piece.hi == piece.units if unsplit else piece.axis == split_axis(layout)
+    fits = piece.lo == 0 and piece.hi == piece.units if unsplit else piece.axis == axis
     if (piece.axis >= len(layout.block_shape) or layout.block_shape[piece.axis] != piece.units
             or not fits):
         raise LayoutMismatchError(f"piece {piece} does not cut blocks of {layout.block_shape} "

@@ -440,7 +440,9 @@ def _units_to_read(p: ReadParams, piece: tuple[int, int, int] | None,
         if piece is not None:
             raise TransferError(f"params of {p.req_id!r} are from a P of whole blocks, "
                                 f"this D process holds units {piece}: P and D pair when both "
-                                f"stage units (P on one host sets stage_units) or neither")
+                                f"stage units (P on one host sets stage_units) or neither; a P "
+                                f"across hosts names its units once its scheduler has its "
+                                f"workers' first output")
         return {p.peer: (0, 1)}
     if piece is None:
         raise TransferError(f"params of {p.req_id!r} name {p.units} units per block (P stages "

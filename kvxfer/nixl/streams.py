@@ -311,7 +311,8 @@ class StreamReading:
                      trace=trace or Trace(req_id, "D", "", params.peer, self.config.name))
         self._reads[req_id] = read
         if self.piece is not None:
-            self._fail(read, TransferError("streams are read by a D of one process"), "refused")
+            self._fail(read, TransferError(f"streams are read by a D staging whole blocks, this D "
+                                           f"process holds units {self.piece}"), "refused")
             return
         self._try_subscribe(read)
 
