@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvxfer.device.staging import Staging
 
 __all__ = ["CUDA_TLS", "HOST_TLS", "MAX_WAIT_S", "MIN_LEASE_S", "MIN_TIMEOUT_S", "TransportConfig",
-           "choose_ucx_tls", "claim_name", "close_agent", "default_name", "free_port",
+           "choose_ucx_tls", "claim_name", "close_agent", "close_transport", "default_name", "free_port",
            "release_name", "send", "start_agent", "ucx_sees_cuda"]
 
 logger = logging.getLogger(__name__)
@@ -424,6 +424,17 @@ def close_agent(agent: Any, reg: Any, who: str, etcd: bool = False) -> None:
         agent.deregister_memory(reg)
     except Exception as e:
         logger.warning("%s deregister failed: %s", who, e)
+
+
+def close_transport(agent: Any, reg: Any, publication: Any, fetcher: Any, who: str,
+                    config: TransportConfig) -> None:
+    """Close what a transport opened around its agent: its etcd publication, its fetcher of
+    peers' records (or None), the agent's metadata and memory, and its name's claim."""
+    publication.close()
+    if fetcher is not None:
+        fetcher.close()
+    close_agent(agent, reg, who, config.uses_etcd)
+    release_name(config.name)
 
 
 def send(nixl: Any, peer: str, kind: str, /, **fields: Any) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 from kvxfer.device.staging import Staging, block_tags, free_in_all, stagings_of
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.nixl.agent import TransportConfig, close_agent, release_name, send, start_agent
+from kvxfer.nixl.agent import TransportConfig, close_transport, send, start_agent
 from kvxfer.nixl.etcd import Fetcher, Publication
 from kvxfer.nixl.streams import Published
 from kvxfer.nixl.wire import (
@@ -383,12 +383,9 @@ class PrefillTransport:
         with self._lock:
             if self.agent is None:
                 return
-            self._publication.close()
-            if self._fetcher is not None:
-                self._fetcher.close()
-            close_agent(self.agent, self._reg, f"P {self.config.name}", self.config.uses_etcd)
+            close_transport(self.agent, self._reg, self._publication, self._fetcher,
+                            f"P {self.config.name}", self.config)
             self.agent = None
-            release_name(self.config.name)
 
 
 def _answer(p: PrefillTransport, every_s: float) -> None:
