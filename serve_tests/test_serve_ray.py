@@ -113,7 +113,9 @@ def test_one_p_worker_killed_before_d_reads_fails_the_load_on_both_d_workers_and
     assert _until(lambda: _metric(stack.d_url, "vllm:kvxfer_num_failed_transfers_total",
                                   role="D"), failed + 2) == failed + 2
     reasons = {k: v - was[k] for k, v in _failures(stack).items()}
-    assert reasons["other_process"] == 1 and reasons["peer_gone"] + reasons["deadline"] == 1, reasons
+    # The other reads from the live P worker: it fails with it (`other_process`), unless P's
+    # engine, going down with its killed worker, takes that worker too before (`peer_gone`).
+    assert sum(reasons.values()) == 2 and reasons["peer_gone"] + reasons["deadline"] >= 1, reasons
     assert _metric(stack.d_url, "vllm:kvxfer_num_fallbacks_total",
                    reason="load_failed") == load_failed + 1  # one request, computed on D
     # D serves on: a prompt of its own.
