@@ -326,6 +326,27 @@ def test_one_process_instances_staging_units_deliver_every_byte_at_any_tp(pair, 
     assert pr.wait_freed(1) == ["r"]
 
 
+def test_pieces_cut_along_different_block_axes_are_refused_by_name_not_transposed(pair, caplog):
+    """P on one device whose caches name no inner axis cuts blocks along axis 0 (4 tokens); D
+    at TP 4 cuts them along the heads (4 of them): the same number of units, of the same
+    bytes, laid out differently. D must refuse P at the handshake, naming the axes, and leave
+    its caches as they were (not write P's blocks transposed), fingerprints or not."""
+    from jax.sharding import PartitionSpec
+
+    pr = pair(p_devices=(0,), d_devices=(4, 5, 6, 7), units=(True, True), block_size=4,
+              shape=(32, 4, 4, 2, 32), specs=(PartitionSpec(), None), verify=False)
+    assert pr.p.worker.processes.piece == pr.d.processes.piece == (0, 4, 4)
+    pr.p.add_request("r", 8)
+    pr.save(ScheduledRequest("r", 0, 8, ([5, 9],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.serve()
+    before = [as_bits(c).copy() for c in pr.d_caches[0]]
+    assert pr.load("r", params, [20, 21]) == ([], ["r"])
+    assert pr.d.get_block_ids_with_load_errors() == {20, 21}
+    assert "unit_axis: peer=0 local=1" in caplog.text
+    assert all((as_bits(c) == b).all() for c, b in zip(pr.d_caches[0], before))
+
+
 @pytest.mark.parametrize("units", [(True, False), (False, True)], ids=["P-units", "D-units"])
 def test_a_d_that_stages_otherwise_than_p_fails_the_request_naming_stage_units(pair, units,
                                                                               caplog):

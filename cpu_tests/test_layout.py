@@ -94,6 +94,19 @@ def test_block_check_allows_other_block_counts_and_shardings_but_not_another_blo
         check_block_compatible(advertised([layout]), advertised([other]))
 
 
+def test_block_check_refuses_pieces_cut_along_another_block_axis_and_pieces_against_blocks():
+    layout = CacheLayout(1, (16, 4, 4, 2, 8), "bfloat16", (("model", 4),),
+                         ((), (), ("model",), (), ()))
+    check_block_compatible(advertised([layout], unit_axes=[1]), advertised([layout], unit_axes=[1]))
+    with pytest.raises(LayoutMismatchError, match="group 0 unit_axis: peer=0 local=1"):
+        check_block_compatible(advertised([layout], unit_axes=[1]),
+                               advertised([layout], unit_axes=[0]))
+    with pytest.raises(LayoutMismatchError, match="group 0 unit_axis: peer=None local=1"):
+        check_block_compatible(advertised([layout], unit_axes=[1]), advertised([layout]))
+    with pytest.raises(InvalidInputError, match="unit_axes must be None or one axis"):
+        advertised([layout], unit_axes=[1, 2])
+
+
 def test_block_check_is_per_group_and_names_the_group():
     group = {"block_shape": [16, 8, 2, 128], "dtype": "bfloat16", "num_layers": 4,
              "kernel_ratio": 1}

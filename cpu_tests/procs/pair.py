@@ -22,13 +22,15 @@ from kvxfer.nixl.agent import TransportConfig
 from kvxfer.plan.save_plan import GroupSpec
 
 SHAPE = (32, 16, 4, 2, 32)  # [blocks, tokens, heads*2/p, p, dim], bf16
+HEADS = PartitionSpec(None, None, "model")
 _names = itertools.count()
 
 
-def caches_on(devices, seed, layers=2, shape=SHAPE):
-    """Random bf16 caches (as bits, so NaN payloads are kept) sharded over `devices` on axis 2."""
+def caches_on(devices, seed, layers=2, shape=SHAPE, spec=HEADS):
+    """Random bf16 caches (as bits, so NaN payloads are kept) sharded over `devices` by `spec`
+    (axis 2 by default)."""
     mesh = Mesh(np.array(devices).reshape(1, len(devices)), ("data", "model"))
-    sharding = NamedSharding(mesh, PartitionSpec(None, None, "model"))
+    sharding = NamedSharding(mesh, spec)
     rng = np.random.default_rng(seed)
     return [jax.device_put(jax.lax.bitcast_convert_type(
         jnp.asarray(rng.integers(0, 1 << 16, shape, dtype=np.uint16)), jnp.bfloat16), sharding)
@@ -60,21 +62,24 @@ class Pair:
     `groups` are P's `GroupSpec`s; each group gets its own caches of `shape`
     (`shape[1]` tokens per kernel block). P's caches are on `p_devices`, D's on
     `d_devices` (different TP on each side). `models` are P's and D's model descriptions;
-    `units` P's and D's `stage_units`.
+    `units` P's and D's `stage_units`; `specs` P's and D's partition specs (None: axis 2).
     """
 
     def __init__(self, kernel_ratio=1, block_size=16, deadline=10.0, groups=None, shape=SHAPE,
                  p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), layers=2, verify=True,
                  models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0, stats=True,
-                 units=(False, False)):
+                 units=(False, False), specs=(None, None)):
         n = next(_names)
         groups = groups or [GroupSpec(block_size)]
         cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio, stats=stats)
         devices = jax.devices()
+        specs = [HEADS if s is None else s for s in specs]
         self.p_caches = [caches_on([devices[i] for i in p_devices], seed=1 + 10 * g,
-                                   layers=layers, shape=shape) for g in range(len(groups))]
+                                   layers=layers, shape=shape, spec=specs[0])
+                         for g in range(len(groups))]
         self.d_caches = [caches_on([devices[i] for i in d_devices], seed=2 + 10 * g,
-                                   layers=layers, shape=shape) for g in range(len(groups))]
+                                   layers=layers, shape=shape, spec=specs[1])
+                         for g in range(len(groups))]
         self.single = len(groups) == 1
         p_transport = TransportConfig(f"P{n}", lease_s=lease, heartbeat_interval_s=heartbeat)
         self.p = PrefillConnector(ConnectorConfig(p_transport, stage_units=units[0], **cfg),

@@ -118,6 +118,11 @@ class OneProcess:
     def units(self) -> int:
         return 0
 
+    @property
+    def unit_axes(self) -> list[int] | None:
+        """Per group, the block axis its pieces cut; None: whole blocks."""
+        return None
+
     def instance(self, instance: str | None) -> str | None:
         """P's instance id: the scheduler side's, or None to draw one."""
         return instance
@@ -212,6 +217,10 @@ class InUnits(OneProcess):
     @property
     def units(self) -> int:
         return self.pieces[0].units
+
+    @property
+    def unit_axes(self) -> list[int] | None:
+        return [p.axis for p in self.pieces]
 
     def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
                slots: np.ndarray) -> None:

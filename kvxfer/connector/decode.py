@@ -80,10 +80,10 @@ class DecodeConnector:
         self.recorder = Recorder(config.stats)
         self.processes.precompile(caches, saves=False)  # before the agent: nothing to close if it fails
         self.transport = DecodeTransport(
-            self.processes.transport_config, self.stagings, advertised(self.layouts, model),
+            self.processes.transport_config, self.stagings,
+            advertised(self.layouts, model, self.processes.unit_axes),
             layout_check=check_block_compatible, piece=self.processes.piece,
-            reader=self.processes.reader, recorder=self.recorder,
-        )
+            reader=self.processes.reader, recorder=self.recorder)
         self._traces: dict[str, Trace] = {}  # loads under way (read, or held locally)
         self._loads: dict[str, _Load] = {}
         self._checked: list[tuple[jax.Array, ...]] = [() for _ in self.layouts]  # `_check_layouts`

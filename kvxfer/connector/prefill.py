@@ -53,7 +53,7 @@ class PrefillWorker:
         self.recorder = Recorder(config.stats)
         self.processes.precompile(caches, saves=True)  # before the agent: nothing to close if it fails
         self.transport = PrefillTransport(self.processes.transport_config, self.stagings,
-                                          advertised(self.layouts, model),
+                                          advertised(self.layouts, model, self.processes.unit_axes),
                                           instance=self.processes.instance(instance),
                                           piece=self.processes.piece, recorder=self.recorder)
         self.transport.answer_in_background()  # D's acks do not wait for the engine's next step

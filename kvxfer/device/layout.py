@@ -313,24 +313,37 @@ BLOCK_FIELDS = ("block_shape", "dtype", "num_layers", "kernel_ratio")
 """The fields of `CacheLayout.block_fields`."""
 
 
-def advertised(layouts: Sequence[CacheLayout], model: Mapping[str, Any] | None = None
-               ) -> dict[str, Any]:
+def advertised(layouts: Sequence[CacheLayout], model: Mapping[str, Any] | None = None,
+               unit_axes: Sequence[int] | None = None) -> dict[str, Any]:
     """What a peer checks at handshake (`check_block_compatible`): each group's block fields,
     and `model`, a JSON-able description of what the caches hold (for vLLM: the model,
     its dtype, heads and layers, and each KV cache group's kind, block size and
     sliding window; `kvxfer.vllm.model_description`), which must be the same on
-    both sides; None describes nothing (and matches only nothing)."""
+    both sides; None describes nothing (and matches only nothing).
+
+    `unit_axes`: per group, the block axis a side staging pieces cuts blocks along
+    (`kvxfer.device.pieces.split_axis`); None for whole blocks. Two sides that cut the
+    same number of units along different axes stage the same bytes laid out differently:
+    the axis is part of what fixes a staged block's bytes."""
     if model is not None and not isinstance(model, Mapping):
         raise InvalidInputError(f"model must be None or a dict describing the model, got "
                                 f"{model!r:.80}")
-    return {"groups": [layout.block_fields() for layout in layouts], "model": dict(model or {})}
+    if unit_axes is not None and (len(unit_axes) != len(layouts)
+                                  or not all(is_int(a) and a >= 0 for a in unit_axes)):
+        raise InvalidInputError(f"unit_axes must be None or one axis >= 0 per group "
+                                f"({len(layouts)}), got {unit_axes!r:.80}")
+    groups = [layout.block_fields() for layout in layouts]
+    for fields, axis in zip(groups, unit_axes or ()):
+        fields["unit_axis"] = int(axis)
+    return {"groups": groups, "model": dict(model or {})}
 
 
 def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
     """Raise `LayoutMismatchError` unless blocks can move between two sides: the one check.
 
     Both are `advertised(...)` dicts. Every group's blocks must have the same
-    bytes (`BLOCK_FIELDS`); the number of blocks and the sharding may differ
+    bytes (`BLOCK_FIELDS`), and sides staging pieces must cut them along the same block
+    axis (`unit_axis`); the number of blocks and the sharding may differ
     (P at TP 4, D at TP 8: each side stages whole blocks and re-shards). The
     model descriptions must be equal. The error lists each differing field,
     with both values.
@@ -344,7 +357,7 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
         f"group {g} {key}: peer={(t.get(key) if isinstance(t, Mapping) else t)!r} "
         f"local={o.get(key)!r}"
         for g, (o, t) in enumerate(zip(ours, theirs))
-        for key in BLOCK_FIELDS
+        for key in (*BLOCK_FIELDS, "unit_axis")
         if not isinstance(t, Mapping) or o.get(key) != t.get(key)
     ]
     if diffs:

@@ -30,7 +30,7 @@ __all__ = ["PROTOCOL_VERSION", "WIRE_INT_LIMIT", "ReadParams", "Source", "Stream
            "is_stream_id", "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
            "parse_sources", "prompt_digest"]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 _MAGIC = b"kvxfer:"
