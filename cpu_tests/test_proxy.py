@@ -725,3 +725,128 @@ def test_cli_takes_the_timeouts_with_their_defaults_and_refuses_a_bad_one_by_fla
     assert [(c.prefill_timeout_s, c.decode_timeout_s) for c in configs] == [(600, 3600), (30, 90.5)]
     assert cli.main([*args, "--decode-timeout", "0"]) == 2
     assert "kvxfer: error: --decode-timeout must be a positive" in capsys.readouterr().err
+
+
+P_PARAMS = {"remote_host": "P", "remote_block_ids": [3], "peer": "kv-P", "host": "10.0.0.5",
+            "port": 5610}
+
+
+def _p_answering(body: bytes, chunked: bool) -> web.Application:
+    """A P that answers every completion with `body`: with its length, or chunked in 100-byte
+    pieces (no length said, as a streaming server sends)."""
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if not chunked:
+            return web.Response(body=body, content_type="application/json")
+        out = web.StreamResponse(headers={"Content-Type": "application/json"})
+        out.enable_chunked_encoding()
+        await out.prepare(request)
+        for i in range(0, len(body), 100):
+            await out.write(body[i:i + 100])
+        await out.write_eof()
+        return out
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    return app
+
+
+def _p_streaming_without_end(closed: asyncio.Event, answered: list[int]) -> web.Application:
+    """A P that answers each completion after the first `answered[0]` with server-sent events
+    that do not end (1 kB each 10 ms, for minutes), though asked for no stream; `closed` is set
+    once such a request is closed. The first ones get a one-token answer with P's params."""
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if answered[0] > 0:
+            answered[0] -= 1
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": P_PARAMS})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:
+            await out.prepare(request)
+            for _ in range(WAIT_S * 6000):
+                await out.write(b"data: " + b"x" * 1000 + b"\n\n")
+                await asyncio.sleep(0.01)
+        except (asyncio.CancelledError, ConnectionError):
+            closed.set()
+            raise
+        return out
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    return app
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("over", [0, 1])
+def test_p_s_answer_is_read_up_to_prefill_max_bytes_and_one_byte_more_is_a_502_naming_it(
+        chunked, over):
+    d = FakeVllm("D")
+    answer = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": P_PARAMS,
+                         "pad": "y" * 1000}).encode()
+    limit = len(answer) - over
+
+    async def go():
+        async with serving(_p_answering(answer, chunked)) as p_url:
+            async with pd([], [d], extra_prefill=[p_url], prefill_max_bytes=limit) as (session, url):
+                async with session.post(url + "/v1/completions", json=BODY) as resp:
+                    return resp.status, await resp.json(), p_url
+
+    status, got, p_url = run(go())
+    if not over:
+        assert status == 200 and d.seen[0][1]["kv_transfer_params"] == P_PARAMS
+        return
+    assert status == 502 and got["error"]["type"] == "bad_upstream_response"
+    assert f"--prefill-max-bytes {limit} bytes" in got["error"]["message"]
+    assert got["error"]["upstream"] == p_url and p_url in got["error"]["message"]
+    assert d.seen == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_p_streaming_without_end_is_a_502_once_over_prefill_max_bytes_and_its_request_closed(
+        stream):
+    """The proxy stops reading at the limit: the client's request ends (long before
+    --prefill-timeout), P's request is closed, and D is not left waiting (stream mode)."""
+    closed, d = asyncio.Event(), FakeVllm("D")
+
+    async def go():
+        # In stream mode, P's first answer gives the proxy its address, to stream the next one.
+        app = _p_streaming_without_end(closed, [1 if stream else 0])
+        async with serving(app, handler_cancellation=True) as p_url:
+            async with pd([], [d], extra_prefill=[p_url], stream=stream,
+                          prefill_max_bytes=4096) as (session, url):
+                if stream:
+                    await _learn_p_address(session, url, d)
+                asked = session.post(url + "/v1/completions", json=BODY)
+                async with await asyncio.wait_for(asked, WAIT_S) as resp:
+                    status, answer = resp.status, await resp.json()
+                await asyncio.wait_for(closed.wait(), WAIT_S)
+                if stream:
+                    await asyncio.wait_for(d.aborted.wait(), WAIT_S)
+                return status, answer, p_url
+
+    status, answer, p_url = run(go())
+    assert status == 502 and "--prefill-max-bytes 4096 bytes" in answer["error"]["message"]
+    assert answer["error"]["upstream"] == p_url
+    assert len(d.seen) == (2 if stream else 0)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "4096", None])
+def test_a_prefill_max_bytes_that_is_not_a_positive_int_is_refused_naming_its_flag(value):
+    with pytest.raises(InvalidInputError, match="--prefill-max-bytes") as e:
+        ProxyConfig(prefill=("http://p:8100",), decode=("http://d:8200",), prefill_max_bytes=value)
+    assert repr(value) in str(e.value)
+
+
+def test_cli_takes_prefill_max_bytes_with_its_default_and_refuses_a_bad_one(monkeypatch, capsys):
+    from kvxfer.serve import proxy
+
+    configs = []
+    monkeypatch.setattr(proxy, "serve", configs.append)
+    args = ["proxy", "--prefill", "http://p:1", "--decode", "http://d:2", "--port", "8000"]
+    assert cli.main(args) == 0
+    assert cli.main([*args, "--prefill-max-bytes", "65536"]) == 0
+    assert [c.prefill_max_bytes for c in configs] == [4 << 20, 65536]
+    assert cli.main([*args, "--prefill-max-bytes", "0"]) == 2
+    assert "kvxfer: error: --prefill-max-bytes must be a positive int, got 0" in capsys.readouterr().err

@@ -171,7 +171,8 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
                                   host=args.host, port=args.port, stream=args.stream,
                                   max_body_mb=args.max_body_mb,
                                   prefill_timeout_s=args.prefill_timeout,
-                                  decode_timeout_s=args.decode_timeout))
+                                  decode_timeout_s=args.decode_timeout,
+                                  prefill_max_bytes=args.prefill_max_bytes))
     return 0
 
 
@@ -301,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode-timeout", type=float, default=3600.0, metavar="S",
                        help="seconds D has for its whole answer, from P's answer on (default 3600); "
                             "a D over it is a 504, or an ended stream once streaming began")
+    proxy.add_argument("--prefill-max-bytes", type=int, default=4 << 20, metavar="N",
+                       help="the most of P's answer read, in bytes (default 4194304, 4 MiB); a "
+                            "longer one is a 502")
     proxy.set_defaults(func=_cmd_proxy)
 
     _add_bench(sub)

@@ -24,7 +24,10 @@ an upstream that cannot be reached, or a P that returns no
 `kv_transfer_params` (one not started as `kv_producer`), is a 502 that names
 the URL. A P that does not answer within `--prefill-timeout`, or a D within
 `--decode-timeout`, is a 504 naming the URL and the flag (after P's, D is not
-asked); a D that runs over once its answer has begun ends the stream.
+asked); a D that runs over once its answer has begun ends the stream. Of P's
+answer the proxy reads at most `--prefill-max-bytes` (it needs only the
+`kv_transfer_params`): a longer one, or one streamed without end, is a 502
+naming the limit, and P's request is closed.
 
 A client that goes away (its connection closes) stops its request: the
 proxy closes its requests to P and D, which is how vLLM learns to abort
@@ -133,6 +136,9 @@ class ProxyConfig:
     `max_body_mb`: the largest request body taken (`--max-body-mb`); a larger one
     is a 413 in the OpenAI shape before P or D see it. The default, 64 MiB, takes a
     chat with a few base64 images or a 200k-token prompt as ids (about 1.4 MB).
+    `prefill_max_bytes` (`--prefill-max-bytes`): the most of P's answer read, so that a P
+    answering without end (streaming, say) cannot grow the proxy; more is a 502. The
+    default, 4 MiB, is thousands of times a one-token answer with its `kv_transfer_params`.
     """
 
     prefill: tuple[str, ...]
@@ -145,6 +151,7 @@ class ProxyConfig:
     max_body_mb: float = 64.0
     prefill_timeout_s: float = 600.0
     decode_timeout_s: float = 3600.0
+    prefill_max_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -171,6 +178,9 @@ class ProxyConfig:
                     or not math.isfinite(value)):
                 raise InvalidInputError(f"{flag} must be a positive, finite number of seconds, "
                                         f"got {value!r}")
+        if not is_int(self.prefill_max_bytes) or not self.prefill_max_bytes > 0:
+            raise InvalidInputError(f"--prefill-max-bytes must be a positive int, got "
+                                    f"{self.prefill_max_bytes!r}")
 
 
 class _Upstreams:
@@ -306,12 +316,33 @@ def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return sent
 
 
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """`resp`'s body, or None (not reading on) once it is over `limit` bytes."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    data = bytearray()
+    while chunk := await resp.content.read(limit + 1 - len(data)):
+        data += chunk
+        if len(data) > limit:
+            return None
+    return bytes(data)
+
+
 async def _ask_prefill(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> tuple[int, bytes, str | None] | web.Response:
-    """P's status, body and content type for `body`, or the 502 when P at `url` cannot be had."""
+                       headers: dict[str, str], limit: int
+                       ) -> tuple[int, bytes, str | None] | web.Response:
+    """P's status, body and content type for `body`, or the 502 when P at `url` cannot be had
+    or answers more than `limit` bytes (its request is then closed: P aborts it)."""
     try:
         async with session.post(url + path, json=body, headers=headers) as resp:
-            return resp.status, await resp.read(), resp.headers.get("Content-Type")
+            data = await _read_at_most(resp, limit)
+            if data is None:
+                resp.close()
+                log.warning("prefill instance %s answered over --prefill-max-bytes %d for %s", url,
+                            limit, headers[_REQUEST_ID])
+                return _error(502, f"prefill instance {url} answered more than --prefill-max-bytes "
+                              f"{limit} bytes", "bad_upstream_response", upstream=url)
+            return resp.status, data, resp.headers.get("Content-Type")
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return _unreachable("prefill", url, e)
 
@@ -324,10 +355,10 @@ async def _prefill(upstreams: _Upstreams, url: str, path: str, body: dict[str, A
     sent = _prefill_body(body)
     if stream is not None:
         sent["kv_transfer_params"]["stream"] = stream
-    timeout_s = upstreams.config.prefill_timeout_s
+    timeout_s, limit = upstreams.config.prefill_timeout_s, upstreams.config.prefill_max_bytes
     try:  # a timeout inside _ask_prefill is its 502: one that comes out is this one
-        answer = await asyncio.wait_for(_ask_prefill(upstreams.session, url, path, sent, headers),
-                                        timeout_s)
+        answer = await asyncio.wait_for(
+            _ask_prefill(upstreams.session, url, path, sent, headers, limit), timeout_s)
     except asyncio.TimeoutError:
         return _timed_out("prefill", url, "--prefill-timeout", timeout_s, headers[_REQUEST_ID])
     if isinstance(answer, web.Response):
