@@ -395,6 +395,26 @@ def test_the_first_stream_to_a_p_restarted_under_its_name_and_port_is_read(peers
         p.kill()
 
 
+@pytest.mark.parametrize("how", ["killed", "closed"])
+def test_a_d_restarted_under_its_name_connects_to_a_listening_p_that_served_its_last_start(
+        peers, how):
+    """P keeps NIXL's metadata of the D it served; a D started again under that name (after a
+    crash, or a clean close) must connect and read without P restarting."""
+    p, name = peers["P"], f"D_again_{how}"
+    d = Peer("D", spec(name))
+    try:
+        assert_read_intact(d, "r", stage_and_hold(p, f"r_{how}_1", [1], seed=31), [2], {1: 31})
+        if how == "killed":
+            d.kill()
+        else:
+            d.close()
+        d = Peer("D", spec(name))
+        assert connect(d, p, "P")["layout"] == LAYOUT
+        assert_read_intact(d, "r", stage_and_hold(p, f"r_{how}_2", [1], seed=32), [2], {1: 32})
+    finally:
+        d.kill()
+
+
 def test_a_second_agent_under_a_live_agents_name_is_refused_at_start_naming_it(peers):
     p, d = peers["P"], peers["D"]  # D is live, in a process of its own
     with pytest.raises(InvalidInputError, match=rf"name 'D' is already in use by process "

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from kvxfer.device.staging import Staging
 
 __all__ = ["CUDA_TLS", "HOST_TLS", "MAX_WAIT_S", "MIN_LEASE_S", "MIN_TIMEOUT_S", "TransportConfig",
-           "choose_ucx_tls", "claim_name", "close_agent", "close_transport", "default_name", "free_port",
-           "release_name", "send", "start_agent", "ucx_sees_cuda"]
+           "choose_ucx_tls", "claim_name", "close_agent", "close_transport", "default_name", "forget_me",
+           "free_port", "release_name", "send", "start_agent", "ucx_sees_cuda"]
 
 logger = logging.getLogger(__name__)
 
@@ -424,6 +424,16 @@ def close_agent(agent: Any, reg: Any, who: str, etcd: bool = False) -> None:
         agent.deregister_memory(reg)
     except Exception as e:
         logger.warning("%s deregister failed: %s", who, e)
+
+
+def forget_me(agent: Any, listeners: Iterable[tuple[str, int]], who: str) -> None:
+    """Ask each P listener at `listeners` to drop this agent's metadata, so a later start
+    under the same name is not refused there (NIXL keeps the first metadata of a name)."""
+    for host, port in sorted(listeners):
+        try:
+            agent.invalidate_local_metadata(host, port)
+        except Exception as e:  # closing must not raise: the peer may be gone
+            logger.debug("%s metadata invalidation at %s:%s failed: %s", who, host, port, e)
 
 
 def close_transport(agent: Any, reg: Any, publication: Any, fetcher: Any, who: str,

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvxfer.device.staging import Staging, free_in_all, stagings_of
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
-from kvxfer.nixl.agent import TransportConfig, close_transport, start_agent
+from kvxfer.nixl.agent import TransportConfig, close_transport, forget_me, start_agent
 from kvxfer.nixl.etcd import Fetcher, Publication
 from kvxfer.nixl.handshake import Handshakes
 from kvxfer.nixl.peers import LayoutCheck, Peers
@@ -368,6 +368,7 @@ class DecodeTransport(StreamReading):
         if self.agent is None:
             return
         self._poster.shutdown(wait=True, cancel_futures=True)  # none may start on a closed agent
+        forget_me(self.agent, self.handshakes.sent_to, f"D {self.config.name}")
         close_transport(self.agent, self._reg, self._publication, self._fetcher,
                         f"D {self.config.name}", self.config)
         self.agent = None

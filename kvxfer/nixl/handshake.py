@@ -23,7 +23,7 @@ from kvxfer.errors import KvxferError, TransferError
 from kvxfer.nixl.agent import send
 from kvxfer.nixl.etcd import Fetcher
 from kvxfer.nixl.peers import Peer, Peers
-from kvxfer.nixl.wire import ReadParams
+from kvxfer.nixl.wire import ReadParams, new_instance
 from kvxfer.stats import Recorder
 
 __all__ = ["MAX_FAILED", "Handshakes"]
@@ -68,6 +68,10 @@ class Handshakes:
         self._failed: dict[str, tuple[float, str | None, KvxferError]] = {}
         self._next_sweep = 0.0
         self._probes: dict[str, Any] = {}  # peer -> answer deadline, or the answer
+        # This start of D, named in every hello: a P that kept an earlier start's NIXL
+        # metadata under D's name forgets it (NIXL refuses new metadata under a held name).
+        self.start = new_instance()
+        self.sent_to: set[tuple[str, int]] = set()  # P listeners that hold D's metadata
 
     def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
         """Handshake with P agent `peer` at `host:port` and wait for it; returns its layout.
@@ -180,7 +184,8 @@ class Handshakes:
             if self.agent.check_remote_metadata(peer):
                 if not self.config.uses_etcd:
                     self.agent.send_local_metadata(handshake.host, handshake.port)
-                send(self.agent, peer, "hello", agent=self.config.name)
+                    self.sent_to.add((handshake.host, handshake.port))
+                send(self.agent, peer, "hello", agent=self.config.name, start=self.start)
                 handshake.hello_sent, handshake.hello_at = True, now
             elif now > handshake.deadline:
                 raise TransferError(
@@ -223,7 +228,7 @@ class Handshakes:
         if state is None:
             self.peers.take_advert(peer.name)
             try:
-                send(self.agent, peer.name, "hello", agent=self.config.name)
+                send(self.agent, peer.name, "hello", agent=self.config.name, start=self.start)
             except TransferError:
                 return None
             self._probes[peer.name] = time.monotonic() + self.config.handshake_timeout_s

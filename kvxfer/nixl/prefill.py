@@ -79,6 +79,8 @@ or a hello waits (NIXL has no wait on notifications): at most this, plus a switc
 GIL, before a `done` is acked."""
 IDLE_ANSWER_S = 0.02
 """How often it looks while P holds nothing (a new lease wakes it at once)."""
+MAX_STARTS = 4096
+"""The most D agents whose last start P remembers (the least recently heard go first)."""
 
 
 def _locked(method):
@@ -128,6 +130,7 @@ class PrefillTransport:
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
         self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
+        self._starts: dict[str, str] = {}  # D agent -> the start its last hello named
         self._freed: list[str] = []
         self._ended: list[tuple[str, _Lease, str]] = []  # leases ended, slots not yet freed
         self._lock = threading.RLock()
@@ -299,6 +302,7 @@ class PrefillTransport:
     def _handle(self, sender: str, msg: dict[str, Any], now: float) -> None:
         kind = msg["t"]
         if kind == "hello":
+            self._forget_past_start(sender, msg.get("start"))
             self._hellos[sender] = now + self.config.handshake_timeout_s
             if self._fetcher is not None:  # D published it in etcd before saying hello
                 self._fetcher.fetch(sender)
@@ -344,6 +348,24 @@ class PrefillTransport:
                 self._free(req_id, "cancelled")
         else:
             logger.warning("P %s ignores %r message from %s", self.config.name, kind, sender)
+
+    def _forget_past_start(self, sender: str, start: object) -> None:
+        """A hello from another start of D agent `sender` than the last: drop the NIXL
+        metadata P holds under that name (a dead start's, which NIXL would keep in place of
+        the new one's), so the new start's is loaded when it sends it again."""
+        if not isinstance(start, str) or not start:
+            return  # a D before protocol 9 names no start
+        known = self._starts.pop(sender, None)
+        self._starts[sender] = start[:64]  # most recent last
+        while len(self._starts) > MAX_STARTS:
+            del self._starts[next(iter(self._starts))]
+        if known is not None and known != start[:64]:
+            logger.info("P %s: D agent %s started again; its earlier metadata is dropped",
+                        self.config.name, sender)
+            try:
+                self.agent.remove_remote_agent(sender)
+            except Exception as e:  # NIXL raises its own types for a name it does not hold
+                logger.debug("P %s: dropping %s's metadata: %s", self.config.name, sender, e)
 
     def _answer_hellos(self, now: float) -> None:
         for peer, deadline in list(self._hellos.items()):
