@@ -266,6 +266,27 @@ def test_a_stream_queued_on_p_longer_than_ds_deadline_is_read_once_p_prefills_it
     assert (finished, failed) == (["r"], []) and _same(pr, [1, 2], [5, 6])
 
 
+def test_a_p_that_only_ever_says_wait_is_followed_for_stream_wait_s_then_dropped(pair, caplog):
+    """P keeps saying the stream is still coming (its request never leaves P's queue): D follows
+    for `stream_wait_s` (2 s here) past its 1 s deadline, not for ever, then fails the request
+    naming the setting and tells P to drop it; P's engine then stages nothing of it."""
+    pr = pair(deadline=1.0, heartbeat=0.25, stream_wait=2.0)
+    stream = new_stream_id()
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2])})
+    started = time.monotonic()
+    finished, failed = _drive(pr, lambda f, x: f or x, timeout=15.0)
+    assert (finished, failed) == ([], ["r"])
+    assert time.monotonic() - started >= 2.0  # P's waits were followed past the 1 s deadline
+    assert "stream_wait_s=2 s" in caplog.text and pr.d.get_block_ids_with_load_errors() == {1, 2}
+    _drive(pr, lambda f, x: stream in pr.p.worker.transport.streams._gone, timeout=5)
+    assert stream in pr.p.worker.transport.streams._gone  # P heard D drop it
+    pr.p.add_request("r", 48, stream=stream)  # P's scheduler gets to it only now
+    pr.save(ScheduledRequest("r", 0, 16, ([5],), full_table=True))
+    _drive(pr, lambda f, x: "r" in pr.freed, timeout=5)
+    meta = pr.save(ScheduledRequest("r", 16, 32, ([6, 7],)))
+    assert "r" in pr.freed and "r" not in meta.blocks and "r" not in pr.p.slot_map
+
+
 def _d_alone(pr, until, timeout):
     """Poll D only (P's engine thread is busy) until `until(failed)`; the failed ids."""
     failed, deadline = [], time.monotonic() + timeout

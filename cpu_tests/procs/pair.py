@@ -68,7 +68,7 @@ class Pair:
     def __init__(self, kernel_ratio=1, block_size=16, deadline=10.0, groups=None, shape=SHAPE,
                  p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), layers=2, verify=True,
                  models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0, stats=True,
-                 units=(False, False), specs=(None, None)):
+                 units=(False, False), specs=(None, None), stream_wait=600.0):
         n = next(_names)
         groups = groups or [GroupSpec(block_size)]
         cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio, stats=stats)
@@ -86,7 +86,7 @@ class Pair:
                                   groups, self.p_caches, model=models[0])
         self.d = DecodeConnector(ConnectorConfig(
             TransportConfig(f"D{n}", transfer_timeout_s=deadline, handshake_timeout_s=handshake,
-                            heartbeat_interval_s=heartbeat),
+                            heartbeat_interval_s=heartbeat, stream_wait_s=stream_wait),
             verify_fingerprints=verify, stage_units=units[1],
             **cfg), self.d_caches, model=models[1])
         self.freed, self._stop, self._thread = [], threading.Event(), None

@@ -74,6 +74,11 @@ class TransportConfig:
       a heartbeat's trip to P; below a second an ordinary step lets it lapse
       while D still reads. Two heartbeats per lease let one arrive late.
     - `heartbeat_interval_s`: how often D extends leases of requests it still wants.
+    - `stream_wait_s`: the longest D follows a P that says a stream is still coming
+      (`wait`) without naming a chunk of it: from subscribing, or from the last chunk.
+      Past it D fails the request by name and tells P to drop it. The default, 600 s,
+      is `kvxfer proxy`'s `--prefill-timeout`: a request queued on P that long is given
+      up by the proxy too.
     - `ucx_tls`: `UCX_TLS` for this agent's UCX context (set only while the agent
       is created). `"auto"` (the default) picks `cma,tcp,self`, which reads host
       memory faster between processes on one machine than UCX's own choice,
@@ -106,6 +111,7 @@ class TransportConfig:
     transfer_timeout_s: float = 10.0
     lease_s: float = 30.0
     heartbeat_interval_s: float = 5.0
+    stream_wait_s: float = 600.0
     ucx_tls: str | None = "auto"
     num_threads: int = 0
     progress_wake_us: int = 1000
@@ -122,19 +128,21 @@ class TransportConfig:
         if not is_int(self.listen_port) or not 0 <= self.listen_port <= 65535:
             raise InvalidInputError(
                 f"TransportConfig listen_port must be an int in [0, 65535], got {self.listen_port!r}")
-        for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s"):
+        for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s",
+                     "stream_wait_s"):
             value = getattr(self, name)
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not math.isfinite(value) or value <= 0):
                 raise InvalidInputError(
                     f"TransportConfig {name} must be a positive finite number of seconds, "
                     f"got {value!r}")
-        for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s"):
+        for name in ("handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s",
+                     "stream_wait_s"):
             if getattr(self, name) > MAX_WAIT_S:
                 raise InvalidInputError(
                     f"TransportConfig {name} {getattr(self, name)!r} is over {MAX_WAIT_S:.0f} s "
                     f"(a day): nothing would ever time out or lapse; give at most {MAX_WAIT_S:.0f}")
-        for name in ("handshake_timeout_s", "transfer_timeout_s"):
+        for name in ("handshake_timeout_s", "transfer_timeout_s", "stream_wait_s"):
             if getattr(self, name) < MIN_TIMEOUT_S:
                 raise InvalidInputError(
                     f"TransportConfig {name} {getattr(self, name)!r} is below {MIN_TIMEOUT_S} s: "

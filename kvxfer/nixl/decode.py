@@ -248,7 +248,7 @@ class DecodeTransport(StreamReading):
                     self._advance(read)
                 if now > read.deadline and read.req_id in self._reads:
                     logger.warning("D %s read of %s %s", self.config.name, read.req_id,
-                                   _late(read, self.config.transfer_timeout_s))
+                                   _late(read, self.config, now))
                     self._fail(read, reason="deadline")
             self.recorder.gauge("d_requests_waiting", len(self._reads) + len(self._expected))
             self._heartbeat(now)
@@ -374,11 +374,16 @@ class DecodeTransport(StreamReading):
         self.agent = None
 
 
-def _late(read: Read, timeout_s: float) -> str:
-    """Why `read` missed its deadline: a stream's P fell silent, or where its legs stood."""
+def _late(read: Read, config: TransportConfig, now: float) -> str:
+    """Why `read` missed its deadline: a stream's P fell silent, or said `wait` for longer
+    than `stream_wait_s` without a chunk, or where its legs stood."""
     if read.stream is not None and not read.waiting:
+        if now >= read.wait_until:
+            return (f"failed: P {read.stream.peer} said stream {read.stream.stream} is still "
+                    f"coming, without naming a chunk of it, for longer than stream_wait_s="
+                    f"{config.stream_wait_s:g} s; D drops it")
         return (f"failed: P {read.stream.peer} said nothing of stream {read.stream.stream} "
-                f"(no chunk, no wait) for {timeout_s} s")
+                f"(no chunk, no wait) for {config.transfer_timeout_s} s")
     return f"timed out in states {({p: leg.state.value for p, leg in read.legs.items()})}"
 
 

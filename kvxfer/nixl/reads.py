@@ -77,6 +77,7 @@ class Read:
     token: str = ""  # its `done_token`, what its `done` and heartbeats carry (once known)
     chunks: list[ReadParams] = field(default_factory=list)  # streamed: named, not yet posted
     last: bool = False  # streamed: P named its last chunk
+    wait_until: float = 0.0  # streamed: the latest P's `wait` may move the deadline to
     reconnected: bool = False  # streamed: its `want` found the connection gone, and D reconnected
     landed: bool = False  # its posted READs are done, their blocks not yet checked
 

@@ -340,12 +340,14 @@ class StreamReading:
             self._drop_peer(s.peer, str(e))
             return
         read.waiting = False
+        read.wait_until = time.monotonic() + self.config.stream_wait_s
         read.instance = self.peers.get(s.peer).instance
         read.mark = read.trace.stage("connect", read.started)
 
     def _on_chunk(self, sender: str, msg: dict[str, Any]) -> None:
         """P names blocks of a stream final (or gives the stream up): queue them to read. A
-        `wait` (P still has the stream's last chunk to come) moves its deadline on."""
+        `wait` (P still has the stream's last chunk to come) moves its deadline on, for at
+        most `stream_wait_s` after subscribing or the last chunk."""
         stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
         read = next((r for r in self._reads.values() if r.stream is not None
                      and r.stream.stream == stream and r.stream.peer == sender), None)
@@ -353,8 +355,8 @@ class StreamReading:
             return
         if msg["t"] == "wait":
             if msg.get("instance") == read.instance and not read.last:  # not a past P's word
-                read.deadline = max(read.deadline,
-                                    time.monotonic() + self.config.transfer_timeout_s)
+                read.deadline = max(read.deadline, min(
+                    time.monotonic() + self.config.transfer_timeout_s, read.wait_until))
             return
         if msg.get("aborted") is True:
             self._fail(read, TransferError(f"P gave up on stream {stream}"), "refused")
@@ -391,7 +393,9 @@ class StreamReading:
             tuple(tuple(s for _, s in g) for g in kept), read.secret, fields["prompt"]))
         if last:
             read.last, read.generation = True, generation
-        read.deadline = time.monotonic() + self.config.transfer_timeout_s  # P is alive
+        now = time.monotonic()  # P is alive, and its request progresses
+        read.deadline, read.wait_until = (now + self.config.transfer_timeout_s,
+                                          now + self.config.stream_wait_s)
 
     def _next_chunk(self, read: Read) -> bool:
         """Post the stream's chunks named since its last READ as one READ; whether one was

@@ -56,7 +56,7 @@ class Settings:
       `precompile`, `stage_units`: true on an instance on one host that pairs with one
       across hosts)
       or of `kvxfer.nixl.agent.TransportConfig` (`handshake_timeout_s`,
-      `transfer_timeout_s`, `lease_s`, `heartbeat_interval_s`, `ucx_tls`,
+      `transfer_timeout_s`, `lease_s`, `heartbeat_interval_s`, `stream_wait_s`, `ucx_tls`,
       `num_threads`, `progress_wake_us`, `etcd_endpoints`), documented there.
       With `etcd_endpoints` (the same on P and D) agents find each other in
       etcd by name, so `port` is unused and D needs no route to a P listener.
