@@ -94,6 +94,18 @@ def test_build_prom_metrics_registers_and_observes_with_the_engine_labels(model_
     assert {f"vllm:kvxfer_{n}" for n in HISTOGRAMS} <= names
 
 
+def test_messages_dropped_from_peers_reach_metrics_by_role(model_dir, engines):
+    engine = engines(model_dir, kv_role="kv_consumer", extra_config={"staging_blocks": 8})
+    registry, types = _registry_metric_types()
+    prom = TPUConnector.build_prom_metrics(engine.vllm_config, types, LABELS, {0: ["m", "0"]})
+    prom.observe(_report({"p_messages_dropped": 700}).data)
+    prom.observe(_report({"p_messages_dropped": 5}).data)
+    one = {"model_name": "m", "engine": "0"}
+    value = registry.get_sample_value
+    assert value("vllm:kvxfer_num_dropped_messages_total", {**one, "role": "P"}) == 705
+    assert value("vllm:kvxfer_num_dropped_messages_total", {**one, "role": "D"}) is None
+
+
 def _stats_of(steps):
     """Every step's kv_connector_stats (worker and scheduler side, as vLLM's scheduler
     aggregated them), folded into one."""

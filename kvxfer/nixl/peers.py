@@ -18,6 +18,7 @@ from typing import Any
 from kvxfer.device.staging import Staging
 from kvxfer.errors import LayoutMismatchError, TransferError
 from kvxfer.nixl.agent import TransportConfig, send
+from kvxfer.nixl.complaints import Complaints
 from kvxfer.nixl.wire import ReadParams, Source, check_piece, decode_message
 
 __all__ = ["LayoutCheck", "Peer", "PeerGroup", "Peers"]
@@ -80,6 +81,7 @@ class Peers:
         self._instances: dict[str, str] = {}  # peer -> the instance last connected to
         self._past: dict[str, set[str]] = {}  # peer -> instances known to be gone
         self._adverts: dict[str, dict[str, Any] | TransferError] = {}
+        self.complaints = Complaints(f"D {config.name}", logger)  # bad messages, once a minute
 
     def __contains__(self, name: object) -> bool:
         return name in self._peers
@@ -247,10 +249,9 @@ class Peers:
                     elif msg["t"] in ("chunk", "wait") and self.on_chunk is not None:
                         self.on_chunk(sender, msg)
                     else:
-                        logger.warning("D %s ignores %r message from %s", self.config.name,
-                                       msg["t"], sender)
+                        self.complaints.note(sender, "unknown_type", f"a {msg['t']!r} message")
                 except TransferError as e:
                     if sender not in self._peers and not isinstance(self._adverts.get(sender),
                                                                     dict):
                         self._adverts[sender] = e  # a handshake in progress fails loudly
-                    logger.warning("D %s ignores a message: %s", self.config.name, e)
+                    self.complaints.note(sender, "malformed", e)

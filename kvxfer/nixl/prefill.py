@@ -41,6 +41,7 @@ from typing import Any
 from kvxfer.device.staging import Staging, block_tags, free_in_all, stagings_of
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_transport, send, start_agent
+from kvxfer.nixl.complaints import Complaints
 from kvxfer.nixl.etcd import Fetcher, Publication
 from kvxfer.nixl.streams import Published
 from kvxfer.nixl.wire import (
@@ -137,6 +138,7 @@ class PrefillTransport:
         self._answering: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # a lease began: answer at the busy pace
+        self.complaints = Complaints(f"P {config.name}", logger, self.recorder, "p_messages_dropped")
         self.streams = Published(self.agent, config.name, self.instance, len(self.stagings),
                                  4 * self.staging.num_slots, config.lease_s,
                                  min(1.0, config.heartbeat_interval_s))
@@ -297,7 +299,7 @@ class PrefillTransport:
                 try:
                     self._handle(sender, decode_message(raw, sender), now)
                 except TransferError as e:
-                    logger.warning("P %s ignores a message: %s", self.config.name, e)
+                    self.complaints.note(sender, "malformed", e)
 
     def _handle(self, sender: str, msg: dict[str, Any], now: float) -> None:
         kind = msg["t"]
@@ -327,7 +329,7 @@ class PrefillTransport:
             try:
                 send(self.agent, sender, "ack", req_id=req_id, generation=generation, ok=ok)
             except TransferError as e:
-                logger.warning("P %s: %s", self.config.name, e)
+                self.complaints.note(sender, "unanswered", e)
         elif kind == "hb":
             instance = message_field(msg, "instance", lambda v: isinstance(v, str), "a str", sender)
             reqs = message_field(msg, "reqs", lambda v: isinstance(v, list) and all(
@@ -347,7 +349,7 @@ class PrefillTransport:
             if (req_id := self.streams.on_drop(sender, msg)) is not None:
                 self._free(req_id, "cancelled")
         else:
-            logger.warning("P %s ignores %r message from %s", self.config.name, kind, sender)
+            self.complaints.note(sender, "unknown_type", f"a {kind!r} message")
 
     def _forget_past_start(self, sender: str, start: object) -> None:
         """A hello from another start of D agent `sender` than the last: drop the NIXL
@@ -374,10 +376,10 @@ class PrefillTransport:
                 try:
                     send(self.agent, peer, "layout", **self.advertisement())
                 except TransferError as e:
-                    logger.warning("P %s: %s", self.config.name, e)
+                    self.complaints.note(peer, "unanswered", e)
             elif now > deadline:
                 del self._hellos[peer]
-                logger.warning("P %s: no metadata from %s, hello dropped", self.config.name, peer)
+                self.complaints.note(peer, "hello_dropped", "no NIXL metadata from it in time")
 
     def _free(self, req_id: str, outcome: str) -> None:
         """End `req_id`'s lease; its slots are freed in `poll` (`_free_ended`), on the

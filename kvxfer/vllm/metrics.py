@@ -192,6 +192,11 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
         self.recomputed = self._counter_cls(
             name="vllm:kvxfer_num_recomputed_blocks", labelnames=labelnames,
             documentation="D: blocks reported for recomputation (failed loads)")
+        self.dropped = self._counter_cls(
+            name="vllm:kvxfer_num_dropped_messages", labelnames=role,
+            documentation="Messages from peers dropped: malformed, of a type this side does "
+                          "not take, or that it could not answer (each peer's logged at most "
+                          "once a minute per reason)")
         self.handshakes = self._counter_cls(
             name="vllm:kvxfer_num_failed_handshakes", labelnames=labelnames,
             documentation="D: handshakes with a P agent that failed")
@@ -220,6 +225,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             r = role.upper()
             _inc(self.transfers, [*labels, r], counters.get(f"{role}_requests_ok", 0))
             _inc(self.kv_bytes, [*labels, r], counters.get(f"{role}_bytes", 0))
+            _inc(self.dropped, [*labels, r], counters.get(f"{role}_messages_dropped", 0))
             for reason in OUTCOMES:
                 _inc(self.failed, [*labels, r, reason], counters.get(f"{role}_failed_{reason}", 0))
         _inc(self.recomputed, labels, counters.get("d_recompute_blocks", 0))
