@@ -89,6 +89,10 @@ class Peers:
     def get(self, name: str) -> Peer | None:
         return self._peers.get(name)
 
+    def verified_names(self) -> list[str]:
+        """Every P agent D completed a handshake with (connected now or before), oldest first."""
+        return list(self._instances)
+
     def is_past(self, name: str, instance: str) -> bool:
         """Whether `instance` of P agent `name` is known to be gone (P restarted)."""
         return instance in self._past.get(name, ())

@@ -78,7 +78,7 @@ from kvxfer.nixl.wire import Source, StreamParams, is_stream_id, prompt_digest
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 from kvxfer.vllm.fallbacks import Fallbacks, p_engine
 from kvxfer.vllm.metrics import StatsReporting
-from kvxfer.vllm.reports import WorkerReport, worker_processes
+from kvxfer.vllm.reports import VERIFIED_PER_REPORT, WorkerReport, worker_processes
 from kvxfer.vllm.settings import Settings
 
 if TYPE_CHECKING:
@@ -248,10 +248,11 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.build(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self._scheduler.fallbacks is not None:
+        meta = connector_output.kv_connector_worker_meta
+        if self._scheduler.fallbacks is not None:  # P agents verified first: this step's loads
+            self._scheduler.fallbacks.verified(meta.verified if isinstance(meta, WorkerReport) else ())
             self._scheduler.fallbacks.loaded(connector_output.finished_recving or (),
                                              getattr(connector_output, "failed_recving", ()))
-        meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, WorkerReport):
             self._scheduler.learn_sources(meta.sources, meta.units)
             self._scheduler.release(meta.freed)
@@ -495,6 +496,7 @@ class _WorkerSide:
         self._prefill: Any = None  # PrefillWorker, started with the runner
         self._decode: Any = None  # DecodeConnector
         self._freed: set[str] = set()
+        self._verified: set[str] = set()  # D: P agents named in a report already
 
     def register_runner(self, runner: Any) -> None:
         index = runner.layer_name_to_kvcache_index
@@ -559,13 +561,17 @@ class _WorkerSide:
 
     def report(self) -> WorkerReport | None:
         """This step's news for the scheduler: the requests freed since the last report;
-        on a P across hosts, every step, every P process's agent and units."""
+        on a P across hosts, every step, every P process's agent and units; on D, the P
+        agents it completed a handshake with since (what labels fallbacks)."""
         freed, self._freed = self._freed, set()
         prefill = self._prefill
         counts = dict.fromkeys(freed, 1)  # this worker's: the aggregate adds every worker's
+        names = self._decode.transport.peers.verified_names() if self._decode else ()
+        verified = tuple(n for n in names if n not in self._verified)[:VERIFIED_PER_REPORT]
+        self._verified.update(verified)  # the rest: in the next reports
         if prefill is not None and prefill.sources:
-            return WorkerReport(counts, tuple(prefill.sources), prefill.units)
-        return WorkerReport(counts) if counts else None
+            return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified)
+        return WorkerReport(counts, verified=verified) if counts or verified else None
 
     def close(self) -> None:
         for side in (self._prefill, self._decode):

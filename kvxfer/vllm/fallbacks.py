@@ -16,8 +16,14 @@ the P engine that prefilled it, and logs a warning at most once per reason per m
 The counts go out as `Stats` counters named `d_fallback_<reason>|<P engine>`
 (`counter_name`), which `kvxfer.vllm.metrics` turns into `vllm:kvxfer_num_fallbacks_total
 {reason, p_engine}`. The P engine is P's agent name as its params name it (`peer`): one
-per P instance. A label's values must stay few, and params come from clients, so at most
-`MAX_ENGINES` names are kept; later ones count as `other`.
+per P instance. A label's values must stay few, and params come from clients, who may
+name anything: a name is a label only once D's workers completed a handshake with that
+P agent (`verified`, from `WorkerReport.verified`; for a P across hosts, with its process
+0's agent, `<name>-0`), and at most `MAX_ENGINES` names are; a name not verified counts
+as `unverified`, one verified beyond the cap as `other`. The workers' report of a step
+arrives with its failed loads and is learned first, so a load that failed after its
+handshake completed names its P; a fallback decided before any load (`other_prompt`,
+`below_threshold`) names it only if D has loaded from that P before.
 
 Plain Python: vLLM's scheduler process imports it.
 """
@@ -29,7 +35,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["MAX_ENGINES", "REASONS", "Fallbacks", "counter_name", "parse_counter", "p_engine"]
+__all__ = ["MAX_ENGINES", "MAX_VERIFIED", "REASONS", "Fallbacks", "counter_name", "parse_counter",
+           "p_engine"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +44,11 @@ REASONS = ("no_params", "below_threshold", "other_prompt", "load_failed")
 PREFIX = "d_fallback_"
 NO_ENGINE = "none"  # no params: no P named
 UNNAMED = "unknown"  # params that name no P
-OTHER = "other"  # beyond MAX_ENGINES names
+OTHER = "other"  # verified, beyond MAX_ENGINES names
+UNVERIFIED = "unverified"  # no handshake with an agent of that name completed
 MAX_ENGINES = 64
+MAX_VERIFIED = 16 * MAX_ENGINES  # P agent names kept (a P across hosts has one per process)
+NAME_CHARS = 128
 WARN_INTERVAL_S = 60.0
 
 
@@ -58,7 +68,7 @@ def parse_counter(name: str) -> tuple[str, str] | None:
 def p_engine(params: Mapping[str, Any] | None) -> str:
     """The P engine a request's params name: P's agent name (`peer`), or `unknown`."""
     peer = params.get("peer") if isinstance(params, Mapping) else None
-    return peer[:128] if isinstance(peer, str) and peer else UNNAMED
+    return peer[:NAME_CHARS] if isinstance(peer, str) and peer else UNNAMED
 
 
 class Fallbacks:
@@ -74,7 +84,8 @@ class Fallbacks:
         self.warn_interval_s = warn_interval_s
         self.counters: dict[str, int] = {}
         self._clock = clock
-        self._engines: set[str] = set()
+        self._engines: set[str] = set()  # the labels given so far
+        self._verified: set[str] = set()  # P agents the workers completed a handshake with
         self._seen: set[str] = set()  # requests D has looked at, until they finish
         self._loading: dict[str, str] = {}  # request -> P engine, while its load is under way
         self._unwarned: dict[str, int] = {}  # reason -> counted since its last warning
@@ -101,6 +112,15 @@ class Fallbacks:
             if engine is not None and req_id in failed and self.recompute:
                 self.count("load_failed", engine, req_id, "its KV load failed")
 
+    def verified(self, names: Iterable[str]) -> None:
+        """The workers completed a handshake with these P agents (`WorkerReport.verified`):
+        fallbacks naming them carry their names from now on. At most `MAX_VERIFIED` kept."""
+        for name in names:
+            if len(self._verified) >= MAX_VERIFIED:
+                return
+            if isinstance(name, str) and name:
+                self._verified.add(name[:NAME_CHARS])
+
     def finished(self, req_id: str) -> None:
         """The request left D's scheduler (finished or aborted)."""
         self._seen.discard(req_id)
@@ -108,11 +128,7 @@ class Fallbacks:
 
     def count(self, reason: str, engine: str, req_id: str, why: str) -> None:
         """Count one fallback; warn if this reason has not warned within the interval."""
-        if engine not in self._engines and engine not in (NO_ENGINE, UNNAMED):
-            if len(self._engines) >= MAX_ENGINES:
-                engine = OTHER
-            else:
-                self._engines.add(engine)
+        claimed, engine = engine, self._label(engine)
         name = counter_name(reason, engine)
         self.counters[name] = self.counters.get(name, 0) + 1
         unwarned = self._unwarned.get(reason, 0) + 1
@@ -125,5 +141,19 @@ class Fallbacks:
         logger.warning("D request %s: %s (P engine %s); D computes its prompt itself. "
                        "Fallbacks '%s' since this reason's last warning: %d (at most one "
                        "warning per %g s; every one is counted in "
-                       "vllm:kvxfer_num_fallbacks_total)", req_id, why, engine, reason,
-                       unwarned, self.warn_interval_s)
+                       "vllm:kvxfer_num_fallbacks_total)", req_id, why,
+                       engine if engine != UNVERIFIED else f"{claimed[:64]!r}, unverified",
+                       reason, unwarned, self.warn_interval_s)
+
+    def _label(self, engine: str) -> str:
+        """The `p_engine` label of P engine `engine` (as params name it): its name once
+        verified (for a P across hosts, its process 0's agent `<name>-0`), while fewer than
+        `MAX_ENGINES` names are labels; else `unverified` or `other`."""
+        if engine in self._engines or engine in (NO_ENGINE, UNNAMED):
+            return engine
+        if engine not in self._verified and f"{engine}-0"[:NAME_CHARS] not in self._verified:
+            return UNVERIFIED
+        if len(self._engines) >= MAX_ENGINES:
+            return OTHER
+        self._engines.add(engine)
+        return engine

@@ -204,7 +204,8 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             name="vllm:kvxfer_num_fallbacks", labelnames=[*labelnames, "reason", "p_engine"],
             documentation="D: requests whose prompt D computed itself instead of loading P's "
                           "KV, by reason (no_params, below_threshold, other_prompt, "
-                          "load_failed) and P engine (P's agent name; none without params)")
+                          "load_failed) and P engine (P's agent name once D completed a "
+                          "handshake with it, else unverified; none without params)")
         self.gauges = {
             name: self._gauge_cls(name=f"vllm:kvxfer_{name}", documentation=doc,
                                   multiprocess_mode="mostrecent", labelnames=role)

@@ -19,7 +19,10 @@ from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import Source
 from kvxfer.plan.blocks import is_int
 
-__all__ = ["WorkerReport", "worker_processes"]
+__all__ = ["VERIFIED_PER_REPORT", "WorkerReport", "worker_processes"]
+
+VERIFIED_PER_REPORT = 16
+"""P agents one worker's report names at most (more wait for its next reports)."""
 
 
 @dataclass
@@ -31,11 +34,17 @@ class WorkerReport(KVConnectorWorkerMetadata):
     scheduler names in the params. vLLM aggregates the workers' metadata (`aggregate`): the
     counts add up, so the scheduler reuses a request's slots only once every worker has
     freed its piece (one worker's report alone would hand slots another worker still
-    serves to D to the next request)."""
+    serves to D to the next request).
+
+    On D, `verified`: the P agents the worker completed a handshake with since its last
+    report (a handshake proves an agent of that name answered; params name any), which
+    D's scheduler side labels fallbacks with (`kvxfer.vllm.fallbacks`); each worker's are
+    bounded (`VERIFIED_PER_REPORT`), the aggregate is their union."""
 
     freed: dict[str, int] = field(default_factory=dict)
     sources: tuple[Source, ...] = ()
     units: int = 0
+    verified: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # The scheduler adds the counts up to the number of P processes: a count of 0 or
@@ -52,6 +61,10 @@ class WorkerReport(KVConnectorWorkerMetadata):
         if not is_int(self.units) or self.units < 0:
             raise InvalidInputError(f"WorkerReport units must be an int >= 0, got "
                                     f"{self.units!r}")
+        if not isinstance(self.verified, tuple) or not all(
+                isinstance(n, str) and n for n in self.verified):
+            raise InvalidInputError(f"WorkerReport verified must be a tuple of P agent names "
+                                    f"(non-empty str), got {self.verified!r:.120}")
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, WorkerReport):
@@ -61,7 +74,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
         freed = dict(self.freed)
         for req_id, n in other.freed.items():
             freed[req_id] = freed.get(req_id, 0) + n
-        return WorkerReport(freed, sources, units)
+        verified = tuple(dict.fromkeys(self.verified + other.verified))  # each name once
+        return WorkerReport(freed, sources, units, verified)
 
 
 def worker_processes(vllm_config: Any) -> int | None:
