@@ -133,3 +133,20 @@ def test_d_logs_a_flood_of_bad_messages_from_one_peer_once_and_counts_each(caplo
     lines = [r.getMessage() for r in caplog.records if r.name == "kvxfer.nixl.peers"]
     assert len(lines) == 1 and "D d-hostile drops a message from 'hostile-p'" in lines[0]
     assert peers.complaints.counts() == {("hostile-p", "malformed"): 1000}
+
+
+def test_layouts_nobody_asked_for_from_many_made_up_agents_keep_state_bounded():
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.peers import MAX_ADVERTS, Peers
+    from kvxfer.nixl.wire import encode_message
+
+    class _Agent:
+        def get_new_notifs(self):
+            return {f"made-up-{i}": [encode_message("layout", agent="x"), b"junk"]
+                    for i in range(3 * MAX_ADVERTS)}
+
+    peers = Peers(_Agent(), TransportConfig("d-adverts"), [], {}, lambda a, b: None, None,
+                  on_ack=lambda sender, msg: None)
+    peers.drain()
+    assert len(peers._adverts) == MAX_ADVERTS
+    assert peers.take_advert(f"made-up-{3 * MAX_ADVERTS - 1}") is not None  # the newest kept

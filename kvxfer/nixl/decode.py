@@ -115,6 +115,8 @@ class DecodeTransport(StreamReading):
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
                            self.piece, on_ack=self._on_ack, on_chunk=self._on_chunk)
         self.recorder = recorder or Recorder()
+        self.peers.complaints.recorder, self.peers.complaints.counter = (self.recorder,
+                                                                         "d_messages_dropped")
         self._fetcher = Fetcher(self.agent, config) if config.uses_etcd else None
         self.handshakes = Handshakes(self.peers, self.recorder, self._fetcher)
         self._reads: dict[str, Read] = {}

@@ -1,6 +1,8 @@
-"""D's handshakes with P agents, moved on in the background so the engine never waits.
+"""The handshake between D and P agents, moved on in the background so neither engine waits.
 
-A handshake fetches P's NIXL metadata (from P's listener, or by name from
+`Hellos` is P's side: it answers each D agent's `hello` with P's `layout` once D's
+metadata is loaded, and notices a D started again under its name. `Handshakes` is D's:
+a handshake fetches P's NIXL metadata (from P's listener, or by name from
 etcd), sends D's own and says `hello`; P's `layout` answer is checked and
 the peer joins `Peers`. `begin` starts one and `advance` (called from D's
 `poll`) moves every one on; neither waits. A handshake that fails is kept
@@ -16,17 +18,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import KvxferError, TransferError
 from kvxfer.nixl.agent import send
+from kvxfer.nixl.complaints import Complaints
 from kvxfer.nixl.etcd import Fetcher
 from kvxfer.nixl.peers import Peer, Peers
 from kvxfer.nixl.wire import ReadParams, new_instance
 from kvxfer.stats import Recorder
 
-__all__ = ["MAX_FAILED", "Handshakes"]
+__all__ = ["MAX_FAILED", "MAX_STARTS", "Handshakes", "Hellos"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,66 @@ MAX_FAILED = 1024
 """The most failed handshakes remembered at once (the oldest go first): params may name any
 number of made-up P agents, and each failure is kept `handshake_timeout_s`."""
 _SWEEP_S = 1.0  # how often expired failures are dropped
+MAX_STARTS = 4096
+"""The most D agents whose last start P remembers (the least recently heard go first)."""
+
+
+class Hellos:
+    """P's side of the handshake: each D agent that said `hello` is answered with P's
+    `layout` (`advertisement()`) once its NIXL metadata is loaded (pushed to P's listener,
+    or fetched from etcd by `fetcher`), or dropped after `handshake_timeout_s`.
+
+    NIXL keeps the first metadata it loads under a name and refuses another, so a D started
+    again under its name (after a crash) would get P's answer at its dead start's address,
+    for ever. Each `hello` names D's start; one naming another start than the last makes P
+    drop the metadata it holds under that name, and the new start's loads when D pushes
+    it again. What P cannot send is noted in `complaints`.
+    """
+
+    def __init__(self, agent: Any, config: Any, fetcher: Fetcher | None,
+                 advertisement: Callable[[], dict[str, Any]], complaints: Complaints):
+        self.agent, self.config, self.fetcher = agent, config, fetcher
+        self.advertisement, self.complaints = advertisement, complaints
+        self._waiting: dict[str, float] = {}  # D agent -> deadline to answer by
+        self._starts: dict[str, str] = {}  # D agent -> the start its last hello named
+
+    def __bool__(self) -> bool:
+        """Whether a hello waits for its answer."""
+        return bool(self._waiting)
+
+    def heard(self, sender: str, start: object, now: float) -> None:
+        """D agent `sender` said hello, naming `start` (None from a D before protocol 9)."""
+        if isinstance(start, str) and start:
+            known = self._starts.pop(sender, None)
+            self._starts[sender] = start[:64]  # most recently heard last
+            while len(self._starts) > MAX_STARTS:
+                del self._starts[next(iter(self._starts))]
+            if known is not None and known != start[:64]:
+                self._forget(sender)
+        self._waiting[sender] = now + self.config.handshake_timeout_s
+        if self.fetcher is not None:  # D published it in etcd before saying hello
+            self.fetcher.fetch(sender)
+
+    def _forget(self, sender: str) -> None:
+        logger.debug("P %s: D agent %s started again; its earlier metadata is dropped",
+                     self.config.name, sender)
+        try:
+            self.agent.remove_remote_agent(sender)
+        except Exception as e:  # NIXL raises its own types for a name it does not hold
+            logger.debug("P %s: dropping %s's metadata: %s", self.config.name, sender, e)
+
+    def answer(self, now: float) -> None:
+        """Send `layout` to each D whose metadata has arrived; drop those past their time."""
+        for peer, deadline in list(self._waiting.items()):
+            if self.agent.check_remote_metadata(peer):
+                del self._waiting[peer]
+                try:
+                    send(self.agent, peer, "layout", **self.advertisement())
+                except TransferError as e:
+                    self.complaints.note(peer, "unanswered", e)
+            elif now > deadline:
+                del self._waiting[peer]
+                self.complaints.note(peer, "hello_dropped", "no NIXL metadata from it in time")
 
 
 @dataclass

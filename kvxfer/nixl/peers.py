@@ -21,9 +21,12 @@ from kvxfer.nixl.agent import TransportConfig, send
 from kvxfer.nixl.complaints import Complaints
 from kvxfer.nixl.wire import ReadParams, Source, check_piece, decode_message
 
-__all__ = ["LayoutCheck", "Peer", "PeerGroup", "Peers"]
+__all__ = ["MAX_ADVERTS", "LayoutCheck", "Peer", "PeerGroup", "Peers"]
 
 logger = logging.getLogger(__name__)
+
+MAX_ADVERTS = 1024
+"""The most answers to a `hello` kept until a handshake takes them."""
 
 LayoutCheck = Callable[[Mapping[str, Any], Mapping[str, Any]], None]
 """`(local, remote) -> None`, raising `LayoutMismatchError` where P's blocks cannot land in D's
@@ -236,6 +239,14 @@ class Peers:
         """Disconnect `peer` (`forget` it once its reads are settled); whether it was connected."""
         return self._peers.pop(peer, None) is not None
 
+    def _keep_advert(self, sender: str, advert: dict[str, Any] | TransferError) -> None:
+        """Keep `sender`'s answer until a handshake takes it: at most `MAX_ADVERTS`, the
+        oldest dropped first (any agent may send a `layout` nobody asked for)."""
+        self._adverts.pop(sender, None)
+        self._adverts[sender] = advert
+        while len(self._adverts) > MAX_ADVERTS:
+            del self._adverts[next(iter(self._adverts))]
+
     def drain(self) -> None:
         """Read D's notifications: advertisements for the handshake, acks to `on_ack`.
 
@@ -247,7 +258,7 @@ class Peers:
                 try:
                     msg = decode_message(raw, sender)
                     if msg["t"] == "layout":
-                        self._adverts[sender] = msg
+                        self._keep_advert(sender, msg)
                     elif msg["t"] == "ack":
                         self.on_ack(sender, msg)
                     elif msg["t"] in ("chunk", "wait") and self.on_chunk is not None:
@@ -257,5 +268,5 @@ class Peers:
                 except TransferError as e:
                     if sender not in self._peers and not isinstance(self._adverts.get(sender),
                                                                     dict):
-                        self._adverts[sender] = e  # a handshake in progress fails loudly
+                        self._keep_advert(sender, e)  # a handshake in progress fails loudly
                     self.complaints.note(sender, "malformed", e)

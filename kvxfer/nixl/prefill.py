@@ -43,6 +43,7 @@ from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.agent import TransportConfig, close_transport, send, start_agent
 from kvxfer.nixl.complaints import Complaints
 from kvxfer.nixl.etcd import Fetcher, Publication
+from kvxfer.nixl.handshake import Hellos
 from kvxfer.nixl.streams import Published
 from kvxfer.nixl.wire import (
     ReadParams,
@@ -80,8 +81,6 @@ or a hello waits (NIXL has no wait on notifications): at most this, plus a switc
 GIL, before a `done` is acked."""
 IDLE_ANSWER_S = 0.02
 """How often it looks while P holds nothing (a new lease wakes it at once)."""
-MAX_STARTS = 4096
-"""The most D agents whose last start P remembers (the least recently heard go first)."""
 
 
 def _locked(method):
@@ -130,8 +129,6 @@ class PrefillTransport:
         self._fetcher = Fetcher(self.agent, config) if config.uses_etcd else None
         self._leases: dict[str, _Lease] = {}
         self._next_generation = 1
-        self._hellos: dict[str, float] = {}  # D agent -> deadline to answer by
-        self._starts: dict[str, str] = {}  # D agent -> the start its last hello named
         self._freed: list[str] = []
         self._ended: list[tuple[str, _Lease, str]] = []  # leases ended, slots not yet freed
         self._lock = threading.RLock()
@@ -139,6 +136,7 @@ class PrefillTransport:
         self._stop = threading.Event()
         self._wake = threading.Event()  # a lease began: answer at the busy pace
         self.complaints = Complaints(f"P {config.name}", logger, self.recorder, "p_messages_dropped")
+        self.hellos = Hellos(self.agent, config, self._fetcher, self.advertisement, self.complaints)
         self.streams = Published(self.agent, config.name, self.instance, len(self.stagings),
                                  4 * self.staging.num_slots, config.lease_s,
                                  min(1.0, config.heartbeat_interval_s))
@@ -270,7 +268,7 @@ class PrefillTransport:
         self._take_messages(now)
         if self._fetcher is not None:
             self._fetcher.tick()
-        self._answer_hellos(now)
+        self.hellos.answer(now)
         self.streams.expire_wants(now)
         self.streams.keep_alive(now)
         self._publication.tick()  # D cannot find P until etcd holds P's record
@@ -304,10 +302,7 @@ class PrefillTransport:
     def _handle(self, sender: str, msg: dict[str, Any], now: float) -> None:
         kind = msg["t"]
         if kind == "hello":
-            self._forget_past_start(sender, msg.get("start"))
-            self._hellos[sender] = now + self.config.handshake_timeout_s
-            if self._fetcher is not None:  # D published it in etcd before saying hello
-                self._fetcher.fetch(sender)
+            self.hellos.heard(sender, msg.get("start"), now)
         elif kind == "done":
             req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
             generation = message_field(msg, "generation", is_generation, "a positive int", sender)
@@ -351,36 +346,6 @@ class PrefillTransport:
         else:
             self.complaints.note(sender, "unknown_type", f"a {kind!r} message")
 
-    def _forget_past_start(self, sender: str, start: object) -> None:
-        """A hello from another start of D agent `sender` than the last: drop the NIXL
-        metadata P holds under that name (a dead start's, which NIXL would keep in place of
-        the new one's), so the new start's is loaded when it sends it again."""
-        if not isinstance(start, str) or not start:
-            return  # a D before protocol 9 names no start
-        known = self._starts.pop(sender, None)
-        self._starts[sender] = start[:64]  # most recent last
-        while len(self._starts) > MAX_STARTS:
-            del self._starts[next(iter(self._starts))]
-        if known is not None and known != start[:64]:
-            logger.info("P %s: D agent %s started again; its earlier metadata is dropped",
-                        self.config.name, sender)
-            try:
-                self.agent.remove_remote_agent(sender)
-            except Exception as e:  # NIXL raises its own types for a name it does not hold
-                logger.debug("P %s: dropping %s's metadata: %s", self.config.name, sender, e)
-
-    def _answer_hellos(self, now: float) -> None:
-        for peer, deadline in list(self._hellos.items()):
-            if self.agent.check_remote_metadata(peer):
-                del self._hellos[peer]
-                try:
-                    send(self.agent, peer, "layout", **self.advertisement())
-                except TransferError as e:
-                    self.complaints.note(peer, "unanswered", e)
-            elif now > deadline:
-                del self._hellos[peer]
-                self.complaints.note(peer, "hello_dropped", "no NIXL metadata from it in time")
-
     def _free(self, req_id: str, outcome: str) -> None:
         """End `req_id`'s lease; its slots are freed in `poll` (`_free_ended`), on the
         engine's thread, which owns the staging and the counters."""
@@ -416,7 +381,7 @@ def _answer(p: PrefillTransport, every_s: float) -> None:
     """`answer_in_background`'s thread: D's messages and hellos, every `every_s` while P
     holds a request or a hello waits, else every `IDLE_ANSWER_S`, until `close`."""
     while True:
-        p._wake.wait(every_s if p._leases or p._hellos else IDLE_ANSWER_S)  # a hint: no lock
+        p._wake.wait(every_s if p._leases or p.hellos else IDLE_ANSWER_S)  # a hint: no lock
         p._wake.clear()
         if p._stop.is_set():
             return
@@ -426,8 +391,8 @@ def _answer(p: PrefillTransport, every_s: float) -> None:
             try:
                 now = time.monotonic()
                 p._take_messages(now)
-                if p._hellos:
-                    p._answer_hellos(now)
+                if p.hellos:
+                    p.hellos.answer(now)
             except Exception:  # the engine's poll answers from now on
                 logger.exception("P %s stops answering in the background", p.config.name)
                 return
