@@ -1,18 +1,25 @@
 """Name claims under attack (`kvxfer.nixl.claims`): a claims folder that is no folder, one
 another user planted, a holder that forked, and an etcd that answers garbage end in a named
 error or an unchecked start, never a raw OSError, a write through a planted link, or a name
-held for good (issue 39: safe at every edge)."""
+held for good (issue 39: safe at every edge). A holder whose etcd lease lapsed behind its
+back (it stalled past the lease) says so once and takes its name again only if it is free
+(issue 50)."""
 
+import base64
 import hashlib
 import http.server
 import json
+import logging
 import os
+import re
 import threading
 import time
+import urllib.request
 
 import pytest
 
-from kvxfer.errors import SetupError
+from kvxfer.bench.hosts import EtcdServer
+from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.nixl import claims
 
 
@@ -133,12 +140,97 @@ def test_the_lease_keeper_outlives_a_garbage_keepalive_answer(monkeypatch, caplo
         return answers[len(asked) - 1] if len(asked) <= len(answers) else {"result": {"TTL": "5"}}
     monkeypatch.setattr(claims, "_KEEP_S", 0.01)
     monkeypatch.setattr(claims, "_post", post)
-    claim = claims._EtcdClaim("P-keep", "http://127.0.0.1:1", "7")
+    claim = claims._EtcdClaim("P-keep", "http://127.0.0.1:1", "7", b"{}")
     try:
         deadline = time.monotonic() + 5
         while len(asked) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert claim._thread.is_alive() and len(asked) >= 4  # it renews on, after a warning
-        assert "no longer holds its name" in caplog.text
+        assert "cannot renew its name's etcd lease" in caplog.text
+        assert "/v3/lease/grant" not in asked  # garbage is no lapse: the name is not retaken
     finally:
         claim.release()
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    server = EtcdServer()
+    yield server.endpoint
+    server.stop()
+
+
+def _gateway(etcd, path, body):
+    with urllib.request.urlopen(f"{etcd}{path}", json.dumps(body).encode(), timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _record(etcd, name):
+    """`(holder's record, lease)` under `name`'s claim key, or None."""
+    key = base64.b64encode(f"/kvxfer/names/{name}".encode()).decode()
+    kvs = _gateway(etcd, "/v3/kv/range", {"key": key}).get("kvs")
+    return (json.loads(base64.b64decode(kvs[0]["value"])), kvs[0].get("lease")) if kvs else None
+
+
+def _errors(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.name == "kvxfer.nixl.claims" and r.levelno >= logging.ERROR]
+
+
+def _wait(condition, within_s):
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_holder_whose_lease_lapsed_says_so_once_and_takes_its_name_again(etcd, caplog,
+                                                                          monkeypatch):
+    monkeypatch.setattr(claims, "_KEEP_S", 0.2)
+    claims.take("P-lapsed", etcd, "127.0.0.1")
+    try:
+        claim = claims._held["P-lapsed"]
+        old = claim.lease
+        _gateway(etcd, "/v3/lease/revoke", {"ID": old})  # as if it stalled past the lease
+        assert _wait(lambda: claim.lease != old, 5), "it never took its name again"
+        time.sleep(1.0)  # several renewals more: the error is said once
+        errors = _errors(caplog)
+        assert len(errors) == 1, errors
+        assert "P-lapsed's claim on its name in etcd" in errors[0]
+        assert "lapsed" in errors[0] and "holds its name again" in errors[0]
+        record, lease = _record(etcd, "P-lapsed")
+        assert record["pid"] == os.getpid() and lease == claim.lease
+        assert claims.lost("P-lapsed") is None
+    finally:
+        claims.give_back("P-lapsed")
+    assert _record(etcd, "P-lapsed") is None  # the new lease was let go too
+
+
+def test_a_holder_whose_name_another_took_meanwhile_says_it_lost_and_leaves_it(etcd, caplog,
+                                                                              monkeypatch):
+    monkeypatch.setattr(claims, "_KEEP_S", 0.2)
+    claims.take("P-taken", etcd, "127.0.0.1")
+    other = _gateway(etcd, "/v3/lease/grant", {"TTL": 60})["ID"]
+    try:
+        old = claims._held["P-taken"].lease
+        # A duplicate that started while the holder stalled: the key is now its, under its
+        # lease (one put, then the revoke, so the holder cannot renew in between).
+        theirs = {"host": "elsewhere", "pid": 4242, "address": "10.0.0.9"}
+        key = base64.b64encode(b"/kvxfer/names/P-taken").decode()
+        value = base64.b64encode(json.dumps(theirs).encode()).decode()
+        _gateway(etcd, "/v3/kv/put", {"key": key, "value": value, "lease": other})
+        _gateway(etcd, "/v3/lease/revoke", {"ID": old})
+        holder = "process 4242 on host elsewhere (10.0.0.9)"
+        assert _wait(lambda: claims.lost("P-taken") == holder, 5), claims.lost("P-taken")
+        time.sleep(1.0)  # several renewals' time: nothing more is said
+        errors = _errors(caplog)
+        assert len(errors) == 1, errors
+        assert f"{holder} holds it now" in errors[0]
+        assert _record(etcd, "P-taken") == (theirs, other)  # not stolen back
+        refused = f"'P-taken' is already in use by {re.escape(holder)}"
+        with pytest.raises(InvalidInputError, match=refused):
+            claims.take("P-taken", etcd, "127.0.0.1")  # a third start is still refused
+        claims.give_back("P-taken")
+        assert _record(etcd, "P-taken") == (theirs, other)  # letting go leaves it to its holder
+    finally:
+        claims.give_back("P-taken")
+        _gateway(etcd, "/v3/lease/revoke", {"ID": other})

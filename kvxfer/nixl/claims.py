@@ -19,6 +19,14 @@ holds) and answer the first: the second never reads anything, and nothing names 
   lapse (a P restarted under its name) before it refuses. An etcd unreachable at
   start is no error (the agent starts, as for its record in `kvxfer.nixl.etcd`): the
   name is then not checked, with a warning; so is one whose answers are not etcd's.
+
+What etcd guarantees: at any time it answers, at most one live holder per name. A holder
+that stalls longer than `TTL_S` (a paused VM, a swap storm, a long native call holding the
+GIL) loses its lease, and a duplicate started meanwhile is not refused. The holder finds out
+at its next renewal, says so in one error line, and takes its name again (a new lease, put
+only if absent) if nobody holds it; if another agent does, it leaves it there, says nothing
+more, and `lost(name)` names who holds it now. etcd is asked through
+`kvxfer.nixl.etcd.gateway_post`: each call ends within `_TIMEOUT_S`, whatever etcd does.
 """
 
 from __future__ import annotations
@@ -35,21 +43,19 @@ import stat
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from kvxfer.errors import InvalidInputError, SetupError
+from kvxfer.nixl.etcd import EtcdError, gateway_post
 
-__all__ = ["TTL_S", "give_back", "take"]
+__all__ = ["TTL_S", "give_back", "lost", "take"]
 
 logger = logging.getLogger(__name__)
 
 TTL_S = 5
 """How long a killed holder's etcd claim outlives it (and a start waits for that)."""
 _KEEP_S = 1.0  # how often the holder renews its etcd lease
-_TIMEOUT_S = 2.0
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_TIMEOUT_S = 2.0  # each etcd call's deadline, connect and every read included
 
 _held: dict[str, Any] = {}  # name -> this process's claim (a lock file's fd, or `_EtcdClaim`)
 _lock = threading.Lock()
@@ -83,6 +89,14 @@ def give_back(name: str) -> None:
         os.close(claim)  # the lock goes with the descriptor; the file stays, unlocked
     elif claim is not None:
         claim.release()
+
+
+def lost(name: str) -> str | None:
+    """Who holds `name` now, when this process's etcd claim on it lapsed and another agent
+    took it meanwhile (it is not taken back: peers answer that one); else None."""
+    with _lock:
+        claim = _held.get(name)
+    return claim.lost if isinstance(claim, _EtcdClaim) else None
 
 
 def _forget_in_child() -> None:
@@ -157,51 +171,66 @@ def _folder() -> str:
 
 
 def _post(endpoints: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """etcd's JSON gateway at the first of `endpoints` that answers; `OSError` if none."""
-    error: OSError = OSError(f"no etcd endpoint in {endpoints!r}")
-    for endpoint in endpoints.split(","):
-        request = urllib.request.Request(f"{endpoint.rstrip('/')}{path}",
-                                         json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-        try:
-            with _DIRECT.open(request, timeout=_TIMEOUT_S) as answer:
-                value = json.loads(answer.read())
-        except (OSError, ValueError) as e:  # URLError and HTTPError are OSErrors
-            error = e if isinstance(e, OSError) else OSError(f"{endpoint}: {e}")
-            continue
-        if isinstance(value, dict):
-            return value
-        error = OSError(f"{endpoint}{path} answered {value!r:.80}, not a JSON object")
-    raise error
+    """etcd's JSON object from the first of `endpoints` that answers, within `_TIMEOUT_S`;
+    `OSError` (an `EtcdError`) if none. Every HTTP error counts as no answer from that
+    endpoint: a name that cannot be claimed, for whatever reason, is left unchecked with a
+    warning, and the agent starts."""
+    return gateway_post(endpoints, path, body, deadline_s=_TIMEOUT_S)
 
 
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
+def _key(name: str) -> bytes:
+    return f"/kvxfer/names/{name}".encode()
+
+
+def _grant(endpoints: str) -> str:
+    """A new lease of `TTL_S`; `EtcdError` (an `OSError`) if etcd grants none."""
+    lease = _post(endpoints, "/v3/lease/grant", {"TTL": TTL_S}).get("ID")
+    if not (isinstance(lease, str) and lease.isdecimal() or type(lease) is int):
+        raise EtcdError(f"etcd at {endpoints} granted lease {lease!r:.80}, not an int64")
+    return lease
+
+
+def _put_if_absent(endpoints: str, key: bytes, value: bytes, lease: str) -> dict[str, Any]:
+    """etcd's answer to putting `value` under `key` and `lease` unless `key` exists; its
+    holder's record is in the answer when it does."""
+    txn = {"compare": [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}],
+           "success": [{"request_put": {"key": _b64(key), "value": _b64(value),
+                                        "lease": lease}}],
+           "failure": [{"request_range": {"key": _b64(key)}}]}
+    return _post(endpoints, "/v3/kv/txn", txn)
+
+
+def _holder_in(answer: dict[str, Any]) -> str:
+    """Who holds the name, from a put-if-absent's answer that found it held."""
+    try:
+        kvs = answer["responses"][0]["response_range"]["kvs"]
+        held = json.loads(base64.b64decode(kvs[0]["value"]))
+        return f"process {held['pid']} on host {held['host']} ({held['address']})"
+    except (LookupError, ValueError, TypeError):
+        return "another agent"
+
+
 def _etcd_claim(name: str, endpoints: str, host: str) -> _EtcdClaim | None:
-    key = f"/kvxfer/names/{name}".encode()
     mine = json.dumps({**_holder(), "address": host}).encode()
     try:
-        lease = _post(endpoints, "/v3/lease/grant", {"TTL": TTL_S}).get("ID")
-        if not (isinstance(lease, str) and lease.isdecimal() or type(lease) is int):
-            raise OSError(f"etcd granted lease {lease!r:.80}, not an int64")
+        lease = _grant(endpoints)
     except OSError as e:
         logger.warning("%s cannot claim its name in etcd at %s (%s): a second agent under "
                        "it is not refused", name, endpoints, e)
         return None
-    txn = {"compare": [{"key": _b64(key), "target": "CREATE", "create_revision": "0"}],
-           "success": [{"request_put": {"key": _b64(key), "value": _b64(mine), "lease": lease}}],
-           "failure": [{"request_range": {"key": _b64(key)}}]}
     give_up = time.monotonic() + TTL_S + 1.0  # a killed holder's claim lapses by then
     while True:
         try:
-            answer = _post(endpoints, "/v3/kv/txn", txn)
+            answer = _put_if_absent(endpoints, _key(name), mine, lease)
         except OSError as e:
             logger.warning("%s cannot claim its name in etcd (%s): not checked", name, e)
             return None
         if answer.get("succeeded") is True:
-            return _EtcdClaim(name, endpoints, lease)
+            return _EtcdClaim(name, endpoints, lease, mine)
         if not isinstance(answer.get("header"), dict):  # etcd's own answers all have one
             logger.warning("%s cannot claim its name in etcd: it answered %r: not checked",
                            name, f"{answer!r:.80}")
@@ -211,13 +240,7 @@ def _etcd_claim(name: str, endpoints: str, host: str) -> _EtcdClaim | None:
             break
         time.sleep(0.25)
     _revoke(endpoints, lease)
-    try:
-        kvs = answer["responses"][0]["response_range"]["kvs"]
-        held = json.loads(base64.b64decode(kvs[0]["value"]))
-        holder = f"process {held['pid']} on host {held['host']} ({held['address']})"
-    except (LookupError, ValueError, TypeError):
-        holder = "another agent"
-    raise _refusal(name, holder, f"claimed in etcd at {endpoints}")
+    raise _refusal(name, _holder_in(answer), f"claimed in etcd at {endpoints}")
 
 
 def _revoke(endpoints: str, lease: str) -> None:
@@ -227,11 +250,29 @@ def _revoke(endpoints: str, lease: str) -> None:
         logger.debug("revoking etcd lease %s: %s", lease, e)
 
 
-class _EtcdClaim:
-    """A name held in etcd: its lease renewed every `_KEEP_S` until `release`."""
+def _renewed(result: Any) -> bool:
+    """Whether a keepalive's `result` renewed the lease; False when etcd says it is gone
+    (its own answer, header and all, with TTL 0 or none); `ValueError` or `TypeError` when
+    it is no answer of etcd's."""
+    if not isinstance(result, dict):
+        raise TypeError(f"etcd answered a keepalive with {result!r:.80}")
+    if int(result.get("TTL", 0)) > 0:
+        return True
+    if not isinstance(result.get("header"), dict):
+        raise ValueError(f"etcd answered a keepalive with {result!r:.80}")
+    return False
 
-    def __init__(self, name: str, endpoints: str, lease: str):
-        self.name, self.endpoints, self.lease = name, endpoints, lease
+
+class _EtcdClaim:
+    """A name held in etcd: its lease renewed every `_KEEP_S` until `release`, and taken
+    again if it lapsed while nobody else took the name (`lost` says who did)."""
+
+    def __init__(self, name: str, endpoints: str, lease: str, mine: bytes):
+        self.name, self.endpoints, self.lease, self.mine = name, endpoints, lease, mine
+        self.lost: str | None = None  # who holds the name now, once another agent took it
+        self._lapsed = False  # the lease is gone and the name not yet taken again
+        self._released = False
+        self._mutex = threading.Lock()  # `lease` and `_released`, between keeper and release
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep, daemon=True,
                                         name=f"kvxfer-claim-{name}")
@@ -239,21 +280,65 @@ class _EtcdClaim:
 
     def _keep(self) -> None:
         warned = False
-        while not self._stop.wait(_KEEP_S):
+        while self.lost is None and not self._stop.wait(_KEEP_S):
+            if self._lapsed:  # etcd did not answer the last try to take the name again
+                self._take_again(quiet=True)
+                continue
             try:
-                result = _post(self.endpoints, "/v3/lease/keepalive", {"ID": self.lease}
-                               ).get("result")
-                kept = isinstance(result, dict) and int(result.get("TTL", 0)) > 0
+                kept = _renewed(_post(self.endpoints, "/v3/lease/keepalive", {"ID": self.lease}
+                                      ).get("result"))
             except (OSError, ValueError, TypeError) as e:
-                kept, why = False, str(e)
+                if not warned:
+                    logger.warning("%s cannot renew its name's etcd lease (%s): if this lasts "
+                                   "%s s the name lapses, and another agent may start under "
+                                   "it", self.name, e, TTL_S)
+                warned = True
+                continue
+            warned = False
+            if not kept:
+                self._take_again(quiet=False)
+
+    def _take_again(self, quiet: bool) -> None:
+        """The lease is gone (this process stalled past `TTL_S`, or etcd lost it): take the
+        name under a new one if nobody holds it, else record who does. The first try says
+        which in one error line; a later one (etcd did not answer the first) a warning."""
+        lease = None
+        try:
+            lease = _grant(self.endpoints)
+            answer = _put_if_absent(self.endpoints, _key(self.name), self.mine, lease)
+        except OSError as e:
+            answer, why = {}, f"etcd did not answer ({e})"
+        else:
+            why = f"etcd answered {answer!r:.80}"
+        if answer.get("succeeded") is True:
+            with self._mutex:
+                mine, self._lapsed = not self._released, False
+                if mine:
+                    self.lease = lease
+            if not mine:  # released meanwhile: the new lease is nobody's
+                _revoke(self.endpoints, lease)
+            outcome = f"it holds its name again, under lease {lease}"
+        else:
+            if lease is not None:
+                _revoke(self.endpoints, lease)
+            if isinstance(answer.get("header"), dict):  # etcd's own: someone else holds it
+                self.lost, self._lapsed = _holder_in(answer), False
+                outcome = (f"{self.lost} holds it now: this agent no longer holds its name "
+                           f"(peers answer that one) and does not take it back")
             else:
-                why = "its lease lapsed (etcd lost it, or this process stalled)"
-            if not kept and not warned:
-                logger.warning("%s no longer holds its name in etcd: %s; another agent may "
-                               "start under it", self.name, why)
-            warned = not kept
+                self._lapsed = True
+                outcome = f"it could not take its name again yet ({why}): trying again"
+        if not quiet:
+            logger.error("%s's claim on its name in etcd at %s lapsed (the lease was gone at "
+                         "renewal: this process stalled over %s s, or etcd lost it); %s",
+                         self.name, self.endpoints, TTL_S, outcome)
+        elif not self._lapsed:
+            logger.warning("%s, whose name's etcd lease lapsed: %s", self.name, outcome)
 
     def release(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * _TIMEOUT_S)
-        _revoke(self.endpoints, self.lease)
+        with self._mutex:
+            self._released, lease = True, self.lease
+        if self.lost is None:  # a lost name's key is the other holder's, under its lease
+            _revoke(self.endpoints, lease)
