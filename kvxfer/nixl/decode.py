@@ -37,34 +37,40 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from kvxfer.device.staging import Staging, free_in_all, stagings_of
 from kvxfer.errors import InvalidInputError, LayoutMismatchError, TransferError
+from kvxfer.nixl import reads
 from kvxfer.nixl.agent import TransportConfig, close_transport, forget_me, start_agent
 from kvxfer.nixl.etcd import Fetcher, Publication
 from kvxfer.nixl.handshake import Handshakes
 from kvxfer.nixl.peers import LayoutCheck, Peers
 from kvxfer.nixl.reads import (
+    Arrivals,
     Leg,
     LegState,
     Poster,
     Read,
     Zombies,
+    acked,
+    check_legs,
+    check_new,
+    posting,
     read_descriptors,
-    release,
+    say_done,
     settle_posts,
     wait_for_posts,
 )
-from kvxfer.nixl.streams import StreamReading
+from kvxfer.nixl.streams import StreamReads
 from kvxfer.nixl.wire import (
     ReadParams,
     Source,
+    StreamParams,
     check_piece,
     done_token,
-    is_generation,
-    message_field,
 )
 from kvxfer.plan.blocks import is_int
 from kvxfer.stats import Recorder, Trace
@@ -74,7 +80,7 @@ __all__ = ["DecodeTransport", "LegState"]
 logger = logging.getLogger(__name__)
 
 
-class DecodeTransport(StreamReading):
+class DecodeTransport:
     """D side: handshakes with P peers, reads requests into staging, reports outcomes.
 
     **Arguments:**
@@ -113,16 +119,17 @@ class DecodeTransport(StreamReading):
         self.agent, self.port, self._reg = start_agent(config, self.stagings)
         self._publication = Publication(self.agent, config)  # P fetches D's from etcd too
         self.peers = Peers(self.agent, config, self.stagings, self.layout, layout_check,
-                           self.piece, on_ack=self._on_ack, on_chunk=self._on_chunk)
+                           self.piece, on_ack=self._on_ack,
+                           on_chunk=lambda sender, msg: self.streams.on_chunk(sender, msg))
         self.recorder = recorder or Recorder()
         self.peers.complaints.recorder, self.peers.complaints.counter = (self.recorder,
                                                                          "d_messages_dropped")
         self._fetcher = Fetcher(self.agent, config) if config.uses_etcd else None
         self.handshakes = Handshakes(self.peers, self.recorder, self._fetcher)
         self._reads: dict[str, Read] = {}
-        # (P instance, P's req) -> (peers, generation, done token): P instances may share ids
-        self._expected: dict[tuple[str, str], tuple[list[str], int, str]] = {}
-        self._cancelled: list[_Cancelled] = []  # to say done for (`_due`)
+        self.leases = Leases(config, self.peers, self.handshakes, self.reader)
+        self.streams = StreamReads(config, self.agent, self.stagings, self.peers, self.handshakes,
+                                   self.piece, self._reads, self._fail, self._drop_peer, self._post)
         self._zombies = Zombies(self.stagings)
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
@@ -130,7 +137,7 @@ class DecodeTransport(StreamReading):
         self._poster = Poster(config.name)
         self._done: list[str] = []
         self._failed: dict[str, list[int]] = {}
-        self._arrived: dict[str, list[list[int]]] = {}  # req -> per group, keys read and checked
+        self.arrivals = Arrivals(self.stagings, self.recorder, config.name)
 
     @property
     def staging(self) -> Staging:  # the first group's (the only one of a single-group model)
@@ -148,23 +155,13 @@ class DecodeTransport(StreamReading):
     # -- reads
 
     def expect(self, params: ReadParams) -> None:
-        """Keep P's lease on a request alive (heartbeats; connecting to P in the background)
-        until `start_read` takes it or `cancel` drops it."""
-        p = _check_params(params, len(self.stagings))
-        self._expected[(p.instance, p.req_id)] = (p.peers, p.generation, done_token(p.secret))
-        for peer in p.peers:
-            self.handshakes.begin(peer, p.host, p.port, p.instance)
+        """Keep P's lease on a request alive until `start_read` takes it or `cancel` drops it
+        (`Leases.expect`)."""
+        self.leases.expect(_check_params(params, len(self.stagings)))
 
     def cancel(self, req_id: str, instance: str | None = None) -> None:
-        """Stop keeping P's lease on P's request `req_id` of `instance` (None: any), which D
-        will not read: P may free it (`done`, once D is connected to P). Unknown ids: ignored."""
-        if not isinstance(req_id, str) or not isinstance(instance, (str, type(None))):
-            raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}, "
-                                    f"and its instance (a str or None), got {instance!r:.80}")
-        until = time.monotonic() + self.config.lease_s  # P's lease lapses by then anyway
-        for key in [k for k in self._expected if k[1] == req_id and instance in (None, k[0])]:
-            peers, generation, token = self._expected.pop(key)
-            self._cancelled.append((req_id, peers, key[0], generation, token, until))
+        """Stop keeping P's lease on P's request `req_id` of `instance` (`Leases.cancel`)."""
+        self.leases.cancel(req_id, instance)
 
     def start_read(self, req_id: str, params: ReadParams, logical_ids: Sequence[int],
                    trace: Trace | None = None) -> None:
@@ -181,7 +178,7 @@ class DecodeTransport(StreamReading):
         """
         self._check_new(req_id, logical_ids)
         p = _check_params(params, len(self.stagings))
-        self._expected.pop((p.instance, p.req_id), None)
+        self.leases.taken(p)
         read = Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,
                      token=done_token(p.secret),
@@ -229,6 +226,43 @@ class DecodeTransport(StreamReading):
                                                 span[0] == (self.piece or (0,))[0])
                 read.legs[peer].posting = self._post(read.legs[peer], descriptors, read.req_id)
 
+    def start_stream(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
+                     skip: Sequence[int] | None = None, prompt: str | None = None,
+                     trace: Trace | None = None) -> None:
+        """Read `req_id` while P still prefills it: subscribe to its stream, read each chunk
+        P names final as it is named (`arrived` reports them), and finish after the last
+        (`kvxfer.nixl.streams.StreamReads`).
+
+        `skip`: per group, the kernel positions below which D holds the blocks itself
+        (not read); `prompt`: D's prompt digest, which P's must equal. Failures are as
+        for `start_read`'s, in `logical_ids`; P giving up on the request fails it too.
+        """
+        self._check_new(req_id, logical_ids)
+        self.streams.start(req_id, params, logical_ids, skip, prompt, trace)
+
+    def _post(self, leg: Leg, descriptors: Callable[[], Any], req_id: str) -> Future:
+        """Post `leg`'s READ of `descriptors()` on the poster thread, with `reads.post` as it
+        is at the call (tests replace it to hold posts)."""
+        return self._poster.post(reads.post, self.agent, leg, descriptors, req_id,
+                                 self.config.name, idle=not posting(self._reads.values()))
+
+    def _check_new(self, req_id: str, logical_ids: object) -> None:
+        check_new(req_id, logical_ids, self._reads, self._zombies, self.stagings)
+
+    def arrived(self) -> dict[str, list[list[int]]]:
+        """Per request, per group, the keys whose blocks landed in staging and checked since
+        the last call (the request is not finished until `poll` says so; until then, or a
+        failure, its slots stay as they are)."""
+        return self.arrivals.take()
+
+    def _check_landed(self, read: Read) -> bool:
+        """Check the blocks the read's last READs brought and report them; False if the
+        read failed (its slots at P do not hold its blocks)."""
+        if self.arrivals.check(read):
+            return True
+        self._fail(read, reason="binding")
+        return False
+
     def poll(self, now: float | None = None) -> tuple[list[str], dict[str, list[int]]]:
         """Advance reads; returns `(finished, failed)` since the last call.
 
@@ -245,14 +279,14 @@ class DecodeTransport(StreamReading):
                 if read.req_id not in self._reads:  # failed with a peer meanwhile
                     continue
                 if read.waiting:
-                    (self._try_subscribe if read.stream else self._try_post)(read)
+                    (self.streams.subscribe if read.stream else self._try_post)(read)
                 else:
                     self._advance(read)
                 if now > read.deadline and read.req_id in self._reads:
                     logger.warning("D %s read of %s %s", self.config.name, read.req_id,
                                    _late(read, self.config, now))
                     self._fail(read, reason="deadline")
-            self.recorder.gauge("d_requests_waiting", len(self._reads) + len(self._expected))
+            self.recorder.gauge("d_requests_waiting", len(self._reads) + len(self.leases))
             self._heartbeat(now)
             self._zombies.reap()
             self._publication.tick()
@@ -267,54 +301,23 @@ class DecodeTransport(StreamReading):
 
     def _advance(self, read: Read) -> None:
         """Check `read`'s posted READs; once all are done, say done to every P agent."""
-        for leg in read.legs.values():
-            if leg.state is not LegState.XFER:
-                continue
-            if leg.posting is not None:
-                if not leg.posting.done():
-                    continue
-                posting, leg.posting = leg.posting, None
-                try:
-                    leg.handle = posting.result()
-                except Exception as e:
-                    self._fail(read, reason="peer_gone")
-                    self._drop_peer(leg.peer, f"posting the READ of {read.req_id} failed: {e}")
-                    return
-            try:
-                state = self.agent.check_xfer_state(leg.handle)
-            except Exception as e:
-                logger.warning("D %s xfer state of %s: %s", self.config.name, read.req_id, e)
-                state = "ERR"
-            if state == "DONE":
-                release(leg.handle)
-                leg.handle, leg.state, read.landed = None, LegState.READ, True
-            elif state == "ERR":
-                self._fail(read, reason="peer_gone")
-                self._drop_peer(leg.peer, f"READ of {read.req_id} failed")
-                return
+        failed = check_legs(read, self.agent, self.config.name)
+        if failed is not None:
+            self._fail(read, reason="peer_gone")
+            self._drop_peer(*failed)
+            return
         if any(leg.state is LegState.XFER for leg in read.legs.values()):
             return
-        if not self._check_landed(read) or (read.stream and self._read_on(read)):
+        if not self._check_landed(read) or (read.stream and self.streams.read_on(read)):
             return
-        for leg in read.legs.values():
-            if leg.state is LegState.READ:
-                try:
-                    self.peers.send_done(leg.peer, read.p_req_id, read.instance,
-                                         read.generation, read.token,
-                                         self.reader)
-                    leg.state = LegState.ACK
-                except TransferError as e:
-                    self._fail(read, reason="peer_gone")
-                    self._drop_peer(leg.peer, str(e))
-                    return
+        failed = say_done(read, self.peers, self.reader)
+        if failed is not None:
+            self._fail(read, reason="peer_gone")
+            self._drop_peer(*failed)
 
     def _on_ack(self, sender: str, msg: dict[str, Any]) -> None:
-        req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
-        generation = message_field(msg, "generation", is_generation, "a positive int", sender)
-        ok = message_field(msg, "ok", lambda v: isinstance(v, bool), "a bool", sender)
-        read = next((r for r in self._reads.values() if r.p_req_id == req_id
-                     and sender in r.legs and r.generation == generation), None)
-        if read is None or read.legs[sender].state is not LegState.ACK:
+        read, ok = acked(self._reads, sender, msg)
+        if read is None:
             return
         if not ok:
             logger.warning("D %s: P %s no longer held %s (lease expired or P restarted)",
@@ -330,13 +333,8 @@ class DecodeTransport(StreamReading):
                          time.monotonic() - read.started)
 
     def _heartbeat(self, now: float) -> None:
-        """Extend P's leases of the requests D still wants (reading or expected), and say
-        done for those cancelled."""
-        self._cancelled, cancelled = _due(self._cancelled, now, self.peers, self.handshakes)
-        for say in (lambda: self.peers.heartbeat(lambda: _wanted(self._reads, self._expected), now),
-                    lambda: self.peers.say_done([c[:5] for c in cancelled], self.reader)):
-            for peer, error in say().items():
-                self._drop_peer(peer, error)
+        for peer, error in self.leases.beat(now, self._reads).items():
+            self._drop_peer(peer, error)
 
     def _fail(self, read: Read, why: Exception | None = None, reason: str = "peer_gone") -> None:
         if self._reads.pop(read.req_id, None) is None:
@@ -348,8 +346,8 @@ class DecodeTransport(StreamReading):
             logger.warning("D %s cannot read %s from %s: %s", self.config.name, read.req_id,
                            read.params.peers if read.params else read.stream.peer, why)
         self._failed[read.req_id] = list(read.logical_ids)
-        self._arrived.pop(read.req_id, None)
-        self._let_go(read)
+        self.arrivals.forget(read.req_id)
+        self.streams.let_go(read)
         settle_posts(read, self.config.name)
         self._zombies.bury(read.req_id, [leg.handle for leg in read.legs.values()])
 
@@ -392,6 +390,53 @@ def _late(read: Read, config: TransportConfig, now: float) -> str:
 _Cancelled = tuple[str, list[str], str, int, str, float]
 """A request D cancelled: P's id, P agents, instance, generation, done token, and until when
 to wait for a handshake with one of those agents to say it (at most a lease)."""
+
+
+class Leases:
+    """D's hold on P's leases: the requests D expects to read (not yet started) and those
+    it reads are heartbeated (`beat`), so P keeps their staging; a cancelled one is said
+    done, once D is connected to its P, so P frees it at once."""
+
+    def __init__(self, config: TransportConfig, peers: Peers, handshakes: Handshakes,
+                 reader: tuple[int, int]):
+        self.config, self.peers, self.handshakes, self.reader = config, peers, handshakes, reader
+        # (P instance, P's req) -> (peers, generation, done token): P instances may share ids
+        self._expected: dict[tuple[str, str], tuple[list[str], int, str]] = {}
+        self._cancelled: list[_Cancelled] = []  # to say done for (`_due`)
+
+    def __len__(self) -> int:
+        """How many requests D expects."""
+        return len(self._expected)
+
+    def expect(self, p: ReadParams) -> None:
+        """Keep P's lease on `p`'s request alive (heartbeats; connecting to P in the
+        background) until a read takes it (`taken`) or `cancel` drops it."""
+        self._expected[(p.instance, p.req_id)] = (p.peers, p.generation, done_token(p.secret))
+        for peer in p.peers:
+            self.handshakes.begin(peer, p.host, p.port, p.instance)
+
+    def taken(self, p: ReadParams) -> None:
+        """A read of `p`'s request started: its lease is kept as the read's."""
+        self._expected.pop((p.instance, p.req_id), None)
+
+    def cancel(self, req_id: str, instance: str | None = None) -> None:
+        """Stop keeping P's lease on P's request `req_id` of `instance` (None: any), which D
+        will not read: P may free it (`done`, once D is connected to P). Unknown ids: ignored."""
+        if not isinstance(req_id, str) or not isinstance(instance, (str, type(None))):
+            raise InvalidInputError(f"cancel takes P's request id (a str), got {req_id!r:.80}, "
+                                    f"and its instance (a str or None), got {instance!r:.80}")
+        until = time.monotonic() + self.config.lease_s  # P's lease lapses by then anyway
+        for key in [k for k in self._expected if k[1] == req_id and instance in (None, k[0])]:
+            peers, generation, token = self._expected.pop(key)
+            self._cancelled.append((req_id, peers, key[0], generation, token, until))
+
+    def beat(self, now: float, reads: Mapping[str, Read]) -> dict[str, str]:
+        """Extend P's leases of the requests D reads or expects, and say done for those
+        cancelled; returns the peers that failed, with why."""
+        self._cancelled, cancelled = _due(self._cancelled, now, self.peers, self.handshakes)
+        failed = self.peers.heartbeat(lambda: _wanted(reads, self._expected), now)
+        failed.update(self.peers.say_done([c[:5] for c in cancelled], self.reader))
+        return failed
 
 
 def _due(cancelled: list[_Cancelled], now: float, peers: Peers, handshakes: Handshakes

@@ -13,7 +13,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,14 +22,15 @@ from typing import Any
 import numpy as np
 
 from kvxfer.device.staging import Staging, block_tags, free_in_all
-from kvxfer.errors import TransferError
-from kvxfer.nixl.peers import Peer
-from kvxfer.nixl.wire import ReadParams, StreamParams
-from kvxfer.plan.blocks import coalesce_pairs
+from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.nixl.peers import Peer, Peers
+from kvxfer.nixl.wire import ReadParams, StreamParams, is_generation, message_field
+from kvxfer.plan.blocks import coalesce_pairs, is_int
 from kvxfer.stats import Recorder, Trace
 
-__all__ = ["Leg", "LegState", "Poster", "Read", "Zombies", "post", "posting", "read_descriptors",
-           "release", "settle_posts", "tags_match", "trace_read", "wait_for_posts"]
+__all__ = ["Arrivals", "Leg", "LegState", "Poster", "Read", "Zombies", "acked", "check_legs",
+           "check_new", "post", "posting", "read_descriptors", "release", "say_done", "settle_posts",
+           "tags_match", "trace_read", "wait_for_posts"]
 
 logger = logging.getLogger("kvxfer.nixl.decode")
 
@@ -270,3 +271,108 @@ def read_descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, 
             local.append(np.stack([ours.tags_address()[0] + runs[:, 1] * row, runs[:, 2] * row,
                                    0 * runs[:, 2]], 1))
     return np.concatenate(local), np.concatenate(remote)
+
+
+class Arrivals:
+    """The blocks of each read that landed in D's staging and checked (their tags), per
+    request and group, reported to D's caller as they arrive (`take`), before the read is
+    finished: the caller may write them out while `done` and its ack travel."""
+
+    def __init__(self, stagings: Sequence[Staging], recorder: Recorder, who: str):
+        self.stagings, self.recorder, self.who = stagings, recorder, who
+        self._arrived: dict[str, list[list[int]]] = {}  # req -> per group, keys read and checked
+
+    def take(self) -> dict[str, list[list[int]]]:
+        """What arrived since the last call."""
+        arrived, self._arrived = self._arrived, {}
+        return arrived
+
+    def forget(self, req_id: str) -> None:
+        """A failed read's blocks are not reported."""
+        self._arrived.pop(req_id, None)
+
+    def check(self, read: Read) -> bool:
+        """Check the blocks `read`'s last READs brought (their tags) and keep them to report;
+        False if a tag does not match (the slots at P do not hold the request's blocks)."""
+        if not (read.landed or (read.params is not None and not read.stream
+                                and read.trace.stages[-1][0] == "connect")):  # none to read
+            return True
+        read.landed = False
+        trace_read(read, self.recorder)
+        if not tags_match(self.stagings, read):
+            logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
+                           "altered, or not its own)", self.who, read.req_id)
+            return False
+        arrived = self._arrived.setdefault(read.req_id, [[] for _ in self.stagings])
+        for into, keys in zip(arrived, read.params.keys):
+            into += keys
+        return True
+
+
+def check_new(req_id: str, logical_ids: object, reads: Mapping[str, Read], zombies: Zombies,
+              stagings: Sequence[Staging]) -> None:
+    """Refuse a read of a request D is reading, or whose slots it has not freed yet, or
+    whose logical ids (what a failure reports) are not block ids."""
+    if not isinstance(logical_ids, Sequence) or not all(
+            is_int(b) and b >= 0 for b in logical_ids):
+        raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
+                                f"int block ids, got {logical_ids!r:.80}")
+    if req_id in reads or req_id in zombies:
+        raise InvalidInputError(f"request {req_id!r} is already being read")
+    if any(req_id in s for s in stagings):
+        raise InvalidInputError(
+            f"request {req_id!r} still holds D staging from an earlier read; free it first")
+
+
+def check_legs(read: Read, agent: Any, who: str) -> tuple[str, str] | None:
+    """Move each leg of `read` whose READ was posted on: to `READ` once NIXL says it is
+    done. Returns `(peer, why)` for the first leg whose post or transfer failed, else None."""
+    for leg in read.legs.values():
+        if leg.state is not LegState.XFER:
+            continue
+        if leg.posting is not None:
+            if not leg.posting.done():
+                continue
+            posting, leg.posting = leg.posting, None
+            try:
+                leg.handle = posting.result()
+            except Exception as e:
+                return leg.peer, f"posting the READ of {read.req_id} failed: {e}"
+        try:
+            state = agent.check_xfer_state(leg.handle)
+        except Exception as e:
+            logger.warning("D %s xfer state of %s: %s", who, read.req_id, e)
+            state = "ERR"
+        if state == "DONE":
+            release(leg.handle)
+            leg.handle, leg.state, read.landed = None, LegState.READ, True
+        elif state == "ERR":
+            return leg.peer, f"READ of {read.req_id} failed"
+    return None
+
+
+def acked(reads: Mapping[str, Read], sender: str, msg: dict[str, Any]) -> tuple[Read | None, bool]:
+    """The read P agent `sender`'s `ack` answers (None: none waits for it) and whether P
+    still held it (`ok`). Raises `TransferError` for a malformed ack."""
+    req_id = message_field(msg, "req_id", lambda v: isinstance(v, str), "a str", sender)
+    generation = message_field(msg, "generation", is_generation, "a positive int", sender)
+    ok = message_field(msg, "ok", lambda v: isinstance(v, bool), "a bool", sender)
+    read = next((r for r in reads.values() if r.p_req_id == req_id
+                 and sender in r.legs and r.generation == generation), None)
+    if read is None or read.legs[sender].state is not LegState.ACK:
+        return None, ok
+    return read, ok
+
+
+def say_done(read: Read, peers: Peers, reader: tuple[int, int]) -> tuple[str, str] | None:
+    """Say `done` to each P agent whose READ of `read` landed, and wait for its ack; returns
+    `(peer, why)` for the first agent it could not be said to, else None."""
+    for leg in read.legs.values():
+        if leg.state is LegState.READ:
+            try:
+                peers.send_done(leg.peer, read.p_req_id, read.instance, read.generation,
+                                read.token, reader)
+            except TransferError as e:
+                return leg.peer, str(e)
+            leg.state = LegState.ACK
+    return None

@@ -17,7 +17,7 @@ D's deadline follows P's word, not a guess of P's queue. A D that gives up on a 
 staged for it and stages no more of it (the scheduler side stops planning its saves).
 
 - `Published`: P's side (in `kvxfer.nixl.prefill.PrefillTransport`).
-- `StreamReading`: D's side, a part of `kvxfer.nixl.decode.DecodeTransport`.
+- `StreamReads`: D's side, a part of `kvxfer.nixl.decode.DecodeTransport`.
 """
 
 from __future__ import annotations
@@ -28,20 +28,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.errors import InvalidInputError, TransferError
-from kvxfer.nixl import reads
 from kvxfer.nixl.agent import send
-from kvxfer.nixl.reads import (
-    Leg,
-    LegState,
-    Read,
-    posting,
-    read_descriptors,
-    tags_match,
-    trace_read,
-)
+from kvxfer.nixl.reads import Leg, LegState, Read, read_descriptors
 from kvxfer.nixl.wire import (
     ReadParams,
     Source,
@@ -55,7 +46,13 @@ from kvxfer.nixl.wire import (
 from kvxfer.plan.blocks import is_int
 from kvxfer.stats import Trace
 
-__all__ = ["Published", "StreamReading"]
+if TYPE_CHECKING:
+    from kvxfer.device.staging import Staging
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.handshake import Handshakes
+    from kvxfer.nixl.peers import Peers
+
+__all__ = ["Published", "StreamReads"]
 
 logger = logging.getLogger(__name__)
 
@@ -279,26 +276,33 @@ class Published:
 # -- D ---------------------------------------------------------------------------------
 
 
-class StreamReading:
-    """D's streamed reads, and what every read does as its blocks land: a part of
-    `DecodeTransport` (whose agent, peers, handshakes, staging, poster thread, reads and
-    `_fail` it uses), kept here with the rest of streams."""
+class StreamReads:
+    """D's streamed reads, a part of `DecodeTransport`: subscribing once P's agent is
+    connected, the chunks P names final and the `wait`s between them, one READ of those
+    named since the last, and letting P know when D gives a stream up.
 
-    def start_stream(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
-                     skip: Sequence[int] | None = None, prompt: str | None = None,
-                     trace: Trace | None = None) -> None:
-        """Read `req_id` while P still prefills it: subscribe to its stream, read each chunk
-        P names final as it is named (`arrived` reports them), and finish after the last.
+    It shares the transport's reads (`reads`, by D's request id) and acts on them only
+    through the transport's own steps, given here: `fail(read, why, reason)`,
+    `drop_peer(peer, why)` and `post(leg, descriptors, req_id)` (a READ on D's poster
+    thread); `piece` is what D's staging holds of each block (streams move whole ones).
+    """
 
-        `skip`: per group, the kernel positions below which D holds the blocks itself
-        (not read); `prompt`: D's prompt digest, which P's must equal. Failures are as
-        for `start_read`'s, in `logical_ids`; P giving up on the request fails it too.
-        """
-        self._check_new(req_id, logical_ids)
+    def __init__(self, config: TransportConfig, agent: Any, stagings: Sequence[Staging],
+                 peers: Peers, handshakes: Handshakes, piece: tuple[int, int, int] | None,
+                 reads: dict[str, Read], fail: Callable[..., None],
+                 drop_peer: Callable[[str, str], None], post: Callable[..., Future]):
+        self.config, self.agent, self.stagings, self.piece = config, agent, stagings, piece
+        self.peers, self.handshakes, self.reads = peers, handshakes, reads
+        self.fail, self.drop_peer, self.post = fail, drop_peer, post
+
+    def start(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
+              skip: Sequence[int] | None = None, prompt: str | None = None,
+              trace: Trace | None = None) -> None:
+        """`DecodeTransport.start_stream`, once the request id and logical ids are checked."""
         if not isinstance(params, StreamParams):
             raise InvalidInputError(f"params must be StreamParams, got {type(params).__name__}")
         if any(r.stream is not None and r.stream.stream == params.stream
-               for r in self._reads.values()):
+               for r in self.reads.values()):
             raise InvalidInputError(f"stream {params.stream} is already being read")
         skip = [0] * len(self.stagings) if skip is None else list(skip)
         if len(skip) != len(self.stagings) or not all(is_int(k) and k >= 0 for k in skip):
@@ -309,14 +313,14 @@ class StreamReading:
                      legs={params.peer: Leg(params.peer, state=LegState.READ)},
                      stream=params, skip=skip, prompt=prompt,
                      trace=trace or Trace(req_id, "D", "", params.peer, self.config.name))
-        self._reads[req_id] = read
+        self.reads[req_id] = read
         if self.piece is not None:
-            self._fail(read, TransferError(f"streams are read by a D staging whole blocks, this D "
+            self.fail(read, TransferError(f"streams are read by a D staging whole blocks, this D "
                                            f"process holds units {self.piece}"), "refused")
             return
-        self._try_subscribe(read)
+        self.subscribe(read)
 
-    def _try_subscribe(self, read: Read) -> None:
+    def subscribe(self, read: Read) -> None:
         """Once P's agent is connected, subscribe to the read's stream. Never waits."""
         s = read.stream
         self.handshakes.begin(s.peer, s.host, s.port)
@@ -324,7 +328,7 @@ class StreamReading:
         if state is None:
             return
         if state is not True:
-            self._fail(read, state)
+            self.fail(read, state)
             return
         try:
             send(self.agent, s.peer, "want", stream=s.stream)
@@ -334,22 +338,22 @@ class StreamReading:
             # (once) and subscribe then; the drop fails the reads of that past start.
             if not read.reconnected:
                 read.reconnected = True
-                self._drop_peer(s.peer, f"{e} (restarted?); connecting afresh")
+                self.drop_peer(s.peer, f"{e} (restarted?); connecting afresh")
                 return
-            self._fail(read, reason="peer_gone")
-            self._drop_peer(s.peer, str(e))
+            self.fail(read, reason="peer_gone")
+            self.drop_peer(s.peer, str(e))
             return
         read.waiting = False
         read.wait_until = time.monotonic() + self.config.stream_wait_s
         read.instance = self.peers.get(s.peer).instance
         read.mark = read.trace.stage("connect", read.started)
 
-    def _on_chunk(self, sender: str, msg: dict[str, Any]) -> None:
+    def on_chunk(self, sender: str, msg: dict[str, Any]) -> None:
         """P names blocks of a stream final (or gives the stream up): queue them to read. A
         `wait` (P still has the stream's last chunk to come) moves its deadline on, for at
         most `stream_wait_s` after subscribing or the last chunk."""
         stream = message_field(msg, "stream", is_stream_id, "32 hex digits", sender)
-        read = next((r for r in self._reads.values() if r.stream is not None
+        read = next((r for r in self.reads.values() if r.stream is not None
                      and r.stream.stream == stream and r.stream.peer == sender), None)
         if read is None or read.waiting:
             return
@@ -359,12 +363,12 @@ class StreamReading:
                     time.monotonic() + self.config.transfer_timeout_s, read.wait_until))
             return
         if msg.get("aborted") is True:
-            self._fail(read, TransferError(f"P gave up on stream {stream}"), "refused")
+            self.fail(read, TransferError(f"P gave up on stream {stream}"), "refused")
             return
         try:
             keys, slots, fields, generation = _chunk_fields(msg, len(self.stagings), sender, stream)
         except TransferError as e:  # from the peer the stream names: fail this request alone
-            self._fail(read, e, "refused")
+            self.fail(read, e, "refused")
             return
         last = fields["last"]
         if read.last:
@@ -382,7 +386,7 @@ class StreamReading:
                 read.p_req_id, read.instance, read.secret):
             why = "a chunk names another request"
         if why is not None:
-            self._fail(read, TransferError(f"stream {stream} of {read.req_id!r}: {why}"),
+            self.fail(read, TransferError(f"stream {stream} of {read.req_id!r}: {why}"),
                        "refused")
             return
         kept = [[(k, s) for k, s in zip(gk, gs) if k >= skip]
@@ -422,63 +426,19 @@ class StreamReading:
         leg.state, leg.posted = LegState.XFER, None
         descriptors = functools.partial(read_descriptors, self.peers.get(p.peer), self.stagings,
                                         self.piece, p.slots, read.d_slots, (0, 1), True)
-        leg.posting = self._post(leg, descriptors, read.req_id)
+        leg.posting = self.post(leg, descriptors, read.req_id)
         return True
 
-    def _post(self, leg: Leg, descriptors: Callable[[], Any], req_id: str) -> Future:
-        """Post `leg`'s READ of `descriptors()` on the poster thread, with `reads.post` as it
-        is at the call (tests replace it to hold posts)."""
-        return self._poster.post(reads.post, self.agent, leg, descriptors, req_id,
-                                 self.config.name, idle=not posting(self._reads.values()))
-
-    def _check_new(self, req_id: str, logical_ids: object) -> None:
-        """Refuse a read of a request D is reading, or whose slots it has not freed yet, or
-        whose logical ids (what a failure reports) are not block ids."""
-        if not isinstance(logical_ids, Sequence) or not all(
-                is_int(b) and b >= 0 for b in logical_ids):
-            raise InvalidInputError(f"logical_ids of {req_id!r} must be a list of non-negative "
-                                    f"int block ids, got {logical_ids!r:.80}")
-        if req_id in self._reads or req_id in self._zombies:
-            raise InvalidInputError(f"request {req_id!r} is already being read")
-        if any(req_id in s for s in self.stagings):
-            raise InvalidInputError(
-                f"request {req_id!r} still holds D staging from an earlier read; free it first")
-
-    def _read_on(self, read: Read) -> bool:
+    def read_on(self, read: Read) -> bool:
         """Post the chunks named since the last READ; whether the read still waits for P
         (a READ posted, or its last chunk not yet named)."""
         try:
             return self._next_chunk(read) or not read.last
         except Exception as e:
-            self._fail(read, e, "refused")
+            self.fail(read, e, "refused")
             return True
 
-    def arrived(self) -> dict[str, list[list[int]]]:
-        """Per request, per group, the keys whose blocks landed in staging and checked since
-        the last call (the request is not finished until `poll` says so; until then, or a
-        failure, its slots stay as they are)."""
-        arrived, self._arrived = self._arrived, {}
-        return arrived
-
-    def _check_landed(self, read: Read) -> bool:
-        """Check the blocks the read's last READs brought (their tags) and report them
-        (`arrived`); False if the read failed."""
-        if not (read.landed or (read.params is not None and not read.stream
-                                and read.trace.stages[-1][0] == "connect")):  # none to read
-            return True
-        read.landed = False
-        trace_read(read, self.recorder)
-        if not tags_match(self.stagings, read):
-            logger.warning("D %s refuses %s: its slots at P do not hold its blocks (params "
-                           "altered, or not its own)", self.config.name, read.req_id)
-            self._fail(read, reason="binding")
-            return False
-        arrived = self._arrived.setdefault(read.req_id, [[] for _ in self.stagings])
-        for into, keys in zip(arrived, read.params.keys):
-            into += keys
-        return True
-
-    def _let_go(self, read: Read) -> None:
+    def let_go(self, read: Read) -> None:
         """A failed stream: tell P, which frees a stream it gave up on once D let go of it."""
         if read.stream is not None and not read.waiting and read.stream.peer in self.peers:
             try:
