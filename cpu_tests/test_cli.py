@@ -63,12 +63,12 @@ def test_bench_plan_prints_its_figures_as_json():
 def no_processes(monkeypatch):
     """Fail the test if `kvxfer demo` or `kvxfer kvbytes` starts P or D."""
     import kvxfer.demo.disagg
-    import kvxfer.demo.kvbytes
+    import kvxfer.demo.procs
 
     def refuse(*args, **kwargs):
         raise AssertionError("a process was started for a bad flag")
 
-    monkeypatch.setattr(kvxfer.demo.kvbytes, "Proc", refuse)
+    monkeypatch.setattr(kvxfer.demo.procs, "Proc", refuse)
     monkeypatch.setattr(kvxfer.demo.disagg, "Proc", refuse)
 
 
@@ -227,7 +227,7 @@ def test_a_bad_backend_is_refused_by_the_cli_before_any_child_starts(monkeypatch
     monkeypatch.setattr("kvxfer.demo.procs.Proc.__init__", lambda *a, **k: pytest.fail(
         "a child process was started"))
     assert main(["demo"]) == 2
-    assert "KVXFER_BACKEND must be one of ('auto', 'xla', 'host'), got 'tpu'" in capsys.readouterr().err
+    assert "KVXFER_BACKEND must be one of ('auto', 'xla', 'numpy'), got 'tpu'" in capsys.readouterr().err
 
 
 def test_an_unwritable_profile_directory_is_refused_before_any_child_starts(

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvxfer.demo.procs import Lines, Proc, child_output, say
+from kvxfer.demo.procs import Children, Load, Reader, Saver, Side, connector, serve
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.plan.blocks import cdiv, is_int
 
@@ -194,121 +192,115 @@ def _writer(cfg: BytesConfig, caches):
     return jax.jit(write, out_shardings=shardings, donate_argnums=0)
 
 
-def _serve_p(cfg: BytesConfig, out) -> None:
-    import jax
-    import numpy as np
+class _Prefill(Saver):
+    """P: prefills every prompt in chunks, writing random KV for each token, and saves what
+    `SaveTracker` plans; then serves D's reads until told to stop."""
 
-    from kvxfer.connector.config import ConnectorConfig
-    from kvxfer.connector.prefill import PrefillConnector
-    from kvxfer.device.gather import bucket_size
-    from kvxfer.nixl.agent import TransportConfig
-    from kvxfer.plan.save_plan import GroupSpec
-    from kvxfer.plan.simulate import SimEngine
+    wait_s = 0.01
 
-    caches = _caches(cfg, cfg.tp_p)
-    group = GroupSpec(cfg.block_size)
-    conn = PrefillConnector(
-        ConnectorConfig(TransportConfig("P"), staging_blocks=cfg.num_blocks), [group], caches)
-    say(out, port=conn.transport.port)
-    engine = SimEngine([group], num_blocks=cfg.num_blocks, lookahead=cfg.lookahead)
-    rng = np.random.default_rng(cfg.seed)
-    row_bytes = int(np.prod(caches[0].shape[1:])) // cfg.block_size * caches[0].dtype.itemsize
-    write = _writer(cfg, caches)
+    def __init__(self, cfg: BytesConfig, out):
+        import numpy as np
 
-    def forward(start, stop, table):
-        # Padded to a bucket (padding rows land past the last block and are
-        # dropped) so a new token count does not compile a new program.
-        n = stop - start
+        caches = _caches(cfg, cfg.tp_p)
+        super().__init__(out, connector("P", caches, cfg.num_blocks, cfg.block_size))
+        self.cfg, self.caches, self.write = cfg, caches, _writer(cfg, caches)
+        self.rng = np.random.default_rng(cfg.seed)
+
+    def run(self) -> None:
+        import numpy as np
+
+        from kvxfer.plan.save_plan import GroupSpec
+        from kvxfer.plan.simulate import SimEngine
+
+        cfg, conn = self.cfg, self.conn
+        engine = SimEngine([GroupSpec(cfg.block_size)], num_blocks=cfg.num_blocks,
+                           lookahead=cfg.lookahead)
+        for i, (prompt, hit) in enumerate(zip(cfg.prompts, cfg.cached)):
+            engine.add(f"req{i}", prompt, hit)
+            conn.add_request(f"req{i}", prompt)
+        pending = set(engine.requests)
+        steps, copies = 0, Counter()
+        while pending:
+            scheduled = engine.schedule(cfg.budget)
+            for s in scheduled:
+                # A new request's first step also writes its prefix-cache hit's KV.
+                start = 0 if s.full_table else s.num_computed_tokens
+                self.forward(start, s.num_computed_tokens + s.num_scheduled_tokens,
+                             engine.requests[s.req_id].tables[0])
+            engine.forward(scheduled)
+            meta = conn.build_connector_meta(scheduled)
+            conn.wait_for_save(self.caches, meta)
+            steps += 1
+            for req_id, ids in meta.kernel_ids.items():
+                copies.update((req_id, k) for k in ids)
+            for req_id in meta.completed:
+                req = engine.requests[req_id]
+                expected = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
+                np.save(expected, np.stack([
+                    token_rows(c, req.tables[0], req.num_prompt_tokens, cfg.block_size).view(np.uint8)
+                    for c in self.caches]))
+                self.say(params=conn.request_finished(req_id), expected=expected,
+                         prompt=req.num_prompt_tokens)
+                pending.discard(req_id)
+            self.step()
+        self.wait_freed(len(cfg.prompts), cfg.timeout_s)
+        self.say(freed=sorted(self.freed), steps=steps, copied=sum(copies.values()),
+                 recopied=sum(1 for n in copies.values() if n > 1))
+
+    def forward(self, start: int, stop: int, table: list[int]) -> None:
+        """Random KV for tokens `[start, stop)` through `table`, padded to a bucket (padding
+        rows land past the last block and are dropped) so a new token count does not compile
+        a new program."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        from kvxfer.device.gather import bucket_size
+
+        cfg, caches = self.cfg, self.caches
+        n, row_bytes = stop - start, int(np.prod(caches[0].shape[1:])) // cfg.block_size
         bucket = bucket_size(n)
         pos = np.arange(start, start + bucket)
         blocks = np.full(bucket, cfg.num_blocks)
         blocks[:n] = np.asarray(table)[pos[:n] // cfg.block_size]
-        rows = [rng.integers(0, 256, (bucket, row_bytes), np.uint8).view(caches[0].dtype)
-                for _ in caches]
-        return write(caches, jax.numpy.asarray(blocks), jax.numpy.asarray(pos % cfg.block_size), rows)
-
-    for i, (prompt, hit) in enumerate(zip(cfg.prompts, cfg.cached)):
-        engine.add(f"req{i}", prompt, hit)
-        conn.add_request(f"req{i}", prompt)
-    pending = set(engine.requests)
-    freed: list[str] = []
-    steps, copies = 0, Counter()
-    while pending:
-        scheduled = engine.schedule(cfg.budget)
-        for s in scheduled:
-            table = engine.requests[s.req_id].tables[0]
-            # A new request's first step also writes its prefix-cache hit's KV.
-            start = 0 if s.full_table else s.num_computed_tokens
-            caches = forward(start, s.num_computed_tokens + s.num_scheduled_tokens, table)
-        engine.forward(scheduled)
-        meta = conn.build_connector_meta(scheduled)
-        conn.wait_for_save(caches, meta)
-        steps += 1
-        for req_id, ids in meta.kernel_ids.items():
-            copies.update((req_id, k) for k in ids)
-        for req_id in meta.completed:
-            req = engine.requests[req_id]
-            expected = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
-            np.save(expected, np.stack([
-                token_rows(c, req.tables[0], req.num_prompt_tokens, cfg.block_size).view(np.uint8)
-                for c in caches]))
-            say(out, params=conn.request_finished(req_id), expected=expected,
-                 prompt=req.num_prompt_tokens)
-            pending.discard(req_id)
-        freed += conn.get_finished()
-    deadline = time.monotonic() + cfg.timeout_s
-    while len(freed) < len(cfg.prompts) and time.monotonic() < deadline:
-        freed += conn.get_finished()
-        time.sleep(0.002)
-    say(out, freed=sorted(freed), steps=steps, copied=sum(copies.values()),
-         recopied=sum(1 for n in copies.values() if n > 1))
-    # Serve until the parent says stop (D may still be finishing its checks).
-    while not select.select([sys.stdin], [], [], 0.01)[0]:
-        conn.get_finished()
-    conn.close()
+        rows = [self.rng.integers(0, 256, (bucket, row_bytes * caches[0].dtype.itemsize),
+                                  np.uint8).view(caches[0].dtype) for _ in caches]
+        self.caches = self.write(caches, jnp.asarray(blocks), jnp.asarray(pos % cfg.block_size),
+                                 rows)
 
 
-def _serve_d(cfg: BytesConfig, out) -> None:
-    import numpy as np
+class _Decode(Reader):
+    """D: reads each request the router forwards into its own block ids, as soon as it
+    arrives, and compares every prompt token's KV with P's."""
 
-    from kvxfer.connector.config import ConnectorConfig
-    from kvxfer.connector.decode import DecodeConnector
-    from kvxfer.connector.scheduler import LoadRequest
-    from kvxfer.nixl.agent import TransportConfig
+    def __init__(self, cfg: BytesConfig, out):
+        caches = _caches(cfg, cfg.tp_d)
+        super().__init__(out, connector("D", caches, cfg.num_blocks), caches)
+        self.cfg = cfg
+        self.free = list(range(cfg.num_blocks - 1, 0, -1))  # D's ids: reversed, unlike P's
 
-    caches = _caches(cfg, cfg.tp_d)
-    conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks), caches)
-    say(out, ready=True)
-    # D's own block ids: reversed, so they differ from P's.
-    free = list(range(cfg.num_blocks - 1, 0, -1))
-    loads: dict[str, tuple[list[int], str, int, float]] = {}
-    stopping, inbox = False, Lines(sys.stdin.fileno())
-    while not (stopping or inbox.closed) or loads:
-        # Start every request the router has forwarded, as soon as it arrives.
-        for msg in inbox.ready():
-            if "stop" in msg:
-                stopping = True
-                continue
-            params, prompt = msg["params"], msg["prompt"]
-            table = [free.pop(0) for _ in range(cdiv(prompt, cfg.block_size))]
-            loads[params["req_id"]] = (table, msg["expected"], prompt, time.perf_counter())
-            conn.start_load_kv({params["req_id"]: LoadRequest(params, table)})
-        caches, finished, failed = conn.get_finished(caches)
-        if failed:
-            errors = sorted(conn.get_block_ids_with_load_errors())
-        for req_id in failed:
-            loads.pop(req_id)
-            say(out, req_id=req_id, ok=False, error="load failed", logical_blocks=errors)
-        for req_id in finished:
-            table, expected, prompt, t0 = loads.pop(req_id)
-            want = np.load(expected)
-            got = np.stack([token_rows(c, table, prompt, cfg.block_size).view(np.uint8)
-                            for c in caches])
-            bad = int((got != want).any(axis=(0, 2)).sum())
-            say(out, req_id=req_id, ok=bad == 0, stale_tokens=bad, tokens=prompt,
-                 mb=want.nbytes / 1e6, seconds=time.perf_counter() - t0)
-            os.unlink(expected)
-    conn.close()
+    def command(self, msg: dict[str, Any]) -> None:
+        table = [self.free.pop(0) for _ in range(cdiv(msg["prompt"], self.cfg.block_size))]
+        self.load(msg["params"]["req_id"], msg["params"], table, expected=msg["expected"],
+                  prompt=msg["prompt"])
+
+    def loaded(self, load: Load, now: float) -> None:
+        import numpy as np
+
+        prompt, expected = load.about["prompt"], load.about["expected"]
+        want = np.load(expected)
+        got = np.stack([token_rows(c, load.table, prompt, self.cfg.block_size).view(np.uint8)
+                        for c in self.caches])
+        bad = int((got != want).any(axis=(0, 2)).sum())
+        self.say(req_id=load.req_id, ok=bad == 0, stale_tokens=bad, tokens=prompt,
+                 mb=want.nbytes / 1e6, seconds=time.perf_counter() - load.started)
+        os.unlink(expected)
+
+    def lost(self, load: Load, now: float, errors: list[int]) -> None:
+        self.say(req_id=load.req_id, ok=False, error="load failed", logical_blocks=errors)
+
+
+def _side(role: str, fields: dict[str, Any], out) -> Side:
+    return (_Prefill if role == "P" else _Decode)(BytesConfig(**fields), out)
 
 
 # -- the parent: start both, relay params, collect results ----------------------------
@@ -318,23 +310,18 @@ def run_bytes(cfg: BytesConfig) -> dict[str, Any]:
     """Run P and D as two processes; returns per-request results and totals."""
     cfg.validate()  # reject a bad setting before starting anything
     cfg_json = json.dumps(asdict(cfg))
-    p = Proc("P", cfg_json, max(cfg.tp_p, 1), cfg.timeout_s, "kvxfer.demo.kvbytes")
-    d = None
-    try:
+    with Children("kvxfer.demo.kvbytes", cfg.timeout_s) as children:
+        p = children.start("P", cfg_json, max(cfg.tp_p, 1))
         p.read()  # P's listener is up
-        d = Proc("D", cfg_json, max(cfg.tp_d, 1), cfg.timeout_s, "kvxfer.demo.kvbytes")
+        d = children.start("D", cfg_json, max(cfg.tp_d, 1))
         d.read()
         for _ in cfg.prompts:
             d.send(**p.read())  # relay each finished request's kv_transfer_params at once
         results = sorted((d.read() for _ in cfg.prompts), key=lambda r: r["req_id"])
         p_side = p.read()
-        return {"ok": all(r["ok"] for r in results), "requests": results,
-                "p_freed": p_side["freed"], "p_steps": p_side["steps"],
-                "p_blocks_copied": p_side["copied"], "p_blocks_recopied": p_side["recopied"]}
-    finally:
-        for proc in (d, p):
-            if proc is not None:
-                proc.stop()
+    return {"ok": all(r["ok"] for r in results), "requests": results,
+            "p_freed": p_side["freed"], "p_steps": p_side["steps"],
+            "p_blocks_copied": p_side["copied"], "p_blocks_recopied": p_side["recopied"]}
 
 
 def report_bytes(result: dict[str, Any], cfg: BytesConfig) -> list[str]:
@@ -356,6 +343,4 @@ def report_bytes(result: dict[str, Any], cfg: BytesConfig) -> list[str]:
 
 
 if __name__ == "__main__":
-    out = child_output()
-    cfg = BytesConfig(**json.loads(sys.argv[2]))
-    (_serve_p if sys.argv[1] == "P" else _serve_d)(cfg, out)
+    serve(_side)
