@@ -4,7 +4,8 @@
   `LoadRequest`, `PeerAddress`; plain Python, for an engine's scheduler process.
 - `prefill`: `PrefillWorker` (gathers into staging, serves D) and
   `PrefillConnector` (both P sides in one process).
-- `decode`: `DecodeConnector` (reads, verifies, scatters).
+- `decode`: `DecodeConnector` (reads, verifies, scatters); `loads`: `Load`, `Loads`
+  (P's blocks placed in D's table, and the loads under way).
 - `config`: `ConnectorConfig`; `_processes`: one process per instance, or several.
 
 Nothing is imported here, so that importing `kvxfer.connector.scheduler` loads

@@ -1,15 +1,16 @@
 """D's worker side: reads from P over NIXL, verifies, and scatters into the caches.
 
-`start_load_kv` checks each request's params against D's block table, skips
-the entries D already holds (a local prefix hit), places every block P sends
-at the same position of D's table (`kvxfer.plan.blocks.kernel_placement`) and
-posts the reads. `get_finished` advances them, scatters what arrived from
-staging into the device caches in place (one scatter per group), checks each
-request's blocks as they landed against P's fingerprints, and returns the
-new caches with the finished and failed request ids. Whatever goes wrong
-with one request (bad params, a table that does not cover P's positions, a
-read error, a failed check) fails that request alone, in its logical block
-ids (`get_block_ids_with_load_errors`), and frees every slot it took.
+`start_load_kv` parses each request's params once (`LoadRequest.parse_params`),
+checks them against D's block table, skips the entries D already holds (a local
+prefix hit), places every block P sends at the same position of D's table
+(`kvxfer.connector.loads`) and posts the reads. `get_finished` advances them,
+scatters what arrived from staging into the device caches in place (one scatter
+per group), checks each request's blocks as they landed against P's
+fingerprints, and returns the new caches with the finished and failed request
+ids. Whatever goes wrong with one request (bad params, a table that does not
+cover P's positions, a read error, a failed check) fails that request alone, in
+its logical block ids (`get_block_ids_with_load_errors`), and frees every slot
+and every D block it took.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import operator
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -26,39 +26,18 @@ import numpy as np
 
 from kvxfer.connector._processes import Spans, for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
+from kvxfer.connector.loads import Load, Loads, table_ids
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.device.layout import CacheLayout, advertised, check_block_compatible
 from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, KvxferError, LayoutMismatchError
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.wire import ReadParams, StreamParams
-from kvxfer.plan.blocks import NULL_BLOCK, is_int, kernel_placement, table_entries
 from kvxfer.stats import Recorder, Stats, Trace
 
 __all__ = ["DecodeConnector"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Load:
-    keys: list[list[int]]  # per group, P's kernel positions (a stream's: those arrived so far)
-    kernel_ids: list[list[int]]  # per group, D's kernel ids, aligned with keys
-    logical_ids: list[int]  # D's logical ids, all groups: what a failure reports
-    tables: list[list[int]] | None = None  # a stream's: D's table per group, to place its blocks
-
-
-def _table_ids(table: object) -> list[int]:
-    """Every plausible block id in a (possibly malformed) table: what a failure reports."""
-    ids: dict[int, None] = {}
-    stack = [table]
-    while stack:
-        item = stack.pop()
-        if is_int(item) and item > NULL_BLOCK:
-            ids.setdefault(item, None)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(reversed(item))
-    return list(ids)
 
 
 class DecodeConnector:
@@ -85,9 +64,8 @@ class DecodeConnector:
             layout_check=check_block_compatible, piece=self.processes.piece,
             reader=self.processes.reader, recorder=self.recorder)
         self._traces: dict[str, Trace] = {}  # loads under way (read, or held locally)
-        self._loads: dict[str, _Load] = {}
+        self._loads = Loads(len(self.layouts))
         self._checked: list[tuple[jax.Array, ...]] = [() for _ in self.layouts]  # `_check_layouts`
-        self._busy: list[dict[int, str]] = [{} for _ in self.layouts]  # per group: kernel id -> load
         self._load_errors: set[int] = set()
         self._refused: list[str] = []  # failed in start_load_kv, reported by get_finished
         self._held_locally: list[str] = []  # nothing to read, reported finished by get_finished
@@ -118,93 +96,43 @@ class DecodeConnector:
         for req_id, request in requests.items():
             trace = Trace(req_id, "D", d=self.transport.config.name)
             try:
-                if not isinstance(request, LoadRequest):
-                    raise InvalidInputError(f"request {req_id!r}: expected a LoadRequest, got "
-                                            f"{request!r:.80}")
-                if StreamParams.given(request.params):
-                    self._start_stream(req_id, request, trace)
-                    continue
-                p, load = self._prepare(req_id, request)
-                trace.p_req_id, trace.p = p.req_id, p.peer
-                self._check_free(req_id, load)
-                if not any(load.keys):
-                    self._held_locally.append(req_id)  # D has every block P sends
-                    self._traces[req_id] = trace
-                    continue
-                self.transport.start_read(req_id, p, load.logical_ids, trace)
+                load = self._start(req_id, request, trace)
             except KvxferError as e:
                 logger.warning("D refuses request %s: %s", req_id, e)
                 self._refused.append(req_id)
-                ids = _table_ids(getattr(request, "table", ()))
+                ids = table_ids(getattr(request, "table", ()))
                 self._load_errors.update(ids)
                 self.recorder.count("d_recompute_blocks", len(ids))
                 self.recorder.finish(trace, "refused")
                 continue
             self._traces[req_id] = trace
-            self._loads[req_id] = load
-            for busy, ids in zip(self._busy, load.kernel_ids):
-                busy.update(dict.fromkeys(ids, req_id))
+            if load is None:
+                self._held_locally.append(req_id)  # D has every block P sends
+            else:
+                self._loads.add(req_id, load)
 
-    def _start_stream(self, req_id: str, request: LoadRequest, trace: Trace) -> None:
-        """Subscribe to a streamed request: D's blocks past `have` are all reserved for it
-        (P names which it sends only as it goes), and fail with it."""
-        s = StreamParams.parse(request.params)
-        tables, have = _tables(self.layouts, req_id, request)
-        load = _reserved(self.layouts, tables, have)
-        self._check_free(req_id, load)
-        trace.p = s.peer
-        self.transport.start_stream(req_id, s, load.logical_ids,
-                                    [h * layout.kernel_ratio for h, layout in zip(have, self.layouts)],
-                                    request.prompt, trace)
-        self._traces[req_id] = trace
-        self._loads[req_id] = load
-        for busy, ids in zip(self._busy, load.kernel_ids):
-            busy.update(dict.fromkeys(ids, req_id))
-        load.kernel_ids = [[] for _ in tables]  # those of the blocks arrived, aligned with keys
-
-    def _check_free(self, req_id: str, load: _Load) -> None:
-        """Refuse a load into D blocks another load still in progress writes into."""
-        for g, (busy, ids) in enumerate(zip(self._busy, load.kernel_ids)):
-            taken = next((k for k in ids if k in busy), None)
-            if taken is not None:
-                raise InvalidInputError(
-                    f"request {req_id!r} group {g}: D's kernel block {taken} is being loaded "
-                    f"for request {busy[taken]!r}")
-
-    def _pop_load(self, req_id: str) -> _Load | None:
-        load = self._loads.pop(req_id, None)
-        if load is not None:
-            for busy, ids in zip(self._busy, load.kernel_ids):
-                for k in ids:
-                    busy.pop(k, None)
+    def _start(self, req_id: str, request: object, trace: Trace) -> Load | None:
+        """Check one request, place P's blocks in D's table (`Load`) and post its read (or
+        subscribe to its stream); None: D holds every block P sends. `KvxferError` fails
+        it alone."""
+        if not isinstance(request, LoadRequest):
+            raise InvalidInputError(f"request {req_id!r}: expected a LoadRequest, got "
+                                    f"{request!r:.80}")
+        params = LoadRequest.parse_params(request.params, len(self.layouts))
+        if isinstance(params, StreamParams):
+            load, have = Load.stream(self.layouts, req_id, request)
+            self._loads.check(req_id, load)
+            trace.p = params.peer
+            self.transport.start_stream(req_id, params, load.logical_ids, have, request.prompt,
+                                        trace)
+            return load
+        params, load = Load.read(self.layouts, req_id, request, params)
+        trace.p_req_id, trace.p = params.req_id, params.peer
+        self._loads.check(req_id, load)
+        if not any(load.keys):
+            return None
+        self.transport.start_read(req_id, params, load.logical_ids, trace)
         return load
-
-    def _prepare(self, req_id: str, request: LoadRequest) -> tuple[ReadParams, _Load]:
-        """Check the params against D's table; place P's positions in D's kernel ids.
-
-        Returns the params to read (without the blocks D already has) and the load.
-        """
-        p = ReadParams.parse(request.params, len(self.layouts))
-        if request.prompt is not None and p.prompt != request.prompt:
-            raise InvalidInputError(
-                f"request {req_id!r}: its params are for "
-                f"{'another prompt' if p.prompt else 'a prompt P was not given'}; D's prompt "
-                f"differs from the one P computed")
-        tables, have = _tables(self.layouts, req_id, request)
-        load = _Load([], [], [])
-        keep_keys, keep_slots = [], []
-        logical: dict[int, None] = {}
-        for g, (keys, slots, ours) in enumerate(zip(p.keys, p.slots, self.layouts)):
-            kept = [(key, slot) for key, slot in zip(keys, slots)
-                    if key // ours.kernel_ratio >= have[g]]
-            kernel_ids, entries = _place(req_id, g, [k for k, _ in kept], tables[g], ours)
-            logical.update(dict.fromkeys(block for _, block in entries))
-            keep_keys.append(tuple(k for k, _ in kept))
-            keep_slots.append(tuple(s for _, s in kept))
-            load.keys.append([k for k, _ in kept])
-            load.kernel_ids.append(kernel_ids)
-        load.logical_ids = list(logical)
-        return replace(p, keys=tuple(keep_keys), slots=tuple(keep_slots)), load
 
     def get_finished(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
                      ) -> tuple[Any, list[str], list[str]]:
@@ -230,18 +158,18 @@ class DecodeConnector:
         local, self._held_locally = self._held_locally, []
         for req_id, logical in failed.items():
             self._load_errors.update(logical)
-            self._pop_load(req_id)
+            self._loads.pop(req_id)
             failed_ids.append(req_id)
             self._finish(req_id, None, "other_process", len(logical))
         bad: dict[str, str] = {}
-        writes: dict[str, _Load] = {}
+        writes: dict[str, Load] = {}
         for req_id, keys in arrived.items():
             if req_id in self._loads:
                 try:
-                    writes[req_id] = _arrived(self._loads[req_id], self.layouts, req_id, keys)
+                    writes[req_id] = self._loads[req_id].arrived(self.layouts, req_id, keys)
                 except KvxferError as e:
                     bad[req_id] = str(e)
-        loads = {req_id: self._pop_load(req_id) for req_id in done if req_id in self._loads}
+        loads = {req_id: self._loads.pop(req_id) for req_id in done if req_id in self._loads}
         if not early:
             writes = dict(loads)
         start = time.monotonic()
@@ -264,7 +192,7 @@ class DecodeConnector:
         for req_id in [r for r in bad if r not in loads and r in self._loads]:
             logger.error("D request %s failed as its blocks arrived: %s", req_id, bad[req_id])
             self.transport.free(req_id)  # stops its read
-            load = self._pop_load(req_id)
+            load = self._loads.pop(req_id)
             self._load_errors.update(load.logical_ids)
             failed_ids.append(req_id)
             self._finish(req_id, load, "corruption", len(load.logical_ids))
@@ -282,7 +210,7 @@ class DecodeConnector:
                                 sum(s.num_slots - s.num_free_slots for s in self.stagings))
         return (groups[0] if single else groups), finished, failed_ids
 
-    def _finish(self, req_id: str, load: _Load | None, outcome: str, recompute: int = 0) -> None:
+    def _finish(self, req_id: str, load: Load | None, outcome: str, recompute: int = 0) -> None:
         """A load ended: its trace (whose `scatter` stages checked the fingerprints as the
         blocks landed), its bytes, and its outcome (the transport's reason, if it failed
         there) go to the recorder."""
@@ -307,7 +235,7 @@ class DecodeConnector:
         """The last finished loads' traces (a bounded ring), oldest first."""
         return self.recorder.traces()
 
-    def _write_group(self, g: int, groups: list[list[jax.Array]], loads: Mapping[str, _Load],
+    def _write_group(self, g: int, groups: list[list[jax.Array]], loads: Mapping[str, Load],
                      bad: dict[str, str]) -> None:
         """Scatter group `g` of every read request from staging into `groups[g]`, then verify.
 
@@ -320,7 +248,7 @@ class DecodeConnector:
         ids: list[int] = []
         slots: list[int] = []
         spans: Spans = []
-        for req_id, load in loads.items():  # their D blocks are disjoint (`_check_free`)
+        for req_id, load in loads.items():  # their D blocks are disjoint (`Loads.check`)
             if req_id in bad or not load.keys[g]:
                 continue
             try:
@@ -343,13 +271,20 @@ class DecodeConnector:
         """Keep P's lease alive for a request D accepted but has not started loading (waiting
         in D's queue), from now until `start_load_kv` takes it or `cancel` drops it; P's
         `kv_transfer_params`, checked (`InvalidInputError`)."""
-        self.transport.expect(ReadParams.parse(params, len(self.layouts)))
+        self.transport.expect(self._finished_params(params))
 
     def cancel(self, params: Any) -> None:
         """D will not load this expected request (aborted, or computed locally): P may free
         its blocks now. Params not expected are ignored."""
-        p = ReadParams.parse(params, len(self.layouts))
+        p = self._finished_params(params)
         self.transport.cancel(p.req_id, p.instance)
+
+    def _finished_params(self, params: Any) -> ReadParams:
+        p = LoadRequest.parse_params(params, len(self.layouts))
+        if not isinstance(p, ReadParams):  # a stream's P holds it for D while it prefills
+            raise InvalidInputError(f"expect and cancel take P's params of a prefilled "
+                                    f"request, got a stream's: {params!r:.80}")
+        return p
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Logical block ids whose load failed since the last call (to recompute)."""
@@ -388,80 +323,3 @@ def _follow_donations(others: list[list[jax.Array]], old: Sequence[jax.Array],
     if replaced:
         for caches in others:
             caches[:] = [replaced.get(id(a), a) for a in caches]
-
-
-def _reserved(layouts: Sequence[CacheLayout], tables: list[list[int]], have: list[int]) -> _Load:
-    """A stream's load before any block arrived: every kernel id of D's tables past `have`
-    (P names what it sends only as it goes), and their logical ids."""
-    load = _Load([[] for _ in tables], [], [], tables=tables)
-    for table, h, layout in zip(tables, have, layouts):
-        entries = [(i, b) for i, b in enumerate(table) if i >= h and b != NULL_BLOCK]
-        load.kernel_ids.append([k for _, k in kernel_placement(entries, layout.kernel_ratio)])
-        load.logical_ids += [b for _, b in entries if b not in load.logical_ids]
-    return load
-
-
-def _arrived(load: _Load, layouts: Sequence[CacheLayout], req_id: str,
-             keys: list[list[int]]) -> _Load:
-    """What to write of `keys` (per group) of a load now in staging: a stream's placed in D's
-    table now (and added to the load's)."""
-    part = _Load([], [], load.logical_ids)
-    if load.tables is None:  # placed when the read started
-        for g, group_keys in enumerate(keys):
-            at = dict(zip(load.keys[g], load.kernel_ids[g]))
-            part.keys.append(list(group_keys))
-            part.kernel_ids.append([at[k] for k in group_keys])
-        return part
-    for g, (group_keys, table, layout) in enumerate(zip(keys, load.tables, layouts)):
-        ids, _ = _place(req_id, g, group_keys, table, layout)
-        part.keys.append(list(group_keys))
-        part.kernel_ids.append(ids)
-        load.keys[g] += group_keys
-        load.kernel_ids[g] += ids
-    return part
-
-
-def _place(req_id: str, g: int, keys: Sequence[int], table: Sequence[int],
-           layout: CacheLayout) -> tuple[list[int], list[tuple[int, int]]]:
-    """D's kernel ids of P's `keys` (kernel positions) of group `g`, placed at the same
-    positions of D's `table`, and the table entries they fall in; `InvalidInputError`
-    where D's table cannot hold one (too short, the null block, past D's blocks, an id twice)."""
-    ratio = layout.kernel_ratio
-    try:
-        entries = table_entries(dict.fromkeys(k // ratio for k in keys), table)
-    except InvalidInputError as e:
-        raise InvalidInputError(f"request {req_id!r} group {g}: P sends a block D "
-                                f"cannot place: {e}") from None
-    at = dict(kernel_placement(entries, ratio))
-    kernel_ids = [at[k] for k in keys]
-    bad = [k for k in kernel_ids if k >= layout.num_blocks]
-    if bad:
-        raise InvalidInputError(f"request {req_id!r} group {g}: D block ids "
-                                f"{sorted({k // ratio for k in bad})[:8]} are past D's "
-                                f"{layout.num_blocks // ratio} blocks")
-    if len(set(kernel_ids)) != len(kernel_ids):
-        raise InvalidInputError(f"request {req_id!r} group {g}: D's table repeats a block "
-                                f"id at the positions P sends")
-    return kernel_ids, entries
-
-
-def _tables(layouts: Sequence[CacheLayout], req_id: str, request: LoadRequest
-        ) -> tuple[list[list[int]], list[int]]:
-    """D's block table per group, and how many leading entries of each D holds, checked."""
-    table, have = request.table, request.have
-    tables = [table] if len(layouts) == 1 and _is_id_list(table) else table
-    if (not isinstance(tables, (list, tuple)) or len(tables) != len(layouts)
-            or not all(_is_id_list(t) for t in tables)):
-        raise InvalidInputError(
-            f"request {req_id!r}: D's block table must be {len(layouts)} list(s) of "
-            f"non-negative int block ids, got {table!r:.120}")
-    have = [0] * len(layouts) if have is None else have
-    if (not isinstance(have, (list, tuple)) or len(have) != len(layouts)
-            or not all(is_int(h) and h >= 0 for h in have)):
-        raise InvalidInputError(f"request {req_id!r}: 'have' must be {len(layouts)} "
-                                f"non-negative int(s), got {have!r:.80}")
-    return [list(t) for t in tables], list(have)
-
-
-def _is_id_list(value: object) -> bool:
-    return isinstance(value, (list, tuple)) and all(is_int(b) and b >= 0 for b in value)

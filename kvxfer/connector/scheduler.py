@@ -25,6 +25,7 @@ from kvxfer.errors import (
 from kvxfer.nixl.wire import (
     ReadParams,
     Source,
+    StreamParams,
     is_stream_id,
     new_instance,
     new_secret,
@@ -89,7 +90,7 @@ class SaveMeta:
 class LoadRequest:
     """One request D loads, as D's scheduler side hands it to `DecodeConnector.start_load_kv`.
 
-    - `params`: P's `kv_transfer_params` (checked by `ReadParams.parse` on D).
+    - `params`: P's `kv_transfer_params`, as P made them: `parse_params` checks them on D.
     - `table`: D's block table, per group its logical block ids in token order
       (a plain list of ids when there is one group); entries past the prompt
       (allocated for decode) are ignored.
@@ -106,6 +107,16 @@ class LoadRequest:
     table: Any
     have: Any = None
     prompt: str | None = None
+
+    @staticmethod
+    def parse_params(params: object, num_groups: int) -> ReadParams | StreamParams:
+        """P's params checked, the one place D parses them: `StreamParams` where they name a
+        stream (P still prefills the request), else `ReadParams` of `num_groups` groups;
+        `InvalidInputError` naming the first bad field. They pass through the engine and
+        its proxies, and may come from a client."""
+        if StreamParams.given(params):
+            return StreamParams.parse(params)
+        return ReadParams.parse(params, num_groups)
 
 
 @dataclass(frozen=True)
