@@ -35,9 +35,9 @@ def pair():
         p.close()
 
 
-@pytest.fixture(params=["host", "xla"])
+@pytest.fixture(params=["numpy", "xla"])
 def backend(request, monkeypatch):
-    """The test runs on each backend of `kvxfer.device.gather` (`KVXFER_BACKEND`): `host`, and `xla`,
+    """The test runs on each backend of `kvxfer.device.gather` (`KVXFER_BACKEND`): `numpy`, and `xla`,
     the jitted programs an accelerator runs."""
     monkeypatch.setenv("KVXFER_BACKEND", request.param)
     return request.param

@@ -16,7 +16,7 @@ def test_a_small_run_reports_every_figure_and_the_pinned_path_it_took(backend, m
         assert out[key] > 0, (key, out)
     assert out["bytes"] == 2 * 16 * 16 * 4 * 2 * 32 * 2 and out["devices"] == mesh_shape[1]
     assert out["recompiles_after_warmup"] == 0
-    # In place only where the XLA backend writes: the host backend copies into the views.
+    # In place only where the XLA backend writes: the numpy backend copies into the views.
     assert out["pinned_in_place"] is (backend == "xla")
 
 

@@ -1,5 +1,5 @@
 """Connectors in one process: P on devices 0-3, D on devices 4-7, two NIXL agents. The first
-two tests run on both backends of `kvxfer.device.gather` (`KVXFER_BACKEND`): `host`, and `xla`,
+two tests run on both backends of `kvxfer.device.gather` (`KVXFER_BACKEND`): `numpy`, and `xla`,
 the jitted programs an accelerator runs."""
 
 import os

@@ -3,9 +3,9 @@ namespaces (`kvxfer.bench.hosts`), one mesh per instance (`jax.distributed`, glo
 NIXL over UCX TCP across the test network, metadata through etcd.
 
 Each process runs `procs/host.py`; what they report is checked here. The tests that
-deliver run on both backends of `kvxfer.device.gather` (`KVXFER_BACKEND`): `host` (numpy on
+deliver run on both backends of `kvxfer.device.gather` (`KVXFER_BACKEND`): `numpy` (numpy on
 XLA:CPU buffers) and `xla` (the jitted programs an accelerator runs); the others, whose
-failures do not depend on how bytes are copied, on the host backend (all of them pass
+failures do not depend on how bytes are copied, on the numpy backend (all of them pass
 on `xla` too: `KVXFER_BACKEND=xla pytest` runs them there). Skipped only where
 namespaces cannot be made (not root, no `ip`); CI runs as root.
 """
@@ -74,7 +74,7 @@ def hosts(request):
     else on `KVXFER_BACKEND` (default `host`)."""
     made = []
     backend = getattr(request, "param", None) or os.environ.get("KVXFER_BACKEND", "auto")
-    backend = "host" if backend == "auto" else backend  # on CPU devices, auto is host
+    backend = "numpy" if backend == "auto" else backend  # on CPU devices, auto is numpy
 
     def make(*args, **kw):
         made.append(Hosts(backend, *args, **kw))
@@ -100,7 +100,7 @@ def assert_delivered(h, p, d):
         assert out["released"] == ["r"] and not out["staged_here"] and out["free_slots"] == 16
 
 
-BOTH = pytest.mark.parametrize("hosts", ["host", "xla"], indirect=True)
+BOTH = pytest.mark.parametrize("hosts", ["numpy", "xla"], indirect=True)
 
 
 @BOTH

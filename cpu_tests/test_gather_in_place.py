@@ -6,7 +6,7 @@ depend on the cache size" is shown by the buffers a scatter writes into (the
 inputs' own, same addresses) and by the compiled XLA program aliasing every
 cache input to its output.
 
-`path` runs a test on both backends: `host` (numpy copies into the donated
+`path` runs a test on both backends: `numpy` (numpy copies into the donated
 buffers, XLA:CPU's) and `xla` (the jitted programs used on other platforms),
 selected with `KVXFER_BACKEND`.
 """
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvxfer.device import _host_buffers, _xla
+from kvxfer.device import _numpy, _xla
 from kvxfer.device._rows import slice_runs
 from kvxfer.device._xla import scatter_fn
 from kvxfer.device.fingerprint import compare_fingerprints
@@ -87,7 +87,7 @@ def _pointers(caches):
     return [[s.data.unsafe_buffer_pointer() for s in c.addressable_shards] for c in caches]
 
 
-@pytest.fixture(params=["host", "xla"])
+@pytest.fixture(params=["numpy", "xla"])
 def path(request, monkeypatch):
     monkeypatch.setenv("KVXFER_BACKEND", request.param)
     return request.param
@@ -549,7 +549,7 @@ def test_a_failing_shard_task_raises_once_every_task_has_ended(monkeypatch):
 
     tasks = [lambda: ok(0), bad] + [lambda i=i: ok(i) for i in range(2, 6)]
     with pytest.raises(LayoutMismatchError, match="shard 1 is not"):
-        _host_buffers.run_per_shard(tasks)
+        _numpy.run_per_shard(tasks)
     assert sorted(ran) == [0, 2, 3, 4, 5]
 
 
@@ -560,10 +560,10 @@ def test_shard_tasks_that_run_shard_tasks_run_them_inline_not_deadlocked(monkeyp
     ran = []
 
     def outer(i):
-        _host_buffers.run_per_shard([lambda j=j: ran.append((i, j)) for j in range(3)])
+        _numpy.run_per_shard([lambda j=j: ran.append((i, j)) for j in range(3)])
 
     worker = threading.Thread(
-        target=_host_buffers.run_per_shard, args=([lambda i=i: outer(i) for i in range(4)],))
+        target=_numpy.run_per_shard, args=([lambda i=i: outer(i) for i in range(4)],))
     worker.start()
     worker.join(30)
     assert not worker.is_alive(), "nested shard tasks deadlocked the pool"
@@ -588,10 +588,18 @@ def test_the_backend_follows_kvxfer_backend_and_a_bad_one_is_refused_with_the_ca
 
     caches, _ = _make("attention_bf16_mesh_1x8", seed=40)
     mesh = caches[0].sharding.mesh
-    assert backend(mesh) == "host"  # auto, on CPUs
+    assert backend(mesh) == "numpy"  # auto, on CPUs
     monkeypatch.setenv("KVXFER_BACKEND", "xla")
     assert backend(mesh) == "xla"
     monkeypatch.setenv("KVXFER_BACKEND", "gpu")
     with pytest.raises(InvalidInputError, match="KVXFER_BACKEND must be one of .* got 'gpu'"):
         scatter_blocks(caches, _staging("attention_bf16_mesh_1x8", seed=41, rows=2), [1, 2])
     assert not any(c.is_deleted() for c in caches)
+
+
+def test_the_old_backend_name_host_still_selects_numpy_with_a_deprecation_warning(monkeypatch):
+    from kvxfer.device.gather import backend_setting
+
+    monkeypatch.setenv("KVXFER_BACKEND", "host")
+    with pytest.warns(DeprecationWarning, match="KVXFER_BACKEND=host is now KVXFER_BACKEND=numpy"):
+        assert backend_setting() == "numpy"

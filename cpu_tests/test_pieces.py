@@ -1,6 +1,6 @@
 """Pieces (`kvxfer.device.pieces`) in one process: two "hosts" emulated by giving each half of
 the devices' units, P and D cut differently; and the params that name them. What moves
-bytes runs on both backends (`KVXFER_BACKEND=host`, and `xla`: the jitted programs an
+bytes runs on both backends (`KVXFER_BACKEND=numpy`, and `xla`: the jitted programs an
 accelerator runs)."""
 
 import jax
@@ -131,7 +131,7 @@ def test_a_replicated_cache_is_one_whole_piece_per_process():
     assert process_pieces(mla) == {0: Piece(0, 16, 0, 16)}
 
 
-@pytest.mark.parametrize("backend", ["host", "xla"])
+@pytest.mark.parametrize("backend", ["numpy", "xla"])
 def test_tpu_inference_caches_with_a_data_axis_of_one_move_as_pieces(backend, monkeypatch):
     """tpu-inference shards its caches `P('data', None, 'model')`; with a `data` axis of 1 the
     block axis is not cut, so they are pieces like any other (under Ray, on two hosts, they
@@ -174,7 +174,7 @@ def test_both_backends_stage_the_same_bytes_and_sums_and_scatter_in_place(monkey
     layout = CacheLayout.from_caches(p)
     piece, ids = Piece(1, 8, 2, 8), np.array([7, 1, 2, 31])
     staged, landed = [], []
-    for backend in ("host", "xla"):
+    for backend in ("numpy", "xla"):
         monkeypatch.setenv("KVXFER_BACKEND", backend)
         st = piece_staging(layout, piece, 8)
         gather_piece_into(p, ids, st, np.array([6, 0, 1, 3]), piece)
@@ -326,7 +326,7 @@ def test_a_piece_one_device_holds_is_gathered_into_pinned_staging_in_place(monke
     p = caches((2, 4), PartitionSpec(None, None, "model"), seed=5)  # 2 units per device
     layout = CacheLayout.from_caches(p)
     piece, ids, slots = Piece(1, 8, 2, 4), np.array([7, 1, 2, 31, 30]), np.array([6, 0, 1, 2, 3])
-    monkeypatch.setenv("KVXFER_BACKEND", "host")
+    monkeypatch.setenv("KVXFER_BACKEND", "numpy")
     expected = piece_staging(layout, piece, 8)
     gather_piece_into(p, ids, expected, slots, piece)
     monkeypatch.setenv("KVXFER_BACKEND", "xla")

@@ -105,7 +105,7 @@ def test_after_precompile_piece_saves_and_loads_of_every_size_compile_nothing(xl
 
 
 def test_precompile_on_the_host_backend_compiles_nothing_and_bad_arguments_are_refused(monkeypatch):
-    monkeypatch.setenv("KVXFER_BACKEND", "host")
+    monkeypatch.setenv("KVXFER_BACKEND", "numpy")
     caches = caches_on(jax.devices()[:4], seed=8)
     staging = _staging(caches)
     with compiles() as seen:

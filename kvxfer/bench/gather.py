@@ -170,7 +170,7 @@ class _Pinned:
     """P's gather into pinned staging on one device (`kvxfer.device.pinned`): the caches
     (or, made by `remake` on their first device, the same bits), into one run of slots at
     an offset in staging of twice as many. `in_place`: every call took the in-place path (False where
-    `pinned_regions` refused the regions, or the host backend copies with numpy)."""
+    `pinned_regions` refused the regions, or the numpy backend copies)."""
 
     def __init__(self, caches: list[jax.Array], count: int,
                  remake: Callable[[NamedSharding], list[jax.Array]]):

@@ -23,7 +23,7 @@ class ConnectorConfig:
       collects none (traces are still logged at DEBUG).
     - `precompile`: at start-up, compile every program a save (P) or load (D) of any
       size runs on the XLA backend (`kvxfer.device.gather.precompile`), so that none compiles
-      on the transfer path; nothing compiles on the host backend.
+      on the transfer path; nothing compiles on the numpy backend.
     - `stage_units`: an instance in one process stages each block unit-major, in the
       pieces an instance across hosts stages (`kvxfer.device.pieces`), instead of as a
       whole block. P and D pair only when both stage blocks or both stage units, and an

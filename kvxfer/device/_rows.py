@@ -1,7 +1,7 @@
 """Row copies between a shard's block buffer and host rows, as slice copies where rows run together.
 
 Both backends copy blocks between a device shard's rows and host rows (staging):
-the host backend from and into the caches' own buffers, the XLA backend from
+the numpy backend from and into the caches' own buffers, the XLA backend from
 its pinned-host gather output into staging. Copies run in destination order,
 as slices wherever rows run together in either direction, so a table
 allocated from a free list that hands blocks out in descending order (vLLM

@@ -38,7 +38,7 @@ All three sums combine across any split of a block (`combine_sums`: `P` by XOR,
 their index in the whole block. Three places sum: `device_fingerprint` inside the
 jitted programs (`psum` for `L`, `H`; an all-gather and XOR for `P`), numpy on
 host rows (`host_fingerprint`), and numpy on the caches' own buffers or a piece's
-units (`piece_weights` and `word_sums`, used by `kvxfer.device._host_buffers` and
+units (`piece_weights` and `word_sums`, used by `kvxfer.device._numpy` and
 `kvxfer.device.pieces`). A piece that is not whole words (an odd number of bf16 on a
 shard) is summed by element: each element's bits shifted to its byte offset in
 its word, into `P` and into the half-word sum its bytes fall in.

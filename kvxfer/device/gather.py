@@ -9,7 +9,7 @@
 All take `list[jax.Array]` (one array per layer, blocks on axis 0, kernel
 block ids) and do all layers in one call. Each function checks its inputs,
 then makes one call into the backend `backend(mesh)` picks: `kvxfer.device._xla`
-(jitted `shard_map` programs; TPU, GPU) or `kvxfer.device._host_buffers` (numpy on
+(jitted `shard_map` programs; TPU, GPU) or `kvxfer.device._numpy` (numpy on
 the caches' own buffers; XLA:CPU). `gather_blocks` is always the XLA program:
 its output is new pinned-host arrays. A scatter writes into the donated
 caches' own buffers on both, so it costs what its blocks cost whatever the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import NamedTuple
@@ -30,8 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from kvxfer.device import _host_buffers, _xla, pinned
-from kvxfer.device._host_buffers import host_threads
+from kvxfer.device import _numpy, _xla, pinned
+from kvxfer.device._numpy import host_threads
 from kvxfer.device._xla import MIN_BUCKET, bucket_size
 from kvxfer.device.fingerprint import SUMS, compare_fingerprints, host_fingerprint
 from kvxfer.device.layout import CacheLayout
@@ -44,23 +45,29 @@ __all__ = ["MIN_BUCKET", "GatheredBlocks", "ScatteredBlocks", "backend", "backen
            "scatter_blocks",
            "staging_regions"]
 
-BACKENDS = ("auto", "xla", "host")
-"""What `KVXFER_BACKEND` may say: `auto` (the default: `host` where every device of the
-mesh is a CPU, else `xla`), `xla` or `host` (XLA:CPU only)."""
+BACKENDS = ("auto", "xla", "numpy")
+"""What `KVXFER_BACKEND` may say: `auto` (the default: `numpy` where every device of the
+mesh is a CPU, else `xla`), `xla` or `numpy` (XLA:CPU only). `host`, its name before
+2026-12-06, is read as `numpy` with a `DeprecationWarning`."""
 
 
 def backend_setting() -> str:
     """`KVXFER_BACKEND` (default `auto`), checked: the one place it is read."""
     choice = os.environ.get("KVXFER_BACKEND", "auto")
+    if choice == "host":
+        warnings.warn("KVXFER_BACKEND=host is now KVXFER_BACKEND=numpy ('host' names a "
+                      "machine in kvxfer); 'host' still selects it for now",
+                      DeprecationWarning, stacklevel=2)
+        return "numpy"
     if choice not in BACKENDS:
         raise InvalidInputError(f"KVXFER_BACKEND must be one of {BACKENDS}, got {choice!r}")
     return choice
 
 
 def backend(mesh: Mesh) -> str:
-    """The backend that copies for caches on `mesh`: `"xla"` or `"host"`.
+    """The backend that copies for caches on `mesh`: `"xla"` or `"numpy"`.
 
-    Raises `InvalidInputError` naming a bad `KVXFER_BACKEND`, or `host` for a mesh that
+    Raises `InvalidInputError` naming a bad `KVXFER_BACKEND`, or `numpy` for a mesh that
     is not on CPUs.
     """
     return backend_for(d.platform for d in mesh.devices.flat)
@@ -71,9 +78,9 @@ def backend_for(platforms: Iterable[str]) -> str:
     choice = backend_setting()
     platforms = sorted(set(platforms))
     if choice == "auto":
-        return "host" if platforms == ["cpu"] else "xla"
-    if choice == "host" and platforms != ["cpu"]:
-        raise InvalidInputError(f"KVXFER_BACKEND=host copies on XLA:CPU buffers only; the "
+        return "numpy" if platforms == ["cpu"] else "xla"
+    if choice == "numpy" and platforms != ["cpu"]:
+        raise InvalidInputError(f"KVXFER_BACKEND=numpy copies on XLA:CPU buffers only; the "
                                 f"caches are on {platforms}")
     return choice
 
@@ -82,7 +89,7 @@ def staging_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Se
                     dtype: np.dtype) -> pinned.PinnedRegions | None:
     """The block regions of staging for caches on `mesh`: pinned-host buffers that the XLA
     backend's gather writes in place where `mesh` is one device (`kvxfer.device.pinned`),
-    else None (numpy regions: the host backend copies into them itself)."""
+    else None (numpy regions: the numpy backend copies into them itself)."""
     if not isinstance(mesh, Mesh):
         raise InvalidInputError(f"staging_regions mesh must be a jax.sharding.Mesh, got "
                                 f"{mesh!r:.80}")
@@ -96,7 +103,7 @@ def staging_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Se
 
 
 def _backend(mesh: Mesh) -> ModuleType:
-    return _host_buffers if backend(mesh) == "host" else _xla
+    return _numpy if backend(mesh) == "numpy" else _xla
 
 
 class GatheredBlocks(NamedTuple):
@@ -267,7 +274,7 @@ def precompile(caches: Sequence[jax.Array], regions: Sequence[np.ndarray], max_b
     chunk for pinned staging) would otherwise compile on the transfer path: on
     XLA:CPU about 0.6-1.2 s at the first save of each size (`kvxfer bench
     gather` counts them). A connector calls it once at start-up (its
-    `precompile` setting). 0 on the host backend: numpy compiles nothing.
+    `precompile` setting). 0 on the numpy backend, which compiles nothing.
     """
     layout = CacheLayout.from_caches(caches)
     check_precompile_args(max_blocks, saves=saves, loads=loads, fingerprints=fingerprints)

@@ -16,7 +16,7 @@ the fingerprint's weights (`kvxfer.device.fingerprint`), so P and D may cut bloc
 differently and still compare.
 
 Both backends of `kvxfer.device.gather` are built, chosen as it chooses them
-(`KVXFER_BACKEND`): the host backend copies and sums with numpy on the
+(`KVXFER_BACKEND`): the numpy backend copies and sums with numpy on the
 buffers of XLA:CPU shards; the XLA backend (TPU, GPU, or XLA:CPU selected)
 runs jitted programs on a mesh of this process's own devices
 (`kvxfer.device._xla_pieces`).
@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from kvxfer.device import _xla_pieces
-from kvxfer.device._host_buffers import (
+from kvxfer.device._numpy import (
     BufferHashes,
     buffer_view,
     copy_then_hash,
@@ -204,7 +204,7 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
                   piece: Piece, sums: bool = True) -> tuple[list[jax.Array], np.ndarray | None]:
     """Write this process's piece of each block from its slot into the caches, in place.
 
-    The caches are donated. On the host backend every process of the instance calls
+    The caches are donated. On the numpy backend every process of the instance calls
     this with the same block ids (the donation is one program over the whole mesh); on
     the XLA backend each process donates and writes only its own shards. Returns the
     new caches and `uint32[num_layers, n, 3]`: the unmixed sums of what landed in
@@ -242,7 +242,7 @@ def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece
                      max_blocks: int, *, saves: bool, loads: bool, sums: bool = True) -> int:
     """Compile, without running anything, every program that `gather_piece_into` (`saves`)
     and `scatter_piece` (`loads`, with `sums`) run for 1 to `max_blocks` blocks of this
-    process's piece; returns how many (0 on the host backend, which compiles nothing).
+    process's piece; returns how many (0 on the numpy backend, which compiles nothing).
     As `kvxfer.device.gather.precompile`, for pieces."""
     layout = CacheLayout.from_caches(caches)
     _check_piece_call(layout, np.zeros(0, np.int64), staging, np.zeros(0, np.int64), piece,
@@ -284,7 +284,7 @@ def _check_words(layout: CacheLayout, piece: Piece) -> None:
 
 
 def _backend() -> str:
-    """`kvxfer.device.gather`'s choice for this process's devices: `"host"` or `"xla"`."""
+    """`kvxfer.device.gather`'s choice for this process's devices: `"numpy"` or `"xla"`."""
     return backend_for(d.platform for d in jax.local_devices())
 
 
