@@ -1,4 +1,4 @@
-"""The host backend (XLA:CPU): numpy copies and hashes on the caches' own buffers.
+"""The numpy backend (XLA:CPU): numpy copies and hashes on the caches' own buffers.
 
 On XLA:CPU a device buffer is host memory, so copies between the caches and
 host arrays are numpy slice copies on views of the buffers themselves
