@@ -12,7 +12,7 @@ caches, and calls it wherever the two cases differ:
 - `ManyProcesses`: the caches span several JAX processes (hosts). Each stages
   only its piece of every block (`kvxfer.device.pieces`) with its own agent
   (`<name>-<process>`, found through etcd), and the processes of an instance
-  agree once per `get_finished` (`kvxfer.nixl.multihost.agree`): P releases a
+  agree once per `get_finished` (`kvxfer.nixl.agreement.agree`): P releases a
   request's slots once every process freed its piece; D finishes a request
   once every process has it, and fails it everywhere once any failed it.
 """
@@ -43,7 +43,7 @@ from kvxfer.device.pieces import (
 from kvxfer.device.staging import Staging
 from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
 from kvxfer.nixl.agent import TransportConfig
-from kvxfer.nixl.multihost import agree, shared_instance, spans_processes
+from kvxfer.nixl.agreement import agree, shared_instance, spans_processes
 from kvxfer.nixl.wire import Source
 
 __all__ = ["InUnits", "ManyProcesses", "OneProcess", "Spans", "for_caches", "per_group"]

@@ -1,4 +1,4 @@
-"""`kvxfer.nixl.multihost.agree` between two real JAX processes (`jax.distributed` on loopback).
+"""`kvxfer.nixl.agreement.agree` between two real JAX processes (`jax.distributed` on loopback).
 
 The processes of a multi-host instance agree through the coordination
 service's key-value store: every row arrives in every process, old keys are
