@@ -62,14 +62,12 @@ def test_bench_plan_prints_its_figures_as_json():
 @pytest.fixture
 def no_processes(monkeypatch):
     """Fail the test if `kvxfer demo` or `kvxfer kvbytes` starts P or D."""
-    import kvxfer.demo.disagg
     import kvxfer.demo.procs
 
     def refuse(*args, **kwargs):
         raise AssertionError("a process was started for a bad flag")
 
     monkeypatch.setattr(kvxfer.demo.procs, "Proc", refuse)
-    monkeypatch.setattr(kvxfer.demo.disagg, "Proc", refuse)
 
 
 def _one_error_line(capsys, *names):

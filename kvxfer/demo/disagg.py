@@ -23,8 +23,6 @@ reference. Processes talk JSON lines; every wait has a deadline.
 from __future__ import annotations
 
 import json
-import select
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -33,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.demo.procs import Lines, Proc, child_output, say
-from kvxfer.errors import InvalidInputError, TransferError
+from kvxfer.demo.kvbytes import token_rows
+from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, serve
+from kvxfer.errors import InvalidInputError
 from kvxfer.plan.blocks import cdiv, is_int
 
 __all__ = ["BLOCK_SIZE", "DemoConfig", "MAX_PROMPT", "MAX_PROMPTS", "NOISE_FACTOR", "PHASES",
@@ -123,43 +122,66 @@ class DemoConfig:
             model.check_tp(tp, flag)  # at most 8 here: the model's 8 KV heads
 
 
-# -- P -------------------------------------------------------------------------------
+# -- P and D, each in its own process -----------------------------------------------
 
 
-def _serve_p(cfg: DemoConfig, out, workdir: str) -> None:
-    from kvxfer.connector.config import ConnectorConfig
-    from kvxfer.connector.prefill import PrefillConnector
-    from kvxfer.demo.engine import NewBlocksTracker, Shapes, decode_each, demo_prompts, pool_blocks, prefill
-    from kvxfer.demo.kvbytes import token_rows
-    from kvxfer.demo.model import ShardedDecoder, make_mesh
-    from kvxfer.nixl.agent import TransportConfig
-    from kvxfer.plan.save_plan import GroupSpec
+class _Prefill(Saver):
+    """P: prefills the prompts twice (kvxfer's save rule, then the old one), saving through
+    its connector; then decodes the first run itself, the colocated run at P's TP."""
 
-    model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_p))
-    shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead, cfg.decode_tokens)
-    tokens = demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
-    group = GroupSpec(BLOCK_SIZE)
-    pool = pool_blocks(dict(enumerate(tokens)), BLOCK_SIZE, cfg.lookahead)
-    extra = shapes.decode_blocks * len(tokens)
-    caches = model.new_caches(pool + extra)
-    conn = PrefillConnector(ConnectorConfig(TransportConfig("P"), staging_blocks=2 * pool), [group],
-                            caches)
-    say(out, port=conn.transport.port)
-    freed: list[str] = []
-    first_run = None
-    for phase in PHASES:
-        if phase == "old":
-            conn.scheduler.tracker = NewBlocksTracker([group])
-            # Fresh zeros: blocks still holding the first run's KV would hide stale tokens.
-            caches = model.new_caches(pool + extra)
-        prompts = {f"{phase}-{i}": t for i, t in enumerate(tokens)}
-        cached = {f"{phase}-{i}": hit for i, hit in enumerate(cfg.hits())}
-        for req_id, prompt in prompts.items():
-            conn.add_request(req_id, len(prompt))
-        copies: Counter[tuple[str, int]] = Counter()
-        chunks: Counter[str] = Counter()
+    wait_s = 0.01
 
-        def save(scheduled, caches, engine, phase=phase, copies=copies, chunks=chunks):
+    def __init__(self, cfg: DemoConfig, out, workdir: str):
+        from kvxfer.demo.engine import Shapes, demo_prompts, pool_blocks
+        from kvxfer.demo.model import ShardedDecoder, make_mesh
+
+        self.cfg, self.workdir = cfg, workdir
+        self.model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_p))
+        self.shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead,
+                                cfg.decode_tokens)
+        self.tokens = demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
+        self.pool = pool_blocks(dict(enumerate(self.tokens)), BLOCK_SIZE, cfg.lookahead)
+        self.extra = self.shapes.decode_blocks * len(self.tokens)
+        caches = self.model.new_caches(self.pool + self.extra)
+        super().__init__(out, connector("P", caches, 2 * self.pool, BLOCK_SIZE))
+        self.caches = caches
+
+    def run(self) -> None:
+        from kvxfer.demo.engine import NewBlocksTracker, decode_each, prefill
+        from kvxfer.plan.save_plan import GroupSpec
+
+        cfg, first_run = self.cfg, None
+        for phase in PHASES:
+            if phase == "old":
+                self.conn.scheduler.tracker = NewBlocksTracker([GroupSpec(BLOCK_SIZE)])
+                # Fresh zeros: blocks still holding the first run's KV would hide stale tokens.
+                self.caches = self.model.new_caches(self.pool + self.extra)
+            prompts = {f"{phase}-{i}": t for i, t in enumerate(self.tokens)}
+            cached = {f"{phase}-{i}": hit for i, hit in enumerate(cfg.hits())}
+            for req_id, prompt in prompts.items():
+                self.conn.add_request(req_id, len(prompt))
+            caches, done = prefill(self.model, self.caches, prompts, cached, self.shapes,
+                                   lookahead=cfg.lookahead, num_blocks=self.pool,
+                                   after_step=self._saver(phase))
+            if phase == "kvxfer":
+                first_run = (caches, {r: p.table for r, p in done.items()}, prompts)
+        # P's own decode of the first run: the colocated run at P's TP.
+        caches, tables, prompts = first_run
+        _, decoded = decode_each(self.model, caches, prompts, tables, cfg.decode_tokens,
+                                 self.shapes, iter(range(self.pool, self.pool + self.extra)),
+                                 between=self.step)
+        for req_id, d in decoded.items():
+            self.say(reference=int(req_id.split("-")[1]), role="P", tokens=d.tokens,
+                     logits=_save_logits(d.logits, self.workdir, "P", req_id))
+        self.wait_freed(2 * len(self.tokens), cfg.timeout_s)
+        self.say(freed=sorted(self.freed))
+
+    def _saver(self, phase: str):
+        """`after_step` for one phase's prefill: save through the connector, tell the parent
+        of each finished request (with P's KV of its prompt, for D's byte check)."""
+        conn, copies, chunks = self.conn, Counter(), Counter()
+
+        def save(scheduled, caches, engine):
             meta = conn.build_connector_meta(scheduled)
             conn.wait_for_save(caches, meta)
             chunks.update(s.req_id for s in scheduled)
@@ -167,37 +189,19 @@ def _serve_p(cfg: DemoConfig, out, workdir: str) -> None:
                 copies.update((req_id, k) for k in ids)
             for req_id in sorted(meta.completed):
                 req = engine.requests[req_id]
-                expected = f"{workdir}/{req_id}-kv.npy"
+                expected = f"{self.workdir}/{req_id}-kv.npy"
                 np.save(expected, np.stack([token_rows(c, req.tables[0], req.num_prompt_tokens,
                                                        BLOCK_SIZE).view(np.uint8) for c in caches]))
                 mine = [n for (r, _), n in copies.items() if r == req_id]
                 # params is None when the request did not fit P's staging: D then fails it.
-                say(out, params=conn.request_finished(req_id), phase=phase,
-                    index=int(req_id.split("-")[1]), expected=expected, chunks=chunks[req_id],
-                    copied=sum(mine), recopied=sum(1 for n in mine if n > 1))
-            freed.extend(conn.get_finished())
+                self.say(params=conn.request_finished(req_id), phase=phase,
+                         index=int(req_id.split("-")[1]), expected=expected,
+                         chunks=chunks[req_id], copied=sum(mine),
+                         recopied=sum(1 for n in mine if n > 1))
+            self.step()
             return caches
 
-        caches, done = prefill(model, caches, prompts, cached, shapes,
-                               lookahead=cfg.lookahead, num_blocks=pool, after_step=save)
-        if phase == "kvxfer":
-            first_run = (caches, {r: p.table for r, p in done.items()}, prompts)
-    # P's own decode of the first run: the colocated run at P's TP.
-    caches, tables, prompts = first_run
-    _, decoded = decode_each(model, caches, prompts, tables, cfg.decode_tokens, shapes,
-                             iter(range(pool, pool + extra)),
-                             between=lambda: freed.extend(conn.get_finished()))
-    for req_id, d in decoded.items():
-        say(out, reference=int(req_id.split("-")[1]), role="P", tokens=d.tokens,
-            logits=_save_logits(d.logits, workdir, "P", req_id))
-    deadline = time.monotonic() + cfg.timeout_s
-    while len(freed) < 2 * len(tokens) and time.monotonic() < deadline:
-        freed += conn.get_finished()
-        time.sleep(0.002)
-    say(out, freed=sorted(freed))
-    while not select.select([sys.stdin], [], [], 0.01)[0]:  # serve until the parent says stop
-        conn.get_finished()
-    conn.close()
+        return save
 
 
 def _save_logits(logits: list[np.ndarray], workdir: str, role: str, name: str) -> str:
@@ -206,80 +210,85 @@ def _save_logits(logits: list[np.ndarray], workdir: str, role: str, name: str) -
     return path
 
 
-# -- D -------------------------------------------------------------------------------
+class _Decode(Reader):
+    """D: reads each finished request into its own block ids, checks P's KV byte for byte,
+    decodes greedily; once all have come, runs the colocated reference at D's TP."""
 
+    def __init__(self, cfg: DemoConfig, out, workdir: str):
+        from kvxfer.demo.engine import Shapes, decode, decode_blocks, demo_prompts
+        from kvxfer.demo.model import ShardedDecoder, make_mesh
 
-def _serve_d(cfg: DemoConfig, out, workdir: str) -> None:
-    from kvxfer.connector.config import ConnectorConfig
-    from kvxfer.connector.decode import DecodeConnector
-    from kvxfer.connector.scheduler import LoadRequest
-    from kvxfer.demo.engine import Shapes, colocated, decode, decode_blocks, demo_prompts
-    from kvxfer.demo.kvbytes import token_rows
-    from kvxfer.demo.model import ShardedDecoder, make_mesh
-    from kvxfer.nixl.agent import TransportConfig
+        self.cfg, self.workdir = cfg, workdir
+        self.model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_d))
+        self.shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead,
+                                cfg.decode_tokens)
+        self.tokens = demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
+        self.need = [decode_blocks(len(t), cfg.decode_tokens, BLOCK_SIZE) for t in self.tokens]
+        num_blocks = 2 + len(PHASES) * sum(self.need)  # the null block, one spare, every request
+        caches = self.model.new_caches(num_blocks)
+        super().__init__(out, connector("D", caches, num_blocks), caches)
+        # Compile the decode step now (in the spare block), not inside the first transfer's time.
+        self.caches, _ = decode(self.model, self.caches, self.tokens[0][:1], [num_blocks - 1], 1,
+                                self.shapes)
+        self.free = list(range(num_blocks - 2, 0, -1))  # D's own ids: reversed, unlike P's
+        self.arrived: list[Load] = []  # loaded, not yet decoded
+        self.results, self.referenced = 0, False
 
-    model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_d))
-    shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead, cfg.decode_tokens)
-    tokens = demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
-    need = [decode_blocks(len(t), cfg.decode_tokens, BLOCK_SIZE) for t in tokens]
-    num_blocks = 2 + len(PHASES) * sum(need)  # the null block, one spare, every request
-    caches = model.new_caches(num_blocks)
-    conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=num_blocks), caches)
-    # Compile the decode step now (in the spare block), not inside the first transfer's time.
-    caches, _ = decode(model, caches, tokens[0][:1], [num_blocks - 1], 1, shapes)
-    say(out, ready=True)
-    free = list(range(num_blocks - 2, 0, -1))  # D's own ids: reversed, unlike P's
-    loads: dict[str, tuple[dict[str, Any], list[int], float]] = {}
-    inbox, stopping, results = Lines(sys.stdin.fileno()), False, 0
-    arrived: list[tuple[dict[str, Any], list[int], float]] = []  # loaded, not yet decoded
-    while results < len(PHASES) * len(tokens):
-        for msg in inbox.ready():
-            stopping |= "stop" in msg
-            if "params" in msg and msg["params"] is None:  # P could not stage it
-                say(out, phase=msg["phase"], index=msg["index"], ok=False,
-                    error="P sent no kv_transfer_params (its staging was full)")
-                results += 1
-            elif "params" in msg:
-                i = msg["index"]
-                table = [free.pop() for _ in range(need[i])]
-                loads[msg["params"]["req_id"]] = (msg, table, time.perf_counter())
-                conn.start_load_kv({msg["params"]["req_id"]: LoadRequest(
-                    msg["params"], table[: cdiv(len(tokens[i]), BLOCK_SIZE)])})
-        if stopping or inbox.closed:
-            return conn.close()
-        caches, finished, failed = conn.get_finished(caches)
-        for req_id in failed:
-            msg, _, _ = loads.pop(req_id)
-            say(out, phase=msg["phase"], index=msg["index"], ok=False,
-                error=f"load failed; logical blocks {sorted(conn.get_block_ids_with_load_errors())}")
-            results += 1
-        for req_id in finished:
-            msg, table, t0 = loads.pop(req_id)
-            arrived.append((msg, table, time.perf_counter() - t0))
-        if arrived and not loads:  # decoding never stalls a read in flight
-            msg, table, seconds = arrived.pop(0)
-            prompt = tokens[msg["index"]]
+    def command(self, msg: dict[str, Any]) -> None:
+        if msg["params"] is None:  # P could not stage it
+            self.say(phase=msg["phase"], index=msg["index"], ok=False,
+                     error="P sent no kv_transfer_params (its staging was full)")
+            self.results += 1
+            return
+        i = msg["index"]
+        table = [self.free.pop() for _ in range(self.need[i])]
+        self.load(msg["params"]["req_id"], msg["params"],
+                  table[: cdiv(len(self.tokens[i]), BLOCK_SIZE)], msg=msg, decode_table=table)
+
+    def loaded(self, load: Load, now: float) -> None:
+        load.about["seconds"] = time.perf_counter() - load.started  # the transfer, not decode
+        self.arrived.append(load)
+
+    def lost(self, load: Load, now: float, errors: list[int]) -> None:
+        msg = load.about["msg"]
+        self.say(phase=msg["phase"], index=msg["index"], ok=False,
+                 error=f"load failed; logical blocks {errors}")
+        self.results += 1
+
+    def step(self) -> None:
+        from kvxfer.demo.engine import colocated, decode
+
+        super().step()
+        if self.arrived and not self.loads:  # decoding never stalls a read in flight
+            load = self.arrived.pop(0)
+            msg, table = load.about["msg"], load.about["decode_table"]
+            prompt = self.tokens[msg["index"]]
             # Tokens [0, n - 1): D's first decode step rewrites the last prompt token's KV.
             want = np.load(msg["expected"])[:, : len(prompt) - 1]
             got = np.stack([token_rows(c, table, len(prompt) - 1, BLOCK_SIZE).view(np.uint8)
-                            for c in caches])
-            caches, d = decode(model, caches, prompt, table, cfg.decode_tokens, shapes)
-            say(out, phase=msg["phase"], index=msg["index"], ok=True,
-                stale_tokens=int((got != want).any(axis=(0, 2)).sum()), mb=want.nbytes / 1e6,
-                seconds=seconds, tokens=d.tokens,
-                logits=_save_logits(d.logits, workdir, "D", f"{msg['phase']}-{msg['index']}"))
-            results += 1
-    prompts = {f"ref-{i}": t for i, t in enumerate(tokens)}
-    cached = {f"ref-{i}": hit for i, hit in enumerate(cfg.hits())}
-    reference = colocated(model, prompts, cached, shapes, lookahead=cfg.lookahead,
-                          decode_tokens=cfg.decode_tokens)
-    for req_id, d in reference.items():
-        say(out, reference=int(req_id.split("-")[1]), role="D", tokens=d.tokens,
-            logits=_save_logits(d.logits, workdir, "D", req_id))
-    while not (stopping or inbox.closed):
-        stopping = any("stop" in m for m in inbox.ready())
-        time.sleep(0.01)
-    conn.close()
+                            for c in self.caches])
+            self.caches, d = decode(self.model, self.caches, prompt, table,
+                                    self.cfg.decode_tokens, self.shapes)
+            self.say(phase=msg["phase"], index=msg["index"], ok=True,
+                     stale_tokens=int((got != want).any(axis=(0, 2)).sum()), mb=want.nbytes / 1e6,
+                     seconds=load.about["seconds"], tokens=d.tokens,
+                     logits=_save_logits(d.logits, self.workdir, "D",
+                                         f"{msg['phase']}-{msg['index']}"))
+            self.results += 1
+        if self.results == len(PHASES) * len(self.tokens) and not self.referenced:
+            self.referenced = True
+            prompts = {f"ref-{i}": t for i, t in enumerate(self.tokens)}
+            cached = {f"ref-{i}": hit for i, hit in enumerate(self.cfg.hits())}
+            reference = colocated(self.model, prompts, cached, self.shapes,
+                                  lookahead=self.cfg.lookahead, decode_tokens=self.cfg.decode_tokens)
+            for req_id, d in reference.items():
+                self.say(reference=int(req_id.split("-")[1]), role="D", tokens=d.tokens,
+                         logits=_save_logits(d.logits, self.workdir, "D", req_id))
+
+
+def _side(role: str, fields: dict[str, Any], out) -> Side:
+    cfg = DemoConfig(**{k: v for k, v in fields.items() if k != "workdir"})
+    return (_Prefill if role == "P" else _Decode)(cfg, out, fields["workdir"])
 
 
 # -- the parent ----------------------------------------------------------------------
@@ -296,57 +305,44 @@ def compare(tokens: list[int], logits: np.ndarray, ref_tokens: list[int],
             "max_logit_diff": float(diffs.max()), "logit_diffs": [float(x) for x in diffs]}
 
 
-def _collect(p: Proc, d: Proc, cfg: DemoConfig) -> tuple[dict, dict, dict, list[str]]:
+def _collect(children: Children, p: Proc, d: Proc, cfg: DemoConfig
+             ) -> tuple[dict, dict, dict, list[str]]:
     """Relay P's params to D and gather everyone's messages until all have come."""
     n = len(cfg.prompts)
     sent: dict[tuple[str, int], dict] = {}
     got: dict[tuple[str, int], dict] = {}
     refs: dict[tuple[int, int], dict] = {}
-    freed = None
-    deadline = time.monotonic() + cfg.timeout_s
-    while len(got) < len(PHASES) * n or len(refs) < 2 * n or freed is None:
-        if time.monotonic() > deadline:
-            raise TransferError(f"the demo did not finish within {cfg.timeout_s}s\nP: {p.tail()}\n"
-                                f"D: {d.tail()}")
-        for proc in (p, d):
-            if proc.lines.closed:
-                raise TransferError(f"{proc.role} exited with {proc.proc.poll()}\n{proc.tail()}")
-        for msg in p.ready():
-            if "params" in msg:
-                sent[msg["phase"], msg["index"]] = msg
-                d.send(**msg)
-            elif "reference" in msg:
-                refs[msg["role"], msg["reference"]] = msg
-            elif "freed" in msg:
-                freed = msg["freed"]
-        for msg in d.ready():
-            if "reference" in msg:
-                refs[msg["role"], msg["reference"]] = msg
-            else:
-                got[msg["phase"], msg["index"]] = msg
-        time.sleep(0.005)
-    return sent, got, refs, freed
+    freed: list[list[str]] = []
+
+    def handle(proc: Proc, msg: dict[str, Any]) -> None:
+        if "reference" in msg:
+            refs[msg["role"], msg["reference"]] = msg
+        elif "freed" in msg:
+            freed.append(msg["freed"])
+        elif proc is d:
+            got[msg["phase"], msg["index"]] = msg
+        else:
+            sent[msg["phase"], msg["index"]] = msg
+            d.send(**msg)
+
+    children.relay(handle, lambda: len(got) == len(PHASES) * n and len(refs) == 2 * n and freed,
+                   "the demo")
+    return sent, got, refs, freed[0]
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run P and D as two processes; returns per-prompt results, the TP noise and the old rule's."""
     cfg.validate()
-    module = "kvxfer.demo.disagg"
     t0 = time.perf_counter()
     # The children's arrays (P's KV for D's byte check, logits for the parent) live here.
     with tempfile.TemporaryDirectory(prefix="kvxfer-demo-") as workdir:
         cfg_json = json.dumps({**asdict(cfg), "workdir": workdir})
-        p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module)
-        d = None
-        try:
+        with Children("kvxfer.demo.disagg", cfg.timeout_s) as children:
+            p = children.start("P", cfg_json, cfg.tp_p)
             p.read()
-            d = Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module)
+            d = children.start("D", cfg_json, cfg.tp_d)
             d.read()
-            sent, got, refs, freed = _collect(p, d, cfg)
-        finally:
-            for proc in (d, p):
-                if proc is not None:
-                    proc.stop()
+            sent, got, refs, freed = _collect(children, p, d, cfg)
         result = _judge(cfg, sent, got, refs)
     result.update(p_freed=freed, seconds=time.perf_counter() - t0)
     return result
@@ -428,6 +424,4 @@ def report(result: dict[str, Any], cfg: DemoConfig) -> list[str]:
 
 
 if __name__ == "__main__":
-    fields = json.loads(sys.argv[2])
-    workdir = fields.pop("workdir")
-    (_serve_p if sys.argv[1] == "P" else _serve_d)(DemoConfig(**fields), child_output(), workdir)
+    serve(_side)

@@ -287,6 +287,8 @@ class Proc:
         `TransferError` if there is none and the child has exited."""
         msgs, self.queue = self.queue + self.lines.ready(wait), []
         if not msgs and self.lines.closed:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=1)  # its exit status, once its stdout closed
             raise TransferError(f"{self.name} exited with {self.proc.poll()}\n{self.tail()}")
         return msgs
 
