@@ -11,21 +11,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvxfer.vllm.connector import (
-        Settings,
-        TPUConnector,
-        group_specs,
-        model_description,
-        scheduled_requests,
-    )
+    from kvxfer.vllm.connector import Settings, TPUConnector, group_specs, model_description
+    from kvxfer.vllm.scheduler_side import scheduled_requests
 
 __all__ = ["Settings", "TPUConnector", "group_specs", "model_description", "scheduled_requests"]
+
+_HOMES = {"scheduled_requests": "kvxfer.vllm.scheduler_side"}  # the rest: kvxfer.vllm.connector
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'kvxfer.vllm' has no attribute {name!r}")
-    return getattr(importlib.import_module("kvxfer.vllm.connector"), name)
+    return getattr(importlib.import_module(_HOMES.get(name, "kvxfer.vllm.connector")), name)
 
 
 def __dir__() -> list[str]:

@@ -1,0 +1,126 @@
+"""`TPUConnector`'s worker side: tpu-inference's runner, its caches, the transfers.
+
+`register_runner` starts P's `PrefillWorker` and D's `DecodeConnector` on the runner's
+`kv_caches` (JAX and NIXL load here); each step it carries out the scheduler side's
+`KvxferMetadata` (P saves, D loads) and reports back in a `WorkerReport`. The protocol is
+narrated in `kvxfer.vllm.connector`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvxfer.errors import InvalidInputError, KvxferError
+from kvxfer.vllm.reports import VERIFIED_PER_REPORT, WorkerReport
+from kvxfer.vllm.settings import Settings
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvxfer.vllm.scheduler_side import KvxferMetadata
+
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WorkerSide"]
+
+
+class WorkerSide:
+    """vLLM's worker-side calls on P (`PrefillWorker`) and D (`DecodeConnector`)."""
+
+    def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig,
+                 model: Mapping[str, Any], producer: bool, consumer: bool,
+                 instance: str | None = None):
+        self.settings = settings
+        self.kv_cache_config = kv_cache_config
+        self.model = model
+        self.producer, self.consumer = producer, consumer
+        self.runner: Any = None
+        self._indices: list[list[int]] = []
+        self.instance = instance
+        self._prefill: Any = None  # PrefillWorker, started with the runner
+        self._decode: Any = None  # DecodeConnector
+        self._freed: set[str] = set()
+        self._verified: set[str] = set()  # D: P agents named in a report already
+
+    def register_runner(self, runner: Any) -> None:
+        index = runner.layer_name_to_kvcache_index
+        self._indices = []
+        for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            missing = [n for n in group.layer_names if n not in index]
+            if missing:
+                raise InvalidInputError(f"KV cache group {g} layers {missing[:4]} are not in the "
+                                        f"runner's layer_name_to_kvcache_index")
+            self._indices.append(list(dict.fromkeys(index[n] for n in group.layer_names)))
+        self.runner = runner
+        if self.producer:  # at start-up: a bad setting fails the engine's start, not a step
+            from kvxfer.connector.prefill import PrefillWorker
+
+            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(),
+                                          self.instance, model=self.model)
+        if self.consumer:
+            from kvxfer.connector.decode import DecodeConnector
+
+            self._decode = DecodeConnector(self.settings.connector_config(False), self._caches(),
+                                           model=self.model)
+
+    def _caches(self) -> list[list[Any]]:
+        caches = self.runner.kv_caches  # donated by every forward: read afresh at each use
+        return [[caches[i] for i in indices] for indices in self._indices]
+
+    def _store(self, per_group: list[list[Any]]) -> None:
+        caches = list(self.runner.kv_caches)
+        for indices, arrays in zip(self._indices, per_group):
+            for i, array in zip(indices, arrays):
+                caches[i] = array
+        self.runner.kv_caches = caches
+
+    def start_load(self, meta: KvxferMetadata) -> None:
+        for what, params in [*(("expect", p) for p in meta.expects),
+                             *(("cancel", p) for p in meta.cancels)]:
+            try:
+                getattr(self._decode, what)(params)
+            except KvxferError as e:  # the load itself fails the request, by its own rules
+                logger.warning("D cannot %s a request's params: %s", what, e)
+        if meta.loads:
+            self._decode.start_load_kv(meta.loads)
+
+    def save(self, meta: KvxferMetadata) -> None:
+        save = meta.save
+        if save is None:
+            return
+        if save.blocks or save.holds or save.cancels:  # a cancel alone frees a stream's slots
+            self._prefill.save(self._caches(), save)
+
+    def poll(self) -> tuple[set[str], set[str]]:
+        if self._prefill is not None:
+            self._freed.update(self._prefill.poll())
+        if self._decode is None:
+            return set(), set()
+        caches, finished, failed = self._decode.get_finished(self._caches())
+        self._store(caches)  # the old arrays are donated once anything was scattered
+        return set(finished), set(failed)
+
+    def load_errors(self) -> set[int]:
+        return self._decode.get_block_ids_with_load_errors() if self._decode else set()
+
+    def report(self) -> WorkerReport | None:
+        """This step's news for the scheduler: the requests freed since the last report;
+        on a P across hosts, every step, every P process's agent and units; on D, the P
+        agents it completed a handshake with since (what labels fallbacks)."""
+        freed, self._freed = self._freed, set()
+        prefill = self._prefill
+        counts = dict.fromkeys(freed, 1)  # this worker's: the aggregate adds every worker's
+        names = self._decode.transport.peers.verified_names() if self._decode else ()
+        verified = tuple(n for n in names if n not in self._verified)[:VERIFIED_PER_REPORT]
+        self._verified.update(verified)  # the rest: in the next reports
+        if prefill is not None and prefill.sources:
+            return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified)
+        return WorkerReport(counts, verified=verified) if counts or verified else None
+
+    def close(self) -> None:
+        for side in (self._prefill, self._decode):
+            if side is not None:
+                side.close()
