@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -53,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench import memcpy_gbps, random_caches
-from kvxfer.demo.procs import Lines, Proc, child_output, profile_dir, profiled, say
+from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, profile_dir, serve
 from kvxfer.plan.blocks import cdiv
 
 __all__ = ["E2EConfig", "run"]
@@ -96,21 +95,14 @@ class E2EConfig:
 # -- P ---------------------------------------------------------------------------------
 
 
-class _Prefill:
+class _Prefill(Saver):
     """P's engine loop: admission, chunked scheduling, saves, frees."""
 
     def __init__(self, cfg: E2EConfig, out: Any):
-        from kvxfer.connector.config import ConnectorConfig
-        from kvxfer.connector.prefill import PrefillConnector
-        from kvxfer.nixl.agent import TransportConfig
-        from kvxfer.plan.save_plan import GroupSpec
-
-        self.cfg, self.out = cfg, out
+        self.cfg = cfg
         self.caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_p, cfg.num_blocks, seed=1)
-        self.conn = PrefillConnector(
-            ConnectorConfig(TransportConfig("P", lease_s=600.0), staging_blocks=cfg.num_blocks,
-                            stats=cfg.stats),
-            [GroupSpec(cfg.block_size)], self.caches)
+        super().__init__(out, connector("P", self.caches, cfg.num_blocks, cfg.block_size,
+                                        stats=cfg.stats, lease_s=600.0))
         self.free = deque(range(1, cfg.num_blocks))
         self.pool, self.committed = len(self.free), 0
         self.tables: dict[str, list[int]] = {}
@@ -120,8 +112,13 @@ class _Prefill:
         self.forward_s = 0.0  # simulated scheduling: excluded from the path's time
         self.save_s = 0.0
 
-    def add(self, req_id: str, prompt: int) -> None:
-        self.waiting.append((req_id, prompt))
+    def command(self, msg: dict[str, Any]) -> None:
+        if "stream" in msg:
+            self.waiting.extend((f"{msg['name']}{i}", prompt) for i, prompt in enumerate(msg["stream"]))
+        elif "report" in msg:
+            self.say(forward_s=self.forward_s, save_s=self.save_s)
+        elif "traces" in msg:
+            self.say(traces=[t.to_dict() for t in self.conn.traces()[-msg["traces"]:]])
 
     def step(self) -> None:
         from kvxfer.plan.save_plan import ScheduledRequest
@@ -157,99 +154,56 @@ class _Prefill:
             self.save_s += done - t1
             for req_id in sorted(meta.completed):
                 params = self.conn.request_finished(req_id)
-                say(self.out, params=params, done=done, blocks=len(self.tables[req_id]))
+                self.say(params=params, done=done, blocks=len(self.tables[req_id]))
         for req_id in self.conn.get_finished():
             table = self.tables.pop(req_id)
             self.free.extend(table)
             self.committed -= len(table)
             del self.prompts[req_id], self.computed[req_id]
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.waiting or self.tables)
-
-
-def _serve_p(cfg: E2EConfig, out: Any) -> None:
-    p = _Prefill(cfg, out)
-    say(out, port=p.conn.transport.port)
-    inbox = Lines(sys.stdin.fileno())
-    stopping = False
-    while not (stopping or inbox.closed):
-        for msg in inbox.ready():
-            if "stop" in msg:
-                stopping = True
-            elif "stream" in msg:
-                for i, prompt in enumerate(msg["stream"]):
-                    p.add(f"{msg['name']}{i}", prompt)
-            elif "report" in msg:
-                say(out, forward_s=p.forward_s, save_s=p.save_s)
-            elif "traces" in msg:
-                say(out, traces=[t.to_dict() for t in p.conn.traces()[-msg["traces"]:]])
-        p.step()
-        if not p.busy:
-            time.sleep(0.0005)
-    p.conn.close()
-
 
 # -- D ---------------------------------------------------------------------------------
 
 
-def _serve_d(cfg: E2EConfig, out: Any) -> None:
-    from kvxfer.connector.config import ConnectorConfig
-    from kvxfer.connector.decode import DecodeConnector
-    from kvxfer.connector.scheduler import LoadRequest
-    from kvxfer.nixl.agent import TransportConfig
+class _Decode(Reader):
+    """D's engine loop: starts each request once its blocks are free, in arrival order;
+    frees them once its KV is in the caches."""
 
-    memcpy = [memcpy_gbps(_MEMCPY_BYTES)]
-    caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_d, cfg.num_blocks, seed=2)
-    conn = DecodeConnector(ConnectorConfig(TransportConfig("D"), staging_blocks=cfg.num_blocks,
-                                           stats=cfg.stats), caches)
-    free = deque(range(cfg.num_blocks - 1, 0, -1))  # D's ids differ from P's
-    loads: dict[str, list[int]] = {}
-    held: dict[str, float] = {}  # seconds the engine's thread spent in kvxfer while reading
-    waiting: deque[dict[str, Any]] = deque()
-    say(out, ready=True)
-    inbox = Lines(sys.stdin.fileno())
-    while True:
-        msgs = inbox.ready()
-        if any("stop" in m for m in msgs) or inbox.closed:
-            break
-        for msg in msgs:
-            if "params" in msg:
-                waiting.append(msg)
-            elif "traces" in msg:
-                say(out, traces=[t.to_dict() for t in conn.traces()[-msg["traces"]:]])
-            elif "scatter" in msg:
-                memcpy.append(memcpy_gbps(_MEMCPY_BYTES))
-                say(out, memcpy_gbps=statistics.median(memcpy), **_scatter_figures(cfg))
-        while waiting and waiting[0]["blocks"] <= len(free):
-            msg = waiting.popleft()
-            table = [free.popleft() for _ in range(msg["blocks"])]
-            req_id = msg["params"]["req_id"]
-            loads[req_id] = table
-            start = time.perf_counter()
-            conn.start_load_kv({req_id: LoadRequest(msg["params"], table)})
-            held[req_id] = time.perf_counter() - start
-        if not loads:
-            time.sleep(0.0005)
-            continue
-        start = time.perf_counter()
-        caches, finished, failed = conn.get_finished(caches)
-        now = time.monotonic()
-        for req_id in loads.keys() - set(finished) - set(failed):  # still being read
-            held[req_id] += time.perf_counter() - start
-        for req_id in finished:
-            table = loads.pop(req_id)
-            caches, verify_s = _verify_cost(caches, table) if req_id.startswith("lat") \
-                else (caches, 0.0)
-            free.extend(table)
-            say(out, req_id=req_id, ok=True, at=now, bytes=len(table) * cfg.block_bytes * cfg.layers,
-                 verify_s=verify_s, held_s=held.pop(req_id))
-        for req_id in failed:
-            free.extend(loads.pop(req_id))
-            held.pop(req_id, None)
-            say(out, req_id=req_id, ok=False, at=now)
-    conn.close()
+    def __init__(self, cfg: E2EConfig, out: Any):
+        self.cfg, self.memcpy = cfg, [memcpy_gbps(_MEMCPY_BYTES)]
+        caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_d, cfg.num_blocks, seed=2)
+        super().__init__(out, connector("D", caches, cfg.num_blocks, stats=cfg.stats), caches)
+        self.free = deque(range(cfg.num_blocks - 1, 0, -1))  # D's ids differ from P's
+        self.waiting: deque[dict[str, Any]] = deque()
+
+    def command(self, msg: dict[str, Any]) -> None:
+        if "params" in msg:
+            self.waiting.append(msg)
+        elif "traces" in msg:
+            self.say(traces=[t.to_dict() for t in self.conn.traces()[-msg["traces"]:]])
+        elif "scatter" in msg:
+            self.memcpy.append(memcpy_gbps(_MEMCPY_BYTES))
+            self.say(memcpy_gbps=statistics.median(self.memcpy), **_scatter_figures(self.cfg))
+
+    def step(self) -> None:
+        while self.waiting and self.waiting[0]["blocks"] <= len(self.free):
+            msg = self.waiting.popleft()
+            self.load(msg["params"]["req_id"], msg["params"],
+                      [self.free.popleft() for _ in range(msg["blocks"])])
+        super().step()
+
+    def loaded(self, load: Load, now: float) -> None:
+        verify_s = 0.0
+        if load.req_id.startswith("lat"):
+            self.caches, verify_s = _verify_cost(self.caches, load.table)
+        self.free.extend(load.table)
+        self.say(req_id=load.req_id, ok=True, at=now,
+                 bytes=len(load.table) * self.cfg.block_bytes * self.cfg.layers,
+                 verify_s=verify_s, held_s=load.held_s)
+
+    def lost(self, load: Load, now: float, errors: list[int]) -> None:
+        self.free.extend(load.table)
+        self.say(req_id=load.req_id, ok=False, at=now)
 
 
 def _verify_cost(caches: list[Any], table: list[int]) -> tuple[list[Any], float]:
@@ -293,35 +247,28 @@ def _scatter_figures(cfg: E2EConfig) -> dict[str, float]:
     return figures
 
 
-def _child(role: str, cfg_json: str) -> None:
-    out = child_output()
-    fields = json.loads(cfg_json)
-    fields["scatter_caches"] = tuple(fields["scatter_caches"])
-    cfg = E2EConfig(**fields)
-    profiled(role, lambda: (_serve_p if role == "P" else _serve_d)(cfg, out))
+def _side(role: str, fields: dict[str, Any], out: Any) -> Side:
+    cfg = E2EConfig(**{**fields, "scatter_caches": tuple(fields["scatter_caches"])})
+    return (_Prefill if role == "P" else _Decode)(cfg, out)
 
 
 # -- the parent ------------------------------------------------------------------------
 
 
-def _relay(p: Proc, d: Proc, count: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+def _relay(children: Children, p: Proc, d: Proc, count: int
+           ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Forward `count` finished requests from P to D; returns (P's, D's) message pairs."""
     sent: dict[str, dict[str, Any]] = {}
     results = []
-    while len(results) < count:
-        progressed = False
-        for msg in p.ready():
+
+    def handle(proc: Proc, msg: dict[str, Any]) -> None:
+        if proc is p:
             sent[msg["params"]["req_id"]] = msg
             d.send(**msg)
-            progressed = True
-        for msg in d.ready():
+        else:
             results.append((sent.pop(msg["req_id"]), msg))
-            progressed = True
-        for proc in (p, d):
-            if proc.lines.closed:
-                raise RuntimeError(f"{proc.role} exited with {proc.proc.poll()}\n{proc.tail()}")
-        if not progressed:
-            time.sleep(0.0002)
+
+    children.relay(handle, lambda: len(results) >= count, f"{count} requests from P to D")
     return results
 
 
@@ -330,16 +277,15 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
     cfg = cfg or E2EConfig()
     profile_dir()  # a bad KVXFER_PROFILE is refused before any child starts
     cfg_json = json.dumps(asdict(cfg))
-    p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module="kvxfer.bench.e2e")
-    d = None
-    try:
+    with Children("kvxfer.bench.e2e", cfg.timeout_s) as children:
+        p = children.start("P", cfg_json, cfg.tp_p)
         p.read()
-        d = Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module="kvxfer.bench.e2e")
+        d = children.start("D", cfg_json, cfg.tp_d)
         d.read()
         # Warm up: compile every bucket the stream can use, on both sides.
         warm = [cfg.block_size * (1 << k) for k in range(3, 10)]
         p.send(stream=[min(w, cfg.max_prompt) for w in warm], name="warm")
-        _check(_relay(p, d, len(warm)))
+        _check(_relay(children, p, d, len(warm)))
 
         rng = np.random.default_rng(cfg.seed)
         prompts = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, cfg.requests).tolist()
@@ -347,7 +293,7 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
         before = p.read()
         start = time.monotonic()
         p.send(stream=prompts, name="req")
-        stream = _check(_relay(p, d, cfg.requests))
+        stream = _check(_relay(children, p, d, cfg.requests))
         wall = max(r["at"] for _, r in stream) - start
         p.send(report=True)
         after = p.read()
@@ -357,7 +303,7 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
         latencies, verify, holds = [], [], []
         for i in range(cfg.latency_requests):
             p.send(stream=[cfg.latency_prompt], name=f"lat{i}-")
-            (sent, got), = _check(_relay(p, d, 1))
+            (sent, got), = _check(_relay(children, p, d, 1))
             latencies.append(got["at"] - sent["done"])
             verify.append(got["verify_s"] / latencies[-1])
             holds.append(got["held_s"])
@@ -370,10 +316,6 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
                 traces += proc.read()["traces"]
         d.send(scatter=True)
         figures = d.read()
-    finally:
-        for proc in (d, p):
-            if proc is not None:
-                proc.stop()
     memcpy = figures.pop("memcpy_gbps")
     e2e = delivered / max(wall - forward_s, 1e-9) / 1e9
     p50 = statistics.median(latencies)
@@ -408,4 +350,4 @@ def _check(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Any]:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+    serve(_side)

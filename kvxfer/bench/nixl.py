@@ -1,6 +1,6 @@
 """`kvxfer bench nixl`: D reads a request's blocks from P over NIXL, against memcpy.
 
-P runs in a spawned process with its own agent; D is this process. Each
+P runs in a child process with its own agent (`kvxfer.demo.procs`); D is this process. Each
 iteration P stages a request of `blocks` randomly placed kernel block ids in
 every layer and holds it; D times `start_read` -> `poll` reporting it
 finished (READ plus the done/ack round trip), registered staging to
@@ -12,13 +12,14 @@ timed; figures are medians.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import statistics
+import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
+from kvxfer.demo.procs import Children, Side, serve
 from kvxfer.errors import TransferError
 
 __all__ = ["run"]
@@ -38,31 +39,30 @@ def _advertised(layers: int, block_bytes: int) -> dict[str, Any]:
                         "kernel_ratio": 1}]}
 
 
-def _prefill(conn: Any, layers: int, blocks: int, block_bytes: int, placement: str,
-             config_fields: dict[str, Any], seed: int) -> None:
-    """P's process: stage and hold a request whenever D asks, poll otherwise."""
-    from kvxfer.nixl.agent import TransportConfig
-    from kvxfer.nixl.prefill import PrefillTransport
+class _Staged(Side):
+    """P's process: stages and holds a request whenever D asks, polls its transport otherwise."""
 
-    staging = _staging(layers, blocks, block_bytes, placement)
-    transport = PrefillTransport(TransportConfig(**config_fields), staging,
-                                 _advertised(layers, block_bytes))
-    rng = np.random.default_rng(seed)
-    rows = [rng.integers(0, 256, (blocks, block_bytes), dtype=np.uint8) for _ in range(layers)]
-    conn.send(transport.port)
-    try:
-        while True:
-            if not conn.poll(0.001):
-                transport.poll()
-                continue
-            cmd = conn.recv()
-            if cmd[0] == "exit":
-                break
-            _, req_id, kernel_ids = cmd
-            staging.stage(req_id, kernel_ids, rows)
-            conn.send(transport.hold(req_id))
-    finally:
-        transport.close()
+    def __init__(self, fields: dict[str, Any], out: TextIO):
+        from kvxfer.nixl.agent import TransportConfig
+        from kvxfer.nixl.prefill import PrefillTransport
+
+        layers, blocks, block_bytes = fields["layers"], fields["blocks"], fields["block_bytes"]
+        self.staging = _staging(layers, blocks, block_bytes, fields["placement"])
+        super().__init__(out, PrefillTransport(TransportConfig(**fields["transport"]),
+                                               self.staging, _advertised(layers, block_bytes)))
+        rng = np.random.default_rng(fields["seed"])
+        self.rows = [rng.integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
+                     for _ in range(layers)]
+
+    def hello(self) -> dict[str, Any]:
+        return {"port": self.conn.port}
+
+    def command(self, msg: dict[str, Any]) -> None:
+        self.staging.stage(msg["stage"], msg["kernel_ids"], self.rows)
+        self.say(params=self.conn.hold(msg["stage"]))
+
+    def step(self) -> None:
+        self.conn.poll()
 
 
 def _memcpy_seconds(src: list[np.ndarray], dst: list[np.ndarray]) -> float:
@@ -97,58 +97,43 @@ def run(
 
     common = {"ucx_tls": ucx_tls, "transfer_timeout_s": timeout_s,
               "handshake_timeout_s": timeout_s}
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    child = ctx.Process(
-        target=_prefill,
-        args=(theirs, layers, blocks, block_bytes, placement, {"name": "bench-P", **common}, seed),
-        daemon=True,
-    )
-    child.start()
-    d = None
-    try:
-        if not ours.poll(timeout_s):
-            raise TransferError(f"benchmark P did not start within {timeout_s}s")
-        port = ours.recv()
+    fields = dict(layers=layers, blocks=blocks, block_bytes=block_bytes, placement=placement,
+                  seed=seed, transport={"name": "bench-P", **common})
+    with Children("kvxfer.bench.nixl", timeout_s) as children:
+        p = children.start("P", json.dumps(fields), 1)
+        port = p.read()["port"]
         staging = _staging(layers, blocks, block_bytes, placement)
         d = DecodeTransport(TransportConfig(name="bench-D", **common), staging,
                             _advertised(layers, block_bytes), check_block_compatible)
-        d.handshakes.connect("bench-P", "127.0.0.1", port)
-        rng = np.random.default_rng(seed + 1)
-        src = [np.ones(blocks * block_bytes, np.uint8) for _ in range(layers)]
-        dst = [np.zeros(blocks * block_bytes, np.uint8) for _ in range(layers)]
-        times, memcpy_times, descriptors = [], [], 0
-        for i in range(iters + 1):
-            num_ids = blocks * _SLOTS_PER_BLOCK
-            p_ids = [int(x) for x in rng.choice(num_ids, blocks, replace=False)]
-            req_id = f"bench-{i}"
-            ours.send(("stage", req_id, p_ids))
-            if not ours.poll(timeout_s):
-                raise TransferError(f"benchmark P did not hold {req_id} within {timeout_s}s")
-            params = ours.recv()
-            start = time.perf_counter()
-            d.start_read(req_id, ReadParams.parse(params, 1), [])
-            finished: list[str] = []
-            while req_id not in finished:
-                done, failed = d.poll()
-                if failed:
-                    raise TransferError(f"benchmark read failed: {failed}")
-                finished += done
-                time.sleep(0.0001)  # leave the cores to NIXL's progress thread
-            times.append(time.perf_counter() - start)
-            memcpy_times.append(_memcpy_seconds(src, dst))  # interleaved: same load
-            group = params["groups"][0]
-            runs = coalesce_pairs(group["slots"], staging.slots(req_id, group["keys"]))
-            descriptors = layers * len(runs)
-            staging.free(req_id)
-        ours.send(("exit",))
-    finally:
-        if d is not None:
+        try:
+            d.handshakes.connect("bench-P", "127.0.0.1", port)
+            rng = np.random.default_rng(seed + 1)
+            src = [np.ones(blocks * block_bytes, np.uint8) for _ in range(layers)]
+            dst = [np.zeros(blocks * block_bytes, np.uint8) for _ in range(layers)]
+            times, memcpy_times, descriptors = [], [], 0
+            for i in range(iters + 1):
+                num_ids = blocks * _SLOTS_PER_BLOCK
+                req_id = f"bench-{i}"
+                p.send(stage=req_id,
+                       kernel_ids=[int(x) for x in rng.choice(num_ids, blocks, replace=False)])
+                params = p.read()["params"]
+                start = time.perf_counter()
+                d.start_read(req_id, ReadParams.parse(params, 1), [])
+                finished: list[str] = []
+                while req_id not in finished:
+                    done, failed = d.poll()
+                    if failed:
+                        raise TransferError(f"benchmark read failed: {failed}")
+                    finished += done
+                    time.sleep(0.0001)  # leave the cores to NIXL's progress thread
+                times.append(time.perf_counter() - start)
+                memcpy_times.append(_memcpy_seconds(src, dst))  # interleaved: same load
+                group = params["groups"][0]
+                runs = coalesce_pairs(group["slots"], staging.slots(req_id, group["keys"]))
+                descriptors = layers * len(runs)
+                staging.free(req_id)
+        finally:
             d.close()
-        child.join(5)
-        if child.is_alive():
-            child.kill()
-            child.join(5)
     nbytes = layers * blocks * block_bytes
     nixl_s = statistics.median(times[1:])
     memcpy_s = statistics.median(memcpy_times[1:])
@@ -168,4 +153,7 @@ def run(
 
 
 if __name__ == "__main__":
-    run()
+    if len(sys.argv) == 3:  # P's process, started by `run`
+        serve(lambda role, fields, out: _Staged(fields, out))
+    else:
+        run()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench import random_caches
-from kvxfer.demo.procs import Lines, Proc, child_output, profiled, say
+from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, serve
 from kvxfer.plan.blocks import cdiv
 
 __all__ = ["TTFTConfig", "run"]
@@ -79,87 +78,69 @@ class TTFTConfig:
         return self.block_size * self.heads * 2 * self.head_dim * 2
 
 
-def _serve_p(cfg: TTFTConfig, out: Any) -> None:
+class _Prefill(Saver):
     """P's engine: one request at a time, in chunks; polls its connector once per step."""
-    from kvxfer.connector.config import ConnectorConfig
-    from kvxfer.connector.prefill import PrefillConnector
-    from kvxfer.nixl.agent import TransportConfig
-    from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 
-    caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_p, cfg.num_blocks, seed=1)
-    conn = PrefillConnector(ConnectorConfig(TransportConfig("P", lease_s=600.0),
-                                            staging_blocks=cfg.num_blocks),
-                            [GroupSpec(cfg.block_size)], caches)
-    a = conn.worker.address
-    say(out, peer=a.name, host=a.host, port=a.port)
-    inbox = Lines(sys.stdin.fileno())
-    while not inbox.closed:
-        msgs = inbox.ready(_STEP_S)  # an engine's idle step: waits on its input, never spins
-        if any("stop" in m for m in msgs):
-            break
-        for msg in msgs:
-            req_id, prompt = msg["run"], msg["prompt"]
-            conn.add_request(req_id, prompt, stream=msg.get("stream"))
-            table = list(range(1, cdiv(prompt, cfg.block_size) + 1))
-            done = 0
-            while done < prompt:
-                conn.get_finished()  # the engine's step polls the connector
-                n = min(cfg.chunk, prompt - done)
-                time.sleep(cfg.forward_ms / 1e3)  # the forward pass
-                step = ScheduledRequest(req_id, done, n, (table,) if done == 0 else None,
-                                        full_table=done == 0)
-                conn.wait_for_save(caches, conn.build_connector_meta([step]))
-                done += n
-            say(out, req_id=req_id, done=time.monotonic(), params=conn.request_finished(req_id))
-        conn.get_finished()
-    conn.close()
+    wait_s = _STEP_S
+
+    def __init__(self, cfg: TTFTConfig, out: Any):
+        self.cfg = cfg
+        self.caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_p, cfg.num_blocks, seed=1)
+        super().__init__(out, connector("P", self.caches, cfg.num_blocks, cfg.block_size,
+                                        lease_s=600.0))
+
+    def command(self, msg: dict[str, Any]) -> None:
+        from kvxfer.plan.save_plan import ScheduledRequest
+
+        conn, req_id, prompt = self.conn, msg["run"], msg["prompt"]
+        conn.add_request(req_id, prompt, stream=msg.get("stream"))
+        table = list(range(1, cdiv(prompt, self.cfg.block_size) + 1))
+        done = 0
+        while done < prompt:
+            self.step()  # the engine's step polls the connector
+            n = min(self.cfg.chunk, prompt - done)
+            time.sleep(self.cfg.forward_ms / 1e3)  # the forward pass
+            step = ScheduledRequest(req_id, done, n, (table,) if done == 0 else None,
+                                    full_table=done == 0)
+            conn.wait_for_save(self.caches, conn.build_connector_meta([step]))
+            done += n
+        self.say(req_id=req_id, done=time.monotonic(), params=conn.request_finished(req_id))
 
 
-def _serve_d(cfg: TTFTConfig, out: Any) -> None:
+class _Decode(Reader):
     """D's engine: loads each request it is given into its own block ids, polling often."""
-    from kvxfer.connector.config import ConnectorConfig
-    from kvxfer.connector.decode import DecodeConnector
-    from kvxfer.connector.scheduler import LoadRequest
-    from kvxfer.nixl.agent import TransportConfig
 
-    caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_d, cfg.num_blocks, seed=2)
-    conn = DecodeConnector(ConnectorConfig(TransportConfig("D", transfer_timeout_s=120.0),
-                                           staging_blocks=cfg.num_blocks), caches)
-    small = cfg.small_blocks * cfg.layers * cfg.block_bytes
-    src, dst = np.ones(small, np.uint8), np.empty(small, np.uint8)
-    say(out, ready=True)
-    inbox = Lines(sys.stdin.fileno())
-    loading: set[str] = set()
-    while not inbox.closed:
-        msgs = inbox.ready(_STEP_S)
-        if any("stop" in m for m in msgs):
-            break
-        for msg in msgs:
-            if "memcpy" in msg:
-                times = []
-                for _ in range(8):
-                    start = time.perf_counter()
-                    np.copyto(dst, src)
-                    times.append(time.perf_counter() - start)
-                say(out, memcpy_s=statistics.median(times[1:]))
-                continue
-            table = list(range(cfg.num_blocks - 1, cfg.num_blocks - 1 - msg["blocks"], -1))
-            conn.start_load_kv({msg["req_id"]: LoadRequest(msg["params"], table)})
-            loading.add(msg["req_id"])
-        if not loading:
-            continue
-        caches, finished, failed = conn.get_finished(caches)
-        now = time.monotonic()
-        for req_id in finished + failed:
-            loading.discard(req_id)
-            say(out, req_id=req_id, ok=req_id in finished, at=now)
-    conn.close()
+    wait_s = _STEP_S
+
+    def __init__(self, cfg: TTFTConfig, out: Any):
+        caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_d, cfg.num_blocks, seed=2)
+        super().__init__(out, connector("D", caches, cfg.num_blocks, transfer_timeout_s=120.0),
+                         caches)
+        self.cfg = cfg
+        small = cfg.small_blocks * cfg.layers * cfg.block_bytes
+        self.src, self.dst = np.ones(small, np.uint8), np.empty(small, np.uint8)
+
+    def command(self, msg: dict[str, Any]) -> None:
+        if "memcpy" in msg:
+            times = []
+            for _ in range(8):
+                start = time.perf_counter()
+                np.copyto(self.dst, self.src)
+                times.append(time.perf_counter() - start)
+            self.say(memcpy_s=statistics.median(times[1:]))
+            return
+        n = self.cfg.num_blocks
+        self.load(msg["req_id"], msg["params"], list(range(n - 1, n - 1 - msg["blocks"], -1)))
+
+    def loaded(self, load: Load, now: float) -> None:
+        self.say(req_id=load.req_id, ok=True, at=now)
+
+    def lost(self, load: Load, now: float, errors: list[int]) -> None:
+        self.say(req_id=load.req_id, ok=False, at=now)
 
 
-def _child(role: str, cfg_json: str) -> None:
-    out = child_output()
-    cfg = TTFTConfig(**json.loads(cfg_json))
-    profiled(role, lambda: (_serve_p if role == "P" else _serve_d)(cfg, out))
+def _side(role: str, fields: dict[str, Any], out: Any) -> Side:
+    return (_Prefill if role == "P" else _Decode)(TTFTConfig(**fields), out)
 
 
 def _one(p: Proc, d: Proc, peer: dict[str, Any], cfg: TTFTConfig, req_id: str, prompt: int,
@@ -187,11 +168,10 @@ def run(cfg: TTFTConfig | None = None) -> dict[str, Any]:
     """Critical times with and without streaming, and the small request's fixed cost."""
     cfg = cfg or TTFTConfig()
     cfg_json = json.dumps(asdict(cfg))
-    p = Proc("P", cfg_json, cfg.tp_p, cfg.timeout_s, module="kvxfer.bench.ttft")
-    d = None
-    try:
+    with Children("kvxfer.bench.ttft", cfg.timeout_s) as children:
+        p = children.start("P", cfg_json, cfg.tp_p)
         peer = p.read()
-        d = Proc("D", cfg_json, cfg.tp_d, cfg.timeout_s, module="kvxfer.bench.ttft")
+        d = children.start("D", cfg_json, cfg.tp_d)
         d.read()
         small = cfg.small_blocks * cfg.block_size
         for i, prompt in enumerate([small, cfg.chunk, cfg.chunk + small]):  # compile, connect
@@ -206,10 +186,6 @@ def run(cfg: TTFTConfig | None = None) -> dict[str, Any]:
                     _one(p, d, peer, cfg, f"r{r}-{prompt}-{stream:d}", prompt, stream))
         d.send(memcpy=True)
         memcpy_s = d.read()["memcpy_s"]
-    finally:
-        for proc in (d, p):
-            if proc is not None:
-                proc.stop()
     ms = {key: 1e3 * statistics.median(v) for key, v in times.items()}
     one_chunk = ms[(cfg.chunk, False)]
     longest = max(cfg.lengths)
@@ -228,4 +204,4 @@ def run(cfg: TTFTConfig | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+    serve(_side)
