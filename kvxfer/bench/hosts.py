@@ -16,9 +16,11 @@ reaches it: NIXL's metadata service for the agents of many processes.
 
 `start_jax` starts one process of a multi-process JAX instance inside a host.
 
-`Processes(n)` puts the two together for tests across hosts: `n` hosts, etcd on
+`Processes(n)` puts the two together for runs across hosts: `n` hosts, etcd on
 their bridge, a directory the processes it starts log and report into (JSON
-files, `wait_report`), and one `close()` for all of it.
+files, `wait_report`: the multi-host tests' processes), and one `close()` for
+all of it. `kvxfer bench multihost` starts its processes in these hosts as
+`kvxfer.demo.procs.Children` that answer in JSON lines instead.
 
 Used by `kvxfer bench multihost` and by the multi-host tests. A missing tool
 is an error (`SetupError`), not a skip.
@@ -254,7 +256,11 @@ class Processes:
 
     def __init__(self, hosts: int, prefix: str = "kvxfer-hosts-"):
         self.net = HostNetwork(hosts)
-        self.etcd = EtcdServer(host=self.net.bridge_ip)
+        try:
+            self.etcd = EtcdServer(host=self.net.bridge_ip)
+        except BaseException:
+            self.net.close()
+            raise
         self.dir = tempfile.mkdtemp(prefix=prefix)
         self.started: list[subprocess.Popen] = []
 

@@ -44,17 +44,15 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
 from kvxfer.bench import memcpy_gbps
-from kvxfer.bench.hosts import EtcdServer, HostNetwork, netns_available, start_jax
+from kvxfer.bench.hosts import Processes, netns_available, start_jax
+from kvxfer.demo.procs import Children, Side, connector, serve
 from kvxfer.errors import InvalidInputError, SetupError, TransferError
 
 __all__ = ["MultihostConfig", "run"]
@@ -153,29 +151,12 @@ def _caches(cfg: MultihostConfig, fill: bool) -> list[Any]:
             for layer in range(cfg.layers)]
 
 
-def _config(cfg: MultihostConfig, role: str, etcd: str) -> Any:
-    from kvxfer.connector.config import ConnectorConfig
-    from kvxfer.nixl.agent import TransportConfig
-
-    transport = TransportConfig(name=role, etcd_endpoints=etcd, ucx_tls=cfg.ucx_tls,
-                                transfer_timeout_s=cfg.timeout_s / 4, lease_s=cfg.timeout_s,
-                                heartbeat_interval_s=min(5.0, cfg.timeout_s / 4))
-    return ConnectorConfig(transport, staging_blocks=cfg.requests * cfg.request_blocks)
-
-
-def _write_json(path: str, value: Any) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f)
-    os.replace(path + ".tmp", path)
-
-
-def _wait_json(path: str, deadline: float) -> Any:
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TransferError(f"timed out waiting for {path}")
-        time.sleep(0.002)
-    with open(path) as f:
-        return json.load(f)
+def _connector(cfg: MultihostConfig, role: str, etcd: str, caches: list[Any]) -> Any:
+    """P's or D's connector, its agents named `p` or `d`, metadata through `etcd`."""
+    return connector(role, caches, cfg.requests * cfg.request_blocks, cfg.block_size,
+                     name=role.lower(), etcd_endpoints=etcd, ucx_tls=cfg.ucx_tls,
+                     transfer_timeout_s=cfg.timeout_s / 4, lease_s=cfg.timeout_s,
+                     heartbeat_interval_s=min(5.0, cfg.timeout_s / 4))
 
 
 def _cpu_seconds() -> float:
@@ -184,164 +165,155 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _serve_p(cfg: MultihostConfig, spec: dict[str, Any]) -> dict[str, Any]:
-    """Stage each round's requests, publish their params, serve D until all are released."""
-    import jax
+class _Host(Side):
+    """One process of P or D on its host. It polls its connector only inside a round: across
+    hosts every poll is an agreement among the instance's processes, which meet only there."""
 
-    from kvxfer.connector.prefill import PrefillConnector
-    from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
+    wait_s = 0.01
 
-    caches = _caches(cfg, fill=True)
-    p = PrefillConnector(_config(cfg, "p", spec["etcd"]), [GroupSpec(cfg.block_size)], caches)
-    tables, tokens = cfg.tables("p"), cfg.request_blocks * cfg.block_size
-    deadline, cpu = time.monotonic() + cfg.timeout_s, 0.0
-    try:
-        for k in range(cfg.rounds + 1):
-            ids = [f"r{k}-{i}" for i in range(cfg.requests)]
-            steps = []
-            for req_id, table in zip(ids, tables, strict=True):
-                p.add_request(req_id, tokens)
-                steps.append(ScheduledRequest(req_id, 0, tokens, (table,), full_table=True))
-            p.wait_for_save(caches, p.build_connector_meta(steps))
-            params = {req_id: p.request_finished(req_id) for req_id in ids}
-            cpu_start = _cpu_seconds()
-            if jax.process_index() == 0:
-                _write_json(os.path.join(spec["dir"], f"params{k}.json"), params)
-            released: set[str] = set()
-            while released != set(ids):  # agreed over P's processes: all leave together
-                if time.monotonic() > deadline:
-                    raise TransferError(f"round {k}: D released only {sorted(released)}")
-                released.update(p.get_finished())
-                time.sleep(_P_STEP_S)
-            if k:  # round 0 warms up
-                cpu += _cpu_seconds() - cpu_start
-        return {"free_slots": p.slot_map.num_free_slots, "cpu_s": cpu}
-    finally:
-        p.close()
+    def __init__(self, cfg: MultihostConfig, role: str, etcd: str, out: TextIO):
+        self.cfg, self.tables = cfg, cfg.tables(role.lower())
+        self.caches = _caches(cfg, fill=role == "P")
+        super().__init__(out, _connector(cfg, role, etcd, self.caches))
+
+    def close(self) -> None:
+        import jax
+
+        self.conn.close()
+        jax.distributed.shutdown()
 
 
-def _serve_d(cfg: MultihostConfig, spec: dict[str, Any]) -> dict[str, Any]:
-    """Load each round's requests at once, after a barrier; time it; check bytes at the end."""
-    import jax
-    from jax.experimental import multihost_utils
+class _Prefill(_Host):
+    def command(self, msg: dict[str, Any]) -> None:
+        """Round `k`: stage its requests, publish their params (the first process), serve D
+        until all are released; say the CPU seconds that took and P's free slots after."""
+        import jax
 
-    from kvxfer.connector.decode import DecodeConnector
-    from kvxfer.connector.scheduler import LoadRequest
+        from kvxfer.plan.save_plan import ScheduledRequest
 
-    caches = _caches(cfg, fill=False)
-    d = DecodeConnector(_config(cfg, "d", spec["etcd"]), caches)
-    tables = cfg.tables("d")
-    deadline = time.monotonic() + cfg.timeout_s
-    rounds = []
-    try:
-        for k in range(cfg.rounds + 1):
-            params = _wait_json(os.path.join(spec["dir"], f"params{k}.json"), deadline)
-            multihost_utils.sync_global_devices(f"kvxfer-bench-round-{k}")
-            start, cpu_start = time.time(), _cpu_seconds()  # the hosts share this clock
-            d.start_load_kv({req_id: LoadRequest(params[req_id], table)
-                             for req_id, table in zip(params, tables, strict=True)})
-            finished: list[str] = []
-            failed: list[str] = []
-            while len(finished) + len(failed) < cfg.requests:  # agreed over D's processes
-                if time.monotonic() > deadline:
-                    raise TransferError(f"round {k}: only {sorted(finished)} arrived")
-                caches, done, lost = d.get_finished(caches)
-                finished += done
-                failed += lost
-                time.sleep(_D_STEP_S)
-            rounds.append({"start": start, "end": time.time(), "failed": sorted(failed),
-                           "cpu_s": _cpu_seconds() - cpu_start})
-    finally:
-        d.close()
-    p_tables, wrong = cfg.tables("p"), 0
-    for layer, cache in enumerate(caches):
-        for shard in cache.addressable_shards:
-            heads = range(cfg.heads)[shard.index[2]]
-            want = np.concatenate([_head_rows(cfg, layer, h) for h in heads], axis=2)
-            got = np.asarray(shard.data).view(np.uint16)
-            for p_table, d_table in zip(p_tables, tables, strict=True):
-                wrong += int((got[d_table] != want[p_table]).sum())
-    return {"rounds": rounds, "wrong": wrong, "process": jax.process_index()}
+        k, p, tokens = msg["round"], self.conn, self.cfg.request_blocks * self.cfg.block_size
+        ids = [f"r{k}-{i}" for i in range(self.cfg.requests)]
+        steps = []
+        for req_id, table in zip(ids, self.tables, strict=True):
+            p.add_request(req_id, tokens)
+            steps.append(ScheduledRequest(req_id, 0, tokens, (table,), full_table=True))
+        p.wait_for_save(self.caches, p.build_connector_meta(steps))
+        params = {req_id: p.request_finished(req_id) for req_id in ids}
+        cpu_start, deadline = _cpu_seconds(), time.monotonic() + self.cfg.timeout_s
+        if jax.process_index() == 0:
+            self.say(params=params)
+        released: set[str] = set()
+        while released != set(ids):  # agreed over P's processes: all leave together
+            if time.monotonic() > deadline:
+                raise TransferError(f"round {k}: D released only {sorted(released)}")
+            released.update(p.get_finished())
+            time.sleep(_P_STEP_S)
+        self.say(round=k, cpu_s=_cpu_seconds() - cpu_start, free_slots=p.slot_map.num_free_slots)
 
 
-def _host(spec: dict[str, Any]) -> None:
-    start_jax(spec["devices"], spec["coordinator"], spec["processes"], spec["rank"], spec["ip"])
-    import jax
+class _Decode(_Host):
+    def command(self, msg: dict[str, Any]) -> None:
+        """Round `k`: load its requests at once, after a barrier over D's processes, and say
+        when that started and ended; or `check`: count the bytes that differ from P's."""
+        from jax.experimental import multihost_utils
 
-    cfg = MultihostConfig(**spec["cfg"])
-    out_path = os.path.join(spec["dir"], f"{spec['role']}{spec['rank']}.json")
-    out = _serve_p(cfg, spec) if spec["role"] == "p" else _serve_d(cfg, spec)
-    _write_json(out_path, out)
-    jax.distributed.shutdown()
+        from kvxfer.connector.scheduler import LoadRequest
+
+        if "check" in msg:
+            self.say(wrong=self._wrong())
+            return
+        k, params, deadline = msg["round"], msg["params"], time.monotonic() + self.cfg.timeout_s
+        multihost_utils.sync_global_devices(f"kvxfer-bench-round-{k}")
+        start, cpu_start = time.time(), _cpu_seconds()  # the hosts share this clock
+        self.conn.start_load_kv({req_id: LoadRequest(params[req_id], table)
+                                 for req_id, table in zip(params, self.tables, strict=True)})
+        finished: list[str] = []
+        failed: list[str] = []
+        while len(finished) + len(failed) < self.cfg.requests:  # agreed over D's processes
+            if time.monotonic() > deadline:
+                raise TransferError(f"round {k}: only {sorted(finished)} arrived")
+            self.caches, done, lost = self.conn.get_finished(self.caches)
+            finished += done
+            failed += lost
+            time.sleep(_D_STEP_S)
+        self.say(round=k, start=start, end=time.time(), failed=sorted(failed),
+                 cpu_s=_cpu_seconds() - cpu_start)
+
+    def _wrong(self) -> int:
+        """Bytes of this process's shards that differ from what P holds for the same blocks."""
+        cfg, p_tables, wrong = self.cfg, self.cfg.tables("p"), 0
+        for layer, cache in enumerate(self.caches):
+            for shard in cache.addressable_shards:
+                heads = range(cfg.heads)[shard.index[2]]
+                want = np.concatenate([_head_rows(cfg, layer, h) for h in heads], axis=2)
+                got = np.asarray(shard.data).view(np.uint16)
+                for p_table, d_table in zip(p_tables, self.tables, strict=True):
+                    wrong += int((got[d_table] != want[p_table]).sum())
+        return wrong
+
+
+def _side(role: str, fields: dict[str, Any], out: TextIO) -> Side:
+    start_jax(fields["devices"], fields["coordinator"], fields["processes"], fields["rank"],
+              fields["ip"])
+    cfg = MultihostConfig(**fields["cfg"])
+    return (_Prefill if role == "P" else _Decode)(cfg, role, fields["etcd"], out)
 
 
 # -- the parent ----------------------------------------------------------------------------
 
 
-def _measure(cfg: MultihostConfig, hosts: int) -> dict[str, Any]:
-    """Run P on `hosts` hosts and D on `hosts` more; each round's aggregate GB/s."""
-    net = HostNetwork(2 * hosts)
-    procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
-    workdir = tempfile.mkdtemp(prefix="kvxfer-bench-mh-")
+def _rounds(cfg: MultihostConfig, hosts: int) -> tuple[list[list[dict]], list[list[dict]],
+                                                        list[dict]]:
+    """Run P on `hosts` hosts and D on `hosts` more; per round, what each P process and each
+    D process said of it, then each D process's byte check."""
+    world = Processes(2 * hosts, prefix="kvxfer-bench-mh-")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"NIXL_LOG_LEVEL": "ERROR",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:
-        etcd = EtcdServer(host=net.bridge_ip)
-        try:
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            env = dict(os.environ, NIXL_LOG_LEVEL="ERROR",
-                       PYTHONPATH=os.pathsep.join(filter(None, [root,
-                                                                os.environ.get("PYTHONPATH")])))
-            env.pop("XLA_FLAGS", None)
-            for role, first in (("p", 0), ("d", hosts)):
+        with Children("kvxfer.bench.multihost", cfg.timeout_s + 60) as children:
+            for role, first in (("P", 0), ("D", hosts)):
                 for rank in range(hosts):
-                    spec = dict(cfg=asdict(cfg), role=role, rank=rank, processes=hosts,
-                                devices=cfg.devices // hosts, dir=workdir, etcd=etcd.endpoint,
-                                ip=net.host_ip(first + rank),
-                                coordinator=f"{net.host_ip(first)}:{_COORDINATOR_PORT}")
-                    log = open(os.path.join(workdir, f"{role}{rank}.log"), "wb")
-                    procs[(role, rank)] = net.popen(
-                        first + rank, [sys.executable, "-m", "kvxfer.bench.multihost",
-                                       json.dumps(spec)],
-                        stdout=log, stderr=subprocess.STDOUT, env=env)
-                    log.close()
-            deadline = time.monotonic() + cfg.timeout_s + 60
-            for (role, rank), proc in procs.items():
-                try:
-                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    code = None
-                if code != 0:
-                    with open(os.path.join(workdir, f"{role}{rank}.log")) as f:
-                        tail = f.read()[-3000:]
-                    raise TransferError(f"bench multihost: {role} process {rank} of {hosts} "
-                                        f"{'timed out' if code is None else f'exited {code}'}:"
-                                        f"\n{tail}")
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait(timeout=10)
-            etcd.stop()
+                    fields = dict(cfg=asdict(cfg), rank=rank, processes=hosts,
+                                  devices=cfg.devices // hosts, etcd=world.etcd.endpoint,
+                                  ip=world.net.host_ip(first + rank),
+                                  coordinator=f"{world.net.host_ip(first)}:{_COORDINATOR_PORT}")
+                    children.start(role, json.dumps(fields), cfg.devices // hosts,
+                                   prefix=world.net.command(first + rank, []), env=env,
+                                   name=f"bench multihost: {role.lower()} process {rank} of {hosts}")
+            ps, ds = children.procs[:hosts], children.procs[hosts:]
+            for proc in children.procs:
+                proc.read()
+            p_rounds, d_rounds = [], []
+            for k in range(cfg.rounds + 1):
+                for p in ps:
+                    p.send(round=k)
+                params = ps[0].read()["params"]
+                for d in ds:
+                    d.send(round=k, params=params)
+                d_rounds.append([d.read() for d in ds])
+                p_rounds.append([p.read() for p in ps])
+            for d in ds:
+                d.send(check=True)
+            checks = [d.read() for d in ds]
     finally:
-        net.close()
-    reports = {}
-    for role, rank in procs:
-        with open(os.path.join(workdir, f"{role}{rank}.json")) as f:
-            reports[(role, rank)] = json.load(f)
-    d = [reports[("d", r)] for r in range(hosts)]
-    gbps, failed = [], []
-    cpu = sum(reports[("p", r)]["cpu_s"] for r in range(hosts)) + sum(
-        out["rounds"][k]["cpu_s"] for out in d for k in range(1, cfg.rounds + 1))
-    for k in range(cfg.rounds + 1):
-        start = min(out["rounds"][k]["start"] for out in d)
-        end = max(out["rounds"][k]["end"] for out in d)
-        failed += [f for out in d for f in out["rounds"][k]["failed"]]
-        if k:  # round 0 warms up
-            gbps.append(cfg.round_bytes / (end - start) / 1e9)
+        world.close()
+    return p_rounds, d_rounds, checks
+
+
+def _measure(cfg: MultihostConfig, hosts: int) -> dict[str, Any]:
+    """Each round's aggregate GB/s over `hosts` P hosts and `hosts` D hosts, and the CPU
+    seconds per GB; round 0 warms up."""
+    p_rounds, d_rounds, checks = _rounds(cfg, hosts)
+    cpu = sum(r["cpu_s"] for rounds in p_rounds[1:] + d_rounds[1:] for r in rounds)
+    gbps = [cfg.round_bytes / (max(r["end"] for r in rounds) - min(r["start"] for r in rounds))
+            / 1e9 for rounds in d_rounds[1:]]
+    failed = {f for rounds in d_rounds for r in rounds for f in r["failed"]}
     return {"gbps": statistics.median(gbps), "rounds_gbps": [round(g, 3) for g in gbps],
             "cpu_s_per_gb": cpu / (cfg.rounds * cfg.round_bytes / 1e9),
-            "failed": sorted(set(failed)), "wrong": sum(out["wrong"] for out in d),
-            "p_slots_free": all(reports[("p", r)]["free_slots"] == cfg.requests
-                                * cfg.request_blocks for r in range(hosts))}
+            "failed": sorted(failed), "wrong": sum(c["wrong"] for c in checks),
+            "p_slots_free": all(r["free_slots"] == cfg.requests * cfg.request_blocks
+                                for r in p_rounds[-1])}
 
 
 def run(cfg: MultihostConfig | None = None) -> dict[str, Any]:
@@ -380,4 +352,4 @@ def run(cfg: MultihostConfig | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    _host(json.loads(sys.argv[1]))
+    serve(_side)
