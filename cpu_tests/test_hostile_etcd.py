@@ -8,6 +8,7 @@ The etcd here is a fake HTTP server on loopback; what a real etcd answers is tes
 
 import http.server
 import re
+import socket
 import threading
 import time
 
@@ -48,6 +49,10 @@ class _Etcd(http.server.BaseHTTPRequestHandler):
         self.end_headers()  # without a length (HTTP/1.0) the body ends when the socket closes
         self.wfile.write(body)
 
+    def _slow(self):  # answers after `server.delay` s
+        if not self.server.done.wait(self.server.delay):
+            self._ok()
+
     def _ok(self):
         self.send_response(200)
         self.send_header("Content-Length", str(len(_ANSWER)))
@@ -63,10 +68,11 @@ def fake():
     """Starts fake etcds: `fake(mode, length=True)` -> its endpoint."""
     servers = []
 
-    def start(mode, length=True):
+    def start(mode, length=True, delay=0.0):
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Etcd)
         server.daemon_threads = True
         server.mode, server.length, server.done = mode, length, threading.Event()
+        server.delay = delay
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_port}"
@@ -122,6 +128,18 @@ def test_an_oversized_answer_is_refused_by_name(fake, length):
         etcd_records.read_record(endpoint, b"k")
 
 
-def test_a_deadline_that_is_no_positive_number_is_refused_by_name():
-    with pytest.raises(etcd_records.InvalidInputError, match="deadline_s .* got 0"):
-        etcd_records.gateway_post("http://127.0.0.1:1", "/v3/kv/range", {}, deadline_s=0)
+@pytest.mark.parametrize("deadline", [0, -1.0, float("nan"), float("inf"), True, "2", None])
+def test_a_deadline_that_is_no_positive_number_is_refused_by_name(deadline):
+    with pytest.raises(etcd_records.InvalidInputError, match=rf"deadline_s .* got "
+                                                             rf"{re.escape(repr(deadline))}"):
+        etcd_records.gateway_post("http://127.0.0.1:1", "/v3/kv/range", {}, deadline_s=deadline)
+
+
+def test_a_dead_first_endpoint_leaves_a_slow_second_what_is_left_not_half(fake):
+    """A refused connection costs the call nothing: the next endpoint gets the time left when
+    it is asked (an even share of what is left), not a share fixed at the start."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    endpoints = f"{dead},{fake('slow', delay=1.2)}"  # over half the 2 s deadline
+    assert etcd_records.read_record(endpoints, b"k", timeout=2.0) == b"record"

@@ -70,6 +70,23 @@ def test_many_made_up_peer_names_keep_state_bounded_and_their_names_cut_in_lines
     assert len({peer for peer, _ in complaints.counts()}) <= MAX_PEERS + 1
 
 
+def test_peers_naming_themselves_with_10_mb_each_are_kept_by_a_cut_name(caplog):
+    """256 such names were 2.5 GB of keys, held until swept."""
+    from kvxfer.nixl.complaints import KEY_CHARS
+
+    complaints = Complaints("P p", logging.getLogger(LOGGER), clock=_Clock())
+    huge = "n" * (10 << 20)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for i in range(MAX_PEERS + 10):
+            complaints.note(f"{i:04d}" + huge, "malformed", "junk")
+            complaints.note(f"{i:04d}" + huge, "malformed", "junk")
+    counts = complaints.counts()
+    assert max(len(peer) for peer, _ in counts) == KEY_CHARS
+    assert counts[("0000" + huge[:KEY_CHARS - 4], "malformed")] == 2
+    assert counts[(OTHERS, "malformed")] == 2 * 10
+    assert len(_lines(caplog)) == MAX_PEERS + 1 and max(map(len, _lines(caplog))) < 600
+
+
 def test_a_peer_over_the_cap_is_logged_under_others_with_its_name_cut(caplog):
     complaints = Complaints("D d", logging.getLogger(LOGGER), max_peers=1, clock=_Clock())
     with caplog.at_level(logging.WARNING, logger=LOGGER):

@@ -87,3 +87,42 @@ def test_one_peer_sending_made_up_subscriptions_cannot_starve_another_and_is_ref
     assert [(peer, m["t"]) for peer, m in agent.sent if m["stream"] == other] == [
         ("real-d", "wait"), ("thief", "chunk")]
     assert [m.get("aborted") for peer, m in agent.sent if peer == "thief"][-1] is True
+
+
+def test_waits_from_another_agent_or_a_past_p_move_no_deadline_and_none_passes_the_cap():
+    """Only the stream's P, as the instance D subscribed to, moves a read's deadline by
+    `wait`, and never past `stream_wait_s` from subscribing or the last chunk; a chunk, even
+    one just before that cap, moves both on."""
+    from kvxfer.device.staging import Staging
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.reads import Read
+    from kvxfer.nixl.streams import StreamReads
+    from kvxfer.nixl.wire import new_secret
+    from kvxfer.stats import Trace
+
+    config = TransportConfig("d-waits", transfer_timeout_s=1.0, stream_wait_s=5.0)
+    stream, failed = new_stream_id(), []
+    now = time.monotonic()
+    read = Read("r", "", "live", 0, [1], now + 1.0, waiting=False, wait_until=now + 5.0,
+                stream=StreamParams("p", "127.0.0.1", 1, stream), trace=Trace("r", "D", ""))
+    streams = StreamReads(config, None, [Staging(1, 8, (4,))], None, None, None, {"r": read},
+                          lambda r, why=None, reason="": failed.append((why, reason)), None,
+                          None)
+
+    def wait(sender, instance):
+        streams.on_chunk(sender, {"t": "wait", "stream": stream, "instance": instance})
+
+    for sender, instance in (("another-p", "live"), ("p", "past"), ("p", None), ("p", 7)):
+        read.deadline = now + 0.5
+        wait(sender, instance)
+        assert read.deadline == now + 0.5, (sender, instance)
+    wait("p", "live")  # the stream's P: its deadline follows P
+    assert read.deadline > now + 0.9
+    read.deadline, read.wait_until = now, time.monotonic() + 0.01  # the cap all but reached
+    wait("p", "live")
+    assert read.deadline <= read.wait_until
+    streams.on_chunk("p", {"t": "chunk", "stream": stream, "keys": [[3]], "slots": [[0]],
+                           "req_id": "p-r", "instance": "live", "secret": new_secret(),
+                           "prompt": None, "last": False, "generation": None})
+    assert failed == [] and read.wait_until >= time.monotonic() + 4.0
+    assert read.deadline >= time.monotonic() + 0.5

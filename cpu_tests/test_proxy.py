@@ -850,3 +850,61 @@ def test_cli_takes_prefill_max_bytes_with_its_default_and_refuses_a_bad_one(monk
     assert [c.prefill_max_bytes for c in configs] == [4 << 20, 65536]
     assert cli.main([*args, "--prefill-max-bytes", "0"]) == 2
     assert "kvxfer: error: --prefill-max-bytes must be a positive int, got 0" in capsys.readouterr().err
+
+
+def _p_answering_raw(head: bytes, body: bytes) -> web.Application:
+    """A P that writes `head` (its status line and headers, as it pleases) and `body` to the
+    socket itself, then closes it: a Content-Length or encoding that lies."""
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        request.transport.write(head + b"\r\n" + body)
+        request.transport.close()
+        return web.Response()  # never sent: the connection is gone
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    return app
+
+
+def test_a_compressed_answer_is_held_to_prefill_max_bytes_as_it_decompresses():
+    """A gzip bomb: 16 MiB of answer in a few kB on the wire, its Content-Length small. The
+    limit is on what the proxy reads out (aiohttp decompresses as it reads), not on the wire."""
+    import gzip
+
+    bomb = gzip.compress(json.dumps({"kv_transfer_params": P_PARAMS, "pad": "y" * (16 << 20)})
+                         .encode())
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+            b"Content-Length: %d\r\n" % len(bomb))
+
+    async def go():
+        async with serving(_p_answering_raw(head, bomb)) as p_url:
+            async with pd([], [FakeVllm("D")], extra_prefill=[p_url],
+                          prefill_max_bytes=1 << 20) as (session, url):
+                async with session.post(url + "/v1/completions", json=BODY) as resp:
+                    return resp.status, await resp.json()
+
+    assert len(bomb) < 64 << 10  # well under the limit on the wire
+    status, answer = run(go())
+    assert status == 502 and "--prefill-max-bytes 1048576 bytes" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("said", ["longer", "shorter"])
+def test_a_content_length_that_lies_is_a_502_naming_p_never_a_hang_or_a_500(said):
+    """Longer than the body, P closing after it: the body ends early. Shorter: the proxy reads
+    what it said, which cuts the JSON (no params)."""
+    body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": P_PARAMS}).encode()
+    length = len(body) + 1000 if said == "longer" else len(body) // 2
+    head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+            % length)
+    d = FakeVllm("D")
+
+    async def go():
+        async with serving(_p_answering_raw(head, body)) as p_url:
+            async with pd([], [d], extra_prefill=[p_url]) as (session, url):
+                asked = session.post(url + "/v1/completions", json=BODY)
+                async with await asyncio.wait_for(asked, WAIT_S) as resp:
+                    return resp.status, await resp.json(), p_url
+
+    status, answer, p_url = run(go())
+    assert status == 502 and answer["error"]["upstream"] == p_url and d.seen == []

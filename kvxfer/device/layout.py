@@ -351,14 +351,14 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
     ours, theirs = local.get("groups"), remote.get("groups")
     if not isinstance(theirs, list) or len(theirs) != len(ours):
         raise LayoutMismatchError(
-            f"peer has {len(theirs) if isinstance(theirs, list) else theirs!r} KV cache groups, "
-            f"local has {len(ours)}")
-    diffs = [
-        f"group {g} {key}: peer={(t.get(key) if isinstance(t, Mapping) else t)!r} "
-        f"local={o.get(key)!r}"
+            f"peer has {len(theirs) if isinstance(theirs, list) else theirs!r:.120} KV cache "
+            f"groups, local has {len(ours)}")
+    diffs = [  # a peer's values are cut: it may advertise a block shape of a million ints
+        f"group {g} {key}: peer={(t.get(key) if isinstance(t, Mapping) else t)!r:.120} "
+        f"local={o.get(key)!r:.120}"
         for g, (o, t) in enumerate(zip(ours, theirs))
         for key in (*BLOCK_FIELDS, "unit_axis")
-        if not isinstance(t, Mapping) or o.get(key) != t.get(key)
+        if not isinstance(t, Mapping) or not _same(o.get(key), t.get(key))
     ]
     if diffs:
         raise LayoutMismatchError("peer cache layout differs: " + "; ".join(diffs))
@@ -369,6 +369,16 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
     if diffs:
         raise LayoutMismatchError("peer serves another model (or another KV cache of it): "
                                   + "; ".join(diffs))
+
+
+def _same(ours: Any, theirs: Any) -> bool:
+    """Whether two advertised values are the same JSON value: Python's `True == 1` and
+    `1.0 == 1` would pair a peer advertising unit_axis `true` with a side cutting axis 1."""
+    if isinstance(ours, (list, tuple)) or isinstance(theirs, (list, tuple)):
+        return (isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple))
+                and len(ours) == len(theirs) and all(map(_same, ours, theirs)))
+    return (ours == theirs and isinstance(ours, bool) == isinstance(theirs, bool)
+            and isinstance(ours, float) == isinstance(theirs, float))
 
 
 def _entry_to_spec(entry: tuple[str, ...]) -> str | tuple[str, ...] | None:

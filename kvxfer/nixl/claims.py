@@ -256,8 +256,11 @@ def _renewed(result: Any) -> bool:
     it is no answer of etcd's."""
     if not isinstance(result, dict):
         raise TypeError(f"etcd answered a keepalive with {result!r:.80}")
-    if int(result.get("TTL", 0)) > 0:
-        return True
+    try:
+        if int(result.get("TTL", 0)) > 0:
+            return True
+    except OverflowError:  # JSON's 1e999 is a float inf: no TTL of etcd's
+        raise ValueError(f"etcd answered a keepalive with {result!r:.80}") from None
     if not isinstance(result.get("header"), dict):
         raise ValueError(f"etcd answered a keepalive with {result!r:.80}")
     return False

@@ -8,7 +8,9 @@ at once, then the next one due with how many came since the last line.
 A peer's name comes off the wire (an agent names itself), so it bounds what it keeps: at
 most `max_peers` names are told apart, later ones share one key (`OTHERS`) until a sweep
 (at most once an interval) drops the peers quiet for a whole interval; and a line cuts
-names to `NAME_CHARS` characters and the text to `TEXT_CHARS`.
+names to `NAME_CHARS` characters and the text to `TEXT_CHARS`. Names are told apart by
+their first `KEY_CHARS` characters: 256 peers naming themselves with 10 MB each would
+otherwise hold 2.5 GB here.
 
 Plain Python; not thread-safe on its own (P notes under its transport's lock).
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from kvxfer.errors import InvalidInputError
 from kvxfer.stats import Recorder
 
-__all__ = ["INTERVAL_S", "MAX_PEERS", "OTHERS", "Complaints"]
+__all__ = ["INTERVAL_S", "KEY_CHARS", "MAX_PEERS", "OTHERS", "Complaints"]
 
 INTERVAL_S = 60.0
 """At most one line per peer and reason in this many seconds."""
@@ -31,6 +33,7 @@ MAX_PEERS = 256
 """Peer names told apart; beyond, they count under `OTHERS`."""
 OTHERS = "(other peers)"
 NAME_CHARS = 64
+KEY_CHARS = 1024  # over any host name (253) in an agent's name
 TEXT_CHARS = 240
 
 
@@ -75,6 +78,7 @@ class Complaints:
         never the peer's), `text` saying what was wrong; log it if its line is due.
         Returns whether a line was logged."""
         now = self.clock()
+        peer = peer[:KEY_CHARS]
         self.total += 1
         if self.recorder is not None and self.counter:
             self.recorder.count(self.counter)

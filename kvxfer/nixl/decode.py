@@ -286,6 +286,12 @@ class DecodeTransport:
                     logger.warning("D %s read of %s %s", self.config.name, read.req_id,
                                    _late(read, self.config, now))
                     self._fail(read, reason="deadline")
+                    # A P that never acked a `done` may hold no (or another start's) NIXL
+                    # metadata under D's name (a `hello` under it from another start): every
+                    # later ack would miss D too. Connect afresh: the hello names D's start.
+                    for peer in [p for p, leg in read.legs.items() if leg.state is LegState.ACK]:
+                        self._drop_peer(peer, f"no ack within transfer_timeout_s="
+                                              f"{self.config.transfer_timeout_s:g} s")
             self.recorder.gauge("d_requests_waiting", len(self._reads) + len(self.leases))
             self._heartbeat(now)
             self._zombies.reap()
