@@ -184,6 +184,8 @@ class _Host(Side):
 
 
 class _Prefill(_Host):
+    """A P process: stages each round's requests and serves them until D released them."""
+
     def command(self, msg: dict[str, Any]) -> None:
         """Round `k`: stage its requests, publish their params (the first process), serve D
         until all are released; say the CPU seconds that took and P's free slots after."""
@@ -212,6 +214,8 @@ class _Prefill(_Host):
 
 
 class _Decode(_Host):
+    """A D process: loads each round's requests at once; checks its bytes at the end."""
+
     def command(self, msg: dict[str, Any]) -> None:
         """Round `k`: load its requests at once, after a barrier over D's processes, and say
         when that started and ended; or `check`: count the bytes that differ from P's."""
