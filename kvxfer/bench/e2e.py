@@ -278,10 +278,7 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
     profile_dir()  # a bad KVXFER_PROFILE is refused before any child starts
     cfg_json = json.dumps(asdict(cfg))
     with Children("kvxfer.bench.e2e", cfg.timeout_s) as children:
-        p = children.start("P", cfg_json, cfg.tp_p)
-        p.read()
-        d = children.start("D", cfg_json, cfg.tp_d)
-        d.read()
+        p, d, _ = children.pair(cfg_json, cfg.tp_p, cfg.tp_d)
         # Warm up: compile every bucket the stream can use, on both sides.
         warm = [cfg.block_size * (1 << k) for k in range(3, 10)]
         p.send(stream=[min(w, cfg.max_prompt) for w in warm], name="warm")

@@ -169,10 +169,7 @@ def run(cfg: TTFTConfig | None = None) -> dict[str, Any]:
     cfg = cfg or TTFTConfig()
     cfg_json = json.dumps(asdict(cfg))
     with Children("kvxfer.bench.ttft", cfg.timeout_s) as children:
-        p = children.start("P", cfg_json, cfg.tp_p)
-        peer = p.read()
-        d = children.start("D", cfg_json, cfg.tp_d)
-        d.read()
+        p, d, peer = children.pair(cfg_json, cfg.tp_p, cfg.tp_d)
         small = cfg.small_blocks * cfg.block_size
         for i, prompt in enumerate([small, cfg.chunk, cfg.chunk + small]):  # compile, connect
             for stream in (False, True):

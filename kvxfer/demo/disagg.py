@@ -338,10 +338,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvxfer-demo-") as workdir:
         cfg_json = json.dumps({**asdict(cfg), "workdir": workdir})
         with Children("kvxfer.demo.disagg", cfg.timeout_s) as children:
-            p = children.start("P", cfg_json, cfg.tp_p)
-            p.read()
-            d = children.start("D", cfg_json, cfg.tp_d)
-            d.read()
+            p, d, _ = children.pair(cfg_json, cfg.tp_p, cfg.tp_d)
             sent, got, refs, freed = _collect(children, p, d, cfg)
         result = _judge(cfg, sent, got, refs)
     result.update(p_freed=freed, seconds=time.perf_counter() - t0)

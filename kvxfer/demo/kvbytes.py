@@ -311,10 +311,7 @@ def run_bytes(cfg: BytesConfig) -> dict[str, Any]:
     cfg.validate()  # reject a bad setting before starting anything
     cfg_json = json.dumps(asdict(cfg))
     with Children("kvxfer.demo.kvbytes", cfg.timeout_s) as children:
-        p = children.start("P", cfg_json, max(cfg.tp_p, 1))
-        p.read()  # P's listener is up
-        d = children.start("D", cfg_json, max(cfg.tp_d, 1))
-        d.read()
+        p, d, _ = children.pair(cfg_json, max(cfg.tp_p, 1), max(cfg.tp_d, 1))
         for _ in cfg.prompts:
             d.send(**p.read())  # relay each finished request's kv_transfer_params at once
         results = sorted((d.read() for _ in cfg.prompts), key=lambda r: r["req_id"])

@@ -303,11 +303,6 @@ class Proc:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")[-3000:]
 
-    def stop(self) -> None:
-        """Ask the child to stop (`stopping`) and wait for it (`reap`)."""
-        self.stopping()
-        self.reap()
-
     def stopping(self) -> None:
         with contextlib.suppress(TransferError):
             self.send(stop=True)
@@ -341,6 +336,14 @@ class Children:
         proc = Proc(role, cfg_json, devices, self.timeout_s, self.module, **kw)
         self.procs.append(proc)
         return proc
+
+    def pair(self, cfg_json: str, devices_p: int, devices_d: int) -> tuple[Proc, Proc, dict]:
+        """P, then D once P listens; both, and P's hello (where it listens)."""
+        p = self.start("P", cfg_json, devices_p)
+        hello = p.read()
+        d = self.start("D", cfg_json, devices_d)
+        d.read()
+        return p, d, hello
 
     def relay(self, handle: Callable[[Proc, dict[str, Any]], None], done: Callable[[], bool],
               what: str) -> None:
