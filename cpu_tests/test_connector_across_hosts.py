@@ -2,7 +2,7 @@
 namespaces (`kvxfer.bench.hosts`), one mesh per instance (`jax.distributed`, gloo),
 NIXL over UCX TCP across the test network, metadata through etcd.
 
-Each process runs `procs/host.py`; what they report is checked here. The tests that
+Each process runs `procs/instance_process.py`; what they report is checked here. The tests that
 deliver run on both backends of `kvxfer.device.gather` (`KVXFER_BACKEND`): `numpy` (numpy on
 XLA:CPU buffers) and `xla` (the jitted programs an accelerator runs); the others, whose
 failures do not depend on how bytes are copied, on the numpy backend (all of them pass
@@ -24,7 +24,8 @@ from kvxfer.bench.hosts import Processes, netns_available
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
-HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "procs", "host.py")
+PROCESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "procs",
+                       "instance_process.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT_S = 150  # the whole run: processes start JAX on 2 shared cores
 
@@ -52,7 +53,7 @@ class Hosts(Processes):
             if os.path.exists(report := os.path.join(self.dir, f"{role}{rank}.json")):
                 os.remove(report)
             self.procs[(role, rank)] = self.popen(
-                first + rank, [sys.executable, HOST, json.dumps(spec)], f"{role}{rank}", env,
+                first + rank, [sys.executable, PROCESS, json.dumps(spec)], f"{role}{rank}", env,
                 cwd=REPO)
 
     def report(self, role, rank, key=None, timeout=WAIT_S):

@@ -2,7 +2,7 @@
 
 Each instance is two JAX processes in their own network namespaces
 (`kvxfer.bench.hosts`), one mesh over both (`jax.distributed`, gloo), NIXL over
-UCX TCP, agents found through etcd. Each process runs `host.py`: rank 0's vLLM
+UCX TCP, agents found through etcd. Each process runs `instance_process.py`: rank 0's vLLM
 scheduler drives both processes' workers, as tpu-inference's multi-host
 executor does. P's scheduler learns every P process and its units from its
 workers' output and names them in the params; each D process reads from each P
@@ -29,7 +29,7 @@ if REASON is None and importlib.util.find_spec("tpu_inference") is None:
     REASON = "tpu-inference is not installed: this runs in .venv-tpu (scripts/tpu-inference-env)"
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
-HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host.py")
+PROCESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "instance_process.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT_S = 240  # the whole run: four processes import vLLM and start JAX on 2 shared cores
 PROMPTS = {  # 70 tokens: 5 blocks of 16, the last partial; P prefills in chunks of 24
@@ -56,7 +56,7 @@ class Instances(Processes):
             spec = dict(self.spec, role=role, rank=rank, ip=self.net.host_ip(first + rank),
                         coordinator=f"{self.net.host_ip(first)}:12400")
             self.procs[(role, rank)] = self.popen(
-                first + rank, [sys.executable, HOST, json.dumps(spec)], f"{role}{rank}", env,
+                first + rank, [sys.executable, PROCESS, json.dumps(spec)], f"{role}{rank}", env,
                 cwd=REPO)
 
     def report(self, name, role, rank, timeout=WAIT_S):

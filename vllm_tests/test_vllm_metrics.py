@@ -175,4 +175,7 @@ def test_through_vllm_a_p_gone_counts_as_a_failure_with_its_reason(pd):
     got = _stats_of(steps).data["counters"]
     assert got["d_requests_failed"] == 1 and got["d_failed_peer_gone"] == 1
     assert got["d_recompute_blocks"] == -(-len(prompt) // d.block_size)
-    assert got[counter_name("load_failed", params["peer"])] == 1  # a fallback, by P engine
+    # A fallback; D never completed a handshake with that P (it was gone), so the P engine
+    # its params name is not a label: clients may name anything.
+    assert got[counter_name("load_failed", "unverified")] == 1
+    assert counter_name("load_failed", params["peer"]) not in got

@@ -1,6 +1,6 @@
-"""One host (process) of a multi-host vLLM P or D instance, for `test_vllm_across_hosts.py`.
+"""One process of a vLLM P or D instance across hosts, for `test_vllm_across_hosts.py`.
 
-    python host.py '<spec json>'
+    python instance_process.py '<spec json>'
 
 Every process of an instance runs this with the same spec but its `rank`:
 `jax.distributed` over the instance's processes (CPU devices, gloo), one mesh over

@@ -1,6 +1,6 @@
-"""One process (host) of a multi-host P or D instance, for `test_connector_across_hosts.py`.
+"""One process of a P or D instance across hosts, for `test_connector_across_hosts.py`.
 
-    python host.py '<spec json>'
+    python instance_process.py '<spec json>'
 
 Every process of an instance runs this with the same spec but its `rank`:
 `jax.distributed` over the instance's processes (CPU devices, gloo
