@@ -143,3 +143,18 @@ def test_a_dead_first_endpoint_leaves_a_slow_second_what_is_left_not_half(fake):
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     endpoints = f"{dead},{fake('slow', delay=1.2)}"  # over half the 2 s deadline
     assert etcd_records.read_record(endpoints, b"k", timeout=2.0) == b"record"
+
+
+def test_hellos_under_many_made_up_names_queue_a_bounded_number_of_record_reads():
+    """P fetches a D's record from etcd when it says hello; made-up names must not queue
+    one read each behind the real D's (one fetch thread, each read up to its deadline)."""
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.etcd import MAX_FETCHING, Fetcher
+
+    fetcher = Fetcher(None, TransportConfig("p-fetch", etcd_endpoints="http://127.0.0.1:1"))
+    try:
+        for i in range(20 * MAX_FETCHING):
+            fetcher.fetch(f"made-up-{i}")
+        assert len(fetcher._reading) == MAX_FETCHING
+    finally:
+        fetcher.close()

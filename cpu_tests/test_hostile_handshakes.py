@@ -94,7 +94,7 @@ class _Agent:
 
 def test_a_hellos_start_that_is_no_str_huge_or_alternating_costs_p_a_bounded_drop_each():
     from kvxfer.nixl.complaints import Complaints
-    from kvxfer.nixl.handshake import MAX_STARTS, Hellos
+    from kvxfer.nixl.handshake import MAX_STARTS, MAX_WAITING, Hellos
 
     agent = _Agent()
     hellos = Hellos(agent, TransportConfig("p-hostile"), None, lambda: {},
@@ -113,8 +113,10 @@ def test_a_hellos_start_that_is_no_str_huge_or_alternating_costs_p_a_bounded_dro
     for i in range(2 * MAX_STARTS):
         hellos.heard(f"made-up-{i}", huge, 0.0)
     assert len(hellos._starts) == MAX_STARTS and "d" not in hellos._starts
+    assert len(hellos._waiting) == MAX_WAITING  # a flood of hellos: the newest wait
     hellos.answer(0.0)
-    assert len(hellos._waiting) == 0 and len(agent.sent) == 2 * MAX_STARTS + 1
+    assert len(hellos._waiting) == 0 and len(agent.sent) == MAX_WAITING
+    assert hellos.complaints.counts()[("(other peers)", "hello_dropped")] > 0
 
 
 def test_a_hello_under_a_live_ds_name_from_a_made_up_start_costs_d_one_read_then_d_reconnects():

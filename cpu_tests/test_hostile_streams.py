@@ -126,3 +126,12 @@ def test_waits_from_another_agent_or_a_past_p_move_no_deadline_and_none_passes_t
                            "prompt": None, "last": False, "generation": None})
     assert failed == [] and read.wait_until >= time.monotonic() + 4.0
     assert read.deadline >= time.monotonic() + 0.5
+
+    # A chunk naming nothing (a prefill step that completed no block) shows P alive, not
+    # its request progressing: a P sending only those is followed no longer than a `wait`.
+    read.deadline, read.wait_until = now, time.monotonic() + 0.01
+    for _ in range(3):
+        streams.on_chunk("p", {"t": "chunk", "stream": stream, "keys": [[]], "slots": [[]],
+                               "req_id": "p-r", "instance": "live", "secret": read.secret,
+                               "prompt": None, "last": False, "generation": None})
+    assert failed == [] and read.deadline <= read.wait_until < time.monotonic() + 1.0

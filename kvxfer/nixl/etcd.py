@@ -44,8 +44,11 @@ from typing import Any
 
 from kvxfer.errors import InvalidInputError, TransferError
 
-__all__ = ["CALL_DEADLINE_S", "MAX_ANSWER_BYTES", "EtcdError", "Fetcher", "Publication",
+__all__ = ["CALL_DEADLINE_S", "MAX_ANSWER_BYTES", "MAX_FETCHING", "EtcdError", "Fetcher", "Publication",
            "Unreadable", "gateway_post", "read_record", "record_key"]
+
+MAX_FETCHING = 64
+"""The most peer records a `Fetcher` reads at once."""
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +323,9 @@ class Fetcher:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"kvxfer-fetch-{config.name}")
 
     def fetch(self, peer: str) -> None:
-        if peer not in self._reading:
+        """Read `peer`'s record in the background (`tick` loads it); at most `MAX_FETCHING`
+        at once: more are dropped (a peer asks again), so made-up names queue nothing."""
+        if peer not in self._reading and len(self._reading) < MAX_FETCHING:
             self._reading[peer] = self._reader.submit(read_record, self.config.etcd_endpoints,
                                                       record_key(peer))
 

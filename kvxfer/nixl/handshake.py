@@ -44,6 +44,9 @@ number of made-up P agents, and each failure is kept `handshake_timeout_s`."""
 _SWEEP_S = 1.0  # how often expired failures are dropped
 MAX_STARTS = 4096
 """The most D agents whose last start P remembers (the least recently heard go first)."""
+MAX_WAITING = 1024
+"""The most hellos P waits to answer at once (the oldest are dropped first; a D says
+hello again after a second)."""
 
 
 class Hellos:
@@ -78,7 +81,12 @@ class Hellos:
                 del self._starts[next(iter(self._starts))]
             if known is not None and known != start[:64]:
                 self._forget(sender)
-        self._waiting[sender] = now + self.config.handshake_timeout_s
+        self._waiting.pop(sender, None)
+        self._waiting[sender] = now + self.config.handshake_timeout_s  # newest last
+        while len(self._waiting) > MAX_WAITING:  # made-up names: the oldest go first
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            self.complaints.note(oldest, "hello_dropped", f"over {MAX_WAITING} hellos waiting")
         if self.fetcher is not None:  # D published it in etcd before saying hello
             self.fetcher.fetch(sender)
 

@@ -397,9 +397,13 @@ class StreamReads:
             tuple(tuple(s for _, s in g) for g in kept), read.secret, fields["prompt"]))
         if last:
             read.last, read.generation = True, generation
-        now = time.monotonic()  # P is alive, and its request progresses
-        read.deadline, read.wait_until = (now + self.config.transfer_timeout_s,
-                                          now + self.config.stream_wait_s)
+        now = time.monotonic()
+        if last or any(keys):  # P's request progresses
+            read.wait_until = now + self.config.stream_wait_s
+        # A chunk naming nothing (a step that completed no block) is word from a live P, as
+        # a `wait` is: it moves the deadline no further than `stream_wait_s` since progress.
+        read.deadline = max(read.deadline, min(now + self.config.transfer_timeout_s,
+                                               read.wait_until))
 
     def _next_chunk(self, read: Read) -> bool:
         """Post the stream's chunks named since its last READ as one READ; whether one was
