@@ -125,6 +125,16 @@ class DemoConfig:
 # -- P and D, each in its own process -----------------------------------------------
 
 
+def _model_and_prompts(cfg: DemoConfig, tp: int):
+    """What P and D both build: the model at `tp`, the engine's shapes, the prompts."""
+    from kvxfer.demo.engine import Shapes, demo_prompts
+    from kvxfer.demo.model import ShardedDecoder, make_mesh
+
+    model = ShardedDecoder(cfg.model_config(), make_mesh(tp))
+    shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead, cfg.decode_tokens)
+    return model, shapes, demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
+
+
 class _Prefill(Saver):
     """P: prefills the prompts twice (kvxfer's save rule, then the old one), saving through
     its connector; then decodes the first run itself, the colocated run at P's TP."""
@@ -132,14 +142,10 @@ class _Prefill(Saver):
     wait_s = 0.01
 
     def __init__(self, cfg: DemoConfig, out, workdir: str):
-        from kvxfer.demo.engine import Shapes, demo_prompts, pool_blocks
-        from kvxfer.demo.model import ShardedDecoder, make_mesh
+        from kvxfer.demo.engine import pool_blocks
 
         self.cfg, self.workdir = cfg, workdir
-        self.model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_p))
-        self.shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead,
-                                cfg.decode_tokens)
-        self.tokens = demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
+        self.model, self.shapes, self.tokens = _model_and_prompts(cfg, cfg.tp_p)
         self.pool = pool_blocks(dict(enumerate(self.tokens)), BLOCK_SIZE, cfg.lookahead)
         self.extra = self.shapes.decode_blocks * len(self.tokens)
         caches = self.model.new_caches(self.pool + self.extra)
@@ -215,14 +221,10 @@ class _Decode(Reader):
     decodes greedily; once all have come, runs the colocated reference at D's TP."""
 
     def __init__(self, cfg: DemoConfig, out, workdir: str):
-        from kvxfer.demo.engine import Shapes, decode, decode_blocks, demo_prompts
-        from kvxfer.demo.model import ShardedDecoder, make_mesh
+        from kvxfer.demo.engine import decode, decode_blocks
 
         self.cfg, self.workdir = cfg, workdir
-        self.model = ShardedDecoder(cfg.model_config(), make_mesh(cfg.tp_d))
-        self.shapes = Shapes.of(cfg.prompts, BLOCK_SIZE, cfg.budget, cfg.lookahead,
-                                cfg.decode_tokens)
-        self.tokens = demo_prompts(cfg.seed, cfg.prompts, cfg.hits())
+        self.model, self.shapes, self.tokens = _model_and_prompts(cfg, cfg.tp_d)
         self.need = [decode_blocks(len(t), cfg.decode_tokens, BLOCK_SIZE) for t in self.tokens]
         num_blocks = 2 + len(PHASES) * sum(self.need)  # the null block, one spare, every request
         caches = self.model.new_caches(num_blocks)
