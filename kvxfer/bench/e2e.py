@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench import memcpy_gbps, random_caches
-from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, profile_dir, serve
+from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, profile_dir, run_child
 from kvxfer.plan.blocks import cdiv
 
 __all__ = ["E2EConfig", "run"]
@@ -347,4 +347,4 @@ def _check(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Any]:
 
 
 if __name__ == "__main__":
-    serve(_side)
+    run_child(_side)

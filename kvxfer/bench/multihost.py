@@ -52,7 +52,7 @@ import numpy as np
 
 from kvxfer.bench import memcpy_gbps
 from kvxfer.bench.hosts import Processes, netns_available, start_jax
-from kvxfer.demo.procs import Children, Side, connector, serve
+from kvxfer.demo.procs import Children, Side, connector, run_child
 from kvxfer.errors import InvalidInputError, SetupError, TransferError
 
 __all__ = ["MultihostConfig", "run"]
@@ -356,4 +356,4 @@ def run(cfg: MultihostConfig | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    serve(_side)
+    run_child(_side)

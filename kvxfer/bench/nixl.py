@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from kvxfer.demo.procs import Children, Side, serve
+from kvxfer.demo.procs import Children, Side, run_child
 from kvxfer.errors import TransferError
 
 __all__ = ["run"]
@@ -154,6 +154,6 @@ def run(
 
 if __name__ == "__main__":
     if len(sys.argv) == 3:  # P's process, started by `run`
-        serve(lambda role, fields, out: _Staged(fields, out))
+        run_child(lambda role, fields, out: _Staged(fields, out))
     else:
         run()

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.bench import random_caches
-from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, serve
+from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, run_child
 from kvxfer.plan.blocks import cdiv
 
 __all__ = ["TTFTConfig", "run"]
@@ -201,4 +201,4 @@ def run(cfg: TTFTConfig | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    serve(_side)
+    run_child(_side)

@@ -2,7 +2,7 @@
 
 - `scheduler`: `PrefillScheduler` (P's save plans, slots, params), `SaveMeta`,
   `LoadRequest`, `PeerAddress`; plain Python, for an engine's scheduler process.
-- `prefill`: `PrefillWorker` (gathers into staging, serves D) and
+- `prefill`: `PrefillWorker` (gathers into staging, holds it for D) and
   `PrefillConnector` (both P sides in one process).
 - `decode`: `DecodeConnector` (reads, verifies, scatters); `loads`: `Load`, `Loads`
   (P's blocks placed in D's table, and the loads under way).

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.demo.kvbytes import token_rows
-from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, serve
+from kvxfer.demo.procs import Children, Load, Proc, Reader, Saver, Side, connector, run_child
 from kvxfer.errors import InvalidInputError
 from kvxfer.plan.blocks import cdiv, is_int
 
@@ -423,4 +423,4 @@ def report(result: dict[str, Any], cfg: DemoConfig) -> list[str]:
 
 
 if __name__ == "__main__":
-    serve(_side)
+    run_child(_side)

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvxfer.demo.procs import Children, Load, Reader, Saver, Side, connector, serve
+from kvxfer.demo.procs import Children, Load, Reader, Saver, Side, connector, run_child
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.plan.blocks import cdiv, is_int
 
@@ -194,7 +194,7 @@ def _writer(cfg: BytesConfig, caches):
 
 class _Prefill(Saver):
     """P: prefills every prompt in chunks, writing random KV for each token, and saves what
-    `SaveTracker` plans; then serves D's reads until told to stop."""
+    `SaveTracker` plans; then holds them for D's reads until told to stop."""
 
     wait_s = 0.01
 
@@ -340,4 +340,4 @@ def report_bytes(result: dict[str, Any], cfg: BytesConfig) -> list[str]:
 
 
 if __name__ == "__main__":
-    serve(_side)
+    run_child(_side)

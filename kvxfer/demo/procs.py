@@ -2,7 +2,7 @@
 
 The parent (`Children`, one `Proc` per child) starts each side with
 `python -m <module> <role> <config json>`, relays messages between them as a
-router would, and waits on each with a deadline. A child runs `serve`: it
+router would, and waits on each with a deadline. A child runs `run_child`: it
 builds its side (a `Side`: P's or D's connector and engine), says hello, does
 the work that needs no command, then answers the parent's commands, one JSON
 line each, stepping its engine between them, until it reads `stop`. A child's
@@ -29,7 +29,7 @@ from typing import Any, TextIO
 from kvxfer.errors import InvalidInputError, TransferError
 
 __all__ = ["Children", "Lines", "Load", "Proc", "Reader", "Saver", "Side", "child_output",
-           "connector", "profile_dir", "profiled", "say", "serve"]
+           "connector", "profile_dir", "profiled", "run_child", "say"]
 
 
 class Lines:
@@ -80,17 +80,17 @@ def profile_dir() -> str | None:
     return target
 
 
-def profiled(role: str, serve: Callable[[], None]) -> None:
-    """Run `serve()`; with `KVXFER_PROFILE=dir` set, under cProfile, its stats in `dir/role.prof`
+def profiled(role: str, main: Callable[[], None]) -> None:
+    """Run `main()`; with `KVXFER_PROFILE=dir` set, under cProfile, its stats in `dir/role.prof`
     (read them with `python -m pstats`): where a child's time goes, not a guess."""
     target = os.environ.get("KVXFER_PROFILE")
     if not target:
-        return serve()
+        return main()
     import cProfile
 
     profile = cProfile.Profile()
     try:
-        profile.runcall(serve)
+        profile.runcall(main)
     finally:
         os.makedirs(target, exist_ok=True)
         profile.dump_stats(os.path.join(target, f"{role}.prof"))
@@ -100,7 +100,7 @@ def profiled(role: str, serve: Callable[[], None]) -> None:
 
 
 class Side:
-    """P's or D's work in a child process: the hooks `serve` calls.
+    """P's or D's work in a child process: the hooks `run_child` calls.
 
     A harness subclasses it once per role (`Saver` for P, `Reader` for D); `out` is the
     answer channel (`say`), `conn` what the side closes when it stops (its connector).
@@ -123,7 +123,7 @@ class Side:
         """The work that needs no command, once, right after the hello (a scripted prefill)."""
 
     def command(self, msg: dict[str, Any]) -> None:
-        """One command from the parent (never `stop`: `serve` handles that)."""
+        """One command from the parent (never `stop`: `run_child` handles that)."""
 
     def step(self) -> None:
         """One step of the side's engine, after each wait for commands."""
@@ -133,7 +133,7 @@ class Side:
         self.conn.close()
 
 
-def serve(make: Callable[[str, dict[str, Any], TextIO], Side]) -> None:
+def run_child(make: Callable[[str, dict[str, Any], TextIO], Side]) -> None:
     """A child's main, for `python -m module role cfg_json`: the answer channel, then
     `make(role, fields, out)`'s side, its hello and `run`, then its commands and steps until
     the parent says `stop` or goes away. Under cProfile with `KVXFER_PROFILE` (`profiled`)."""

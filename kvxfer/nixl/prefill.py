@@ -1,4 +1,4 @@
-"""P's transport: serves staged blocks to D, and frees them on `done` or lease expiry.
+"""P's transport: holds staged blocks for D's reads, and frees them on `done` or lease expiry.
 
 Every P start draws a new `instance` id, named in its advertisement and in
 every param set; D's `done` and `hb` name it back, so a restarted P never
@@ -94,7 +94,7 @@ def _locked(method):
 
 
 class PrefillTransport:
-    """P side: serves staged blocks to D and frees them on `done` or lease expiry.
+    """P side: holds staged blocks for D's reads and frees them on `done` or lease expiry.
 
     **Arguments:**
 
