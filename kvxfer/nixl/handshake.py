@@ -75,11 +75,12 @@ class Hellos:
     def heard(self, sender: str, start: object, now: float) -> None:
         """D agent `sender` said hello, naming `start` (None from a D before protocol 9)."""
         if isinstance(start, str) and start:
+            start = start[:64]
             known = self._starts.pop(sender, None)
-            self._starts[sender] = start[:64]  # most recently heard last
+            self._starts[sender] = start  # most recently heard last
             while len(self._starts) > MAX_STARTS:
                 del self._starts[next(iter(self._starts))]
-            if known is not None and known != start[:64]:
+            if known is not None and known != start:
                 self._forget(sender)
         self._waiting.pop(sender, None)
         self._waiting[sender] = now + self.config.handshake_timeout_s  # newest last
