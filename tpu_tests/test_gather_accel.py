@@ -1,6 +1,10 @@
 """gather / scatter / pieces on a real accelerator (TPU or GPU): round trips, fingerprints,
 writes in place, bandwidth.
 
+P's save into staging is `gather_piece_into` (a piece of every unit of each block, for
+caches in one process: `Piece.local`) into `piece_staging`, and D's load `scatter_piece`;
+`gather_blocks` / `scatter_blocks` are the whole-block functional API.
+
 Skipped where JAX's default backend is the CPU (see conftest.py). The bandwidth test
 prints figures (run with `-s`) and asserts only what does not depend on the machine;
 `kvxfer bench gather` gives the figures against their references.
@@ -20,14 +24,18 @@ from kvxfer.device.gather import (
     check_fingerprints,
     fingerprint_blocks,
     gather_blocks,
-    gather_into,
-    precompile,
     scatter_blocks,
-    staging_regions,
 )
 from kvxfer.device.layout import CacheLayout
-from kvxfer.device.pieces import Piece, gather_piece_into, piece_staging, scatter_piece, unit_sums
-from kvxfer.device.pinned import pinned_regions
+from kvxfer.device.pieces import (
+    Piece,
+    gather_piece_into,
+    piece_prints,
+    piece_staging,
+    precompile_piece,
+    scatter_piece,
+)
+from kvxfer.device.pinned import PinnedRegions
 
 
 def _mesh():
@@ -57,6 +65,10 @@ def _addresses(caches):
     return [s.data.unsafe_buffer_pointer() for c in caches for s in c.addressable_shards]
 
 
+def _bits(array):
+    return np.asarray(array).view(np.uint16)
+
+
 def test_the_accelerator_runs_the_xla_backend():
     source, _ = _pair(layers=1)
     assert backend(source[0].sharding.mesh) == "xla"
@@ -78,51 +90,61 @@ def test_round_trip_and_fingerprints_on_the_accelerator():
 
 
 def test_scatter_writes_in_place_on_the_accelerator():
-    """The donated caches' buffers are the new caches' buffers: every shard's address is
-    unchanged, so a scatter costs its blocks, not a copy of the cache."""
+    """D's load (`scatter_piece` of P's staged piece of every unit) writes into the donated
+    caches' buffers: every shard's address is unchanged, so a load costs its blocks, not a
+    copy of the cache; what landed fingerprints as P staged it, as the blocks do."""
     source, target = _pair(seed=4)
-    layout = CacheLayout.from_caches(source)
-    ids = np.array([3, 9, 10, 11, 60])
-    staging = [np.zeros((8, *layout.block_shape), layout.np_dtype) for _ in source]
-    prints = gather_into(source, ids, staging, np.arange(5) + 2)
+    layout, piece = CacheLayout.from_caches(source), Piece.local(source)
+    assert (piece.lo, piece.hi) == (0, piece.units)  # one process: every unit
+    ids, slots = np.array([3, 9, 10, 11, 60]), np.arange(5) + 2
+    staging = piece_staging(layout, piece, 8)
+    gather_piece_into(source, ids, staging, slots, piece)
+    prints = piece_prints(staging, slots)
+    np.testing.assert_array_equal(prints, fingerprint_blocks(source, ids))
     before = _addresses(target)
-    out, landed = scatter_blocks(target, staging, ids, rows=np.arange(5) + 2, fingerprints=True)
+    out, landed = scatter_piece(target, staging, ids, slots, piece)
     assert _addresses(out) == before
     np.testing.assert_array_equal(landed, prints)
     np.testing.assert_array_equal(fingerprint_blocks(out, ids), prints)
     for o, s in zip(out, source):
-        np.testing.assert_array_equal(np.asarray(o)[ids].view(np.uint16),
-                                      np.asarray(s)[ids].view(np.uint16))
+        np.testing.assert_array_equal(_bits(o)[ids], _bits(s)[ids])
 
 
-def test_gather_into_pinned_staging_in_place_on_one_device():
-    """P's staging on one device is pinned-host buffers the gather writes in place: the
-    donation keeps every address (else `pinned_regions` gives None), and the bytes and
-    fingerprints are the host-copy path's."""
+def test_gather_piece_into_pinned_staging_in_place_on_one_device():
+    """P's staging on one device (`piece_staging(..., caches)`) is pinned-host buffers the
+    gather writes in place: the donation keeps every address (else the staging is numpy),
+    and the bytes and sums are the host-copy path's (numpy staging: the gather to pinned
+    host, then a copy), the blocks' bytes unit-major."""
     device = jax.devices()[0]
     mesh = jax.sharding.Mesh(np.array([[device]]), ("data", "model"))
     sharding = NamedSharding(mesh, P(None, None, "model"))
     source = _random_caches(4, (64, 16, 4, 2, 128), jnp.bfloat16, sharding, seed=11)
-    layout = CacheLayout.from_caches(source)
-    regions = pinned_regions(mesh, 4, 32, layout.block_shape, layout.np_dtype)
-    assert regions is not None, "a donated write moved a pinned-host buffer on this device"
-    copied = [np.zeros((32, *layout.block_shape), layout.np_dtype) for _ in source]
+    layout, piece = CacheLayout.from_caches(source), Piece.local(source)
+    staging = piece_staging(layout, piece, 32, source)
+    regions = staging.regions
+    assert isinstance(regions, PinnedRegions), \
+        "a donated write moved a pinned-host buffer on this device"
+    copied = piece_staging(layout, piece, 32)  # numpy: the host-copy path, as reference
     addresses = list(regions.addresses)
     for ids, slots in (([7, 3, 50, 61, 2], [4, 5, 6, 7, 8]), ([9, 8, 1], [20, 0, 1])):
+        ids, slots = np.array(ids), np.array(slots)
         before = regions.arrays[0]
-        prints = gather_into(source, np.array(ids), regions, np.array(slots))
+        gather_piece_into(source, ids, staging, slots, piece)
         assert before.is_deleted() and regions.addresses == addresses
-        # The host-copy path (numpy staging: gather to pinned host, then copy) as reference.
-        np.testing.assert_array_equal(
-            prints, gather_into(source, np.array(ids), copied, np.array(slots)))
-        for region, copy in zip(regions, copied):
+        gather_piece_into(source, ids, copied, slots, piece)
+        np.testing.assert_array_equal(staging.prints[slots], copied.prints[slots])
+        np.testing.assert_array_equal(piece_prints(staging, slots), fingerprint_blocks(source, ids))
+        for region, copy, cache in zip(regions, copied.regions, source):
             np.testing.assert_array_equal(region.view(np.uint16), copy.view(np.uint16))
+            np.testing.assert_array_equal(  # unit-major slots, seen in block order
+                np.moveaxis(region, 1, 1 + piece.axis)[slots].view(np.uint16), _bits(cache)[ids])
 
 
 def test_after_precompile_saves_and_loads_compile_nothing_on_the_accelerator():
-    """`precompile` compiles exactly the programs saves and loads run (the same argument
-    types, shardings and memory kinds on this backend), on one device (pinned staging) and
-    on the whole mesh; prints how long it took."""
+    """`precompile_piece` compiles exactly the programs P's saves (`gather_piece_into`) and
+    D's loads (`scatter_piece`) run (the same argument types, shardings and memory kinds on
+    this backend), on one device (pinned staging) and on the whole mesh; prints how long
+    it took."""
     compiles = []
 
     def listener(event, duration, **kwargs):
@@ -134,12 +156,10 @@ def test_after_precompile_saves_and_loads_compile_nothing_on_the_accelerator():
         sharding = NamedSharding(mesh, P(None, None, "model"))
         caches = _random_caches(4, (64, 16, 2 * mesh.shape["model"], 2, 128), jnp.bfloat16,
                                 sharding, seed=13)
-        layout = CacheLayout.from_caches(caches)
-        regions = staging_regions(mesh, 4, 32, layout.block_shape, layout.np_dtype)
-        regions = regions if regions is not None else [
-            np.zeros((32, *layout.block_shape), layout.np_dtype) for _ in caches]
+        piece = Piece.local(caches)
+        staging = piece_staging(CacheLayout.from_caches(caches), piece, 32, caches)
         start = time.perf_counter()
-        count = precompile(caches, regions, 32, saves=True, loads=True)
+        count = precompile_piece(caches, staging, piece, 32, saves=True, loads=True)
         print(f"precompile on {mesh.size} device(s): {count} programs in "
               f"{time.perf_counter() - start:.1f} s")
         jax.monitoring.register_event_duration_secs_listener(listener)
@@ -147,8 +167,8 @@ def test_after_precompile_saves_and_loads_compile_nothing_on_the_accelerator():
             rng = np.random.default_rng(3)
             for n in (1, 2, 3, 7, 8, 9, 16, 31, 32):
                 ids, rows = rng.choice(64, n, replace=False), np.arange(n)
-                gather_into(caches, ids, regions, rows)
-                caches, _ = scatter_blocks(caches, regions, ids, rows=rows, fingerprints=True)
+                gather_piece_into(caches, ids, staging, rows, piece)
+                caches, _ = scatter_piece(caches, staging, ids, rows, piece)
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
         assert compiles == [], f"{len(compiles)} programs compiled after precompile"
@@ -156,7 +176,8 @@ def test_after_precompile_saves_and_loads_compile_nothing_on_the_accelerator():
 
 def test_pieces_round_trip_on_the_accelerator_with_matching_sums():
     """Two pieces of one process's devices (as two hosts would hold them): each gathers
-    and scatters only its units, and D's landed sums equal P's."""
+    and scatters only its units, and the fingerprints of what landed in D's piece equal
+    P's (`piece_prints`, both mixed)."""
     source, target = _pair(seed=7)
     layout = CacheLayout.from_caches(source)
     units = layout.block_shape[1]
@@ -170,7 +191,7 @@ def test_pieces_round_trip_on_the_accelerator_with_matching_sums():
         before = _addresses(target)
         target, landed = scatter_piece(target, staging, ids, np.arange(5), piece)
         assert _addresses(target) == before
-        np.testing.assert_array_equal(landed, unit_sums(staging, np.arange(5)))
+        np.testing.assert_array_equal(landed, piece_prints(staging, np.arange(5)))
     for o, s in zip(target, source):
         np.testing.assert_array_equal(np.asarray(o)[ids].view(np.uint16),
                                       np.asarray(s)[ids].view(np.uint16))
