@@ -7,12 +7,15 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
 
+from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.errors import InvalidInputError
+from kvxfer.nixl.agent import TransportConfig
 from kvxfer.plan.save_plan import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -308,11 +311,11 @@ def test_a_post_that_raises_fails_its_request_in_logical_ids_and_d_goes_on(pair,
 
 @pytest.mark.parametrize("p_devices,d_devices", [((0, 1, 2, 3), (4,)), ((0,), (4, 5, 6, 7))],
                          ids=["P-TP4-to-D-TP1", "P-TP1-to-D-TP4"])
-def test_one_process_instances_staging_units_deliver_every_byte_at_any_tp(pair, backend,
-                                                                          p_devices, d_devices):
-    """`stage_units`: each side stages blocks unit-major as an instance across hosts does
-    (one piece of every unit, along the heads even on one device), and D gets every byte."""
-    pr = pair(p_devices=p_devices, d_devices=d_devices, units=(True, True))
+def test_one_process_instances_at_different_tp_pair_with_no_setting_and_deliver_every_byte(
+        pair, backend, p_devices, d_devices):
+    """Each side stages blocks unit-major as an instance across hosts does (one piece of
+    every unit, along the heads even on one device), and D gets every byte."""
+    pr = pair(p_devices=p_devices, d_devices=d_devices)
     assert pr.p.worker.processes.piece == pr.d.processes.piece == (0, 4, 4)
     pr.p.add_request("r", 40)
     pr.save(ScheduledRequest("r", 0, 40, ([5, 9, 12],), full_table=True))
@@ -333,7 +336,7 @@ def test_pieces_cut_along_different_block_axes_are_refused_by_name_not_transpose
     its caches as they were (not write P's blocks transposed), fingerprints or not."""
     from jax.sharding import PartitionSpec
 
-    pr = pair(p_devices=(0,), d_devices=(4, 5, 6, 7), units=(True, True), block_size=4,
+    pr = pair(p_devices=(0,), d_devices=(4, 5, 6, 7), block_size=4,
               shape=(32, 4, 4, 2, 32), specs=(PartitionSpec(), None), verify=False)
     assert pr.p.worker.processes.piece == pr.d.processes.piece == (0, 4, 4)
     pr.p.add_request("r", 8)
@@ -347,16 +350,12 @@ def test_pieces_cut_along_different_block_axes_are_refused_by_name_not_transpose
     assert all((as_bits(c) == b).all() for c, b in zip(pr.d_caches[0], before))
 
 
-@pytest.mark.parametrize("units", [(True, False), (False, True)], ids=["P-units", "D-units"])
-def test_a_d_that_stages_otherwise_than_p_fails_the_request_naming_stage_units(pair, units,
-                                                                              caplog):
-    pr = pair(units=units)
-    pr.p.add_request("r", 20)
-    pr.save(ScheduledRequest("r", 0, 20, ([5, 9],), full_table=True))
-    params = pr.p.request_finished("r")
-    pr.serve()
-    before = [as_bits(c).copy() for c in pr.d_caches[0]]
-    assert pr.load("r", params, [20, 21]) == ([], ["r"])
-    assert pr.d.get_block_ids_with_load_errors() == {20, 21}
-    assert "stage_units" in caplog.text
-    assert all((as_bits(c) == b).all() for c, b in zip(pr.d_caches[0], before))
+def test_stage_units_is_deprecated_and_ignored():
+    """Every instance stages units now: the old setting still passes, with a warning saying
+    so, and changes nothing about what the instance stages."""
+    with pytest.warns(DeprecationWarning, match="stage_units is deprecated and ignored"):
+        config = ConnectorConfig(TransportConfig("P-old"), stage_units=True)
+    assert config.stage_units is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default warns about nothing
+        ConnectorConfig(TransportConfig("P-new"))

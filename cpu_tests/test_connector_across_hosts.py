@@ -115,14 +115,14 @@ def test_every_prompt_token_reaches_every_d_shard_byte_exact(hosts, p, d):
 
 
 @BOTH
-@pytest.mark.parametrize("p,d,units", [((2, 4), (1, 8), "d"), ((1, 8), (2, 4), "p")],
+@pytest.mark.parametrize("p,d", [((2, 4), (1, 8)), ((1, 8), (2, 4))],
                          ids=["P2x4-D1x8", "P1x8-D2x4"])
-def test_an_instance_on_one_host_staging_units_pairs_with_one_over_two_hosts(hosts, p, d, units):
-    """`stage_units` on the one-host side: D on one host reads each P process's piece into
-    its own whole range of units; P on one host serves each D process the units it holds."""
+def test_an_instance_on_one_host_pairs_with_one_over_two_hosts_with_no_setting(hosts, p, d):
+    """Every instance stages units: D on one host reads each P process's piece into its
+    own whole range of units; P on one host serves each D process the units it holds."""
     h = hosts(p, d)
-    h.start("p", stage_units=units == "p")
-    h.start("d", stage_units=units == "d")
+    h.start("p")
+    h.start("d")
     d_out = [h.report("d", r) for r in range(d[0])]
     p_out = [h.report("p", r, "released") for r in range(p[0])]
     assert_delivered(h, p_out, d_out)

@@ -111,7 +111,7 @@ REFUSED_AT_START = [_d_ids_out_of_range, _table_too_short, _null_block_in_table,
 
 
 def _corrupt_staged_byte(pr, params):
-    pr.p.staging.regions[1][pr.p.slot_map.slot("b", 1)].view(np.uint8)[7] ^= 0x10
+    pr.p.staging.regions[1][pr.p.slot_map.slot("b", 1)].view(np.uint8).reshape(-1)[7] ^= 0x10
     return params
 
 
@@ -240,7 +240,8 @@ def test_d_engine_thread_never_waits_for_an_unreachable_p(pair):
     pr = pair(handshake=1.5)
     live = prefill(pr, "live", [2, 3])
     pr.serve()
-    gone = dict(copy.deepcopy(live), peer="gone-P", port=free_port())
+    gone = dict(copy.deepcopy(live), peer="gone-P", port=free_port(),
+                sources=[{"peer": "gone-P", "units": [0, 4]}])
     requests = {f"g{i}": LoadRequest(dict(gone, req_id=f"g{i}"), [10 + 2 * i, 11 + 2 * i])
                 for i in range(5)}
     calls = []

@@ -239,7 +239,7 @@ def test_scatter_rejects_bad_rows_naming_them_and_keeps_the_caches(rows, message
         np.testing.assert_array_equal(_bytes(c), _bytes(h))
 
 
-# 4. gather_into: blocks straight into existing host arrays.
+# 4. gather_into (deprecated: staging holds pieces): blocks into existing host arrays.
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -249,7 +249,8 @@ def test_gather_into_writes_exactly_the_blocks_and_returns_their_fingerprints(co
     before = [_bytes(r).copy() for r in regions]
     ids = [5, 0, NUM_BLOCKS - 1, 5, 9, 10]  # unsorted, repeated, both ends
     rows = [31, 2, 3, 10, 0, 1]  # a run (2, 3) among scattered rows
-    prints = gather_into(caches, ids, regions, rows)
+    with pytest.warns(DeprecationWarning, match="gather_piece_into"):
+        prints = gather_into(caches, ids, regions, rows)
     for r, b, h in zip(regions, before, hosts):
         expected = b.copy()
         expected[rows] = _bytes(h)[ids]

@@ -14,11 +14,11 @@ from kvxfer.device.layout import CacheLayout
 from kvxfer.device.pieces import (
     Piece,
     gather_piece_into,
+    piece_prints,
     piece_staging,
     process_pieces,
     scatter_piece,
     split_axis,
-    unit_sums,
 )
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.nixl.wire import ReadParams
@@ -65,7 +65,7 @@ def move(p_caches, p_pieces, p_ids, d_caches, d_pieces, d_ids, corrupt=None):
                         st.regions[layer][2 : 2 + n, a - p.lo : b - p.lo]
                 d_st.prints[:n, a - dp.lo : b - dp.lo] = st.prints[2 : 2 + n, a - p.lo : b - p.lo]
         d_caches, landed = scatter_piece(d_caches, d_st, d_ids, np.arange(n), dp)
-        checks.append((landed, unit_sums(d_st, np.arange(n))))
+        checks.append((landed, piece_prints(d_st, np.arange(n)), d_st.prints[:n]))
     return d_caches, checks
 
 
@@ -84,13 +84,14 @@ def test_pieces_move_blocks_between_different_cuts_byte_exact_and_sums_match(bac
         assert (bits(d[layer])[d_ids] == bits(p[layer])[p_ids]).all()
     others = np.setdiff1d(np.arange(32), d_ids)
     assert (bits(d[0])[others] == before[others]).all()
-    for landed, expected in checks:
+    for landed, expected, _ in checks:
         assert (landed == expected).all()
-    # The per-unit sums combine to the whole block's fingerprint.
-    total = np.zeros_like(checks[0][1])
-    for _, e in checks:
-        combine_sums(total, e)
-    assert (fmix32(total) == np.asarray(fingerprint_blocks(d, d_ids))).all()
+    # The per-unit sums of every piece combine to the whole block's fingerprint.
+    total = np.zeros((len(d_ids), 2, 3), np.uint32)
+    for _, _, units in checks:
+        for u in range(units.shape[1]):
+            combine_sums(total, units[:, u])
+    assert (fmix32(total.transpose(1, 0, 2)) == np.asarray(fingerprint_blocks(d, d_ids))).all()
 
 
 def test_a_block_gathered_twice_in_one_save_moves_byte_exact_with_matching_sums(backend):
@@ -103,7 +104,7 @@ def test_a_block_gathered_twice_in_one_save_moves_byte_exact_with_matching_sums(
                      d, [Piece(1, 8, 0, 2), Piece(1, 8, 2, 8)], d_ids)
     for layer in range(2):
         assert (bits(d[layer])[d_ids] == bits(p[layer])[p_ids]).all()
-    for landed, expected in checks:
+    for landed, expected, _ in checks:
         assert (landed == expected).all()
     d_st = piece_staging(CacheLayout.from_caches(d), Piece(1, 8, 0, 2), 8)
     with pytest.raises(InvalidInputError, match=r"block ids of one scatter must be distinct, "
@@ -117,7 +118,7 @@ def test_a_flipped_bit_in_one_piece_changes_only_that_pieces_sums(backend):
     halves = [Piece(1, 8, 0, 4), Piece(1, 8, 4, 8)]
     _, checks = move(p, halves, np.array([1, 2, 3, 4]), d, halves, np.array([5, 6, 7, 8]),
                      corrupt=1)
-    (landed0, expected0), (landed1, expected1) = checks
+    (landed0, expected0, _), (landed1, expected1, _) = checks
     assert (landed0 == expected0).all()
     # P summed before the flip (slot 3 holds the second block): that block of layer 1
     # differs, nothing else.
@@ -148,23 +149,36 @@ def test_tpu_inference_caches_with_a_data_axis_of_one_move_as_pieces(backend, mo
                             [whole], [0, 5, 7])
     for p, d in zip(p_caches, d_caches):
         assert (bits(d)[[0, 5, 7]] == bits(p)[[3, 9, 1]]).all()
-    for landed, expected in checks:
+    for landed, expected, _ in checks:
         assert (np.asarray(landed) == np.asarray(expected)).all()
 
 
 def test_pieces_refuse_layouts_they_cannot_cut():
-    with pytest.raises(LayoutMismatchError, match="shard the block axis"):
-        split_axis(CacheLayout.from_caches(caches((2, 4), PartitionSpec("data", None, "model"))))
-    with pytest.raises(LayoutMismatchError, match="along axes"):
-        split_axis(CacheLayout.from_caches(caches((2, 4), PartitionSpec(None, "data", "model"))))
     layout = CacheLayout.from_caches(caches((1, 8), PartitionSpec(None, None, "model")))
-    with pytest.raises(LayoutMismatchError, match="split axis"):
+    with pytest.raises(LayoutMismatchError, match="unit axis"):
         piece_staging(layout, Piece(0, 16, 0, 8), 4)
-    blocks_split = CacheLayout.from_caches(caches((8, 1), PartitionSpec("data", None, "model")))
-    with pytest.raises(LayoutMismatchError, match="shard the block axis"):
-        piece_staging(blocks_split, Piece(1, 8, 0, 8), 4)  # the inner axes unsplit: still no
     with pytest.raises(InvalidInputError, match="lo < hi"):
         Piece(1, 8, 4, 4)
+
+
+@pytest.mark.parametrize("spec", [PartitionSpec("data", None, "model"),
+                                  PartitionSpec(None, "data", "model")], ids=["dp", "dcp"])
+def test_caches_split_along_other_axes_too_move_as_one_piece_in_one_process(backend, spec):
+    """Data parallel caches (the block axis split over `data`) and DCP ones (the tokens split
+    over `data`, heads over `model`) in one process: every block of every unit is this
+    process's, so it stages the whole piece, cut along the heads (the last axis the spec
+    names), byte for byte with its sums, on both backends."""
+    p = caches((2, 4), spec, seed=4)
+    (whole,) = process_pieces(p).values()
+    assert whole == Piece(1, 8, 0, 8) and split_axis(CacheLayout.from_caches(p)) == 1
+    ids = [30, 2, 17, 15]  # blocks of both halves of the block axis
+    d_caches, checks = move(p, [whole], ids, caches((2, 4), spec, zeros=True), [whole],
+                            [16, 0, 31, 9])
+    for a, b in zip(p, d_caches):
+        assert (bits(b)[[16, 0, 31, 9]] == bits(a)[ids]).all()
+        assert not np.delete(bits(b), [16, 0, 31, 9], axis=0).any()
+    for landed, expected, _ in checks:
+        assert (np.asarray(landed) == np.asarray(expected)).all()
 
 
 def test_both_backends_stage_the_same_bytes_and_sums_and_scatter_in_place(monkeypatch):
@@ -199,7 +213,7 @@ def test_a_replicated_cache_moves_as_one_piece_on_both_backends(backend):
     gather_piece_into(mla, [3, 30], st, [1, 2], whole)
     d = caches((1, 8), PartitionSpec(), shape=(32, 16, 1, 64), zeros=True)
     d, landed = scatter_piece(d, st, [0, 4], [1, 2], whole)
-    assert (landed == unit_sums(st, [1, 2])).all()
+    assert (landed == piece_prints(st, [1, 2])).all()
     for got, want in zip(d, mla):
         assert (bits(got)[[0, 4]] == bits(want)[[3, 30]]).all()
         assert all((np.asarray(s.data).view(np.uint16)[[0, 4]] == bits(want)[[3, 30]]).all()
@@ -221,11 +235,12 @@ def test_a_one_device_cache_moves_as_one_whole_piece_cut_along_any_axis(backend,
     st = piece_staging(layout, whole, 4)
     gather_piece_into(p, [3, 30, 7], st, [1, 2, 0], whole)
     d, landed = scatter_piece(d, st, [0, 4, 9], [1, 2, 0], whole)
-    assert (landed == unit_sums(st, [1, 2, 0])).all()
+    assert (landed == piece_prints(st, [1, 2, 0])).all()
     for got, want in zip(d, p):
         assert (bits(got)[[0, 4, 9]] == bits(want)[[3, 30, 7]]).all()
-    with pytest.raises(LayoutMismatchError, match="does not cut blocks"):
-        piece_staging(layout, Piece(1, 8, 0, 4), 4)  # not whole: one device holds every unit
+    with pytest.raises(LayoutMismatchError, match="across the edge"):  # it holds every unit
+        gather_piece_into(p, [3], piece_staging(layout, Piece(1, 8, 0, 4), 4), [0],
+                          Piece(1, 8, 0, 4))
 
 
 def test_a_bad_backend_setting_is_refused_by_name_before_anything_moves(monkeypatch):

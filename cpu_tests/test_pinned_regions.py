@@ -14,7 +14,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvxfer.device import pinned
-from kvxfer.device.gather import gather_into, staging_regions
+from kvxfer.device.gather import staging_regions
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.pieces import Piece, gather_piece_into, piece_shape, piece_staging
 from kvxfer.device.pinned import PinnedRegions, pinned_regions
 from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, TransferError
@@ -36,26 +38,29 @@ def xla(monkeypatch):
     monkeypatch.setenv("KVXFER_BACKEND", "xla")
 
 
-def test_gather_into_pinned_regions_writes_the_host_copys_bytes_in_place(xla, monkeypatch):
+def test_a_gather_into_pinned_staging_writes_the_host_copys_bytes_in_place(xla, monkeypatch):
     caches = caches_on(jax.devices()[:1], seed=3, layers=3)
-    regions = pinned_regions(_mesh(1), 3, 24, BLOCK, BF16)
+    layout, piece = CacheLayout.from_caches(caches), Piece.local(caches)
+    staging = piece_staging(layout, piece, 24, caches)
+    regions = staging.regions
     assert isinstance(regions, PinnedRegions)
     addresses = list(regions.addresses)
-    expected = [np.zeros((24, *BLOCK), BF16) for _ in range(3)]
+    expected = piece_staging(layout, piece, 24)  # numpy, copied on the host
     # Runs of 1, 3, 5 and 7 slots (chunks 1, 2+1, 4+1, 4+2+1), out of order, and a rewrite.
     saves = [([4, 9, 1], [10, 11, 12]), ([30, 2, 8, 17, 5, 0, 21], [3, 4, 5, 6, 7, 8, 9]),
              ([6], [23]), ([12, 13, 14, 15, 16], [18, 19, 20, 21, 22]), ([7, 3], [11, 0])]
     for ids, slots in saves:
         ids, slots = np.array(ids), np.array(slots)
         before = list(regions.arrays)
-        prints = gather_into(caches, ids, regions, slots)
+        gather_piece_into(caches, ids, staging, slots, piece)
         assert all(a.is_deleted() for a in before)  # donated to the write: no host copy ran
         monkeypatch.setenv("KVXFER_BACKEND", "numpy")
-        host_prints = gather_into(caches, ids, expected, slots)
+        gather_piece_into(caches, ids, expected, slots, piece)
         monkeypatch.setenv("KVXFER_BACKEND", "xla")
-        assert np.array_equal(prints, host_prints)
+        assert np.array_equal(staging.prints[slots], expected.prints[slots])
         for layer in range(3):
-            assert np.array_equal(regions[layer].view(np.uint16), expected[layer].view(np.uint16))
+            assert np.array_equal(regions[layer].view(np.uint16),
+                                  expected.regions[layer].view(np.uint16))
         assert regions.addresses == addresses
         assert [s.data.unsafe_buffer_pointer() for a in regions.arrays
                 for s in a.addressable_shards] == addresses
@@ -81,9 +86,11 @@ def test_pinned_regions_need_one_device_and_a_donation_that_keeps_the_address(xl
 def test_a_write_that_moves_a_buffer_or_fails_is_refused_by_name_and_every_later_one(xla,
                                                                                 monkeypatch):
     caches = caches_on(jax.devices()[:1], seed=4)
+    layout, piece = CacheLayout.from_caches(caches), Piece.local(caches)
+    shape = piece_shape(layout, piece)
     host = NamedSharding(_mesh(1), PartitionSpec(), memory_kind="pinned_host")
-    moving = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
-    failing = pinned_regions(_mesh(1), 2, 8, BLOCK, BF16)
+    moving = pinned_regions(_mesh(1), 2, 8, shape, BF16)
+    failing = pinned_regions(_mesh(1), 2, 8, shape, BF16)
 
     def moves(arrays, args, ids, at):
         return [jax.device_put(np.array(a), host) for a in arrays], np.zeros((2, len(ids), 3))
@@ -93,13 +100,14 @@ def test_a_write_that_moves_a_buffer_or_fails_is_refused_by_name_and_every_later
 
     for regions, write, match in ((moving, moves, "moved its buffers"),
                                   (failing, fails, "RESOURCE_EXHAUSTED")):
+        staging = Staging(2, 8, shape, BF16, prints_per_layer=piece.count, regions=regions)
         monkeypatch.setattr(pinned, "_take_and_write_fn", lambda *a, w=write: w)
         with pytest.raises(TransferError, match=match):
-            gather_into(caches, np.array([1, 2]), regions, np.array([0, 1]))
+            gather_piece_into(caches, np.array([1, 2]), staging, np.array([0, 1]), piece)
         monkeypatch.undo()
         monkeypatch.setenv("KVXFER_BACKEND", "xla")
         with pytest.raises(TransferError, match=f"unusable: .*{match}"):  # the views may be stale
-            gather_into(caches, np.array([3]), regions, np.array([5]))
+            gather_piece_into(caches, np.array([3]), staging, np.array([5]), piece)
 
 
 def test_a_view_keeps_its_regions_alive():

@@ -318,13 +318,20 @@ def test_p_stages_nothing_more_for_a_stream_whose_d_gave_up(pair, when):
     assert pr.p.request_finished("r") is None
 
 
-def test_a_d_staging_units_refuses_a_stream_by_name_and_fails_it_in_logical_ids(pair, caplog):
-    """Streams move whole blocks: a D with `stage_units` fails the request at once, saying why."""
-    pr = pair(units=(False, True))
+@pytest.mark.parametrize("p_devices,d_devices", [((0,), (4, 5, 6, 7)), ((0, 1, 2, 3), (4,))],
+                         ids=["P-TP1-to-D-TP4", "P-TP4-to-D-TP1"])
+def test_a_stream_between_instances_at_different_tp_delivers_every_byte(pair, backend, p_devices,
+                                                                        d_devices):
+    """Streams read pieces as any read does: D reads the units its staging holds from P's
+    one agent, which holds every unit, whatever either side's TP."""
+    pr = pair(p_devices=p_devices, d_devices=d_devices)
+    assert pr.p.worker.processes.piece == pr.d.processes.piece == (0, 4, 4)
     stream = new_stream_id()
-    pr.p.add_request("r", 32, list(range(32)), stream=stream)
-    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [1, 2])})
-    finished, failed = _drive(pr, lambda f, x: f or x, timeout=5)
-    assert (finished, failed) == ([], ["r"])
-    assert pr.d.get_block_ids_with_load_errors() == {1, 2}
-    assert "streams are read by a D staging whole blocks, this D process holds units" in caplog.text
+    pr.p.add_request("r", 40, stream=stream)
+    pr.d.start_load_kv({"r": LoadRequest(_stream(pr, stream), [20, 21, 22])})
+    pr.save(ScheduledRequest("r", 0, 24, ([5, 9],), full_table=True))
+    _drive(pr, lambda f, x: f or x or _same(pr, [20], [5]), timeout=10)
+    pr.save(ScheduledRequest("r", 24, 16, ([12],)))
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["r"], [])
+    assert _same(pr, [20, 21, 22], [5, 9, 12])

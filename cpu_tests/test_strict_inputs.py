@@ -385,6 +385,26 @@ def test_start_read_refuses_logical_ids_that_are_not_block_ids_before_any_state_
         d.close()
 
 
+def test_a_d_across_hosts_refuses_a_stream_by_name_and_fails_it_in_logical_ids():
+    """A stream has one reader: each process of a D across hosts would subscribe to it, so
+    D fails the request at once, naming why, and its engine recomputes it."""
+    pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
+    from kvxfer.device.layout import check_block_compatible
+    from kvxfer.device.staging import Staging
+    from kvxfer.nixl.agent import TransportConfig
+    from kvxfer.nixl.decode import DecodeTransport
+    from kvxfer.nixl.wire import StreamParams, new_stream_id
+
+    d = DecodeTransport(TransportConfig("D-stream-1-of-2"), Staging(1, 4, (2, 8)), {},
+                        check_block_compatible, piece=(0, 1, 2), reader=(0, 2))
+    try:
+        d.start_stream("r", StreamParams("P", "127.0.0.1", 1, new_stream_id()), [7, 8])
+        assert d.poll() == ([], {"r": [7, 8]})
+        assert d.reading("r") is None and "r" not in d.staging
+    finally:
+        d.close()
+
+
 def test_a_ucx_tls_ucx_cannot_use_is_refused_by_name_and_frees_the_agent_name():
     pytest.importorskip("nixl_cu12._api", reason="NIXL (nixl-cu12) is not installed")
     from kvxfer.device.staging import Staging

@@ -67,6 +67,8 @@ def test_p_reuses_a_requests_slots_only_once_every_p_worker_has_freed_it(engines
     engine = engines(model_dir, kv_role="kv_producer",
                      extra_config={"port": free_port(), "staging_blocks": 8})
     prefill = engine.connector._scheduler.prefill
+    # The engine's one worker speaks for a P over two hosts: its reports name both halves.
+    engine.worker._worker._prefill.processes.sources = list(HALVES)
     engine.connector.update_connector_output(
         KVConnectorOutput(kv_connector_worker_meta=WorkerReport({}, HALVES, 4)))
     for req_id in ("r", "s"):

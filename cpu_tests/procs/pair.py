@@ -62,13 +62,13 @@ class Pair:
     `groups` are P's `GroupSpec`s; each group gets its own caches of `shape`
     (`shape[1]` tokens per kernel block). P's caches are on `p_devices`, D's on
     `d_devices` (different TP on each side). `models` are P's and D's model descriptions;
-    `units` P's and D's `stage_units`; `specs` P's and D's partition specs (None: axis 2).
+    `specs` P's and D's partition specs (None: axis 2).
     """
 
     def __init__(self, kernel_ratio=1, block_size=16, deadline=10.0, groups=None, shape=SHAPE,
                  p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), layers=2, verify=True,
                  models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0, stats=True,
-                 units=(False, False), specs=(None, None), stream_wait=600.0):
+                 specs=(None, None), stream_wait=600.0):
         n = next(_names)
         groups = groups or [GroupSpec(block_size)]
         cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio, stats=stats)
@@ -82,13 +82,12 @@ class Pair:
                          for g in range(len(groups))]
         self.single = len(groups) == 1
         p_transport = TransportConfig(f"P{n}", lease_s=lease, heartbeat_interval_s=heartbeat)
-        self.p = PrefillConnector(ConnectorConfig(p_transport, stage_units=units[0], **cfg),
+        self.p = PrefillConnector(ConnectorConfig(p_transport, **cfg),
                                   groups, self.p_caches, model=models[0])
         self.d = DecodeConnector(ConnectorConfig(
             TransportConfig(f"D{n}", transfer_timeout_s=deadline, handshake_timeout_s=handshake,
                             heartbeat_interval_s=heartbeat, stream_wait_s=stream_wait),
-            verify_fingerprints=verify, stage_units=units[1],
-            **cfg), self.d_caches, model=models[1])
+            verify_fingerprints=verify, **cfg), self.d_caches, model=models[1])
         self.freed, self._stop, self._thread = [], threading.Event(), None
         self._lock = threading.Lock()
 

@@ -9,15 +9,16 @@ the figures mean something on a shared, noisy machine. `kvxfer bench gather
 
 Two gathers are timed. `gather_blocks` is the jitted program (to pinned host
 arrays; its fingerprints are XLA's, which is what other backends run).
-`gather_into` is what P's connector runs: on XLA:CPU the blocks are copied with
-numpy straight into staging rows and fingerprinted in the same pass; on an
+`gather_into` is what P's connector runs, `gather_piece_into` of every unit of
+each block into staging (`kvxfer.device.pieces`): on XLA:CPU the units are
+copied with numpy straight into staging rows and summed in the same pass; on an
 accelerator, the jitted gather then a host copy into staging.
 
 On an accelerator (`scripts/accel-check`) two more figures matter, both
 measured here on every backend: `jax.device_put` of the same bytes, already on
 the device, to pinned host (what the device-to-host link gives, with no gather),
-and P's gather into pinned staging on one device, which removes `gather_into`'s
-host copy (`pinned_*`, `kvxfer.device.pinned`; `pinned_in_place` says whether
+and P's gather into pinned staging on one device, which removes that host
+copy (`pinned_*`, `kvxfer.device.pinned`; `pinned_in_place` says whether
 it ran in place: on the XLA backend, where every buffer kept its address).
 """
 
@@ -32,8 +33,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer.device.gather import bucket_size, gather_blocks, gather_into
-from kvxfer.device.pinned import PinnedRegions, pinned_regions
+from kvxfer.device.gather import bucket_size, gather_blocks
+from kvxfer.device.layout import CacheLayout
+from kvxfer.device.pieces import Piece, gather_piece_into, piece_staging
+from kvxfer.device.pinned import PinnedRegions
 from kvxfer.errors import InvalidInputError
 
 __all__ = ["run"]
@@ -151,7 +154,8 @@ def _timed(caches: list[jax.Array], ids: np.ndarray, nbytes: int, sharding: Name
     src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
     naive = _naive_path(caches, sharding)
     count = len(ids)
-    staging = [np.empty((count, *c.shape[1:]), c.dtype) for c in caches]
+    piece = Piece.local(caches)
+    staging = piece_staging(CacheLayout.from_caches(caches), piece, count)  # numpy
     rows = np.arange(count)
     on_device = _gathered_on_device(caches, ids, sharding)
     to_host = sharding.with_memory_kind("pinned_host")
@@ -160,7 +164,7 @@ def _timed(caches: list[jax.Array], ids: np.ndarray, nbytes: int, sharding: Name
         "gather": lambda: gather_blocks(caches, ids),
         "gather_fp": lambda: gather_blocks(caches, ids, fingerprints=True),
         "naive": lambda: naive(ids),
-        "gather_into": lambda: gather_into(caches, ids, staging, rows),
+        "gather_into": lambda: gather_piece_into(caches, ids, staging, rows, piece),
         "device_put": lambda: jax.device_put(on_device, to_host),
         "pinned": lambda: pinned(ids),
     }
@@ -178,18 +182,17 @@ class _Pinned:
         if mesh.size != 1:  # made there: resharding 8 ways onto one device is slow on CPU
             mesh = Mesh(mesh.devices.reshape(-1)[:1].reshape(1, 1), ("data", "model"))
             caches = remake(NamedSharding(mesh, PartitionSpec()))
-        self.caches = caches
-        shape, dtype = caches[0].shape[1:], np.dtype(caches[0].dtype)
-        self.regions = (pinned_regions(mesh, len(caches), 2 * count, shape, dtype)
-                        or [np.zeros((2 * count, *shape), dtype) for _ in caches])
+        self.caches, self.piece = caches, Piece.local(caches)
+        self.staging = piece_staging(CacheLayout.from_caches(caches), self.piece, 2 * count,
+                                     caches)
+        self.regions = self.staging.regions
         self.slots = np.arange(count) + count // 2
         self.in_place = isinstance(self.regions, PinnedRegions)
 
-    def __call__(self, ids: np.ndarray) -> np.ndarray:
+    def __call__(self, ids: np.ndarray) -> None:
         arrays = getattr(self.regions, "arrays", None)
-        prints = gather_into(self.caches, ids, self.regions, self.slots)
+        gather_piece_into(self.caches, ids, self.staging, self.slots, self.piece)
         self.in_place &= arrays is not None and all(a.is_deleted() for a in arrays)
-        return prints
 
 
 def _gathered_on_device(caches: list[jax.Array], ids: np.ndarray,

@@ -4,11 +4,10 @@ A connector's worker side picks one at construction (`for_caches`), from its
 caches, and calls it wherever the two cases differ:
 
 - `OneProcess`: this process addresses every shard of the caches. Each
-  group's staging holds whole blocks, gathered with fingerprints
-  (`kvxfer.device.gather`); what this process saw is the instance's view.
-- `InUnits`: this process addresses every shard, but stages each block
-  unit-major as one piece of all its units (`ConnectorConfig.stage_units`), so
-  that it pairs with an instance across hosts; otherwise as `OneProcess`.
+  group's staging holds the piece of all units of each block, unit-major
+  (`kvxfer.device.pieces`), as a process of an instance across hosts holds
+  its piece: so any instance pairs with any other. What this process saw is
+  the instance's view.
 - `ManyProcesses`: the caches span several JAX processes (hosts). Each stages
   only its piece of every block (`kvxfer.device.pieces`) with its own agent
   (`<name>-<process>`, found through etcd), and the processes of an instance
@@ -25,28 +24,25 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from kvxfer.connector.config import ConnectorConfig
-from kvxfer.device.fingerprint import compare_fingerprints
-from kvxfer.device.gather import gather_into, host_threads, precompile, scatter_blocks, staging_regions
+from kvxfer.device.gather import host_threads
 from kvxfer.device.layout import CacheLayout
 from kvxfer.device.pieces import (
     Piece,
     gather_piece_into,
+    piece_prints,
     piece_staging,
     precompile_piece,
     process_pieces,
     scatter_piece,
-    unit_sums,
 )
-from kvxfer.device.staging import Staging
-from kvxfer.errors import CorruptionError, InvalidInputError, LayoutMismatchError
+from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.agreement import agree, shared_instance, spans_processes
 from kvxfer.nixl.wire import Source
 
-__all__ = ["InUnits", "ManyProcesses", "OneProcess", "Spans", "for_caches", "per_group"]
+__all__ = ["ManyProcesses", "OneProcess", "Spans", "for_caches", "per_group"]
 
 Caches = Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
 
@@ -83,22 +79,37 @@ def for_caches(config: object, caches: Caches) -> OneProcess:
     layouts = [CacheLayout.from_caches(c, config.kernel_ratio) for c in groups]
     if spans_processes(groups[0]):
         return ManyProcesses(config, layouts, groups)
-    if config.stage_units:
-        return InUnits(config, layouts, groups)
-    return OneProcess(config, layouts, [c[0].sharding.mesh for c in groups])
+    return OneProcess(config, layouts, groups)
 
 
 class OneProcess:
-    """An instance whose caches this process addresses whole."""
+    """An instance whose caches this process addresses whole: it stages the piece of all
+    units of each block, cut along the axis the caches' layout names (`split_axis`), as an
+    instance across hosts stages its pieces, so that the two pair."""
 
-    piece: tuple[int, int, int] | None = None
-    """`(lo, hi, units)` this process stages of each block; None: whole blocks."""
     agrees = False
     """Whether the processes of the instance agree on each request before acting on it."""
 
-    def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout], meshes: list[Mesh]):
-        self.config, self.layouts = config, layouts
-        self.stagings = [_staging(config, layout, mesh) for layout, mesh in zip(layouts, meshes)]
+    def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout],
+                 groups: list[list[jax.Array]]):
+        pieces = [Piece.local(c) for c in groups]  # per group: the same units, maybe another axis
+        if any((p.units, p.lo, p.hi) != (pieces[0].units, pieces[0].lo, pieces[0].hi)
+               for p in pieces):
+            raise LayoutMismatchError(f"KV cache groups cut blocks into different pieces on "
+                                      f"this process: {pieces}")
+        self.config, self.layouts, self.pieces = config, layouts, pieces
+        self.stagings = [piece_staging(layout, piece, config.staging_blocks, caches)
+                         for layout, piece, caches in zip(layouts, pieces, groups)]
+        first = pieces[0]
+        self.piece = (first.lo, first.hi, first.units)
+        """`(lo, hi, units)` this process stages of each block."""
+        self.sources = [Source(self.agent_name(process), p.lo, p.hi)
+                        for process, p in process_pieces(groups[0]).items()]
+        """Every process of the instance and the units it stages, named in P's params."""
+
+    def agent_name(self, process: int) -> str:
+        """The agent that stages process `process`'s piece."""
+        return self.config.transport.name
 
     @property
     def transport_config(self) -> TransportConfig:
@@ -110,18 +121,13 @@ class OneProcess:
         return (0, 1)
 
     @property
-    def sources(self) -> list[Source]:
-        """Every P process and the units it stages, for params; [] for one process."""
-        return []
-
-    @property
     def units(self) -> int:
-        return 0
+        return self.pieces[0].units
 
     @property
-    def unit_axes(self) -> list[int] | None:
-        """Per group, the block axis its pieces cut; None: whole blocks."""
-        return None
+    def unit_axes(self) -> list[int]:
+        """Per group, the block axis its pieces cut."""
+        return [p.axis for p in self.pieces]
 
     def instance(self, instance: str | None) -> str | None:
         """P's instance id: the scheduler side's, or None to draw one."""
@@ -133,26 +139,23 @@ class OneProcess:
 
     def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
                slots: np.ndarray) -> None:
-        """Copy blocks `ids` of group `g` into `slots`, with their fingerprints."""
-        staging = self.stagings[g]
-        prints = gather_into(caches, ids, staging.regions, slots)
-        staging.prints[slots] = prints.transpose(1, 0, 2)
+        """Copy this process's units of blocks `ids` of group `g` into `slots`, with their
+        sums."""
+        gather_piece_into(caches, ids, self.stagings[g], slots, self.pieces[g])
 
     def scatter(self, g: int, caches: list[jax.Array], ids: np.ndarray, rows: np.ndarray,
                 spans: Spans, bad: dict[str, str]) -> list[jax.Array]:
-        """Scatter staging rows into blocks `ids`; a request whose blocks do not match P's
-        fingerprints goes into `bad` (request id -> reason)."""
+        """Scatter this process's units from staging rows into blocks `ids`; a request whose
+        blocks as they landed do not sum as P's did goes into `bad` (request id -> reason)."""
         staging = self.stagings[g]
-        if not self.config.verify_fingerprints:
-            return scatter_blocks(caches, staging.regions, ids, rows=rows)
-        caches, got = scatter_blocks(caches, staging.regions, ids, rows=rows, fingerprints=True)
-        expected = staging.prints[rows].transpose(1, 0, 2)  # P's, read with the blocks
-        for req_id, start, count in spans:
-            try:
-                compare_fingerprints(got[:, start : start + count],
-                                     expected[:, start : start + count])
-            except CorruptionError as e:
-                bad[req_id] = f"group {g}: {e}"
+        caches, got = scatter_piece(caches, staging, ids, rows, self.pieces[g],
+                                    sums=self.config.verify_fingerprints)
+        if got is not None:
+            expected = piece_prints(staging, rows)  # P's, read with the blocks
+            for req_id, start, count in spans:
+                if not np.array_equal(got[:, start : start + count],
+                                      expected[:, start : start + count]):
+                    bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
         return caches
 
     def precompile(self, caches: Caches, saves: bool) -> int:
@@ -163,15 +166,13 @@ class OneProcess:
         if not self.config.precompile:
             return 0
         groups, _ = per_group(caches)
-        return sum(self._precompile(g, c, staging.num_slots if saves
-                                    else min(staging.num_slots, layout.num_blocks), saves)
-                   for g, (c, staging, layout) in enumerate(zip(groups, self.stagings,
-                                                                self.layouts)))
-
-    def _precompile(self, g: int, caches: Sequence[jax.Array], max_blocks: int,
-                    saves: bool) -> int:
-        return precompile(caches, self.stagings[g].regions, max_blocks, saves=saves,
-                          loads=not saves, fingerprints=self.config.verify_fingerprints)
+        return sum(precompile_piece(c, staging, piece,
+                                    staging.num_slots if saves
+                                    else min(staging.num_slots, layout.num_blocks),
+                                    saves=saves, loads=not saves,
+                                    sums=self.config.verify_fingerprints)
+                   for c, staging, layout, piece in zip(groups, self.stagings, self.layouts,
+                                                        self.pieces))
 
     def released(self, freed: list[str], held: list[str]) -> list[str]:
         """P: the requests whose slots the scheduler side may reuse, of those freed here."""
@@ -187,68 +188,7 @@ class OneProcess:
         """D: a request bad on any process is bad on this one."""
 
 
-class InUnits(OneProcess):
-    """An instance whose caches this process addresses whole, staged unit-major: one piece of
-    every unit of each block, as an instance across hosts stages its pieces."""
-
-    def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout],
-                 groups: list[list[jax.Array]]):
-        pieces = [Piece.local(c) for c in groups]  # per group: the same units, maybe another axis
-        if any((p.units, p.lo, p.hi) != (pieces[0].units, pieces[0].lo, pieces[0].hi)
-               for p in pieces):
-            raise LayoutMismatchError(f"KV cache groups cut blocks into different pieces on "
-                                      f"this process: {pieces}")
-        self.config, self.layouts, self.pieces = config, layouts, pieces
-        self.stagings = [piece_staging(layout, piece, config.staging_blocks, caches)
-                         for layout, piece, caches in zip(layouts, pieces, groups)]
-        first = pieces[0]
-        self.piece = (first.lo, first.hi, first.units)
-        self._sources = [Source(self.agent_name(process), p.lo, p.hi)
-                         for process, p in process_pieces(groups[0]).items()]
-
-    def agent_name(self, process: int) -> str:
-        """The agent that stages process `process`'s piece."""
-        return self.config.transport.name
-
-    @property
-    def sources(self) -> list[Source]:
-        return list(self._sources)
-
-    @property
-    def units(self) -> int:
-        return self.pieces[0].units
-
-    @property
-    def unit_axes(self) -> list[int] | None:
-        return [p.axis for p in self.pieces]
-
-    def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
-               slots: np.ndarray) -> None:
-        """Copy this process's units of blocks `ids` into `slots`, with their sums."""
-        gather_piece_into(caches, ids, self.stagings[g], slots, self.pieces[g])
-
-    def _precompile(self, g: int, caches: Sequence[jax.Array], max_blocks: int,
-                    saves: bool) -> int:
-        return precompile_piece(caches, self.stagings[g], self.pieces[g], max_blocks,
-                                saves=saves, loads=not saves,
-                                sums=self.config.verify_fingerprints)
-
-    def scatter(self, g: int, caches: list[jax.Array], ids: np.ndarray, rows: np.ndarray,
-                spans: Spans, bad: dict[str, str]) -> list[jax.Array]:
-        """This process's units, checked against P's sums of them."""
-        staging = self.stagings[g]
-        caches, got = scatter_piece(caches, staging, ids, rows, self.pieces[g],
-                                    sums=self.config.verify_fingerprints)
-        if got is not None:
-            expected = unit_sums(staging, rows)
-            for req_id, start, count in spans:
-                if not np.array_equal(got[:, start : start + count],
-                                      expected[:, start : start + count]):
-                    bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
-        return caches
-
-
-class ManyProcesses(InUnits):
+class ManyProcesses(OneProcess):
     """An instance whose caches span several processes: each stages its piece of every block."""
 
     agrees = True
@@ -322,16 +262,6 @@ class ManyProcesses(InUnits):
         for req_id, is_bad in zip(list(loads), everywhere):
             if is_bad and req_id not in bad:
                 bad[req_id] = "its blocks failed verification on another process"
-
-
-def _staging(config: ConnectorConfig, layout: CacheLayout, mesh: Mesh) -> Staging:
-    """Whole-block staging for caches on `mesh`: pinned-host buffers the XLA backend's gather
-    writes in place where the caches are on one device (`kvxfer.device.pinned`), else
-    numpy regions."""
-    regions = staging_regions(mesh, layout.num_layers, config.staging_blocks,
-                              layout.block_shape, layout.np_dtype)
-    return Staging(layout.num_layers, config.staging_blocks, layout.block_shape,
-                   layout.np_dtype, regions=regions)
 
 
 def _agent_name(config: ConnectorConfig, process: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from kvxfer.errors import InvalidInputError
@@ -24,12 +25,9 @@ class ConnectorConfig:
     - `precompile`: at start-up, compile every program a save (P) or load (D) of any
       size runs on the XLA backend (`kvxfer.device.gather.precompile`), so that none compiles
       on the transfer path; nothing compiles on the numpy backend.
-    - `stage_units`: an instance in one process stages each block unit-major, in the
-      pieces an instance across hosts stages (`kvxfer.device.pieces`), instead of as a
-      whole block. P and D pair only when both stage blocks or both stage units, and an
-      instance across hosts always stages units: an instance on one host that pairs with
-      one across hosts sets it (D on one host reading from P over several, or P on one
-      host read by D over several). Streams (`StreamParams`) move whole blocks only.
+    - `stage_units`: deprecated, ignored. Every instance stages each block unit-major, as
+      the pieces an instance across hosts stages (`kvxfer.device.pieces`), so any instance
+      pairs with any other; True still passes, with a `DeprecationWarning`.
     """
 
     transport: TransportConfig
@@ -52,3 +50,7 @@ class ConnectorConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(
                     f"ConnectorConfig {name} must be a bool, got {getattr(self, name)!r}")
+        if self.stage_units:
+            warnings.warn("ConnectorConfig stage_units is deprecated and ignored: every instance "
+                          "now stages units, so any instance pairs with any other",
+                          DeprecationWarning, stacklevel=3)

@@ -81,7 +81,7 @@ class DecodeConnector:
         Each block P sends lands in the entry of D's table at its position. With
         `kvxfer.nixl.wire.StreamParams` as params, D reads the request while P still
         prefills it, each block as soon as P names it final, and writes it into
-        the caches as it arrives (a D staging whole blocks; one in units refuses it). A
+        the caches as it arrives (a D in one process; one across hosts refuses it). A
         request whose params or table are bad (or that is not a `LoadRequest`) is
         failed alone, reported by the next `get_finished`; a request id already
         loading raises `InvalidInputError` before anything starts.

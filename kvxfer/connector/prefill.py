@@ -66,12 +66,12 @@ class PrefillWorker:
 
     @property
     def sources(self) -> list[Source]:
-        """Every process of a P that spans several (its agent, the units it stages); else []."""
+        """Every process of P (its agent, the units it stages of each block)."""
         return self.processes.sources
 
     @property
     def units(self) -> int:
-        """The units a block is cut into, with `sources`; 0 for one process."""
+        """The units a block is cut into (`sources` name ranges of them)."""
         return self.processes.units
 
     def save(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],

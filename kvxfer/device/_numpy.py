@@ -32,31 +32,10 @@ from kvxfer.device.layout import CacheLayout
 from kvxfer.errors import InvalidInputError
 
 __all__ = ["BufferHashes", "buffer_view", "copy_then_hash", "fingerprint",
-           "gather_into", "host_threads", "own_buffers", "run_per_shard", "scatter"]
+           "host_threads", "own_buffers", "run_per_shard", "scatter"]
 
 
 # The backend: what `kvxfer.device.gather` calls once its inputs are checked.
-
-
-def gather_into(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], ids: np.ndarray,
-                regions: Sequence[np.ndarray], dst: np.ndarray) -> np.ndarray:
-    """Copy blocks `ids` into rows `dst` of `regions` from the caches' buffers; their prints."""
-    jax.block_until_ready(list(caches))
-    hashes = BufferHashes.of(layout, ids)
-    if hashes is None:  # pieces that are not whole words: hash on device meanwhile
-        prints = _xla.fingerprint_async(layout, mesh, caches, ids)
-    copies = RowCopies(ids, dst, ids_are_dst=False)
-    tasks = []
-    for layer, (cache, region) in enumerate(zip(caches, regions)):
-        for shard in cache.addressable_shards:
-            if shard.replica_id == 0:
-                tasks.append(functools.partial(
-                    copy_then_hash, copies, shard, region[(slice(None), *shard.index[1:])],
-                    buffer_view(shard.data), hashes, layer))
-    run_per_shard(tasks)
-    if hashes is not None:
-        return hashes.result()
-    return np.asarray(prints)[:, : len(ids)]
 
 
 def scatter(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],

@@ -34,7 +34,7 @@ from kvxfer.device.layout import CacheLayout
 from kvxfer.errors import InvalidInputError
 
 __all__ = ["MIN_BUCKET", "bucket_size", "buckets_up_to", "fingerprint", "fingerprint_async",
-           "gather", "gather_into", "precompile", "scatter"]
+           "gather", "precompile", "scatter"]
 
 
 MIN_BUCKET = 8
@@ -100,14 +100,6 @@ def gather(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], ids: np
     return gather_fn(layout, mesh, fingerprints)(list(caches), bucket_ids(ids, mesh))
 
 
-def gather_into(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], ids: np.ndarray,
-                regions: Sequence[np.ndarray], dst: np.ndarray) -> np.ndarray:
-    """Gather into pinned host memory, then copy each shard's rows into rows `dst` of `regions`."""
-    blocks, prints = gather(layout, mesh, caches, ids, fingerprints=True)
-    copy_rows(blocks, regions, dst)
-    return np.asarray(prints)[:, : len(ids)]
-
-
 def scatter(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array],
             host_blocks: Sequence[jax.Array | np.ndarray], ids: np.ndarray, src: np.ndarray,
             fingerprints: bool) -> tuple[list[jax.Array], np.ndarray | None]:
@@ -134,10 +126,11 @@ def fingerprint_async(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Arra
 
 
 def precompile(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], max_blocks: int,
-               saves: bool, loads: bool, fingerprints: bool) -> int:
-    """Compile, without running, the programs `gather_into` (`saves`) and `scatter` (`loads`,
-    with `fingerprints`) run for every bucket up to `max_blocks`, with the arguments' exact
-    types and shardings (so a call finds them compiled); returns how many."""
+               saves: bool, loads: bool, fingerprints: bool, save_prints: bool = True) -> int:
+    """Compile, without running, the programs `gather` (`saves`, with `save_prints`) and
+    `scatter` (`loads`, with `fingerprints`) run for every bucket up to `max_blocks`, with
+    the arguments' exact types and shardings (so a call finds them compiled); returns how
+    many."""
     ids_on = NamedSharding(mesh, PartitionSpec())
     host = NamedSharding(mesh, layout.host_partition_spec(), memory_kind="pinned_host")
     programs = []
@@ -145,7 +138,7 @@ def precompile(layout: CacheLayout, mesh: Mesh, caches: Sequence[jax.Array], max
         ids = jax.ShapeDtypeStruct((bucket,), np.int32, sharding=ids_on)
         rows = [jax.ShapeDtypeStruct((bucket, *layout.block_shape), layout.np_dtype,
                                      sharding=host)] * layout.num_layers
-        programs += [(gather_fn(layout, mesh, True), (list(caches), ids))] if saves else []
+        programs += [(gather_fn(layout, mesh, save_prints), (list(caches), ids))] if saves else []
         programs += [(scatter_fn(layout, mesh), (list(caches), rows, ids))] if loads else []
         programs += ([(fingerprint_fn(layout, mesh), (list(caches), ids))]
                      if loads and fingerprints else [])

@@ -1,21 +1,23 @@
-"""Gather KV blocks from device caches into host memory, and scatter them back.
+"""Gather whole KV blocks from device caches into host memory, and scatter them back.
 
     host = gather_blocks(caches, block_ids)
-    prints = gather_into(caches, block_ids, staging_regions, slots)
-    caches = scatter_blocks(caches, host, block_ids)               # or rows=slots
+    caches = scatter_blocks(caches, host, block_ids)               # or rows=...
     caches, prints = scatter_blocks(caches, host, block_ids, fingerprints=True)
     prints = fingerprint_blocks(caches, block_ids)
 
-All take `list[jax.Array]` (one array per layer, blocks on axis 0, kernel
-block ids) and do all layers in one call. Each function checks its inputs,
-then makes one call into the backend `backend(mesh)` picks: `kvxfer.device._xla`
-(jitted `shard_map` programs; TPU, GPU) or `kvxfer.device._numpy` (numpy on
-the caches' own buffers; XLA:CPU). `gather_blocks` is always the XLA program:
-its output is new pinned-host arrays. A scatter writes into the donated
-caches' own buffers on both, so it costs what its blocks cost whatever the
-size of the caches. Fingerprints (`kvxfer.device.fingerprint`) are per whole block
-and independent of sharding, so D (TP 8) checks P's (TP 4) on its own
-devices. docs/internals.md has the measurements behind these choices.
+The functional API, for callers that hold their own host arrays; a connector's
+staging holds pieces and copies with `kvxfer.device.pieces` (which picks its
+backend here: `backend`, `KVXFER_BACKEND`). All take `list[jax.Array]` (one
+array per layer, blocks on axis 0, kernel block ids) and do all layers in one
+call. Each function checks its inputs, then makes one call into the backend
+`backend(mesh)` picks: `kvxfer.device._xla` (jitted `shard_map` programs; TPU,
+GPU) or `kvxfer.device._numpy` (numpy on the caches' own buffers; XLA:CPU).
+`gather_blocks` is always the XLA program: its output is new pinned-host
+arrays. A scatter writes into the donated caches' own buffers on both, so it
+costs what its blocks cost whatever the size of the caches. Fingerprints
+(`kvxfer.device.fingerprint`) are per whole block and independent of
+sharding, so D (TP 8) checks P's (TP 4) on its own devices.
+docs/internals.md has the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -229,23 +231,15 @@ def gather_into(
     regions: Sequence[np.ndarray],
     rows: Sequence[int] | np.ndarray,
 ) -> np.ndarray:
-    """Copy blocks into host arrays that already exist (staging), and fingerprint them.
+    """Deprecated: copy whole blocks into rows of existing host arrays, with their
+    fingerprints (`uint32[num_layers, n, 3]`). Staging holds pieces now
+    (`kvxfer.device.pieces.gather_piece_into`); this is `gather_blocks` then a host copy.
 
-    **Arguments:**
-
-    - `caches`: one array per layer, `[num_blocks, *block_shape]`. Not modified.
-    - `block_ids`: 1-D integer kernel block ids, `[n]`, each in `[0, num_blocks)`.
-    - `regions`: one writable numpy array per layer, `[num_rows, *block_shape]`, of the
-      caches' dtype. `PinnedRegions` on the caches' one device (`kvxfer.device.pinned`)
-      are written in place by the XLA backend, with no host copy.
-    - `rows`: the row of `regions` each block goes to, `[n]`, distinct, each in
-      `[0, num_rows)`.
-
-    **Returns:**
-
-    `uint32[num_layers, n, 3]`: the blocks' fingerprints, computed on device
-    from the caches (the same values `gather_blocks(..., fingerprints=True)` gives).
+    `regions`: one writable numpy array per layer, `[num_rows, *block_shape]`; `rows`: the
+    distinct row each block goes to.
     """
+    warnings.warn("kvxfer.device.gather.gather_into is deprecated: staging holds pieces "
+                  "(kvxfer.device.pieces.gather_piece_into)", DeprecationWarning, stacklevel=2)
     layout = CacheLayout.from_caches(caches)
     ids = check_block_ids(block_ids, layout)
     num_rows = _check_host_blocks(regions, layout, 0, "regions")
@@ -257,17 +251,16 @@ def gather_into(
             raise InvalidInputError(f"regions[{i}] must be a writable numpy array")
     if len(ids) == 0:
         return np.zeros((layout.num_layers, 0, SUMS), np.uint32)
-    mesh = caches[0].sharding.mesh
-    if (isinstance(regions, pinned.PinnedRegions) and regions.serves(mesh)
-            and backend(mesh) == "xla"):  # written in place: no host copy
-        return pinned.gather_into(layout, caches, ids, regions, dst)
-    return _backend(mesh).gather_into(layout, mesh, caches, ids, regions, dst)
+    blocks, prints = _xla.gather(layout, caches[0].sharding.mesh, caches, ids, True)
+    for region, gathered in zip(regions, blocks):
+        region[dst] = np.asarray(gathered)[: len(ids)]
+    return np.asarray(prints)[:, : len(ids)]
 
 
 def precompile(caches: Sequence[jax.Array], regions: Sequence[np.ndarray], max_blocks: int,
                *, saves: bool, loads: bool, fingerprints: bool = True) -> int:
-    """Compile, without running anything, every program that `gather_into(caches, ...,
-    regions, ...)` (`saves`) and `scatter_blocks(caches, regions, ..., fingerprints=)`
+    """Compile, without running anything, every program that `gather_blocks(caches, ...,
+    fingerprints=True)` (`saves`) and `scatter_blocks(caches, regions, ..., fingerprints=)`
     (`loads`) run for 1 to `max_blocks` blocks; returns how many were compiled.
 
     XLA compiles a program per shape, and each new block count (bucket, or
@@ -282,10 +275,7 @@ def precompile(caches: Sequence[jax.Array], regions: Sequence[np.ndarray], max_b
     mesh = caches[0].sharding.mesh
     if backend(mesh) != "xla":
         return 0
-    count = 0
-    if saves and isinstance(regions, pinned.PinnedRegions) and regions.serves(mesh):
-        count, saves = pinned.precompile(layout, caches, regions, max_blocks), False
-    return count + _xla.precompile(layout, mesh, caches, max_blocks, saves, loads, fingerprints)
+    return _xla.precompile(layout, mesh, caches, max_blocks, saves, loads, fingerprints)
 
 
 def fingerprint_blocks(

@@ -321,10 +321,10 @@ def advertised(layouts: Sequence[CacheLayout], model: Mapping[str, Any] | None =
     sliding window; `kvxfer.vllm.model_description`), which must be the same on
     both sides; None describes nothing (and matches only nothing).
 
-    `unit_axes`: per group, the block axis a side staging pieces cuts blocks along
-    (`kvxfer.device.pieces.split_axis`); None for whole blocks. Two sides that cut the
-    same number of units along different axes stage the same bytes laid out differently:
-    the axis is part of what fixes a staged block's bytes."""
+    `unit_axes`: per group, the block axis a side's pieces cut blocks along
+    (`kvxfer.device.pieces.split_axis`); None: not said. Two sides that cut the same
+    number of units along different axes stage the same bytes laid out differently: the
+    axis is part of what fixes a staged block's bytes."""
     if model is not None and not isinstance(model, Mapping):
         raise InvalidInputError(f"model must be None or a dict describing the model, got "
                                 f"{model!r:.80}")
@@ -342,9 +342,9 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
     """Raise `LayoutMismatchError` unless blocks can move between two sides: the one check.
 
     Both are `advertised(...)` dicts. Every group's blocks must have the same
-    bytes (`BLOCK_FIELDS`), and sides staging pieces must cut them along the same block
-    axis (`unit_axis`); the number of blocks and the sharding may differ
-    (P at TP 4, D at TP 8: each side stages whole blocks and re-shards). The
+    bytes (`BLOCK_FIELDS`), cut into units along the same block axis (`unit_axis`);
+    the number of blocks and the sharding may differ (P at TP 4, D at TP 8: each
+    side stages the units it holds and re-shards). The
     model descriptions must be equal. The error lists each differing field,
     with both values.
     """
@@ -360,6 +360,10 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
         for key in (*BLOCK_FIELDS, "unit_axis")
         if not isinstance(t, Mapping) or not _same(o.get(key), t.get(key))
     ]
+    if any(" unit_axis: " in d for d in diffs):
+        diffs.append("a side cuts its blocks along the last inner axis its caches' "
+                     "PartitionSpec names (axis 0 where it names none): name the same axes "
+                     "on both sides, as tpu-inference names the heads at any TP")
     if diffs:
         raise LayoutMismatchError("peer cache layout differs: " + "; ".join(diffs))
     ours, theirs = local.get("model") or {}, remote.get("model")

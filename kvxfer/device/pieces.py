@@ -1,25 +1,31 @@
-"""A process's piece of every block, for instances that span hosts.
+"""Staging: a process's piece of every block, gathered into it and scattered out of it.
 
-An instance on several hosts is several JAX processes sharing one mesh; each
-addresses only its own shards, so each stages, registers and moves only its
-piece of each block, and nothing crosses between the hosts of one instance:
+Every instance stages pieces. One in a single process stages the piece of
+every unit of each block; one on several hosts is several JAX processes
+sharing one mesh, each addressing only its own shards, so each stages,
+registers and moves only its piece, and nothing crosses between the hosts
+of one instance:
 
     piece = Piece.local(caches)                     # this process's units of each block
     staging = piece_staging(layout, piece, slots)   # registered with this process's agent
-    gather_piece_into(caches, ids, staging, slots, piece)            # P
-    caches, sums = scatter_piece(caches, staging, ids, slots, piece)  # D
+    gather_piece_into(caches, ids, staging, slots, piece)              # P
+    caches, prints = scatter_piece(caches, staging, ids, slots, piece)  # D
 
-A block is cut along its one sharded inner axis into `units`; a process
-holds units `[lo, hi)`. Slots are unit-major, so any range of units of a
-block is one run of bytes on both sides. Each unit's words are summed with
-the fingerprint's weights (`kvxfer.device.fingerprint`), so P and D may cut blocks
-differently and still compare.
+A block is cut into `units` along its unit axis (`split_axis`: the last inner
+axis the caches' spec names); a process holds units `[lo, hi)`. Slots are
+unit-major, so any range of units of a block is one run of bytes on both
+sides. Each unit's words are summed with the fingerprint's weights
+(`kvxfer.device.fingerprint`), so P and D may cut blocks differently and
+still compare.
 
 Both backends of `kvxfer.device.gather` are built, chosen as it chooses them
 (`KVXFER_BACKEND`): the numpy backend copies and sums with numpy on the
-buffers of XLA:CPU shards; the XLA backend (TPU, GPU, or XLA:CPU selected)
-runs jitted programs on a mesh of this process's own devices
-(`kvxfer.device._xla_pieces`).
+buffers of XLA:CPU shards, whatever their sharding; the XLA backend (TPU,
+GPU, or XLA:CPU selected) runs jitted programs on a mesh of this process's
+own devices (`kvxfer.device._xla_pieces`) where those split blocks along the
+unit axis alone, and otherwise (data parallel or DCP caches, in one process)
+the whole-block programs of `kvxfer.device._xla` with the copy into unit-major
+slots and the units' sums on the host.
 """
 
 
@@ -34,7 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvxfer.device import _xla_pieces
+from kvxfer.device import _xla, _xla_pieces
 from kvxfer.device._numpy import (
     BufferHashes,
     buffer_view,
@@ -44,7 +50,7 @@ from kvxfer.device._numpy import (
     run_per_shard,
 )
 from kvxfer.device._rows import RowCopies
-from kvxfer.device.fingerprint import SUMS, piece_weights, reduce_sums, sums_words, word_sums
+from kvxfer.device.fingerprint import SUMS, fmix32, piece_weights, reduce_sums, sums_words, word_sums
 from kvxfer.device.gather import (
     backend_for,
     check_block_ids,
@@ -58,12 +64,12 @@ from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.plan.blocks import coalesce, is_int
 
 __all__ = ["Piece", "gather_piece_into", "piece_shape", "piece_staging", "precompile_piece",
-           "process_pieces", "scatter_piece", "split_axis", "unit_sums"]
+           "piece_prints", "process_pieces", "scatter_piece", "split_axis"]
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Units `[lo, hi)` of a block's split axis `axis` (an index into `block_shape`)."""
+    """Units `[lo, hi)` of a block's unit axis `axis` (an index into `block_shape`)."""
 
     axis: int
     units: int
@@ -92,45 +98,45 @@ class Piece:
 
 
 def split_axis(layout: CacheLayout) -> int:
-    """The block axis (index into `block_shape`) a piece cuts: the one sharded inner axis.
+    """The block axis (index into `block_shape`) a piece cuts: the last inner axis the
+    caches' spec names, else 0.
 
-    Where no inner axis is split, the one inner axis the spec names on mesh axes of size 1
-    (tpu-inference's `P('data', None, 'model')` on one device cuts along the heads as at
-    any TP), else 0 (replicated caches). Raises `LayoutMismatchError` for a sharded block
-    axis or several sharded inner axes. A block axis named on mesh axes of size 1 is not
-    sharded: tpu-inference's caches are `P('data', None, 'model')` with a `data` axis of 1.
+    From the names alone, not the sizes of the mesh axes they name, so instances that
+    shard alike-named caches differently (TP 1 against TP 8, one host or several) cut
+    alike and pair: tpu-inference names the heads at any TP (`P('data', None, 'model')`)
+    and the tokens too where DCP splits them (`P(BATCH, KV_CONTEXT, KV_HEAD)`: the heads
+    are last). Caches that name no inner axis (replicated, `P()`) cut along axis 0.
     """
-    if math.prod(dict(layout.mesh_axes)[n] for n in layout.spec[0]) > 1:
-        raise LayoutMismatchError(
-            f"caches shard the block axis over {layout.spec[0]}: pieces across hosts need "
-            f"every process to hold every block (spec {layout.spec})")
-    split = [a for a, grid in enumerate(layout.shard_grid) if grid > 1]
-    if len(split) > 1:
-        raise LayoutMismatchError(
-            f"caches split blocks along axes {split} of {layout.block_shape} (spec "
-            f"{layout.spec}): pieces across hosts cut blocks along one axis")
-    if split:
-        return split[0]
     named = [a for a, entry in enumerate(layout.spec[1:]) if entry]
-    return named[0] if len(named) == 1 else 0
+    return named[-1] if named else 0
 
 
 def process_pieces(caches: Sequence[jax.Array]) -> dict[int, Piece]:
     """Every process's piece of the caches' blocks, by `process_index`.
 
     From the sharding alone, so every process (and the scheduler side on any of them)
-    computes the same map. Raises `LayoutMismatchError` where a process's
-    shards do not make one contiguous range of units.
+    computes the same map. Raises `LayoutMismatchError` where a process's shards do not
+    make one contiguous range of units, or miss part of the blocks of its units (the
+    caches split the blocks across processes along another axis).
     """
     layout = CacheLayout.from_caches(caches)
     axis = split_axis(layout)
     units = layout.block_shape[axis]
-    ranges: dict[int, set[tuple[int, int]]] = {}
+    rest = layout.num_blocks * math.prod(layout.block_shape) // units  # one unit of every block
+    boxes: dict[int, dict[tuple[int, int], set[tuple[tuple[int, int], ...]]]] = {}
     for device, index in caches[0].sharding.devices_indices_map(layout.shape).items():
-        lo, hi, _ = index[1 + axis].indices(units)
-        ranges.setdefault(device.process_index, set()).add((lo, hi))
+        box = tuple(s.indices(n)[:2] for s, n in zip(index, layout.shape))
+        span = box[1 + axis]
+        boxes.setdefault(device.process_index, {}).setdefault(span, set()).add(
+            box[: 1 + axis] + box[2 + axis :])
     pieces = {}
-    for process, held in sorted(ranges.items()):
+    for process, held in sorted(boxes.items()):
+        if any(sum(math.prod(hi - lo for lo, hi in box) for box in others) != rest
+               for others in held.values()):
+            raise LayoutMismatchError(
+                f"process {process} holds part of the blocks of its units (spec "
+                f"{layout.spec}): an instance across hosts splits blocks across processes "
+                f"along block axis {axis} only (the last one its spec names)")
         spans = sorted(held)
         if any(a[1] != b[0] and a != b for a, b in zip(spans, spans[1:])):
             raise LayoutMismatchError(
@@ -163,7 +169,8 @@ def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int,
                                 f"jax.Arrays, got {caches!r:.80}")
     regions = None
     if caches is not None:
-        mesh = _xla_pieces.local_mesh(_one_replica(caches[0], piece), piece)
+        mesh = (_xla_pieces.local_mesh(_one_replica(caches[0], piece), piece)
+                if _local_view_fits(layout, piece) else caches[0].sharding.mesh)
         regions = staging_regions(mesh, layout.num_layers, num_slots, shape, layout.np_dtype)
     return Staging(layout.num_layers, num_slots, shape, layout.np_dtype,
                    prints_per_layer=piece.count, regions=regions)
@@ -180,23 +187,31 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
     ids, dst = _check_piece_call(layout, block_ids, staging, slots, piece, distinct_ids=False)
     if len(ids) == 0:
         return
-    if _backend() == "xla":
+    backend = _backend()
+    if backend == "xla" and _local_view_fits(layout, piece):
         view = _xla_pieces.local_view(caches, [_one_replica(c, piece) for c in caches], piece)
         _xla_pieces.gather(layout, view, ids, piece.axis, _unit_weights(layout, piece),
                            staging.regions, staging.prints, dst)
         return
-    jax.block_until_ready(list(caches))
-    copies = RowCopies(ids, dst, ids_are_dst=False)
+    if backend == "xla":  # blocks split otherwise too, in this one process: whole blocks
+        mesh = caches[0].sharding.mesh
+        sources = [[(s, np.asarray(s.data)) for s in rows.addressable_shards if s.replica_id == 0]
+                   for rows in _xla.gather(layout, mesh, caches, ids, False)]
+        copies = RowCopies(np.arange(len(ids)), dst, ids_are_dst=False)
+    else:
+        jax.block_until_ready(list(caches))
+        sources = [[(s, buffer_view(s.data)) for s in _one_replica(c, piece)] for c in caches]
+        copies = RowCopies(ids, dst, ids_are_dst=False)
     runs = coalesce(np.sort(dst).tolist())
 
-    def copy_layer(layer: int, cache: jax.Array, region: np.ndarray) -> None:
+    def copy_layer(layer: int, shards: list, region: np.ndarray) -> None:
         view = _block_order(region, piece)
-        for shard in _one_replica(cache, piece):
-            copies.copy(shard, view[_local_index(shard, piece)], buffer_view(shard.data))
+        for shard, data in shards:
+            copies.copy(shard, view[_local_index(shard, piece)], data)
         _sum_units(layout, staging, layer, runs, piece)  # the rows just copied, while in cache
 
-    run_per_shard([functools.partial(copy_layer, layer, cache, region)
-                   for layer, (cache, region) in enumerate(zip(caches, staging.regions))])
+    run_per_shard([functools.partial(copy_layer, layer, shards, region)
+                   for layer, (shards, region) in enumerate(zip(sources, staging.regions))])
 
 
 def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
@@ -207,21 +222,25 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     The caches are donated. On the numpy backend every process of the instance calls
     this with the same block ids (the donation is one program over the whole mesh); on
     the XLA backend each process donates and writes only its own shards. Returns the
-    new caches and `uint32[num_layers, n, 3]`: the unmixed sums of what landed in
-    this process's shards (one replica of each unit range), to compare with
-    P's per-unit sums over `[piece.lo, piece.hi)` combined (`unit_sums`);
-    None with `sums=False` (nothing is hashed).
+    new caches and `uint32[num_layers, n, 3]`: the fingerprints of what landed in this
+    process's shards of the piece (one replica of each), to compare with P's per-unit
+    sums over `[piece.lo, piece.hi)` (`piece_prints`); None with `sums=False` (nothing
+    is hashed).
     """
     check_flag("sums", sums)
     layout = CacheLayout.from_caches(caches)
     ids, src = _check_piece_call(layout, block_ids, staging, slots, piece, distinct_ids=True)
     if len(ids) == 0:
         return list(caches), np.zeros((layout.num_layers, 0, SUMS), np.uint32) if sums else None
-    if _backend() == "xla":  # the sums, when wanted, are taken in the same program
+    if _backend() == "xla" and _local_view_fits(layout, piece):  # sums in the same program
         view = _xla_pieces.local_view(caches, [_held_shards(c, piece) for c in caches], piece)
         new, landed = _xla_pieces.scatter(layout, caches, view, staging.regions, src, ids,
                                           piece.axis, _unit_weights(layout, piece), sums)
-        return new, None if landed is None else reduce_sums(landed, axis=1).transpose(1, 0, 2)
+        return new, None if landed is None else fmix32(reduce_sums(landed, 1).transpose(1, 0, 2))
+    if _backend() == "xla":  # blocks split otherwise too, in this one process: whole blocks
+        rows = [np.ascontiguousarray(_block_order(region, piece)[src]) for region in staging.regions]
+        return _xla.scatter(layout, caches[0].sharding.mesh, caches, rows, ids,
+                            np.arange(len(ids)), sums)
     threads = host_threads()  # a bad setting is refused before the caches are donated
     new = own_buffers(layout, caches[0].sharding.mesh)(list(caches))
     jax.block_until_ready(new)
@@ -235,7 +254,7 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
                 copy_then_hash, copies, shard, buffer_view(shard.data),
                 view[_local_index(shard, piece)], hashes if first else None, layer))
     run_per_shard(tasks, threads)
-    return new, None if hashes is None else hashes.sums
+    return new, None if hashes is None else hashes.result()
 
 
 def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece,
@@ -250,6 +269,9 @@ def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece
     check_precompile_args(max_blocks, saves=saves, loads=loads, sums=sums)
     if _backend() != "xla":
         return 0
+    if not _local_view_fits(layout, piece):
+        return _xla.precompile(layout, caches[0].sharding.mesh, caches, max_blocks, saves, loads,
+                               sums, save_prints=False)
     weights, count = _unit_weights(layout, piece), 0
     for wanted, shards, gathers in ((saves, _one_replica, True), (loads, _held_shards, False)):
         if wanted:  # a gather reads one replica, a scatter writes all: other views
@@ -259,28 +281,43 @@ def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece
     return count
 
 
-def unit_sums(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+def piece_prints(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndarray:
     """`uint32[num_layers, n, 3]`: each slot's per-unit sums combined (`P` by XOR, `L` and
-    `H` mod 2**32)."""
+    `H` mod 2**32) and mixed: the fingerprint of the slot's piece, which for a piece of
+    every unit is the block's (`kvxfer.device.gather.fingerprint_blocks`)."""
     prints = staging.prints[np.asarray(slots, np.int64)]  # [n, units, layers, 3]
-    return reduce_sums(prints, axis=1).transpose(1, 0, 2)
+    return fmix32(reduce_sums(prints, axis=1).transpose(1, 0, 2))
 
 
 def _check_words(layout: CacheLayout, piece: Piece) -> None:
-    """A piece cuts blocks along their split axis; where nothing splits them (one device,
-    or replicas), a whole block cut along any axis is a piece too."""
-    axis = split_axis(layout)  # refuses a sharded block axis
-    unsplit = all(g == 1 for g in layout.shard_grid)
-    fits = piece.lo == 0 and piece.hi == piece.units if unsplit else piece.axis == axis
+    """A piece cuts blocks along their unit axis (`split_axis`); a piece of every unit may
+    cut them along any axis. Every unit's innermost run, and every shard's, is whole
+    32-bit words (what the sums add)."""
+    whole = piece.lo == 0 and piece.hi == piece.units
     if (piece.axis >= len(layout.block_shape) or layout.block_shape[piece.axis] != piece.units
-            or not fits):
+            or not (whole or piece.axis == split_axis(layout))):
         raise LayoutMismatchError(f"piece {piece} does not cut blocks of {layout.block_shape} "
-                                  f"(spec {layout.spec}) along their split axis")
-    if not sums_words(layout, layout.block_shape[-1]) or piece.axis == len(layout.block_shape) - 1:
+                                  f"(spec {layout.spec}) along their unit axis")
+    if (not sums_words(layout, layout.shard_block_shape[-1])
+            or piece.axis == len(layout.block_shape) - 1):
         raise LayoutMismatchError(
-            f"blocks of {layout.block_shape} {layout.dtype} split along axis {piece.axis}: a "
-            f"unit's innermost run must be whole 32-bit words, and not the split axis itself")
-    _backend()  # a bad KVXFER_BACKEND is refused before anything moves
+            f"blocks of {layout.block_shape} {layout.dtype} (spec {layout.spec}) cut along axis "
+            f"{piece.axis}: a unit's and a shard's innermost run must be whole 32-bit words, "
+            f"and not the unit axis itself")
+    if (_backend() == "xla" and not _local_view_fits(layout, piece)  # a bad KVXFER_BACKEND
+            and jax.process_count() > 1):  # is refused here too
+        raise LayoutMismatchError(
+            f"caches split blocks along axes other than the unit axis {piece.axis} (spec "
+            f"{layout.spec}) on this process of an instance across hosts: the XLA backend "
+            f"copies pieces of those only in an instance of one process")
+
+
+def _local_view_fits(layout: CacheLayout, piece: Piece) -> bool:
+    """Whether this process's shards are a view `_xla_pieces` runs on: blocks split along
+    the unit axis alone."""
+    sizes = dict(layout.mesh_axes)
+    return all(math.prod(sizes[n] for n in entry) == 1
+               for a, entry in enumerate(layout.spec) if a != 1 + piece.axis)
 
 
 def _backend() -> str:
@@ -320,7 +357,7 @@ def _block_order(region: np.ndarray, piece: Piece) -> np.ndarray:
 def _local_index(shard: jax.Shard, piece: Piece) -> tuple[slice, ...]:
     """Where `shard`'s part of a block sits in a block-order view of `piece`'s slots."""
     lo, hi, _ = shard.index[1 + piece.axis].indices(piece.units)
-    index = [slice(None)] * len(shard.index)
+    index = [slice(None), *shard.index[1:]]
     index[1 + piece.axis] = slice(lo - piece.lo, hi - piece.lo)
     return tuple(index)
 
@@ -339,11 +376,11 @@ def _held_shards(cache: jax.Array, piece: Piece) -> list[jax.Shard]:
 
 
 def _replicas(cache: jax.Array, piece: Piece) -> list[tuple[jax.Shard, bool]]:
-    """The shards inside `piece`, each with whether it is the first of its range of units
-    (by index: shard objects are not kept, so their ids say nothing)."""
+    """The shards inside `piece`, each with whether it is the first of its ranges of blocks
+    and units (by index: shard objects are not kept, so their ids say nothing)."""
     seen, out = set(), []
     for shard in _held_shards(cache, piece):
-        key = shard.index[1 + piece.axis].indices(piece.units)
+        key = tuple(s.indices(n) for s, n in zip(shard.index, cache.shape))
         out.append((shard, key not in seen))
         seen.add(key)
     return out

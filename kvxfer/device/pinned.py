@@ -2,14 +2,16 @@
 
 On the XLA backend a gather lands its blocks in pinned host memory, and
 copying them from there into staging NIXL registered is one more host copy
-of every byte. Where the caches live on one device (one GPU or TPU chip per
-process), staging avoids it: each layer's region is a pinned-host
-`jax.Array` on that device, `[num_slots, *block_shape]` of the unsigned type
-of the caches' width, and P's gather is a jitted program that donates the
-regions and writes its rows into them with `dynamic_update_slice` at the
-slot, which XLA aliases to its output: the rows go from the device straight
-into the registered bytes, and every buffer keeps its address (the form
-`kvxfer bench gather` measures as `pinned_*`). The regions are also numpy
+of every byte. Where one device holds a process's piece (one GPU or TPU chip
+per process), staging avoids it: each layer's region is a pinned-host
+`jax.Array` on that device, `[num_slots, *slot_shape]` of the unsigned type
+of the caches' width, allocated here (`pinned_regions`), and P's gather
+(`kvxfer.device._xla_pieces`, through `write_chunks`) is a jitted program
+that donates the regions and writes its unit-major rows into them with
+`dynamic_update_slice` at the slot, which XLA aliases to its output: the
+rows go from the device straight into the registered bytes, and every
+buffer keeps its address (the form `kvxfer bench gather` measures as
+`pinned_*`). The regions are also numpy
 arrays over the same bytes (`PinnedRegions` is a sequence of them), so NIXL
 registers them, D reads into them and everything else reads them as it
 reads any staging.
@@ -55,15 +57,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvxfer.device._xla import _uint, compile_all
-from kvxfer.device.fingerprint import device_fingerprint
-from kvxfer.device.layout import CacheLayout
+from kvxfer.device._xla import _uint
 from kvxfer.device.staging import check_fits
 from kvxfer.errors import TransferError
 from kvxfer.plan.blocks import coalesce_pairs
 
-__all__ = ["PinnedRegions", "chunk_sizes", "gather_into", "pinned_regions", "precompile",
-           "write_chunks", "write_programs"]
+__all__ = ["PinnedRegions", "chunk_sizes", "pinned_regions", "write_chunks", "write_programs"]
 
 logger = logging.getLogger("kvxfer.device.staging")
 
@@ -147,25 +146,6 @@ def pinned_regions(mesh: Mesh, num_layers: int, num_slots: int, block_shape: Seq
     return regions
 
 
-def gather_into(layout: CacheLayout, caches: Sequence[jax.Array], ids: np.ndarray,
-                regions: PinnedRegions, dst: np.ndarray) -> np.ndarray:
-    """Blocks `ids` into slots `dst` of `regions`, written in place on the device's side of
-    the copy; returns their fingerprints, `uint32[num_layers, n, 3]`."""
-    mesh = caches[0].sharding.mesh
-    prints = write_chunks(regions, ids, dst, _gather_fn(layout, mesh), (list(caches),), 1,
-                          NamedSharding(mesh, PartitionSpec()))
-    return np.concatenate([np.asarray(p) for p in prints], axis=1)
-
-
-def precompile(layout: CacheLayout, caches: Sequence[jax.Array], regions: PinnedRegions,
-               max_blocks: int) -> int:
-    """Compile, without running, the program `gather_into` runs for every chunk of up to
-    `max_blocks` blocks; returns how many."""
-    mesh = caches[0].sharding.mesh
-    return compile_all(write_programs(regions, max_blocks, _gather_fn(layout, mesh),
-                                      (list(caches),), 1, NamedSharding(mesh, PartitionSpec())))
-
-
 def write_programs(regions: PinnedRegions, max_blocks: int, take: Callable, args: tuple,
                    ids_at: int, out_on: NamedSharding) -> list[tuple[Callable, tuple]]:
     """`(program, its arguments' types)` of `write_chunks(regions, ..., take, args, ids_at,
@@ -212,27 +192,6 @@ def _chunks(length: int) -> list[tuple[int, int]]:
             out.append((offset, 1 << bit))
             offset += 1 << bit
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _gather_fn(layout: CacheLayout, mesh: Mesh):
-    """Rows of ids (per layer, unsigned, on the device) and their fingerprints.
-
-    The take is plain jitted code, outside the fingerprints' `shard_map` (pinned staging
-    serves caches on one device), as `scripts/pinned-probe`'s one-program save takes it.
-    On the H200 that made no difference to the save as P runs it (0.56-0.84 of
-    `device_put` against 0.61-0.84 with the take inside); the program alone, measured this
-    way, reached 0.91-0.97 (`scripts/pinned-probe-overhead`)."""
-    udtype, spec = _uint(layout.np_dtype), layout.partition_spec()
-    prints = jax.shard_map(  # the fingerprint mixes in each shard's place
-        lambda rows: jnp.stack([device_fingerprint(r, layout) for r in rows]), mesh=mesh,
-        in_specs=([spec] * layout.num_layers,), out_specs=PartitionSpec(), check_vma=False)
-
-    def take(caches: list[jax.Array], ids: jax.Array):
-        rows = [jnp.take(lax.bitcast_convert_type(c, udtype), ids, axis=0) for c in caches]
-        return rows, prints(rows)
-
-    return jax.jit(take)
 
 
 @functools.lru_cache(maxsize=64)

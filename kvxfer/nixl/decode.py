@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from kvxfer.device.staging import Staging, free_in_all, stagings_of
@@ -91,9 +92,8 @@ class DecodeTransport:
     - `layout`: this side's JSON-able cache layout, checked against each peer's.
     - `layout_check`: `(local, remote) -> None`, raising `LayoutMismatchError`
       where a peer's blocks cannot land in D's (`kvxfer.device.layout.check_block_compatible`).
-    - `piece`: `(lo, hi, units)` for one process of a multi-host D, whose
-      staging holds units `[lo, hi)` of each block (`kvxfer.device.pieces`); None
-      for whole blocks.
+    - `piece`: `(lo, hi, units)`: this process's staging holds units `[lo, hi)` of each
+      block (`kvxfer.device.pieces`); None: plain blocks, one unit each.
     - `reader`: `(rank, count)`: this D process among its instance's. P frees a
       request once all `count` have said done.
     - `recorder`: where handshake timings go (`kvxfer.stats`); None: one of its own.
@@ -129,7 +129,8 @@ class DecodeTransport:
         self._reads: dict[str, Read] = {}
         self.leases = Leases(config, self.peers, self.handshakes, self.reader)
         self.streams = StreamReads(config, self.agent, self.stagings, self.peers, self.handshakes,
-                                   self.piece, self._reads, self._fail, self._drop_peer, self._post)
+                                   self.piece, self._reads, self._fail, self._drop_peer, self._post,
+                                   readers=self.reader[1])
         self._zombies = Zombies(self.stagings)
         # READs are posted on a thread of their own: over UCX `cma` the post itself
         # copies the bytes (NIXL releases the GIL meanwhile), which would hold the
@@ -179,12 +180,19 @@ class DecodeTransport:
         self._check_new(req_id, logical_ids)
         p = _check_params(params, len(self.stagings))
         self.leases.taken(p)
+        if not p.sources:  # P's scheduler has not heard from its workers: its one agent
+            p = replace(p, sources=(Source(p.peer, 0, self.piece[2]),), units=self.piece[2])
         read = Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,
                      token=done_token(p.secret),
                      trace=trace or Trace(req_id, "D", p.req_id, p.peer, self.config.name))
         self._reads[req_id] = read
         try:
+            if not self.config.uses_etcd and p.peers != [p.peer]:
+                # Agents are reached at the params' address: only P's own is there. Another
+                # name would connect to that agent at the wrong address for every request.
+                raise TransferError(f"params of {req_id!r} name P agents {p.peers[:4]} without "
+                                    f"etcd: only {p.peer!r} is at {p.host}:{p.port}")
             past = [peer for peer in p.peers if self.peers.is_past(peer, p.instance)]
             if past:
                 raise TransferError(f"params of {req_id!r} are from P instance {p.instance} of "
@@ -211,7 +219,7 @@ class DecodeTransport:
             self._fail(read, state)
             return
         try:
-            for source in p.sources or [Source(p.peer, 0, 1)]:
+            for source in p.sources:
                 self.peers.check_source(p, source)
             read.d_slots = [s.assign(read.req_id, keys) for s, keys in zip(self.stagings, p.keys)]
         except Exception as e:
@@ -223,7 +231,7 @@ class DecodeTransport:
             if span is not None:  # the leg reading this process's first units reads the tags
                 descriptors = functools.partial(read_descriptors, self.peers.get(peer), self.stagings,
                                                 self.piece, p.slots, read.d_slots, span,
-                                                span[0] == (self.piece or (0,))[0])
+                                                span[0] == self.piece[0])
                 read.legs[peer].posting = self._post(read.legs[peer], descriptors, read.req_id)
 
     def start_stream(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
@@ -484,29 +492,15 @@ def _check_params(params: object, num_groups: int) -> ReadParams:
     return params
 
 
-def _units_to_read(p: ReadParams, piece: tuple[int, int, int] | None,
-               rank: int) -> dict[str, tuple[int, int] | None]:
-    """Per P agent of the request, the units this D process reads from it (None: none).
-
-    One P process: the whole block, `(0, 1)`. Several: from each distinct unit
-    range that overlaps this process's piece, the overlap, read from one of the
-    sources holding that range (replicas: the one this reader's rank picks).
+def _units_to_read(p: ReadParams, piece: tuple[int, int, int],
+                   rank: int) -> dict[str, tuple[int, int] | None]:
+    """Per P agent of the request, the units this D process reads from it (None: none):
+    from each distinct unit range that overlaps this process's piece, the overlap, read
+    from one of the sources holding that range (replicas: the one this reader's rank picks).
     """
-    if not p.sources:
-        if piece is not None:
-            raise TransferError(f"params of {p.req_id!r} are from a P of whole blocks, "
-                                f"this D process holds units {piece}: P and D pair when both "
-                                f"stage units (P on one host sets stage_units) or neither; a P "
-                                f"across hosts names its units once its scheduler has its "
-                                f"workers' first output")
-        return {p.peer: (0, 1)}
-    if piece is None:
-        raise TransferError(f"params of {p.req_id!r} name {p.units} units per block (P stages "
-                            f"pieces, as across hosts), this D process holds whole blocks: "
-                            f"set stage_units on D")
     if p.units != piece[2]:
         raise TransferError(f"params of {p.req_id!r} name {p.units} units per block, this D "
-                            f"process holds {piece}")
+                            f"process holds units [{piece[0]}, {piece[1]}) of {piece[2]}")
     plan: dict[str, tuple[int, int] | None] = {s.peer: None for s in p.sources}
     lo, hi = piece[:2]
     for span in sorted({(s.lo, s.hi) for s in p.sources}):

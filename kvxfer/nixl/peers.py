@@ -52,7 +52,7 @@ class Peer:
     instance: str
     groups: list[PeerGroup]
     layout: dict[str, Any]
-    piece: tuple[int, int, int] | None = None  # (lo, hi, units) of a multi-host P process
+    piece: tuple[int, int, int]  # (lo, hi, units) its staging holds of each block
     last_heartbeat: float = 0.0
 
 
@@ -64,7 +64,7 @@ class Peers:
     - `agent`: D's NIXL agent; `config`: its `TransportConfig`.
     - `stagings`: D's staging, one per group (P's must match its block bytes).
     - `layout`, `layout_check`: D's advertised layout and the check of P's against it.
-    - `piece`: `(lo, hi, units)` D's staging holds of each block; None for whole blocks.
+    - `piece`: `(lo, hi, units)` D's staging holds of each block.
     - `on_ack`: `(sender, message)`, called with each `ack` as it is read (D's read
       state machine); a `TransferError` it raises is a malformed message.
     - `on_chunk`: the same for each `chunk` and `wait` of a stream.
@@ -74,7 +74,7 @@ class Peers:
 
     def __init__(self, agent: Any, config: TransportConfig, stagings: Sequence[Staging],
                  layout: Mapping[str, Any], layout_check: LayoutCheck,
-                 piece: tuple[int, int, int] | None,
+                 piece: tuple[int, int, int],
                  on_ack: Callable[[str, dict[str, Any]], None],
                  on_chunk: Callable[[str, dict[str, Any]], None] | None = None):
         self.agent, self.config, self.stagings = agent, config, stagings
@@ -132,19 +132,18 @@ class Peers:
             piece = check_piece(advert.get("piece"))
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"layout message from {peer!r} is malformed: {e!r}") from None
-        if (piece is None) != (self.piece is None) or (piece and piece[2] != self.piece[2]):
+        if piece[2] != self.piece[2]:
             raise LayoutMismatchError(
-                f"peer {peer!r} stages {'units ' + str(piece) if piece else 'whole blocks'}, "
-                f"local staging {'units ' + str(self.piece) if self.piece else 'whole blocks'}")
-        theirs_n = piece[1] - piece[0] if piece else 1
-        ours_n = self.piece[1] - self.piece[0] if self.piece else 1
+                f"peer {peer!r} stages units {piece[:2]} of {piece[2]} per block, local "
+                f"staging units {self.piece[:2]} of {self.piece[2]}")
+        theirs_n, ours_n = piece[1] - piece[0], self.piece[1] - self.piece[0]
         self.layout_check(self.layout, layout)
         if len(groups) != len(self.stagings):
             raise LayoutMismatchError(
                 f"peer {peer!r} stages {len(groups)} KV cache groups, local staging has "
                 f"{len(self.stagings)}")
         for g, (theirs, ours) in enumerate(zip(groups, self.stagings)):
-            # Per unit of a piece (the whole block when not in pieces).
+            # Per unit of a piece.
             if (theirs.block_bytes * ours_n != ours.block_bytes * theirs_n
                     or len(theirs.regions) != ours.num_layers):
                 raise LayoutMismatchError(
@@ -172,7 +171,7 @@ class Peers:
             raise TransferError(
                 f"params of {p.req_id!r} are from P instance {p.instance}, but {source.peer!r} "
                 f"is now instance {peer.instance} (P restarted)")
-        if p.sources and peer.piece != (source.lo, source.hi, p.units):
+        if peer.piece != (source.lo, source.hi, p.units):
             raise TransferError(f"params of {p.req_id!r} say {source.peer!r} stages units "
                                 f"[{source.lo}, {source.hi}) of {p.units}, it advertised "
                                 f"{peer.piece}")

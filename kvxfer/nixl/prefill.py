@@ -105,9 +105,8 @@ class PrefillTransport:
     - `instance`: this start's identity (`new_instance()` when None); a
       scheduler that hands out params in another process draws it and passes
       it here.
-    - `piece`: `(lo, hi, units)` for one process of a multi-host P, whose
-      staging holds units `[lo, hi)` of each block (`kvxfer.device.pieces`); None
-      for whole blocks.
+    - `piece`: `(lo, hi, units)`: this process's staging holds units `[lo, hi)` of each
+      block (`kvxfer.device.pieces`); None: plain blocks, one unit each.
     - `recorder`: where finished leases' traces go (`kvxfer.stats`); None: one of its own.
 
     With several D processes (readers), P frees a request's slots once every
@@ -151,7 +150,7 @@ class PrefillTransport:
         return {
             "agent": self.config.name,
             "instance": self.instance,
-            "piece": list(self.piece) if self.piece else None,
+            "piece": list(self.piece),
             "layout": self.layout,
             "groups": [{"regions": [list(r) for r in s.region_addresses()],
                         "prints": list(s.prints_address()), "tags": list(s.tags_address()),

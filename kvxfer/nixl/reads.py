@@ -227,7 +227,7 @@ def release(handle: Any) -> bool:
         return False
 
 
-def read_descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, int, int] | None,
+def read_descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, int, int],
                  p_slots: Sequence[Sequence[int]], d_slots: Sequence[Sequence[int]],
                  span: tuple[int, int], tags: bool) -> tuple[np.ndarray, np.ndarray]:
     """`(local, remote)` NIXL descriptors `[n, 3]` (address, length, device) of one READ.
@@ -237,7 +237,7 @@ def read_descriptors(peer: Peer, stagings: Sequence[Staging], piece: tuple[int, 
     descriptor per run of slots contiguous on both sides where a slot is read
     whole, else one per slot.
     """
-    theirs_piece, ours_piece = peer.piece or (0, 1, 1), piece or (0, 1, 1)
+    theirs_piece, ours_piece = peer.piece, piece
     local, remote = [], []
     for theirs, ours, ps, ds in zip(peer.groups, stagings, p_slots, d_slots, strict=True):
         if not ps:

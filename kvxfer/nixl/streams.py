@@ -284,14 +284,18 @@ class StreamReads:
     It shares the transport's reads (`reads`, by D's request id) and acts on them only
     through the transport's own steps, given here: `fail(read, why, reason)`,
     `drop_peer(peer, why)` and `post(leg, descriptors, req_id)` (a READ on D's poster
-    thread); `piece` is what D's staging holds of each block (streams move whole ones).
+    thread); `piece` is what D's staging holds of each block, `(lo, hi, units)`: D reads
+    those units from P's one agent, which holds every unit of its blocks. `readers`: the
+    processes of D's instance; a stream has one reader, so a D across hosts refuses it.
     """
 
     def __init__(self, config: TransportConfig, agent: Any, stagings: Sequence[Staging],
-                 peers: Peers, handshakes: Handshakes, piece: tuple[int, int, int] | None,
+                 peers: Peers, handshakes: Handshakes, piece: tuple[int, int, int],
                  reads: dict[str, Read], fail: Callable[..., None],
-                 drop_peer: Callable[[str, str], None], post: Callable[..., Future]):
+                 drop_peer: Callable[[str, str], None], post: Callable[..., Future],
+                 readers: int = 1):
         self.config, self.agent, self.stagings, self.piece = config, agent, stagings, piece
+        self.readers = readers
         self.peers, self.handshakes, self.reads = peers, handshakes, reads
         self.fail, self.drop_peer, self.post = fail, drop_peer, post
 
@@ -314,9 +318,10 @@ class StreamReads:
                      stream=params, skip=skip, prompt=prompt,
                      trace=trace or Trace(req_id, "D", "", params.peer, self.config.name))
         self.reads[req_id] = read
-        if self.piece is not None:
-            self.fail(read, TransferError(f"streams are read by a D staging whole blocks, this D "
-                                           f"process holds units {self.piece}"), "refused")
+        if self.readers > 1:
+            self.fail(read, TransferError(f"a stream has one reader, and this D spans "
+                                           f"{self.readers} processes: D reads by params "
+                                           f"instead"), "refused")
             return
         self.subscribe(read)
 
@@ -423,13 +428,15 @@ class StreamReads:
         if any(set(k) & set(s.blocks(read.req_id) if read.req_id in s else ())
                for k, s in zip(p.keys, self.stagings)):
             raise TransferError(f"P names a block of {read.req_id!r} twice")
-        self.peers.check_source(p, Source(p.peer, 0, 1))
+        units = self.piece[2]
+        p = replace(p, sources=(Source(p.peer, 0, units),), units=units)  # P's one agent
+        self.peers.check_source(p, p.sources[0])
         read.params = p
         read.d_slots = [s.assign(read.req_id, k) for s, k in zip(self.stagings, p.keys)]
         leg = read.legs[p.peer]
         leg.state, leg.posted = LegState.XFER, None
         descriptors = functools.partial(read_descriptors, self.peers.get(p.peer), self.stagings,
-                                        self.piece, p.slots, read.d_slots, (0, 1), True)
+                                        self.piece, p.slots, read.d_slots, self.piece[:2], True)
         leg.posting = self.post(leg, descriptors, read.req_id)
         return True
 

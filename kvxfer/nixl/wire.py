@@ -25,12 +25,13 @@ from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.plan.blocks import is_int
 from kvxfer.plan.slots import SlotMap
 
-__all__ = ["PROTOCOL_VERSION", "WIRE_INT_LIMIT", "ReadParams", "Source", "StreamParams", "check_piece",
+__all__ = ["PROTOCOL_VERSION", "WHOLE", "WIRE_INT_LIMIT", "ReadParams", "Source", "StreamParams",
+           "check_piece",
            "decode_message", "done_token", "encode_message", "is_done_token", "is_generation",
            "is_stream_id", "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
            "parse_sources", "prompt_digest"]
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 _MAGIC = b"kvxfer:"
@@ -200,8 +201,8 @@ class ReadParams:
     """P's transfer params for one request, checked (`ReadParams.parse`).
 
     `keys[g]` are the staging keys of group `g`'s blocks, `slots[g]` their P slots.
-    `sources` (empty for a P of one process staging whole blocks) lists every
-    process of a P that stages units (across hosts, or `stage_units` on one) and
+    `sources` (empty where P's scheduler has not yet heard from its workers: P's one
+    agent holds every unit) lists every process of P and
     the units of each block it stages (`kvxfer.device.pieces`), of `units`;
     every one of them stages the same slots.
     """
@@ -338,9 +339,15 @@ def parse_sources(sources: object, units: object) -> tuple[tuple[Source, ...], i
     return tuple(out), units
 
 
-def check_piece(piece: object) -> tuple[int, int, int] | None:
+WHOLE = (0, 1, 1)
+"""The piece of a staging of plain blocks: each block one unit (`check_piece(None)`)."""
+
+
+def check_piece(piece: object) -> tuple[int, int, int]:
+    """`(lo, hi, units)`: the units `[lo, hi)` of `units` a staging holds of each block;
+    None is `WHOLE`."""
     if piece is None:
-        return None
+        return WHOLE
     if not (isinstance(piece, (tuple, list)) and len(piece) == 3 and all(is_int(v) for v in piece)
             and 0 <= piece[0] < piece[1] <= piece[2]):
         raise InvalidInputError(f"piece must be None or (lo, hi, units) with 0 <= lo < hi <= "

@@ -53,8 +53,7 @@ class Settings:
       processes, which both name P (a random one would differ between them).
     - `options`: every other key, each a field of `kvxfer.connector.config.
       ConnectorConfig` (`staging_blocks`, `kernel_ratio`, `verify_fingerprints`,
-      `precompile`, `stage_units`: true on an instance on one host that pairs with one
-      across hosts)
+      `precompile`; `stage_units` is deprecated and ignored)
       or of `kvxfer.nixl.agent.TransportConfig` (`handshake_timeout_s`,
       `transfer_timeout_s`, `lease_s`, `heartbeat_interval_s`, `stream_wait_s`, `ucx_tls`,
       `num_threads`, `progress_wake_us`, `etcd_endpoints`), documented there.
