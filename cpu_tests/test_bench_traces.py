@@ -1,4 +1,4 @@
-"""`kvxfer.bench.traces`: the stage table and timeline of `kvxfer bench e2e --trace`."""
+"""`kvxfer.bench.traces`: the phase table and timeline of `kvxfer bench e2e --trace`."""
 
 import pytest
 
@@ -10,19 +10,19 @@ from kvxfer.stats import Recorder, Trace
 def _pair():
     """P's and D's traces of one request, D's started 5 ms after P's."""
     p = Trace("r", "P", "r", "P0", "D0", started=100.0, _t0=0.0)
-    p.stage("gather", 0.0, 0.010)
-    p.stage("staged", 0.010, 0.030)
+    p.phase("gather", 0.0, 0.010)
+    p.phase("staged", 0.010, 0.030)
     d = Trace("r-d", "D", "r", "P0", "D0", started=100.005, _t0=0.0)
     for name, start, end in (("connect", 0.0, 0.001), ("read", 0.001, 0.020),
                              ("ack", 0.020, 0.024), ("scatter", 0.024, 0.030)):
-        d.stage(name, start, end)
+        d.phase(name, start, end)
     rec = Recorder()
     for t in (p, d):
         rec.finish(t)
     return [t.to_dict() for t in (p, d)]
 
 
-def test_table_lists_each_sides_stages_on_the_requests_clock():
+def test_table_lists_each_sides_phases_on_the_requests_clock():
     lines = table(_pair())
     rows = [line.split() for line in lines[1:]]
     assert [(r[1], r[2]) for r in rows[:6]] == [("P", "gather"), ("P", "staged"),

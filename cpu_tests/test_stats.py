@@ -64,16 +64,16 @@ def test_trace_of_a_request_has_every_stage_within_its_wall_time_scatter_during_
     assert trace.p == pr.p.transport.config.name and trace.d == pr.d.transport.config.name
     # D writes the blocks as soon as they are read and checked, while its `done` and P's
     # ack travel: scatter lies within the ack stage, both after the read.
-    assert [s[0] for s in trace.stages] == ["connect", "read", "scatter", "ack"]
-    (_, c0, cd), (_, r0, rd), (_, s0, sd), (_, a0, ad) = trace.stages
+    assert [s[0] for s in trace.phases] == ["connect", "read", "scatter", "ack"]
+    (_, c0, cd), (_, r0, rd), (_, s0, sd), (_, a0, ad) = trace.phases
     assert r0 >= c0 + cd - 1e-6 and s0 >= r0 + rd - 1e-6 and a0 >= r0 + rd - 1e-6
-    assert max(start + d for _, start, d in trace.stages) <= trace.wall + 1e-6
+    assert max(start + d for _, start, d in trace.phases) <= trace.wall + 1e-6
     assert trace.bytes == 3 * pr.d.staging.block_bytes * pr.d.staging.num_layers
     pr.wait_freed(1)
     (p_trace,) = pr.p.traces()
-    assert [s[0] for s in p_trace.stages] == ["gather", "staged"]
+    assert [s[0] for s in p_trace.phases] == ["gather", "staged"]
     assert p_trace.outcome == "ok" and p_trace.d == pr.d.transport.config.name
-    assert sum(d for _, _, d in p_trace.stages) <= p_trace.wall
+    assert sum(d for _, _, d in p_trace.phases) <= p_trace.wall
 
 
 def test_a_fingerprint_mismatch_counts_as_corruption(pair):

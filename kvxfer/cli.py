@@ -317,7 +317,7 @@ def _add_bench(sub: Any) -> None:
     bench.add_argument("what", choices=sorted(_BENCHES))
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--trace", type=int, default=0, metavar="N",
-                       help="e2e: print the stages of the last N latency requests on P and D, "
+                       help="e2e: print the phases of the last N latency requests on P and D, "
                             "and draw them in kvxfer-trace.png (with matplotlib)")
     bench.add_argument("--no-stats", action="store_true",
                        help="e2e: collect no counters or traces (what collecting costs)")

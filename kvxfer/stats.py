@@ -1,9 +1,9 @@
 """Counters, timings and per-request traces of transfers: `Recorder`, `Stats`, `Trace`.
 
 Collected where they happen, on the engine's thread, once per request or per
-step (never per block): a `Trace` is one transfer's record (its stages, in
+step (never per block): a `Trace` is one transfer's record (its phases, in
 order, each a start and a duration; its bytes; its outcome), and
-`Recorder.finish` folds it into the counters, per-stage totals and the
+`Recorder.finish` folds it into the counters, per-phase totals and the
 interval's series when the transfer ends, logs it at DEBUG as one JSON line
 and keeps it in a bounded ring. `stats()` on a connector returns a `Stats`
 (plain data: it crosses process boundaries as a dict). D's poster thread
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,13 +46,13 @@ class Trace:
       `p_req_id`: the id P named (both sides know it).
     - `role`: "P" or "D"; `p`, `d`: the P and D agent names (D's is known to P
       once D said done).
-    - `started`: wall-clock start (seconds since the epoch); `stages`: in order,
+    - `started`: wall-clock start (seconds since the epoch); `phases`: in order,
       `[name, start, duration]`, start in seconds after `started`.
     - `bytes`: KV bytes staged (P) or read (D): blocks x block bytes;
       `wire_bytes`: what NIXL moved (with the fingerprint and tag rows; D);
       `blocks`, `descriptors`: their counts.
     - `outcome`: one of `OUTCOMES`, None while under way; `wall`: seconds from
-      the trace's start to its end (its stages lie within).
+      the trace's start to its end (its phases lie within).
     """
 
     req_id: str
@@ -60,7 +61,7 @@ class Trace:
     p: str = ""
     d: str = ""
     started: float = field(default_factory=time.time)
-    stages: list[list[Any]] = field(default_factory=list)
+    phases: list[list[Any]] = field(default_factory=list)
     bytes: int = 0
     wire_bytes: int = 0
     blocks: int = 0
@@ -69,24 +70,30 @@ class Trace:
     wall: float = 0.0
     _t0: float = field(default_factory=time.monotonic, repr=False)
 
-    def stage(self, name: str, start: float, end: float | None = None) -> float:
-        """Add stage `name` from monotonic time `start` to `end` (now when None); returns `end`."""
+    def phase(self, name: str, start: float, end: float | None = None) -> float:
+        """Add phase `name` from monotonic time `start` to `end` (now when None); returns `end`."""
         end = time.monotonic() if end is None else end
-        if start < self._t0 and not self.stages:  # begun before the trace was made
+        if start < self._t0 and not self.phases:  # begun before the trace was made
             self.started -= self._t0 - start
             self._t0 = start
-        self.stages.append([name, round(start - self._t0, 6), round(max(end - start, 0.0), 6)])
+        self.phases.append([name, round(start - self._t0, 6), round(max(end - start, 0.0), 6)])
         return end
 
+    @property
+    def stages(self) -> list[list[Any]]:
+        """Deprecated: `phases` ("stage" means copying blocks into staging)."""
+        warnings.warn("Trace.stages is now Trace.phases", DeprecationWarning, stacklevel=2)
+        return self.phases
+
     def extend(self, name: str, start: float, end: float | None = None) -> None:
-        """Stage `name` again (a request gathered over several steps, read and written in
-        parts): one stage from its first start, whose duration is the sum of its parts."""
+        """Phase `name` again (a request gathered over several steps, read and written in
+        parts): one phase from its first start, whose duration is the sum of its parts."""
         end = time.monotonic() if end is None else end
-        same = next((s for s in reversed(self.stages) if s[0] == name), None)
+        same = next((s for s in reversed(self.phases) if s[0] == name), None)
         if same is not None:
             same[2] = round(same[2] + max(end - start, 0.0), 6)
         else:
-            self.stage(name, start, end)
+            self.phase(name, start, end)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -178,7 +185,7 @@ class Recorder:
             self.count(f"{role}_requests_failed")
         if trace.outcome not in ("ok", "cancelled"):
             self.count(f"{role}_failed_{trace.outcome}")
-        for name, _, duration in trace.stages:
+        for name, _, duration in trace.phases:
             self.observe(f"{role}_{name}_s", duration)
         self.observe(f"{role}_wall_s", trace.wall)
 

@@ -6,7 +6,7 @@ goes through an etcd server on the bridge. Each instance is one JAX mesh of
 `devices` CPU devices with the heads sharded over all of them (TP
 `devices`): on one host in the 1 -> 1 run, split over two JAX processes
 (`jax.distributed`, gloo) in the 2 -> 2 run, where each P process stages and
-serves only its own heads and each D process reads only the heads its shards
+holds only its own heads and each D process reads only the heads its shards
 hold, from the P process that has them.
 
 Both runs move the same requests through the connectors' public API: P

@@ -1,9 +1,9 @@
-"""Per-request traces (`kvxfer.stats.Trace`, as dicts) as a stage-by-stage table and a
+"""Per-request traces (`kvxfer.stats.Trace`, as dicts) as a phase-by-phase table and a
 timeline picture: `kvxfer bench e2e --trace N`.
 
 A request's P and D traces are put on one clock by their wall-clock starts
 (`started`; the two processes share the machine's clock, or NTP's across
-hosts), counted from the earliest stage of the request.
+hosts), counted from the earliest phase of the request.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ def _by_request(traces: Traces) -> dict[str, list[Mapping[str, Any]]]:
 
 
 def _rows(group: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, float, float]]:
-    """`(role, stage, start, duration)` in seconds from the request's first stage."""
-    origin = min(t["started"] + (t["stages"][0][1] if t["stages"] else 0.0) for t in group)
+    """`(role, phase, start, duration)` in seconds from the request's first phase."""
+    origin = min(t["started"] + (t["phases"][0][1] if t["phases"] else 0.0) for t in group)
     return [(t["role"], name, t["started"] + start - origin, duration)
-            for t in group for name, start, duration in t["stages"]]
+            for t in group for name, start, duration in t["phases"]]
 
 
 def table(traces: Traces) -> list[str]:
-    """Lines of a table: per request, each side's stages in order (start and duration in
-    ms from the request's first stage), its bytes and outcome."""
-    lines = [f"{'request':<14} {'side':<4} {'stage':<8} {'start ms':>9} {'ms':>9}  "]
+    """Lines of a table: per request, each side's phases in order (start and duration in
+    ms from the request's first phase), its bytes and outcome."""
+    lines = [f"{'request':<14} {'side':<4} {'phase':<8} {'start ms':>9} {'ms':>9}  "]
     for req_id, group in _by_request(traces).items():
         for role, name, start, duration in _rows(group):
             lines.append(f"{req_id:<14} {role:<4} {name:<8} {1e3 * start:9.3f} "
@@ -49,7 +49,7 @@ def table(traces: Traces) -> list[str]:
 
 
 def timeline(traces: Traces, path: str) -> str | None:
-    """Write a timeline of the requests' stages (one lane per request and side) to `path`
+    """Write a timeline of the requests' phases (one lane per request and side) to `path`
     (PNG); returns `path`, or None where matplotlib is not installed."""
     try:
         import matplotlib
@@ -72,8 +72,8 @@ def timeline(traces: Traces, path: str) -> str | None:
                     label=name if name not in ax.get_legend_handles_labels()[1] else None)
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
-    ax.set_xlabel("ms from the request's first stage")
-    ax.set_title("kvxfer: stages of each transfer (P and D)")
+    ax.set_xlabel("ms from the request's first phase")
+    ax.set_title("kvxfer: phases of each transfer (P and D)")
     ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -211,7 +211,7 @@ class DecodeConnector:
         return (groups[0] if single else groups), finished, failed_ids
 
     def _finish(self, req_id: str, load: Load | None, outcome: str, recompute: int = 0) -> None:
-        """A load ended: its trace (whose `scatter` stages checked the fingerprints as the
+        """A load ended: its trace (whose `scatter` phases checked the fingerprints as the
         blocks landed), its bytes, and its outcome (the transport's reason, if it failed
         there) go to the recorder."""
         trace = self._traces.pop(req_id, None)

@@ -34,7 +34,7 @@ __all__ = ["PrefillConnector", "PrefillWorker"]
 
 
 class PrefillWorker:
-    """P's worker side: copies planned blocks into staging and serves them to D.
+    """P's worker side: copies planned blocks into staging and holds them for D's reads.
 
     Arguments:
         config: `ConnectorConfig` (`staging_blocks` must be the scheduler side's).
@@ -85,7 +85,7 @@ class PrefillWorker:
         """
         if meta.instance != self.transport.instance:
             raise InvalidInputError(
-                f"metadata is for P instance {meta.instance!r}, this worker serves "
+                f"metadata is for P instance {meta.instance!r}, this worker is "
                 f"{self.transport.instance!r}")
         groups, _ = per_group(caches, len(self.layouts))
         for req_id in meta.cancels:

@@ -77,7 +77,7 @@ def gather(layout: CacheLayout, view: Sequence[jax.Array], ids: np.ndarray, axis
     """Rows `ids` of the local view, unit-major, into slots `dst` of `regions`, and their
     per-unit sums into `prints[dst]` (`[slots, units, layers, 3]`)."""
     mesh = view[0].sharding.mesh
-    if isinstance(regions, PinnedRegions) and regions.serves(mesh):  # in place, no host copy
+    if isinstance(regions, PinnedRegions) and regions.on_device_of(mesh):  # in place, no host copy
         sums = pinned.write_chunks(regions, ids, dst, _gather_fn(layout, mesh, axis, True),
                                    (list(view), _weights_on(mesh, weights)), 1,
                                    NamedSharding(mesh, PartitionSpec(None, "units")))
@@ -123,7 +123,7 @@ def precompile(layout: CacheLayout, view: Sequence[jax.Array], axis: int, weight
     `scatter` (`loads`, with `sums`) run for 1 to `max_blocks` blocks; returns how many."""
     mesh = view[0].sharding.mesh
     on_mesh, programs = _weights_on(mesh, weights), []
-    if saves and isinstance(regions, PinnedRegions) and regions.serves(mesh):
+    if saves and isinstance(regions, PinnedRegions) and regions.on_device_of(mesh):
         programs += pinned.write_programs(regions, max_blocks, _gather_fn(layout, mesh, axis, True),
                                           (list(view), on_mesh), 1,
                                           NamedSharding(mesh, PartitionSpec(None, "units")))

@@ -371,7 +371,7 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
     diffs = [f"{key}: peer={theirs.get(key)!r:.120} local={ours.get(key)!r:.120}"
              for key in sorted({*ours, *theirs}) if ours.get(key) != theirs.get(key)]
     if diffs:
-        raise LayoutMismatchError("peer serves another model (or another KV cache of it): "
+        raise LayoutMismatchError("peer holds the KV of another model (or another KV cache of it): "
                                   + "; ".join(diffs))
 
 

@@ -91,7 +91,7 @@ class PinnedRegions(Sequence[np.ndarray]):
     def __getitem__(self, layer):  # type: ignore[override]
         return self._views[layer]
 
-    def serves(self, mesh: Mesh) -> bool:
+    def on_device_of(self, mesh: Mesh) -> bool:
         """Whether a gather from caches on `mesh` can write here: the same one device."""
         return mesh.size == 1 and mesh.devices.flat[0] == self.device
 

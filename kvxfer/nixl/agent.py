@@ -61,7 +61,7 @@ class TransportConfig:
       and random hex, so agents left at the default never share a name, in
       etcd neither. A name a live agent holds is refused at start-up, naming
       the name and its holder: in this process; with a listener, on this
-      host; with etcd, anywhere that etcd serves (`kvxfer.nixl.claims`). A
+      host; with etcd, anywhere that etcd reaches (`kvxfer.nixl.claims`). A
       killed agent's name is free again at once on a host, and within
       `claims.TTL_S` in etcd (a start waits that long before refusing).
     - `host`: the address this agent is reached at (advertised by P in params).

@@ -175,7 +175,7 @@ class DecodeTransport:
         request is then reported failed by `poll`. Never waits for a peer: a
         P agent not yet connected is connected to in the background (`poll`
         moves the handshake on) and the read is posted once it is. `trace` gets
-        its stages (`connect`, `read`, `ack`) and, if it fails, its outcome.
+        its phases (`connect`, `read`, `ack`) and, if it fails, its outcome.
         """
         self._check_new(req_id, logical_ids)
         p = _check_params(params, len(self.stagings))
@@ -226,7 +226,7 @@ class DecodeTransport:
             self._fail(read, e, "refused")
             return
         read.waiting = False
-        read.mark = read.trace.stage("connect", read.started)
+        read.mark = read.trace.phase("connect", read.started)
         for peer, span in read.plan.items():
             if span is not None:  # the leg reading this process's first units reads the tags
                 descriptors = functools.partial(read_descriptors, self.peers.get(peer), self.stagings,
@@ -340,7 +340,7 @@ class DecodeTransport:
             return
         read.legs[sender].state = LegState.OK
         if all(leg.state is LegState.OK for leg in read.legs.values()):
-            read.trace.stage("ack", read.mark)
+            read.trace.phase("ack", read.mark)
             del self._reads[read.req_id]
             self._done.append(read.req_id)
             logger.debug("D %s read %s in %.4fs", self.config.name, read.req_id,

@@ -244,7 +244,7 @@ class Publication:
     """Keeps `agent`'s NIXL metadata in etcd under `config.name`; `tick` it from `poll`.
 
     `held`: whether the last read found this agent's record there. Without
-    `config.etcd_endpoints` (a listener serves the metadata) it does nothing. `config` is the
+    `config.etcd_endpoints` (a listener answers with the metadata) it does nothing. `config` is the
     agent's `TransportConfig`, not imported here: `agent` imports `claims`, which imports this.
     """
 

@@ -2,7 +2,7 @@
 
 Every P start draws a new `instance` id, named in its advertisement and in
 every param set; D's `done` and `hb` name it back, so a restarted P never
-serves params of the one before. `lease` holds a request under a fresh
+answers for params of the one before. `lease` holds a request under a fresh
 generation for `lease_s` (heartbeats extend it); P frees a request when
 every D process said done, or when its lease expires, and only inside
 `poll`. A lease once expired is never revived, so "held when the `done`
@@ -351,7 +351,7 @@ class PrefillTransport:
         lease = self._leases.pop(req_id)
         self.streams.forget(req_id)
         if lease.trace is not None:
-            lease.trace.stage("staged", lease.held_at)
+            lease.trace.phase("staged", lease.held_at)
         self._ended.append((req_id, lease, outcome))
 
     def _free_ended(self) -> None:

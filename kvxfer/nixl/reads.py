@@ -295,7 +295,7 @@ class Arrivals:
         """Check the blocks `read`'s last READs brought (their tags) and keep them to report;
         False if a tag does not match (the slots at P do not hold the request's blocks)."""
         if not (read.landed or (read.params is not None and not read.stream
-                                and read.trace.stages[-1][0] == "connect")):  # none to read
+                                and read.trace.phases[-1][0] == "connect")):  # none to read
             return True
         read.landed = False
         trace_read(read, self.recorder)

@@ -351,7 +351,7 @@ class StreamReads:
         read.waiting = False
         read.wait_until = time.monotonic() + self.config.stream_wait_s
         read.instance = self.peers.get(s.peer).instance
-        read.mark = read.trace.stage("connect", read.started)
+        read.mark = read.trace.phase("connect", read.started)
 
     def on_chunk(self, sender: str, msg: dict[str, Any]) -> None:
         """P names blocks of a stream final (or gives the stream up): queue them to read. A
