@@ -39,7 +39,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any
 
 from kvxfer.device.staging import Staging, free_in_all, stagings_of
@@ -68,7 +67,6 @@ from kvxfer.nixl.reads import (
 from kvxfer.nixl.streams import StreamReads
 from kvxfer.nixl.wire import (
     ReadParams,
-    Source,
     StreamParams,
     check_piece,
     done_token,
@@ -178,26 +176,19 @@ class DecodeTransport:
         its phases (`connect`, `read`, `ack`) and, if it fails, its outcome.
         """
         self._check_new(req_id, logical_ids)
-        p = _check_params(params, len(self.stagings))
+        p = _check_params(params, len(self.stagings)).from_one_agent(self.piece[2])
         self.leases.taken(p)
-        if not p.sources:  # P's scheduler has not heard from its workers: its one agent
-            p = replace(p, sources=(Source(p.peer, 0, self.piece[2]),), units=self.piece[2])
         read = Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,
                      token=done_token(p.secret),
                      trace=trace or Trace(req_id, "D", p.req_id, p.peer, self.config.name))
         self._reads[req_id] = read
         try:
-            if not self.config.uses_etcd and p.peers != [p.peer]:
-                # Agents are reached at the params' address: only P's own is there. Another
-                # name would connect to that agent at the wrong address for every request.
-                raise TransferError(f"params of {req_id!r} name P agents {p.peers[:4]} without "
-                                    f"etcd: only {p.peer!r} is at {p.host}:{p.port}")
             past = [peer for peer in p.peers if self.peers.is_past(peer, p.instance)]
             if past:
                 raise TransferError(f"params of {req_id!r} are from P instance {p.instance} of "
                                     f"{past}, which is not the live one (P restarted)")
-            read.plan = _units_to_read(p, self.piece, self.reader[0])
+            read.plan = _units_to_read(p, self.piece, self.reader[0], self.config.uses_etcd)
             read.legs = {peer: Leg(peer, state=LegState.XFER if read.plan[peer] else
                                     LegState.READ) for peer in p.peers}
         except Exception as e:  # any failure here is this request's, not the engine's
@@ -492,12 +483,17 @@ def _check_params(params: object, num_groups: int) -> ReadParams:
     return params
 
 
-def _units_to_read(p: ReadParams, piece: tuple[int, int, int],
-                   rank: int) -> dict[str, tuple[int, int] | None]:
+def _units_to_read(p: ReadParams, piece: tuple[int, int, int], rank: int,
+                   uses_etcd: bool) -> dict[str, tuple[int, int] | None]:
     """Per P agent of the request, the units this D process reads from it (None: none):
     from each distinct unit range that overlaps this process's piece, the overlap, read
     from one of the sources holding that range (replicas: the one this reader's rank picks).
+    Without etcd, agents are reached at the params' address, where only P's own is: params
+    naming another would connect to that name at the wrong address for every request.
     """
+    if not uses_etcd and p.peers != [p.peer]:
+        raise TransferError(f"params of {p.req_id!r} name P agents {p.peers[:4]} without etcd: "
+                            f"only {p.peer!r} is at {p.host}:{p.port}")
     if p.units != piece[2]:
         raise TransferError(f"params of {p.req_id!r} name {p.units} units per block, this D "
                             f"process holds units [{piece[0]}, {piece[1]}) of {piece[2]}")

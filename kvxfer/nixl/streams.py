@@ -35,7 +35,6 @@ from kvxfer.nixl.agent import send
 from kvxfer.nixl.reads import Leg, LegState, Read, read_descriptors
 from kvxfer.nixl.wire import (
     ReadParams,
-    Source,
     StreamParams,
     done_token,
     is_generation,
@@ -428,8 +427,7 @@ class StreamReads:
         if any(set(k) & set(s.blocks(read.req_id) if read.req_id in s else ())
                for k, s in zip(p.keys, self.stagings)):
             raise TransferError(f"P names a block of {read.req_id!r} twice")
-        units = self.piece[2]
-        p = replace(p, sources=(Source(p.peer, 0, units),), units=units)  # P's one agent
+        p = p.from_one_agent(self.piece[2])
         self.peers.check_source(p, p.sources[0])
         read.params = p
         read.d_slots = [s.assign(read.req_id, k) for s, k in zip(self.stagings, p.keys)]

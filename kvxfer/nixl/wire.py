@@ -18,7 +18,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvxfer.errors import InvalidInputError, TransferError
@@ -299,6 +299,13 @@ class ReadParams:
             out["units"] = self.units
             out["sources"] = [{"peer": s.peer, "units": [s.lo, s.hi]} for s in self.sources]
         return out
+
+    def from_one_agent(self, units: int) -> ReadParams:
+        """These params, naming P's one agent (`peer`) as holding all `units` of each block
+        where they name no sources (P's scheduler had not yet heard from its workers)."""
+        if self.sources:
+            return self
+        return replace(self, sources=(Source(self.peer, 0, units),), units=units)
 
     @property
     def peers(self) -> list[str]:
