@@ -13,7 +13,7 @@ holding kernel block `i`. A block staged again keeps its slot.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -123,6 +123,9 @@ class SlotMap:
         self.placement = placement
         self._free = SlotAllocator(num_slots)
         self._requests: dict[Hashable, _Request] = {}
+        self.reclaim: Callable[[int], None] | None = None
+        """Called with how many slots a request lacks before it is refused: a host pool
+        (`kvxfer.plan.pool.Pool`) evicts entries to free them."""
 
     @property
     def num_free_slots(self) -> int:
@@ -137,6 +140,7 @@ class SlotMap:
         if self.placement != "runs" or num_blocks <= 0:
             return
         req = self._requests.setdefault(req_id, _Request())
+        self._make_room(num_blocks)
         for start, length in self._free.allocate(num_blocks):
             req.spare.extend(range(start, start + length))
 
@@ -163,6 +167,7 @@ class SlotMap:
         new = [k for k in dict.fromkeys(kernel_ids) if k not in req.slots]
         missing = len(new) - len(req.spare)
         if missing > 0:
+            self._make_room(missing)
             try:
                 runs = self._free.allocate(missing)
             except StagingFullError as e:
@@ -208,6 +213,25 @@ class SlotMap:
         if self.placement == "runs":
             for start, length in coalesce(sorted([*req.slots.values(), *req.spare])):
                 self._free.release(start, length)
+
+    def detach(self, req_id: Hashable, kernel_ids: Sequence[int]) -> list[int]:
+        """Take `kernel_ids`' slots away from `req_id` without freeing them: their new owner
+        (a host pool's entry) gives them back with `release_slots`."""
+        slots = self.slots(req_id, kernel_ids)
+        req = self._requests[req_id]
+        for k in kernel_ids:
+            del req.slots[k]
+        return slots
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Free slots `detach` took from a request."""
+        for start, length in coalesce(sorted(slots)):
+            self._free.release(start, length)
+
+    def _make_room(self, slots: int) -> None:
+        short = slots - self._free.num_free
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)
 
     def _request(self, req_id: Hashable) -> _Request:
         req = self._requests.get(req_id)

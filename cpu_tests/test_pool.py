@@ -1,0 +1,166 @@
+"""The host pool's index (`kvxfer.plan.pool.Pool`) over a `SlotMap`, checked against a model
+over random schedules: every slot has one owner (free, a request, or a pool entry), referenced
+entries are never evicted, eviction takes the least recently used unreferenced entry first and
+keeps the pool within its budget, a lookup is the run of held hashes from the first, and a
+request is refused slots only when nothing unreferenced is left to evict."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvxfer.errors import InvalidInputError, StagingFullError, UnknownRequestError
+from kvxfer.plan.pool import Pool
+from kvxfer.plan.slots import SlotMap
+
+SLOTS = 24
+
+
+def _free(slot_map):
+    return {s for start, n in zip(slot_map._free._starts, slot_map._free._lengths)
+            for s in range(start, start + n)}
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.map = SlotMap(SLOTS)
+        self.per_block = 2
+        self.pool = Pool(self.map, max_slots=10, slots_per_block=self.per_block)
+        self.staged: dict[str, list[int]] = {}  # request -> keys staged
+        self.lru: list[str] = []  # the model: hashes, least recently used first
+        self.refs: dict[str, int] = {}
+        self.owners: dict[str, list[str]] = {}
+        self.next = 0
+
+    @rule(blocks=st.integers(1, 6))
+    def stage(self, blocks):
+        req = f"r{self.next}"
+        self.next += 1
+        keys = list(range(blocks * self.per_block))
+        unreferenced = sum(self.per_block for h in self.lru if self.refs.get(h, 0) == 0)
+        can = len(_free(self.map)) + unreferenced >= len(keys)
+        try:
+            self.map.assign(req, keys)
+        except StagingFullError:
+            assert not can, "refused while unreferenced entries could be evicted"
+            self._sync_evicted()
+            return
+        assert can
+        self._sync_evicted()
+        self.staged[req] = keys
+
+    @precondition(lambda self: self.staged)
+    @rule(data=st.data(), hashes=st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=4,
+                                          unique=True))
+    def finish(self, data, hashes):
+        """A request ends: its first blocks enter the pool under `hashes`, the rest is freed."""
+        req = data.draw(st.sampled_from(sorted(self.staged)))
+        keys = self.staged.pop(req)
+        n = min(len(hashes), len(keys) // self.per_block)
+        blocks = [(h, keys[i * self.per_block:(i + 1) * self.per_block])
+                  for i, h in enumerate(hashes[:n])]
+        new = self.pool.keep(req, blocks)
+        assert new == [h for h, _ in blocks if h not in self.lru]
+        for h, _ in blocks:
+            if h in self.lru:
+                self.lru.remove(h)
+            self.lru.append(h)
+        self.map.free(req)
+        self._sync_evicted()
+
+    @precondition(lambda self: self.lru)
+    @rule(data=st.data())
+    def acquire(self, data):
+        owner = f"o{self.next}"
+        self.next += 1
+        hashes = data.draw(st.lists(st.sampled_from(self.lru), min_size=1, max_size=3, unique=True))
+        slots = self.pool.acquire(owner, hashes)
+        assert all(len(s) == self.per_block for s in slots)
+        for h in hashes:
+            self.refs[h] = self.refs.get(h, 0) + 1
+            self.lru.remove(h)
+            self.lru.append(h)
+        self.owners[owner] = hashes
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def release(self, data):
+        owner = data.draw(st.sampled_from(sorted(self.owners)))
+        self.pool.release(owner)
+        for h in self.owners.pop(owner):
+            self.refs[h] -= 1
+        self._sync_evicted()
+
+    @rule(hashes=st.lists(st.sampled_from("abcdefghij"), max_size=5))
+    def lookup(self, hashes):
+        expected = 0
+        for h in hashes:
+            if h not in self.lru:
+                break
+            expected += 1
+        assert self.pool.lookup(hashes) == expected
+
+    def _sync_evicted(self):
+        """What the pool evicted must be the model's least recently used unreferenced."""
+        for h in self.pool.take_evicted():
+            unreferenced = [x for x in self.lru if self.refs.get(x, 0) == 0]
+            assert unreferenced and h == unreferenced[0], (h, self.lru, self.refs)
+            self.lru.remove(h)
+
+    @invariant()
+    def one_owner_per_slot(self):
+        free = _free(self.map)
+        requests = [s for r in self.map._requests.values() for s in [*r.slots.values(), *r.spare]]
+        pooled = [s for e in self.pool._entries.values() for s in e.slots]
+        assert len(free) + len(requests) + len(pooled) == SLOTS
+        assert free | set(requests) | set(pooled) == set(range(SLOTS))
+
+    @invariant()
+    def referenced_entries_stay_and_unreferenced_fit_the_budget(self):
+        assert list(self.pool._entries) == self.lru
+        assert all(h in self.pool for h, n in self.refs.items() if n > 0)
+        if self.pool.pooled_slots > self.pool.max_slots:
+            assert all(self.refs.get(h, 0) > 0 for h in self.lru)
+
+
+TestPoolSchedules = PoolMachine.TestCase
+TestPoolSchedules.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_the_pool_refuses_bad_arguments_by_name_before_any_change():
+    slot_map = SlotMap(8)
+    with pytest.raises(InvalidInputError, match="max_slots must be a non-negative int, got -1"):
+        Pool(slot_map, -1)
+    with pytest.raises(InvalidInputError, match="slots_per_block must be a positive int, got 0"):
+        Pool(slot_map, 4, 0)
+    with pytest.raises(InvalidInputError, match="'runs' placement"):
+        Pool(SlotMap(8, "mirror"), 4)
+    pool = Pool(slot_map, 4, 2)
+    slot_map.assign("r", [0, 1, 2, 3])
+    with pytest.raises(InvalidInputError, match="names 1 keys, a pooled block is 2 slots"):
+        pool.keep("r", [("h", [0])])
+    with pytest.raises(InvalidInputError, match="name a key twice"):
+        pool.keep("r", [("h", [0, 1]), ("g", [1, 2])])
+    with pytest.raises(UnknownRequestError, match="no staged kernel blocks"):
+        pool.keep("r", [("h", [0, 1]), ("g", [4, 5])])
+    assert len(pool) == 0 and slot_map.slots("r", [0, 1, 2, 3]) == [0, 1, 2, 3]
+    with pytest.raises(UnknownRequestError, match="holds no block"):
+        pool.acquire("o", ["h"])
+
+
+def test_a_full_pool_evicts_for_a_new_request_and_never_refuses_it():
+    slot_map = SlotMap(4)
+    pool = Pool(slot_map, max_slots=4)
+    slot_map.assign("r", [0, 1, 2, 3])
+    assert pool.keep("r", [("a", [0]), ("b", [1]), ("c", [2]), ("d", [3])]) == ["a", "b", "c", "d"]
+    slot_map.free("r")
+    pool.acquire("lease", ["a"])
+    assert slot_map.assign("s", [0, 1]) == [1, 2]  # b and c (least recently used) gave way
+    assert pool.take_evicted() == ["b", "c"] and pool.lookup(["a", "b"]) == 1
+    with pytest.raises(StagingFullError):
+        slot_map.assign("t", [0, 1])  # a is held: evicting d would leave it one slot short
+    assert pool.take_evicted() == [] and pool.lookup(["a"]) == 1 and "d" in pool
+    pool.release("lease")
+    assert sorted(slot_map.assign("t", [0, 1])) == [0, 3]
+    assert pool.take_evicted() == ["d", "a"] and len(pool) == 0

@@ -1,0 +1,162 @@
+"""The host KV pool's index: full blocks kept in staging after their request, by block hash.
+
+Plain bookkeeping beside `SlotMap` (no memory, no JAX), so that an engine's
+scheduler process keeps it. A request's full blocks enter the pool when the
+request lets go of them (`keep`): their slots pass from the request to an
+entry keyed by the block's hash (vLLM's `request.block_hashes`, which fold
+in the parent hash, `cache_salt`, LoRA and multimodal keys: a run of held
+hashes from the first is a prefix match, never a text one). An entry is one
+hashed block: `slots_per_block` kernel slots, in kernel order.
+
+    pool = Pool(slot_map, max_slots=4096, slots_per_block=1)
+    pool.keep("r", [(h0, [0]), (h1, [1])])   # r's slots of keys 0 and 1 now pool entries
+    n = pool.lookup([h0, h1, h2])            # 2: the leading hashes held
+    slots = pool.acquire("lease-7", [h0, h1])  # held: never evicted while referenced
+    pool.release("lease-7")
+
+Entries live within `max_slots` (the byte budget over the slot size); beyond
+it, and whenever the slot map runs short of free slots for a request
+(`SlotMap.reclaim`), unreferenced entries are evicted, least recently used
+first. A reference (a lease, an in-flight read) keeps an entry; a full pool
+never refuses a request: what it cannot evict stays until released.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kvxfer.errors import InvalidInputError, UnknownRequestError
+from kvxfer.plan.blocks import is_int
+from kvxfer.plan.slots import SlotMap
+
+__all__ = ["Pool"]
+
+
+@dataclass
+class _Entry:
+    slots: tuple[int, ...]
+    refs: int = 0
+
+
+class Pool:
+    """Full blocks of one KV cache group kept in its staging, by block hash.
+
+    **Arguments:**
+
+    - `slot_map`: the group's `SlotMap`; the pool takes slots from its requests and gives
+      them back to its free runs when it evicts (it becomes the map's `reclaim`).
+    - `max_slots`: the most slots entries hold (the byte budget over the slot size).
+    - `slots_per_block`: kernel slots per hashed block (the kernel ratio, times the hash
+      blocks per group block).
+    """
+
+    def __init__(self, slot_map: SlotMap, max_slots: int, slots_per_block: int = 1) -> None:
+        if not isinstance(slot_map, SlotMap) or slot_map.placement != "runs":
+            raise InvalidInputError(f"a pool keeps the slots of a SlotMap with 'runs' placement, "
+                                    f"got {slot_map!r:.80}")
+        for name, value in (("max_slots", max_slots), ("slots_per_block", slots_per_block)):
+            if not is_int(value) or value < (name == "slots_per_block"):
+                raise InvalidInputError(f"Pool {name} must be a "
+                                        f"{'positive' if name == 'slots_per_block' else 'non-negative'}"
+                                        f" int, got {value!r}")
+        self.slot_map, self.max_slots, self.slots_per_block = slot_map, max_slots, slots_per_block
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # least recently used first
+        self._held: dict[Hashable, list[Hashable]] = {}  # owner -> hashes it references
+        self._evicted: list[Hashable] = []  # since the last `take_evicted`
+        slot_map.reclaim = self.make_room
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def pooled_slots(self) -> int:
+        return len(self._entries) * self.slots_per_block
+
+    def lookup(self, hashes: Sequence[Hashable]) -> int:
+        """How many of `hashes`, from the first, the pool holds (a hash-chain match)."""
+        n = 0
+        for h in hashes:
+            if h not in self._entries:
+                break
+            n += 1
+        return n
+
+    def keep(self, req_id: Hashable, blocks: Sequence[tuple[Hashable, Sequence[int]]]
+             ) -> list[Hashable]:
+        """Take `req_id`'s staged blocks into the pool: per `(hash, keys)` (the request's
+        staging keys of one hashed block, `slots_per_block` of them), its slots become the
+        entry of `hash`. A hash already held stays as it is (the request's copy goes with
+        the request). Returns the hashes that entered the pool; then evicts down to
+        `max_slots`. Keys the request did not stage raise `UnknownRequestError` before any
+        change."""
+        new: list[tuple[Hashable, Sequence[int]]] = []
+        for h, keys in blocks:
+            if len(keys) != self.slots_per_block:
+                raise InvalidInputError(f"request {req_id!r}: hash {h!r:.40} names {len(keys)} "
+                                        f"keys, a pooled block is {self.slots_per_block} slots")
+            if h not in self._entries and all(h != n for n, _ in new):
+                new.append((h, keys))
+        taken = [k for _, keys in new for k in keys]
+        if len(set(taken)) != len(taken):
+            raise InvalidInputError(f"request {req_id!r}: blocks to pool name a key twice, "
+                                    f"{taken[:8]}")
+        self.slot_map.slots(req_id, taken)  # every key staged: checked before any change
+        for h, keys in new:
+            self._entries[h] = _Entry(tuple(self.slot_map.detach(req_id, keys)))
+        for h, _ in blocks:
+            self._entries.move_to_end(h)
+        self._evict(self.pooled_slots - self.max_slots)
+        return [h for h, _ in new]
+
+    def acquire(self, owner: Hashable, hashes: Sequence[Hashable]) -> list[tuple[int, ...]]:
+        """Reference the entries of `hashes` for `owner` (a lease, a read): they are not
+        evicted until `release(owner)`. Returns each entry's slots. A hash not held raises
+        `UnknownRequestError` before any change."""
+        missing = [h for h in hashes if h not in self._entries]
+        if missing:
+            raise UnknownRequestError(f"the pool holds no block of hash {missing[0]!r:.40}")
+        out = []
+        for h in hashes:
+            entry = self._entries[h]
+            entry.refs += 1
+            self._entries.move_to_end(h)
+            out.append(entry.slots)
+        self._held.setdefault(owner, []).extend(hashes)
+        return out
+
+    def release(self, owner: Hashable) -> None:
+        """Drop every reference `owner` holds (none: nothing happens)."""
+        for h in self._held.pop(owner, ()):
+            self._entries[h].refs -= 1
+        self._evict(self.pooled_slots - self.max_slots)  # a budget lowered under readers
+
+    def make_room(self, slots: int) -> None:
+        """Evict unreferenced entries, least recently used first, until the slot map has
+        `slots` more free slots; none where that cannot free enough (the request is refused,
+        and the pool keeps what it holds)."""
+        unreferenced = sum(e.refs == 0 for e in self._entries.values()) * self.slots_per_block
+        if unreferenced >= slots:
+            self._evict(slots)
+
+    def take_evicted(self) -> list[Hashable]:
+        """The hashes evicted since the last call, oldest first (for events and metrics)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def clear(self) -> list[Hashable]:
+        """Evict every unreferenced entry; returns their hashes."""
+        self._evict(self.pooled_slots)
+        return self.take_evicted()
+
+    def _evict(self, slots: int) -> None:
+        for h in [h for h, e in self._entries.items() if e.refs == 0]:
+            if slots <= 0:
+                return
+            self.slot_map.release_slots(self._entries.pop(h).slots)
+            self._evicted.append(h)
+            slots -= self.slots_per_block
