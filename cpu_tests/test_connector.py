@@ -329,6 +329,29 @@ def test_one_process_instances_at_different_tp_pair_with_no_setting_and_deliver_
     assert pr.wait_freed(1) == ["r"]
 
 
+@pytest.mark.parametrize("spec", ["dp", "dcp"])
+@pytest.mark.parametrize("p_is_split", [True, False], ids=["P-split-D-TP4", "P-TP4-D-split"])
+def test_data_parallel_and_dcp_caches_in_one_process_pair_with_tp_caches_byte_exact(
+        pair, backend, spec, p_is_split):
+    """Caches whose blocks one process splits along another axis too (the block axis over
+    `data`, or the tokens under DCP, besides the heads over `model`) pair with TP-only caches:
+    both cut along the heads, the last axis their specs name."""
+    from jax.sharding import PartitionSpec
+
+    split = (PartitionSpec("data", None, "model") if spec == "dp"
+             else PartitionSpec(None, "data", "model"))
+    specs, data = ((split, None), (2, 1)) if p_is_split else ((None, split), (1, 2))
+    pr = pair(specs=specs, data=data)
+    assert pr.p.worker.processes.piece == pr.d.processes.piece == (0, 4, 4)
+    pr.p.add_request("r", 40)
+    pr.save(ScheduledRequest("r", 0, 40, ([5, 20, 12],), full_table=True))
+    params = pr.p.request_finished("r")
+    pr.serve()
+    assert pr.load("r", params, [30, 1, 17]) == (["r"], [])
+    for p_cache, d_cache in zip(pr.p_caches[0], pr.d_caches[0]):
+        assert (as_bits(d_cache)[[30, 1, 17]] == as_bits(p_cache)[[5, 20, 12]]).all()
+
+
 def test_pieces_cut_along_different_block_axes_are_refused_by_name_not_transposed(pair, caplog):
     """P on one device whose caches name no inner axis cuts blocks along axis 0 (4 tokens); D
     at TP 4 cuts them along the heads (4 of them): the same number of units, of the same

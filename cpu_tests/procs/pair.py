@@ -26,10 +26,10 @@ HEADS = PartitionSpec(None, None, "model")
 _names = itertools.count()
 
 
-def caches_on(devices, seed, layers=2, shape=SHAPE, spec=HEADS):
+def caches_on(devices, seed, layers=2, shape=SHAPE, spec=HEADS, data=1):
     """Random bf16 caches (as bits, so NaN payloads are kept) sharded over `devices` by `spec`
-    (axis 2 by default)."""
-    mesh = Mesh(np.array(devices).reshape(1, len(devices)), ("data", "model"))
+    (axis 2 by default), on a `('data', 'model')` mesh whose `data` axis is `data` long."""
+    mesh = Mesh(np.array(devices).reshape(data, len(devices) // data), ("data", "model"))
     sharding = NamedSharding(mesh, spec)
     rng = np.random.default_rng(seed)
     return [jax.device_put(jax.lax.bitcast_convert_type(
@@ -62,23 +62,24 @@ class Pair:
     `groups` are P's `GroupSpec`s; each group gets its own caches of `shape`
     (`shape[1]` tokens per kernel block). P's caches are on `p_devices`, D's on
     `d_devices` (different TP on each side). `models` are P's and D's model descriptions;
-    `specs` P's and D's partition specs (None: axis 2).
+    `specs` P's and D's partition specs (None: axis 2), over meshes whose `data` axes are
+    `data` long (P's, D's).
     """
 
     def __init__(self, kernel_ratio=1, block_size=16, deadline=10.0, groups=None, shape=SHAPE,
                  p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), layers=2, verify=True,
                  models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0, stats=True,
-                 specs=(None, None), stream_wait=600.0):
+                 specs=(None, None), stream_wait=600.0, data=(1, 1)):
         n = next(_names)
         groups = groups or [GroupSpec(block_size)]
         cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio, stats=stats)
         devices = jax.devices()
         specs = [HEADS if s is None else s for s in specs]
         self.p_caches = [caches_on([devices[i] for i in p_devices], seed=1 + 10 * g,
-                                   layers=layers, shape=shape, spec=specs[0])
+                                   layers=layers, shape=shape, spec=specs[0], data=data[0])
                          for g in range(len(groups))]
         self.d_caches = [caches_on([devices[i] for i in d_devices], seed=2 + 10 * g,
-                                   layers=layers, shape=shape, spec=specs[1])
+                                   layers=layers, shape=shape, spec=specs[1], data=data[1])
                          for g in range(len(groups))]
         self.single = len(groups) == 1
         p_transport = TransportConfig(f"P{n}", lease_s=lease, heartbeat_interval_s=heartbeat)
