@@ -25,6 +25,10 @@ class ConnectorConfig:
     - `precompile`: at start-up, compile every program a save (P) or load (D) of any
       size runs on the XLA backend (`kvxfer.device.gather.precompile`), so that none compiles
       on the transfer path; nothing compiles on the numpy backend.
+    - `host_pool_bytes`: P's host pool in this process's staging, in bytes: full prompt
+      blocks a request leaves there once D has read it, by block hash, for later prompts
+      to load instead of prefilling (`kvxfer.plan.pool`); at most the staging itself.
+      0 (the default): no pool.
     - `stage_units`: deprecated, ignored. Every instance stages each block unit-major, as
       the pieces an instance across hosts stages (`kvxfer.device.pieces`), so any instance
       pairs with any other; True still passes, with a `DeprecationWarning`.
@@ -37,11 +41,15 @@ class ConnectorConfig:
     stats: bool = True
     precompile: bool = True
     stage_units: bool = False
+    host_pool_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, TransportConfig):
             raise InvalidInputError(
                 f"ConnectorConfig transport must be a TransportConfig, got {self.transport!r:.80}")
+        if not is_int(self.host_pool_bytes) or self.host_pool_bytes < 0:
+            raise InvalidInputError(f"ConnectorConfig host_pool_bytes must be a non-negative "
+                                    f"int (bytes), got {self.host_pool_bytes!r}")
         for name in ("staging_blocks", "kernel_ratio"):
             value = getattr(self, name)
             if not is_int(value) or value <= 0:

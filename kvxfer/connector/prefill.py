@@ -12,7 +12,7 @@ saved, the engine may free P's device blocks as soon as a request finishes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ from kvxfer.device.staging import Staging, block_tags
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.nixl.wire import Source
+from kvxfer.plan.blocks import kernel_placement, table_entries
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
 from kvxfer.stats import Recorder, Stats, Trace
@@ -58,6 +59,9 @@ class PrefillWorker:
                                           piece=self.processes.piece, recorder=self.recorder)
         self.transport.answer_in_background()  # D's acks do not wait for the engine's next step
         self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
+        self.pool_slots = _pool_slots(config, self.stagings)
+        if self.pool_slots:
+            self.processes.precompile(caches, saves=False)  # loads from the pool
 
     @property
     def address(self) -> PeerAddress:
@@ -112,6 +116,34 @@ class PrefillWorker:
             self.transport.publish(req_id, stream, meta.secrets[req_id], prompt, final,
                                    [[at[k] for k in keys] for at, keys in zip(slot_of, final)],
                                    last=req_id in meta.holds)
+
+    def load(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+             loads: Mapping[str, tuple[Sequence[int], Sequence[int]] | Sequence]
+             ) -> tuple[Any, list[str]]:
+        """Write pooled blocks from staging into the caches (in place, donated), checked
+        against the sums P took when it staged them: `loads[req_id][g]` is `(kernel ids,
+        slots)` of group `g` (the scheduler side's `acquire_pooled`). Returns the new
+        caches, in the form given, and the requests whose blocks did not check out (the
+        engine computes them instead)."""
+        groups, single = per_group(caches, len(self.layouts))
+        bad: dict[str, str] = {}
+        for g in range(len(self.layouts)):
+            ids, rows, spans = [], [], []
+            for req_id, per_group_loads in loads.items():
+                kernel_ids, slots = per_group_loads[g]
+                if len(kernel_ids) != len(slots):
+                    raise InvalidInputError(f"load of {req_id!r}, group {g}: {len(kernel_ids)} "
+                                            f"kernel ids for {len(slots)} slots")
+                spans.append((req_id, len(ids), len(kernel_ids)))
+                ids += kernel_ids
+                rows += slots
+            if ids:
+                groups[g] = self.processes.scatter(g, groups[g], np.asarray(ids, np.int64),
+                                                   np.asarray(rows, np.int64), spans, bad)
+        self.processes.agree_bad(loads, bad)
+        self.recorder.count("p_pool_load_blocks", sum(len(ids) for load in loads.values()
+                                                      for ids, _ in load))
+        return (groups[0] if single else groups), sorted(bad)
 
     def _trace_gathers(self, meta: SaveMeta, start: float) -> None:
         """Each request of the step waited for the step's gather: one `gather` stage per
@@ -177,7 +209,8 @@ class PrefillConnector:
                 groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
                 address=self.worker.address, instance=self.worker.transport.instance,
                 sources=self.worker.sources,
-                units=self.worker.processes.units, secret_key=self.worker.processes.secret_key())
+                units=self.worker.processes.units, secret_key=self.worker.processes.secret_key(),
+                pool_slots=self.worker.pool_slots)
         except BaseException:
             self.worker.close()
             raise
@@ -210,9 +243,39 @@ class PrefillConnector:
 
     def add_request(self, req_id: str, num_prompt_tokens: int,
                     prompt_token_ids: Sequence[int] | None = None,
-                    stream: str | None = None) -> None:
+                    stream: str | None = None,
+                    block_hashes: Sequence[Sequence[Hashable]] | None = None) -> None:
         """See `PrefillScheduler.add_request`."""
-        self.scheduler.add_request(req_id, num_prompt_tokens, prompt_token_ids, stream)
+        self.scheduler.add_request(req_id, num_prompt_tokens, prompt_token_ids, stream,
+                                   block_hashes)
+
+    def pooled_tokens(self, block_hashes: Sequence[Sequence[Hashable]],
+                      num_computed_tokens: int = 0) -> int:
+        """See `PrefillScheduler.match_pooled`."""
+        return self.scheduler.match_pooled(block_hashes, num_computed_tokens)
+
+    def load_pooled(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
+                    req_id: str, block_hashes: Sequence[Sequence[Hashable]],
+                    num_computed_tokens: int, num_tokens: int,
+                    tables: Sequence[Sequence[int]]) -> tuple[Any, bool]:
+        """Load the pooled blocks of tokens `[num_computed_tokens, +num_tokens)` into the
+        request's device blocks (`tables[g]`: group `g`'s block table, logical ids in token
+        order) instead of prefilling them; returns the new caches and whether the blocks
+        checked out (else the engine computes them)."""
+        slots = self.scheduler.acquire_pooled(req_id, block_hashes, num_computed_tokens,
+                                              num_tokens)
+        try:
+            loads = []
+            for spec, table, group_slots in zip(self.scheduler.tracker.groups, tables, slots):
+                first = num_computed_tokens // spec.tokens_per_block
+                entries = table_entries(range(first, first + num_tokens // spec.tokens_per_block),
+                                        table)
+                loads.append(([k for _, k in kernel_placement(entries, self.config.kernel_ratio)],
+                              group_slots))
+            caches, failed = self.worker.load(caches, {req_id: loads})
+        finally:
+            self.scheduler.loaded(req_id)
+        return caches, not failed
 
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
         """See `PrefillScheduler.build_connector_meta`."""
@@ -254,3 +317,16 @@ class PrefillConnector:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _pool_slots(config: ConnectorConfig, stagings: Sequence[Staging]) -> int:
+    """`host_pool_bytes` as slots of every group's staging (this process's bytes of a slot
+    in each), refused by name where the staging cannot hold it."""
+    per_slot = sum(s.block_bytes * s.num_layers for s in stagings)
+    slots = config.host_pool_bytes // per_slot
+    if slots > config.staging_blocks:
+        raise InvalidInputError(
+            f"host_pool_bytes {config.host_pool_bytes} is {slots} staging slots of "
+            f"{per_slot} bytes, more than staging_blocks {config.staging_blocks}: the pool "
+            f"lives in the staging (raise staging_blocks, or lower host_pool_bytes)")
+    return slots

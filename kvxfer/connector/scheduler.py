@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from kvxfer.nixl.wire import (
     prompt_digest,
 )
 from kvxfer.plan.blocks import is_int, kernel_placement
+from kvxfer.plan.pool import Pools
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
 
@@ -164,11 +165,15 @@ class PrefillScheduler:
         units: the units a block is cut into, with `sources`.
         secret_key: the key (64 hex digits) request secrets are derived from, the same
             for every process of a P across hosts; None draws one.
+        pool_slots: each group's host pool budget, in staging slots (`kvxfer.plan.pool`):
+            a request added with its block hashes leaves its full prompt blocks in
+            staging once released, for later prompts to load (`match_pooled`). 0: none.
     """
 
     def __init__(self, groups: Sequence[GroupSpec], *, staging_blocks: int, kernel_ratio: int,
                  address: PeerAddress, instance: str | None = None,
-                 sources: Sequence[Source] = (), units: int = 0, secret_key: str | None = None):
+                 sources: Sequence[Source] = (), units: int = 0, secret_key: str | None = None,
+                 pool_slots: int = 0):
         self.tracker = SaveTracker(groups)
         if not isinstance(address, PeerAddress):
             raise InvalidInputError(f"address must be a PeerAddress, got {address!r:.80}")
@@ -182,6 +187,10 @@ class PrefillScheduler:
         self.use_sources(sources, units)
         self.instance = instance or new_instance()
         self.slot_maps = [SlotMap(staging_blocks) for _ in self.tracker.groups]
+        if not is_int(pool_slots) or not 0 <= pool_slots <= staging_blocks:
+            raise InvalidInputError(f"pool_slots must be an int in [0, staging_blocks="
+                                    f"{staging_blocks}], got {pool_slots!r}")
+        self.pools = Pools(self.tracker.groups, self.slot_maps, kernel_ratio, pool_slots)
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
         self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
@@ -207,8 +216,13 @@ class PrefillScheduler:
 
     def add_request(self, req_id: str, num_prompt_tokens: int,
                     prompt_token_ids: Sequence[int] | None = None,
-                    stream: str | None = None) -> None:
+                    stream: str | None = None,
+                    block_hashes: Sequence[Sequence[Hashable]] | None = None) -> None:
         """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
+
+        With `block_hashes` (per group, the hashes of its full prompt blocks: vLLM's
+        `request.block_hashes` at the group's block size) and a pool, its full blocks
+        stay in staging once D has read them, for later prompts (`match_pooled`).
 
         With `prompt_token_ids`, its params carry their `prompt_digest`, and a D
         that knows its own prompt refuses params computed for another one.
@@ -237,6 +251,8 @@ class PrefillScheduler:
                     f"request {req_id!r}: {len(prompt_token_ids)} prompt token ids for "
                     f"{num_prompt_tokens!r} prompt tokens")
             digest = prompt_digest(prompt_token_ids)
+        if block_hashes is not None:
+            self.pools.remember(req_id, block_hashes)
         self.tracker.add(req_id, num_prompt_tokens)
         self._secrets[req_id] = new_secret(self._key, req_id, next(self._added))
         if digest is not None:
@@ -355,7 +371,25 @@ class PrefillScheduler:
                 self.tracker.abort(req_id)
             self._params.pop(req_id, None)  # they would name freed slots
             self._held.discard(req_id)
+            self.pools.keep(req_id)
             self._free_slots(req_id)
+
+    def match_pooled(self, block_hashes: Sequence[Sequence[Hashable]],
+                     num_computed_tokens: int) -> int:
+        """Prompt tokens past `num_computed_tokens` the pool holds in every group (vLLM's
+        `get_num_new_matched_tokens`): hash chains, so a run from there is a prefix match."""
+        return self.pools.match(block_hashes, num_computed_tokens)
+
+    def acquire_pooled(self, req_id: str, block_hashes: Sequence[Sequence[Hashable]],
+                       num_computed_tokens: int, num_tokens: int) -> list[list[int]]:
+        """Hold the pooled blocks of tokens `[num_computed_tokens, +num_tokens)` for loading
+        into `req_id`'s device blocks; per group, their slots in kernel order (what the
+        worker's `load` reads). `loaded(req_id)` lets go of them."""
+        return self.pools.acquire(("load", req_id), block_hashes, num_computed_tokens,
+                                  num_tokens)
+
+    def loaded(self, req_id: str) -> None:
+        self.pools.release(("load", req_id))
 
     def held(self) -> list[str]:
         """Requests handed to D whose slots the worker has not yet freed."""
@@ -370,6 +404,7 @@ class PrefillScheduler:
         """Free a request's slots and, unless it is restarted (staged afresh under its
         secret), forget it."""
         if forget:
+            self.pools.forget(req_id)
             self._secrets.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._streams.pop(req_id, None)

@@ -160,3 +160,86 @@ class Pool:
             self.slot_map.release_slots(self._entries.pop(h).slots)
             self._evicted.append(h)
             slots -= self.slots_per_block
+
+
+class Pools:
+    """P's pools, one per full-attention group over its slot map, with each request's block
+    hashes: what `PrefillScheduler` keeps when a request it held for D is released, and the
+    runs a later prompt finds there (`match`, `acquire`).
+
+    **Arguments:**
+
+    - `groups`: the engine's `GroupSpec`s; `slot_maps`: each group's `SlotMap`.
+    - `kernel_ratio`: kernel blocks per logical block (a pooled block's slots).
+    - `max_slots`: each group's pool budget, in slots.
+
+    A model with a sliding-window or SSM group pools nothing: a prompt found in the pool
+    would still lack that group's state.
+    """
+
+    def __init__(self, groups: Sequence, slot_maps: Sequence[SlotMap], kernel_ratio: int,
+                 max_slots: int) -> None:
+        self.groups, self.kernel_ratio = list(groups), kernel_ratio
+        self.pools = ([Pool(m, max_slots, kernel_ratio) for m in slot_maps]
+                      if all(g.kind == "attention" for g in groups) else [])
+        self._hashes: dict[Hashable, list[list[Hashable]]] = {}
+
+    def remember(self, req_id: Hashable, block_hashes: Sequence[Sequence[Hashable]]) -> None:
+        """`block_hashes[g]`: the hashes of group `g`'s full prompt blocks, in order."""
+        if (isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence)
+                or len(block_hashes) != len(self.groups)
+                or not all(isinstance(h, Sequence) and not isinstance(h, (str, bytes))
+                           for h in block_hashes)):
+            raise InvalidInputError(f"request {req_id!r}: block_hashes must hold one list of "
+                                    f"hashes per KV cache group ({len(self.groups)}), got "
+                                    f"{block_hashes!r:.80}")
+        if self.pools:
+            self._hashes[req_id] = [list(h) for h in block_hashes]
+
+    def forget(self, req_id: Hashable) -> None:
+        self._hashes.pop(req_id, None)
+
+    def keep(self, req_id: Hashable) -> None:
+        """Before a released request's slots are freed: its full prompt blocks staged in
+        every group enter the pools (the rest is freed with the request)."""
+        hashes = self._hashes.pop(req_id, None)
+        if hashes is None:
+            return
+        r = self.kernel_ratio
+        for pool, group_hashes in zip(self.pools, hashes):
+            if req_id not in pool.slot_map:
+                continue
+            staged = set(pool.slot_map.blocks(req_id))
+            blocks = [(h, [i * r + j for j in range(r)]) for i, h in enumerate(group_hashes)]
+            pool.keep(req_id, [(h, keys) for h, keys in blocks if staged.issuperset(keys)])
+
+    def match(self, block_hashes: Sequence[Sequence[Hashable]], num_computed_tokens: int) -> int:
+        """Tokens past `num_computed_tokens` (a whole number of blocks) every group's pool
+        holds, block for block from there: 0 where a group pools nothing."""
+        if not self.pools or len(block_hashes) != len(self.pools):
+            return 0
+        runs = []
+        for spec, pool, hashes in zip(self.groups, self.pools, block_hashes):
+            tpb = spec.tokens_per_block
+            if num_computed_tokens % tpb:
+                return 0
+            runs.append(pool.lookup(hashes[num_computed_tokens // tpb:]) * tpb)
+        return min(runs)
+
+    def acquire(self, owner: Hashable, block_hashes: Sequence[Sequence[Hashable]],
+                num_computed_tokens: int, num_tokens: int) -> list[list[int]]:
+        """Reference the blocks of tokens `[num_computed_tokens, +num_tokens)` for `owner`;
+        per group their slots, in kernel order. `release(owner)` lets go."""
+        out = []
+        for spec, pool, hashes in zip(self.groups, self.pools, block_hashes):
+            first = num_computed_tokens // spec.tokens_per_block
+            wanted = hashes[first : first + num_tokens // spec.tokens_per_block]
+            out.append([s for slots in pool.acquire(owner, wanted) for s in slots])
+        return out
+
+    def release(self, owner: Hashable) -> None:
+        for pool in self.pools:
+            pool.release(owner)
+
+    def entries(self) -> int:
+        return sum(len(p) for p in self.pools)

@@ -32,7 +32,8 @@ _THRESHOLD = "kv_recompute_threshold"
 
 def _option_keys() -> tuple[list[str], list[str]]:
     """The fields of `ConnectorConfig` and of `TransportConfig` a user may set."""
-    connector = [f.name for f in fields(ConnectorConfig) if f.name != "transport"]
+    connector = [f.name for f in fields(ConnectorConfig)  # the pool: not wired into vLLM yet
+                 if f.name not in ("transport", "host_pool_bytes")]
     transport = [f.name for f in fields(TransportConfig) if f.name not in ("name", "host",
                                                                             "listen_port")]
     return connector, transport

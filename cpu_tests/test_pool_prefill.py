@@ -1,0 +1,92 @@
+"""P's host pool (`host_pool_bytes`): a request added with its block hashes leaves its full
+prompt blocks in P's staging once D has read it, and a later prompt whose hash chain starts
+the same loads them into its own device blocks instead of prefilling them: byte for byte,
+checked against the sums P took when it staged them, on both backends."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from kvxfer.connector.config import ConnectorConfig
+from kvxfer.errors import InvalidInputError
+from kvxfer.nixl.agent import TransportConfig
+from kvxfer.plan.save_plan import ScheduledRequest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs.pair import as_bits, rewrite_blocks  # noqa: E402
+
+SLOT = 2 * 16 * 4 * 2 * 32 * 2  # bytes of one staging slot: 2 layers of [16, 4, 2, 32] bf16
+
+
+def _read_by_d(pr, req_id, hashes, p_table, d_table, tokens=40):
+    """P prefills `req_id` with `block_hashes`, D reads it, P lets it go (into its pool)."""
+    pr.p.add_request(req_id, tokens, block_hashes=hashes)
+    pr.save(ScheduledRequest(req_id, 0, tokens, (p_table,), full_table=True))
+    params = pr.p.request_finished(req_id)
+    pr.serve()
+    assert pr.load(req_id, params, d_table) == ([req_id], [])
+    assert req_id in pr.wait_freed(len(pr.freed) + 1)
+
+
+def test_a_prompt_whose_hash_chain_p_pooled_loads_its_blocks_instead_of_prefilling(pair, backend):
+    pr = pair(pool_bytes=8 * SLOT)
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])  # 2 full blocks, 1 partial
+    pooled = [as_bits(c)[[5, 9]].copy() for c in pr.p_caches[0]]
+    pr.p_caches[0] = [rewrite_blocks(c, [5, 9, 3, 4], seed=7) for c in pr.p_caches[0]]
+    assert pr.p.pooled_tokens([["h0", "h1", "h2"]]) == 32
+    assert pr.p.pooled_tokens([["h0", "hX", "h2"]]) == 16  # a chain: the run from the first
+    assert pr.p.pooled_tokens([["hX", "h1"]]) == 0
+    assert pr.p.pooled_tokens([["h0", "h1"]], num_computed_tokens=16) == 16  # past a device hit
+    with pr._lock:  # P's serving thread polls P too
+        caches, ok = pr.p.load_pooled(pr.p_caches[0], "b", [["h0", "h1", "h2"]], 0, 32,
+                                      [[3, 4, 8]])
+    pr.p_caches[0] = caches
+    assert ok
+    for cache, want in zip(pr.p_caches[0], pooled):
+        assert (as_bits(cache)[[3, 4]] == want).all()
+    assert pr.p.stats().counters["p_pool_load_blocks"] == 2
+    pr.p.add_request("b", 40)  # the request goes on as any other, pool or not
+    assert pr.p.scheduler.pools.entries() == 2
+
+
+def test_a_corrupted_pooled_block_fails_the_load_and_the_engine_computes_it(pair):
+    pr = pair(pool_bytes=8 * SLOT)
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
+    with pr._lock:
+        slot = pr.p.scheduler.pools.pools[0]._entries["h1"].slots[0]
+        pr.p.stagings[0].regions[1][slot].view(np.uint8).reshape(-1)[11] ^= 0x20
+        _, ok = pr.p.load_pooled(pr.p_caches[0], "b", [["h0", "h1"]], 0, 32, [[3, 4]])
+    assert not ok
+
+
+def test_the_pool_stays_within_its_budget_least_recently_used_first(pair):
+    pr = pair(pool_bytes=2 * SLOT)  # two blocks
+    _read_by_d(pr, "a", [["a0", "a1"]], [5, 9, 12], [20, 21, 22])
+    assert pr.p.pooled_tokens([["a0", "a1"]]) == 32
+    _read_by_d(pr, "b", [["b0", "b1"]], [6, 10, 13], [23, 24, 25])
+    assert pr.p.pooled_tokens([["a0", "a1"]]) == 0 and pr.p.pooled_tokens([["b0", "b1"]]) == 32
+
+
+def test_without_a_pool_or_hashes_nothing_is_kept(pair):
+    pr = pair()
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
+    assert pr.p.pooled_tokens([["h0", "h1"]]) == 0
+    pr2 = pair(pool_bytes=8 * SLOT)
+    pr2.p.add_request("a", 40)  # no hashes: nothing to key its blocks by
+    pr2.save(ScheduledRequest("a", 0, 40, ([5, 9, 12],), full_table=True))
+    params = pr2.p.request_finished("a")
+    pr2.serve()
+    assert pr2.load("a", params, [20, 21, 22]) == (["a"], [])
+    pr2.wait_freed(1)
+    assert pr2.p.scheduler.pools.entries() == 0
+
+
+def test_a_bad_pool_setting_is_refused_by_name(pair):
+    with pytest.raises(InvalidInputError, match="host_pool_bytes must be a non-negative int"):
+        ConnectorConfig(TransportConfig("P-pool"), host_pool_bytes=-1)
+    with pytest.raises(InvalidInputError, match="host_pool_bytes must be a non-negative int"):
+        ConnectorConfig(TransportConfig("P-pool"), host_pool_bytes=1.5)
+    with pytest.raises(InvalidInputError, match="more than staging_blocks 32: the pool lives in"):
+        pair(pool_bytes=33 * SLOT)
