@@ -200,10 +200,11 @@ class SchedulerSide:
         self.prefill.release(done)
 
     def learn_sources(self, sources: tuple[Source, ...], units: int) -> None:
-        """P across hosts: name every P process in the params from now on. Until the
-        workers' first output arrives (one step, two under asynchronous scheduling), params
-        name none: a request completed before then is recomputed by D, once its read finds
-        no agent of P's name (within D's handshake timeout)."""
+        """Name every P process and its units in the params from now on. Until the workers'
+        first output arrives (one step, two under asynchronous scheduling), params name none:
+        D then reads from P's one agent, which a P in one process is; a P across hosts has
+        no agent of that name, so D recomputes such a request (within its handshake
+        timeout)."""
         if (self.prefill is None or not sources
                 or (sources, units) in ((self.prefill.sources, self.prefill.units),
                                         self._refused_sources)):
@@ -214,8 +215,9 @@ class SchedulerSide:
             self._refused_sources = (sources, units)  # logged once, not at every step
             logger.error("P's workers reported sources the params cannot name: %s", e)
             return
-        logger.info("P spans %d processes: params name %s", len(sources),
-                    [s.peer for s in sources])
+        if len(sources) > 1:
+            logger.info("P spans %d processes: params name %s", len(sources),
+                        [s.peer for s in sources])
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         if self.fallbacks is not None:
