@@ -73,6 +73,7 @@ def test_without_a_pool_or_hashes_nothing_is_kept(pair):
     pr = pair()
     _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
     assert pr.p.pooled_tokens([["h0", "h1"]]) == 0
+    assert pr.p.scheduler.pools.pools == [] and pr.p.slot_map.reclaim is None  # no pool: no work
     pr2 = pair(pool_bytes=8 * SLOT)
     pr2.p.add_request("a", 40)  # no hashes: nothing to key its blocks by
     pr2.save(ScheduledRequest("a", 0, 40, ([5, 9, 12],), full_table=True))
@@ -90,3 +91,27 @@ def test_a_bad_pool_setting_is_refused_by_name(pair):
         ConnectorConfig(TransportConfig("P-pool"), host_pool_bytes=1.5)
     with pytest.raises(InvalidInputError, match="more than staging_blocks 32: the pool lives in"):
         pair(pool_bytes=33 * SLOT)
+
+
+def test_bad_hashes_and_token_counts_are_refused_by_name_before_any_change(pair):
+    pr = pair(pool_bytes=8 * SLOT)
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
+    with pytest.raises(InvalidInputError, match="a 40-token prompt has 2 full ones"):
+        pr.p.add_request("b", 40, block_hashes=[["h0", "h1", "h2"]])  # would pool a partial block
+    assert not pr.p.scheduler.holds("b")
+    for bad in ("h0", [["h0"], ["h1"]], [[["unhashable"]]], None):
+        with pytest.raises(InvalidInputError, match="one list of hashable values per KV cache group"):
+            pr.p.pooled_tokens(bad)
+    with pytest.raises(InvalidInputError, match="num_computed_tokens must be a non-negative int"):
+        pr.p.pooled_tokens([["h0"]], -16)
+    assert pr.p.pooled_tokens([["h0", "h1"]], 8) == 0  # not a block boundary: nothing to load
+    before = [as_bits(c).copy() for c in pr.p_caches[0]]
+    with pr._lock:
+        for computed, tokens, match in ((0, 24, "whole blocks"), (8, 16, "whole blocks"),
+                                        (0, -16, "num_tokens must be a non-negative int")):
+            with pytest.raises(InvalidInputError, match=match):
+                pr.p.load_pooled(pr.p_caches[0], "b", [["h0", "h1"]], computed, tokens, [[3, 4]])
+        with pytest.raises(InvalidInputError, match="one block table per KV cache group"):
+            pr.p.load_pooled(pr.p_caches[0], "b", [["h0", "h1"]], 0, 32, [3, 4])
+    assert all((as_bits(c) == b).all() for c, b in zip(pr.p_caches[0], before))
+    assert all(e.refs == 0 for e in pr.p.scheduler.pools.pools[0]._entries.values())

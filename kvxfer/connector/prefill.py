@@ -262,6 +262,11 @@ class PrefillConnector:
         request's device blocks (`tables[g]`: group `g`'s block table, logical ids in token
         order) instead of prefilling them; returns the new caches and whether the blocks
         checked out (else the engine computes them)."""
+        groups = self.scheduler.tracker.groups
+        if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
+                or len(tables) != len(groups)):
+            raise InvalidInputError(f"load of {req_id!r}: tables must hold one block table per "
+                                    f"KV cache group ({len(groups)}), got {tables!r:.80}")
         slots = self.scheduler.acquire_pooled(req_id, block_hashes, num_computed_tokens,
                                               num_tokens)
         try:

@@ -251,9 +251,11 @@ class PrefillScheduler:
                     f"request {req_id!r}: {len(prompt_token_ids)} prompt token ids for "
                     f"{num_prompt_tokens!r} prompt tokens")
             digest = prompt_digest(prompt_token_ids)
-        if block_hashes is not None:
-            self.pools.remember(req_id, block_hashes)
+        hashes = (None if block_hashes is None
+                  else self.pools.check(block_hashes, num_prompt_tokens))  # before any change
         self.tracker.add(req_id, num_prompt_tokens)
+        if hashes is not None:
+            self.pools.remember(req_id, hashes)
         self._secrets[req_id] = new_secret(self._key, req_id, next(self._added))
         if digest is not None:
             self._prompts[req_id] = digest

@@ -154,6 +154,8 @@ class Pool:
         return self.take_evicted()
 
     def _evict(self, slots: int) -> None:
+        if slots <= 0:  # keep and release ask after every change: mostly nothing to do
+            return
         for h in [h for h, e in self._entries.items() if e.refs == 0]:
             if slots <= 0:
                 return
@@ -174,27 +176,41 @@ class Pools:
     - `max_slots`: each group's pool budget, in slots.
 
     A model with a sliding-window or SSM group pools nothing: a prompt found in the pool
-    would still lack that group's state.
+    would still lack that group's state. Nor does a budget of 0: then nothing is kept
+    and every call is a no-op.
     """
 
     def __init__(self, groups: Sequence, slot_maps: Sequence[SlotMap], kernel_ratio: int,
                  max_slots: int) -> None:
         self.groups, self.kernel_ratio = list(groups), kernel_ratio
         self.pools = ([Pool(m, max_slots, kernel_ratio) for m in slot_maps]
-                      if all(g.kind == "attention" for g in groups) else [])
+                      if max_slots and all(g.kind == "attention" for g in groups) else [])
         self._hashes: dict[Hashable, list[list[Hashable]]] = {}
 
-    def remember(self, req_id: Hashable, block_hashes: Sequence[Sequence[Hashable]]) -> None:
-        """`block_hashes[g]`: the hashes of group `g`'s full prompt blocks, in order."""
+    def check(self, block_hashes: object, num_prompt_tokens: int | None = None
+              ) -> list[list[Hashable]]:
+        """`block_hashes` as one list of hashes per group, refused by name unless it is one
+        (of hashable values, and with `num_prompt_tokens`, no more than the prompt's full
+        blocks: a hash for a partial block would pool it as whole)."""
         if (isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence)
                 or len(block_hashes) != len(self.groups)
                 or not all(isinstance(h, Sequence) and not isinstance(h, (str, bytes))
-                           for h in block_hashes)):
-            raise InvalidInputError(f"request {req_id!r}: block_hashes must hold one list of "
-                                    f"hashes per KV cache group ({len(self.groups)}), got "
-                                    f"{block_hashes!r:.80}")
+                           and all(isinstance(x, Hashable) for x in h) for h in block_hashes)):
+            raise InvalidInputError(f"block_hashes must hold one list of hashable values per KV "
+                                    f"cache group ({len(self.groups)}), got {block_hashes!r:.80}")
+        for spec, hashes in zip(self.groups, block_hashes):
+            if is_int(num_prompt_tokens) and len(hashes) > num_prompt_tokens // spec.tokens_per_block:
+                raise InvalidInputError(
+                    f"block_hashes name {len(hashes)} blocks of {spec.tokens_per_block} tokens; a "
+                    f"{num_prompt_tokens}-token prompt has {num_prompt_tokens // spec.tokens_per_block} "
+                    f"full ones")
+        return [list(h) for h in block_hashes]
+
+    def remember(self, req_id: Hashable, block_hashes: list[list[Hashable]]) -> None:
+        """`block_hashes[g]` (checked: `check`): the hashes of group `g`'s full prompt blocks,
+        in order."""
         if self.pools:
-            self._hashes[req_id] = [list(h) for h in block_hashes]
+            self._hashes[req_id] = block_hashes
 
     def forget(self, req_id: Hashable) -> None:
         self._hashes.pop(req_id, None)
@@ -216,7 +232,9 @@ class Pools:
     def match(self, block_hashes: Sequence[Sequence[Hashable]], num_computed_tokens: int) -> int:
         """Tokens past `num_computed_tokens` (a whole number of blocks) every group's pool
         holds, block for block from there: 0 where a group pools nothing."""
-        if not self.pools or len(block_hashes) != len(self.pools):
+        block_hashes = self.check(block_hashes)
+        _check_tokens(num_computed_tokens=num_computed_tokens)
+        if not self.pools:
             return 0
         runs = []
         for spec, pool, hashes in zip(self.groups, self.pools, block_hashes):
@@ -229,7 +247,18 @@ class Pools:
     def acquire(self, owner: Hashable, block_hashes: Sequence[Sequence[Hashable]],
                 num_computed_tokens: int, num_tokens: int) -> list[list[int]]:
         """Reference the blocks of tokens `[num_computed_tokens, +num_tokens)` for `owner`;
-        per group their slots, in kernel order. `release(owner)` lets go."""
+        per group their slots, in kernel order. `release(owner)` lets go. Token counts that
+        are not whole blocks of every group are refused by name (a block loaded in part would
+        leave the rest of its tokens stale)."""
+        block_hashes = self.check(block_hashes)
+        _check_tokens(num_computed_tokens=num_computed_tokens, num_tokens=num_tokens)
+        bad = [spec.tokens_per_block for spec in self.groups
+               if num_computed_tokens % spec.tokens_per_block or num_tokens % spec.tokens_per_block]
+        if bad or not self.pools:
+            raise InvalidInputError(f"a pooled load is whole blocks of a pool: tokens "
+                                    f"[{num_computed_tokens}, +{num_tokens}) at "
+                                    f"{[g.tokens_per_block for g in self.groups]} tokens per block"
+                                    f"{'' if self.pools else ', and this P pools nothing'}")
         out = []
         for spec, pool, hashes in zip(self.groups, self.pools, block_hashes):
             first = num_computed_tokens // spec.tokens_per_block
@@ -243,3 +272,9 @@ class Pools:
 
     def entries(self) -> int:
         return sum(len(p) for p in self.pools)
+
+
+def _check_tokens(**counts: object) -> None:
+    for name, value in counts.items():
+        if not is_int(value) or value < 0:
+            raise InvalidInputError(f"{name} must be a non-negative int, got {value!r:.40}")
