@@ -385,6 +385,7 @@ def test_p_and_d_find_each_other_through_etcd(etcd, pd):
     ({"lease_s": "x"}, "lease_s must be a positive finite number of seconds, got 'x'"),
     ({"verify_fingerprints": "yes"}, "verify_fingerprints must be a bool, got 'yes'"),
     ({"stage_units": 1}, "stage_units must be a bool, got 1"),
+    ({"host_pool_bytes": 1 << 20}, r"\['host_pool_bytes'\]: P's host pool is not yet wired into vLLM"),
     ({"etcd_endpoints": "etcd:2379"}, "etcd_endpoints must be None or comma-separated"),
     ({"progress_wake_us": -5}, r"progress_wake_us must be an int in \[0, 10_000_000\], got -5"),
     ({"kv_recompute_threshold": -1}, "'kv_recompute_threshold' must be an int >= 0 .*got -1"),

@@ -30,10 +30,15 @@ _THRESHOLD = "kv_recompute_threshold"
 """D's recompute threshold (tokens), which `Settings` reads itself too."""
 
 
+_NOT_IN_VLLM = {"host_pool_bytes": "P's host pool is not yet wired into vLLM's scheduler "
+                                   "(it works in kvxfer's own PrefillConnector); leave it out"}
+"""`ConnectorConfig` fields the vLLM adapter does not read yet, and why, refused by name."""
+
+
 def _option_keys() -> tuple[list[str], list[str]]:
     """The fields of `ConnectorConfig` and of `TransportConfig` a user may set."""
-    connector = [f.name for f in fields(ConnectorConfig)  # the pool: not wired into vLLM yet
-                 if f.name not in ("transport", "host_pool_bytes")]
+    connector = [f.name for f in fields(ConnectorConfig)
+                 if f.name != "transport" and f.name not in _NOT_IN_VLLM]
     transport = [f.name for f in fields(TransportConfig) if f.name not in ("name", "host",
                                                                             "listen_port")]
     return connector, transport
@@ -80,6 +85,10 @@ class Settings:
         extra = dict(extra or {})
         connector, transport = _option_keys()
         known = {*_ADDRESS, _THRESHOLD, *connector, *transport}
+        not_yet = sorted(set(extra) & set(_NOT_IN_VLLM))
+        if not_yet:
+            raise InvalidInputError(f"kv_connector_extra_config {not_yet}: "
+                                    f"{'; '.join(_NOT_IN_VLLM[k] for k in not_yet)}")
         unknown = sorted(set(extra) - known)
         if unknown:
             raise InvalidInputError(f"kv_connector_extra_config has unknown keys {unknown}; "
