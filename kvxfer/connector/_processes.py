@@ -42,12 +42,9 @@ from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.agreement import agree, shared_instance, spans_processes
 from kvxfer.nixl.wire import Source
 
-__all__ = ["ManyProcesses", "OneProcess", "Spans", "for_caches", "per_group"]
+__all__ = ["ManyProcesses", "OneProcess", "for_caches", "per_group"]
 
 Caches = Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
-
-Spans = list[tuple[str, int, int]]
-"""`(request, first row, count)`: which rows of one scatter belong to which request."""
 
 
 def per_group(caches: object, count: int | None = None, of: str = "this connector"
@@ -143,20 +140,40 @@ class OneProcess:
         sums."""
         gather_piece_into(caches, ids, self.stagings[g], slots, self.pieces[g])
 
-    def scatter(self, g: int, caches: list[jax.Array], ids: np.ndarray, rows: np.ndarray,
-                spans: Spans, bad: dict[str, str]) -> list[jax.Array]:
-        """Scatter this process's units from staging rows into blocks `ids`; a request whose
-        blocks as they landed do not sum as P's did goes into `bad` (request id -> reason)."""
-        staging = self.stagings[g]
-        caches, got = scatter_piece(caches, staging, ids, rows, self.pieces[g],
-                                    sums=self.config.verify_fingerprints)
+    def scatter(self, g: int, groups: list[list[jax.Array]],
+                rows_of: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+                bad: dict[str, str]) -> None:
+        """Scatter this process's units of group `g`'s blocks from staging into
+        `groups[g]`, in one scatter: `rows_of[req_id]` is `(kernel ids, staging rows)`. A
+        request whose blocks as they landed do not sum as P's did goes into `bad` (request
+        id -> reason). The new arrays replace the donated ones in every group (vLLM's hybrid
+        allocator gives groups shared arrays)."""
+        ids: list[int] = []
+        rows: list[int] = []
+        spans: list[tuple[str, int, int]] = []
+        for req_id, (kernel_ids, slots) in rows_of.items():
+            if len(kernel_ids) != len(slots):
+                raise InvalidInputError(f"scatter of {req_id!r}, group {g}: {len(kernel_ids)} "
+                                        f"kernel ids for {len(slots)} staging rows")
+            spans.append((req_id, len(ids), len(kernel_ids)))
+            ids += kernel_ids
+            rows += slots
+        if not ids:
+            return
+        staging, old = self.stagings[g], groups[g]
+        groups[g], got = scatter_piece(old, staging, np.asarray(ids, np.int64),
+                                       np.asarray(rows, np.int64), self.pieces[g],
+                                       sums=self.config.verify_fingerprints)
         if got is not None:
             expected = piece_prints(staging, rows)  # P's, read with the blocks
             for req_id, start, count in spans:
                 if not np.array_equal(got[:, start : start + count],
                                       expected[:, start : start + count]):
                     bad[req_id] = f"group {g}: its blocks' word sums differ from P's"
-        return caches
+        replaced = {id(a): b for a, b in zip(old, groups[g]) if a is not b}
+        for h, caches in enumerate(groups):
+            if h != g and replaced:
+                caches[:] = [replaced.get(id(a), a) for a in caches]
 
     def precompile(self, caches: Caches, saves: bool) -> int:
         """Compile every program a save (`saves`, P) or a load (D) of any size runs (with

@@ -22,9 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
-from kvxfer.connector._processes import Spans, for_caches, per_group
+from kvxfer.connector._processes import for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.loads import Load, Loads, table_ids
 from kvxfer.connector.scheduler import LoadRequest
@@ -245,27 +244,18 @@ class DecodeConnector:
         request (its blocks are its own, and the engine recomputes them). A
         request's problem goes into `bad`. New arrays replace the donated ones everywhere."""
         staging = self.stagings[g]
-        ids: list[int] = []
-        slots: list[int] = []
-        spans: Spans = []
+        rows_of = {}
         for req_id, load in loads.items():  # their D blocks are disjoint (`Loads.check`)
             if req_id in bad or not load.keys[g]:
                 continue
             try:
-                slots += staging.slots(req_id, load.keys[g])
+                rows_of[req_id] = (load.kernel_ids[g], staging.slots(req_id, load.keys[g]))
             except KvxferError as e:
                 bad[req_id] = str(e)
-                continue
-            spans.append((req_id, len(ids), len(load.keys[g])))
-            ids += load.kernel_ids[g]
-        if not ids:
-            return
         old = groups[g]
-        groups[g] = self.processes.scatter(g, old, np.asarray(ids, np.int64),
-                                       np.asarray(slots, np.int64), spans, bad)
+        self.processes.scatter(g, groups, rows_of, bad)
         if self._checked[g] and all(map(operator.is_, self._checked[g], old)):
             self._checked[g] = tuple(groups[g])  # our scatter's output: the same layout
-        _follow_donations([c for h, c in enumerate(groups) if h != g], old, groups[g])
 
     def expect(self, params: Any) -> None:
         """Keep P's lease alive for a request D accepted but has not started loading (waiting
@@ -312,14 +302,3 @@ def _check_layouts(checked: list[tuple[jax.Array, ...]], groups: list[list[jax.A
             raise LayoutMismatchError(f"group {g} caches have layout {got}, the connector "
                                       f"was built for {layout}")
         checked[g] = tuple(group_caches)
-
-
-def _follow_donations(others: list[list[jax.Array]], old: Sequence[jax.Array],
-                      new: Sequence[jax.Array]) -> None:
-    """Groups may share arrays (vLLM's hybrid allocator gives layer j of every group one
-    tensor, their blocks disjoint): where another group, before or after this one, holds
-    an array just donated by a scatter, it now holds the array that replaced it."""
-    replaced = {id(a): b for a, b in zip(old, new) if a is not b}
-    if replaced:
-        for caches in others:
-            caches[:] = [replaced.get(id(a), a) for a in caches]

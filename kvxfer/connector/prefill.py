@@ -128,18 +128,7 @@ class PrefillWorker:
         groups, single = per_group(caches, len(self.layouts))
         bad: dict[str, str] = {}
         for g in range(len(self.layouts)):
-            ids, rows, spans = [], [], []
-            for req_id, per_group_loads in loads.items():
-                kernel_ids, slots = per_group_loads[g]
-                if len(kernel_ids) != len(slots):
-                    raise InvalidInputError(f"load of {req_id!r}, group {g}: {len(kernel_ids)} "
-                                            f"kernel ids for {len(slots)} slots")
-                spans.append((req_id, len(ids), len(kernel_ids)))
-                ids += kernel_ids
-                rows += slots
-            if ids:
-                groups[g] = self.processes.scatter(g, groups[g], np.asarray(ids, np.int64),
-                                                   np.asarray(rows, np.int64), spans, bad)
+            self.processes.scatter(g, groups, {r: load[g] for r, load in loads.items()}, bad)
         self.processes.agree_bad(loads, bad)
         self.recorder.count("p_pool_load_blocks", sum(len(ids) for load in loads.values()
                                                       for ids, _ in load))
