@@ -160,7 +160,7 @@ def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int,
     (one replica), the regions are pinned-host buffers that `gather_piece_into` writes in
     place, with no host copy (`kvxfer.device.pinned`); else numpy.
     """
-    _check_words(layout, piece)
+    route = _route(layout, piece)
     shape = piece_shape(layout, piece)
     if caches is not None and (isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence)
                                or not caches
@@ -170,7 +170,7 @@ def piece_staging(layout: CacheLayout, piece: Piece, num_slots: int,
     regions = None
     if caches is not None:
         mesh = (_xla_pieces.local_mesh(_one_replica(caches[0], piece), piece)
-                if _local_view_fits(layout, piece) else caches[0].sharding.mesh)
+                if route == _VIEW else caches[0].sharding.mesh)
         regions = staging_regions(mesh, layout.num_layers, num_slots, shape, layout.np_dtype)
     return Staging(layout.num_layers, num_slots, shape, layout.np_dtype,
                    prints_per_layer=piece.count, regions=regions)
@@ -184,16 +184,16 @@ def gather_piece_into(caches: Sequence[jax.Array], block_ids: Sequence[int] | np
     Reads only this process's shards (one replica of each unit range).
     """
     layout = CacheLayout.from_caches(caches)
-    ids, dst = _check_piece_call(layout, block_ids, staging, slots, piece, distinct_ids=False)
+    ids, dst, route = _check_piece_call(layout, block_ids, staging, slots, piece,
+                                        distinct_ids=False)
     if len(ids) == 0:
         return
-    backend = _backend()
-    if backend == "xla" and _local_view_fits(layout, piece):
+    if route == _VIEW:
         view = _xla_pieces.local_view(caches, [_one_replica(c, piece) for c in caches], piece)
         _xla_pieces.gather(layout, view, ids, piece.axis, _unit_weights(layout, piece),
                            staging.regions, staging.prints, dst)
         return
-    if backend == "xla":  # blocks split otherwise too, in this one process: whole blocks
+    if route == _WHOLE:  # blocks split otherwise too, in this one process: whole blocks
         mesh = caches[0].sharding.mesh
         sources = [[(s, np.asarray(s.data)) for s in rows.addressable_shards if s.replica_id == 0]
                    for rows in _xla.gather(layout, mesh, caches, ids, False)]
@@ -229,15 +229,16 @@ def scatter_piece(caches: Sequence[jax.Array], staging: Staging,
     """
     check_flag("sums", sums)
     layout = CacheLayout.from_caches(caches)
-    ids, src = _check_piece_call(layout, block_ids, staging, slots, piece, distinct_ids=True)
+    ids, src, route = _check_piece_call(layout, block_ids, staging, slots, piece,
+                                        distinct_ids=True)
     if len(ids) == 0:
         return list(caches), np.zeros((layout.num_layers, 0, SUMS), np.uint32) if sums else None
-    if _backend() == "xla" and _local_view_fits(layout, piece):  # sums in the same program
+    if route == _VIEW:  # the sums, when wanted, in the same program
         view = _xla_pieces.local_view(caches, [_held_shards(c, piece) for c in caches], piece)
         new, landed = _xla_pieces.scatter(layout, caches, view, staging.regions, src, ids,
                                           piece.axis, _unit_weights(layout, piece), sums)
         return new, None if landed is None else fmix32(reduce_sums(landed, 1).transpose(1, 0, 2))
-    if _backend() == "xla":  # blocks split otherwise too, in this one process: whole blocks
+    if route == _WHOLE:  # blocks split otherwise too, in this one process: whole blocks
         rows = [np.ascontiguousarray(_block_order(region, piece)[src]) for region in staging.regions]
         return _xla.scatter(layout, caches[0].sharding.mesh, caches, rows, ids,
                             np.arange(len(ids)), sums)
@@ -264,12 +265,12 @@ def precompile_piece(caches: Sequence[jax.Array], staging: Staging, piece: Piece
     process's piece; returns how many (0 on the numpy backend, which compiles nothing).
     As `kvxfer.device.gather.precompile`, for pieces."""
     layout = CacheLayout.from_caches(caches)
-    _check_piece_call(layout, np.zeros(0, np.int64), staging, np.zeros(0, np.int64), piece,
-                      distinct_ids=False)
+    _, _, route = _check_piece_call(layout, np.zeros(0, np.int64), staging,
+                                    np.zeros(0, np.int64), piece, distinct_ids=False)
     check_precompile_args(max_blocks, saves=saves, loads=loads, sums=sums)
-    if _backend() != "xla":
+    if route == _NUMPY:
         return 0
-    if not _local_view_fits(layout, piece):
+    if route == _WHOLE:
         return _xla.precompile(layout, caches[0].sharding.mesh, caches, max_blocks, saves, loads,
                                sums, save_prints=False)
     weights, count = _unit_weights(layout, piece), 0
@@ -289,10 +290,17 @@ def piece_prints(staging: Staging, slots: Sequence[int] | np.ndarray) -> np.ndar
     return fmix32(reduce_sums(prints, axis=1).transpose(1, 0, 2))
 
 
-def _check_words(layout: CacheLayout, piece: Piece) -> None:
-    """A piece cuts blocks along their unit axis (`split_axis`); a piece of every unit may
-    cut them along any axis. Every unit's innermost run, and every shard's, is whole
-    32-bit words (what the sums add)."""
+_NUMPY, _VIEW, _WHOLE = "numpy", "xla view", "xla whole blocks"
+
+
+def _route(layout: CacheLayout, piece: Piece) -> str:
+    """How a piece of these caches is copied: `_NUMPY` (the numpy backend), `_VIEW` (the XLA
+    backend over a view of this process's shards, `kvxfer.device._xla_pieces`) or `_WHOLE`
+    (the XLA backend's whole-block programs, where blocks are split along other axes too,
+    in an instance of one process). Refuses, by name, a piece that does not cut blocks
+    along their unit axis (`split_axis`; a piece of every unit may cut them along any
+    axis), or whose unit's or shard's innermost run is not whole 32-bit words (what the
+    sums add)."""
     whole = piece.lo == 0 and piece.hi == piece.units
     if (piece.axis >= len(layout.block_shape) or layout.block_shape[piece.axis] != piece.units
             or not (whole or piece.axis == split_axis(layout))):
@@ -304,20 +312,18 @@ def _check_words(layout: CacheLayout, piece: Piece) -> None:
             f"blocks of {layout.block_shape} {layout.dtype} (spec {layout.spec}) cut along axis "
             f"{piece.axis}: a unit's and a shard's innermost run must be whole 32-bit words, "
             f"and not the unit axis itself")
-    if (_backend() == "xla" and not _local_view_fits(layout, piece)  # a bad KVXFER_BACKEND
-            and jax.process_count() > 1):  # is refused here too
+    if _backend() == "numpy":  # a bad KVXFER_BACKEND is refused here too
+        return _NUMPY
+    sizes = dict(layout.mesh_axes)
+    if all(math.prod(sizes[n] for n in entry) == 1
+           for a, entry in enumerate(layout.spec) if a != 1 + piece.axis):
+        return _VIEW  # blocks split along the unit axis alone
+    if jax.process_count() > 1:
         raise LayoutMismatchError(
             f"caches split blocks along axes other than the unit axis {piece.axis} (spec "
             f"{layout.spec}) on this process of an instance across hosts: the XLA backend "
             f"copies pieces of those only in an instance of one process")
-
-
-def _local_view_fits(layout: CacheLayout, piece: Piece) -> bool:
-    """Whether this process's shards are a view `_xla_pieces` runs on: blocks split along
-    the unit axis alone."""
-    sizes = dict(layout.mesh_axes)
-    return all(math.prod(sizes[n] for n in entry) == 1
-               for a, entry in enumerate(layout.spec) if a != 1 + piece.axis)
+    return _WHOLE
 
 
 def _backend() -> str:
@@ -326,10 +332,11 @@ def _backend() -> str:
 
 
 def _check_piece_call(layout: CacheLayout, block_ids: Any, staging: Staging, slots: Any,
-                      piece: Piece, distinct_ids: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Checked `(ids, slots)`: slots always distinct; ids too for a scatter (a gather may
-    stage one block twice: requests that share a prefix each have their slots)."""
-    _check_words(layout, piece)
+                      piece: Piece, distinct_ids: bool) -> tuple[np.ndarray, np.ndarray, str]:
+    """Checked `(ids, slots)`, and the `_route` the copy takes: slots always distinct; ids
+    too for a scatter (a gather may stage one block twice: requests that share a prefix
+    each have their slots)."""
+    route = _route(layout, piece)
     ids = check_block_ids(block_ids, layout)
     want = (layout.num_layers, piece_shape(layout, piece), layout.np_dtype, piece.count)
     got = (staging.num_layers, staging.block_shape, staging.dtype, staging.prints_per_layer)
@@ -346,7 +353,7 @@ def _check_piece_call(layout: CacheLayout, block_ids: Any, staging: Staging, slo
     if distinct_ids and len(np.unique(ids)) != len(ids):
         raise InvalidInputError(f"block ids of one scatter must be distinct, got "
                                 f"{ids.tolist()[:16]}")
-    return ids, rows.astype(np.int64)
+    return ids, rows.astype(np.int64), route
 
 
 def _block_order(region: np.ndarray, piece: Piece) -> np.ndarray:
