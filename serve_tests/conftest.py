@@ -17,9 +17,12 @@ def tp_stack() -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def fail_stack() -> Iterator[Stack]:
-    """P and D at TP 1, D failing a request whose load failed (`kv_load_failure_policy=fail`)."""
+    """P and D at TP 1, D failing a request whose load failed (`kv_load_failure_policy=fail`);
+    no device prefix cache on either, and a host pool on P (16 MiB), so that P's prompt hits
+    are its pool's."""
     yield from start("fail", PD_D_POLICY="fail", PD_P_PORT="8120", PD_D_PORT="8220",
-                     PD_PROXY_PORT="8020", PD_KV_PORT="5612")
+                     PD_PROXY_PORT="8020", PD_KV_PORT="5612", PD_HOST_POOL_BYTES=str(16 << 20),
+                     PD_EXTRA_ARGS="--enable-prompt-tokens-details --no-enable-prefix-caching")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""D under `kv_load_failure_policy=fail`: a load from a dead P is a clear error, and D serves on."""
+"""P's host pool on the real engine; then D under `kv_load_failure_policy=fail`: a load from a
+dead P is a clear error, and D serves on. (In this order: the second test kills P.)"""
 
 from __future__ import annotations
 
@@ -6,6 +7,24 @@ import os
 import signal
 
 from serve_stack import http_error, random_prompt
+from test_serve import _metric, _until
+
+
+def test_a_prompt_p_pooled_is_loaded_not_prefilled_and_answers_alike(fail_stack):
+    p = fail_stack.p_url
+    prompt = random_prompt(300, seed=31)  # four whole 64-token blocks and a partial one
+    first = fail_stack.complete(fail_stack.proxy_url, prompt)
+    # Once D has read it, P keeps its four whole blocks in its pool (no device cache here).
+    assert _until(lambda: _metric(p, "vllm:kvxfer_pool_blocks"), 4) == 4
+    hits = _metric(p, "vllm:kvxfer_pool_hit_tokens_total", source="own_pool")
+    computed = _metric(p, "vllm:prompt_tokens_total")
+    again = fail_stack.complete(fail_stack.proxy_url, prompt)
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    # P loaded 256 tokens from its pool (the last token's block is computed: its logits).
+    assert _until(lambda: _metric(p, "vllm:kvxfer_pool_hit_tokens_total", source="own_pool")
+                  - hits, 256) == 256
+    assert _metric(p, "vllm:prompt_tokens_total") - computed == 300  # every prompt token, counted
+    assert _metric(fail_stack.d_url, "vllm:kvxfer_num_transfers_total") == 2
 
 
 def test_a_load_from_a_killed_p_is_an_error_and_d_keeps_serving(fail_stack):

@@ -14,9 +14,10 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine import Engine
+from engine import Engine, kv_slot_shape
 
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import free_port
@@ -176,6 +177,80 @@ def test_prefix_cache_hit_on_p_still_sends_the_whole_prompt(pd):
     assert sum(r.scheduler_output.num_scheduled_tokens["b"] for r in b_steps) == 20
     assert params["groups"][0]["keys"] == [0, 1, 2, 3]
     # (D holds "a"'s first two blocks too and reads only the rest: the next test checks that.)
+    decode(d, "b-d", second, params)
+    assert_prompt_kv(d, "b-d", second)
+
+
+POOL_SLOT = 2 * 16 * int(np.prod(kv_slot_shape(4, 32, jnp.bfloat16))) * 2
+"""Bytes of one staging slot: 2 layers x 16 tokens of [4, 2, 32] bf16."""
+
+
+def _pool_pair(pd, slots: int = 8, **p_kw):
+    """P with a host pool of `slots` blocks and D, neither with a device prefix cache (so every
+    hit is the pool's)."""
+    return pd(enable_prefix_caching=False, kv_load_failure_policy="recompute",
+              extra={"host_pool_bytes": slots * POOL_SLOT}, d=dict(enable_prefix_caching=False),
+              **p_kw)
+
+
+def _released(p, n: int = 0) -> None:
+    """Waits until P holds no more than `n` requests for D (the rest went into its pool)."""
+    deadline = time.monotonic() + 10
+    while len(p.call(p.engine.connector._scheduler.prefill.held)) > n:
+        assert time.monotonic() < deadline, "P never learned that D read its staging"
+        time.sleep(0.01)
+
+
+def test_p_loads_what_its_host_pool_holds_instead_of_prefilling_it(pd):
+    p, d = _pool_pair(pd)
+    shared = _prompt(21, 48)
+    first, second = shared + _prompt(22, 10), shared + _prompt(23, 20)
+    decode(d, "a-d", first, p.prefill("a", first))
+    _released(p)
+    prefill = p.engine.connector._scheduler.prefill
+    assert p.call(prefill.pools.entries) == 3  # a's full blocks; its partial one went
+    params = p.prefill("b", second)
+    # P computed only the 20 tokens past the pooled 48; they came from the pool, and P
+    # still sent D every block of the prompt, the pooled ones included.
+    first_computed, total = scheduled_tokens(p.steps, "b")
+    assert (first_computed, total) == (48, 20)
+    assert p.call(prefill.counters)["p_pool_hit_tokens"] == 48
+    assert params["groups"][0]["keys"] == [0, 1, 2, 3, 4]
+    decode(d, "b-d", second, params)
+    assert_prompt_kv(d, "b-d", second)
+    # A prompt that differs in its first block shares no chain with the pool: nothing loads.
+    other = _prompt(24, 16) + shared[16:]
+    p.prefill("c", other)
+    assert scheduled_tokens(p.steps, "c") == (0, len(other))
+
+
+def test_p_loads_no_more_than_leaves_the_last_prompt_token_to_compute(pd):
+    p, d = _pool_pair(pd)
+    prompt = _prompt(25, 48)  # three whole blocks, all pooled
+    decode(d, "a-d", prompt, p.prefill("a", prompt))
+    _released(p)
+    params = p.prefill("b", prompt)
+    assert scheduled_tokens(p.steps, "b") == (32, 16)  # the last block holds the last token
+    decode(d, "b-d", prompt, params)
+    assert_prompt_kv(d, "b-d", prompt)
+
+
+def test_a_corrupted_pooled_block_is_recomputed_on_p_and_d_gets_the_right_kv(pd):
+    p, d = _pool_pair(pd)
+    shared = _prompt(26, 32)
+    decode(d, "a-d", shared + [7], p.prefill("a", shared + [7]))
+    _released(p)
+    pool = p.engine.connector._scheduler.prefill.pools.pools[0]
+    staging = p.engine.worker._worker._prefill.stagings[0]
+    with p._lock:
+        slot = next(iter(pool._entries.values())).slots[0]
+        staging.regions[1][slot].view(np.uint8).reshape(-1)[5] ^= 0x10
+    second = shared + _prompt(27, 9)
+    params = p.prefill("b", second)
+    received = [r for r in p.steps if r.connector_output
+                and "b" in (r.connector_output.failed_recving or ())]
+    assert received, "P's load of the corrupted block was not reported failed"
+    assert scheduled_tokens(p.steps, "b")[1] == len(second)  # P computed all of it again
     decode(d, "b-d", second, params)
     assert_prompt_kv(d, "b-d", second)
 
@@ -385,7 +460,7 @@ def test_p_and_d_find_each_other_through_etcd(etcd, pd):
     ({"lease_s": "x"}, "lease_s must be a positive finite number of seconds, got 'x'"),
     ({"verify_fingerprints": "yes"}, "verify_fingerprints must be a bool, got 'yes'"),
     ({"stage_units": 1}, "stage_units must be a bool, got 1"),
-    ({"host_pool_bytes": 1 << 20}, r"\['host_pool_bytes'\]: P's host pool is not yet wired into vLLM"),
+    ({"host_pool_bytes": -1}, "host_pool_bytes must be a non-negative int .*got -1"),
     ({"etcd_endpoints": "etcd:2379"}, "etcd_endpoints must be None or comma-separated"),
     ({"progress_wake_us": -5}, r"progress_wake_us must be an int in \[0, 10_000_000\], got -5"),
     ({"kv_recompute_threshold": -1}, "'kv_recompute_threshold' must be an int >= 0 .*got -1"),

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import test_vllm_connector
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from test_vllm_connector import _prompt, decode
+from test_vllm_connector import POOL_SLOT, _pool_pair, _prompt, _released, decode
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
     KVConnectorProm,
@@ -179,3 +179,33 @@ def test_through_vllm_a_p_gone_counts_as_a_failure_with_its_reason(pd):
     # its params name is not a label: clients may name anything.
     assert got[counter_name("load_failed", "unverified")] == 1
     assert counter_name("load_failed", params["peer"]) not in got
+
+
+def test_through_vllm_the_pool_reports_its_blocks_bytes_hits_and_evictions(pd):
+    p, d = _pool_pair(pd, slots=2, log_stats=True)
+    prefill = p.engine.connector._scheduler.prefill
+    for i in range(3):
+        prompt = _prompt(40 + i, 33)  # two full blocks each
+        decode(d, f"r{i}-d", prompt, p.prefill(f"r{i}", prompt))
+        _released(p)
+        assert p.call(prefill.pools.entries) <= 2  # the budget: two blocks
+    decode(d, "b-d", _prompt(42, 33), p.prefill("b", _prompt(42, 33)))  # r2's, from the pool
+    time.sleep(0.05)  # a step after the last change reports it
+    got = _stats_of(p.call(list, p.steps))
+    assert got.data["counters"]["p_pool_evicted_blocks"] == 4  # r0's and r1's blocks
+    assert got.data["counters"]["p_pool_hit_tokens"] == 32
+    assert got.gauge("p_pool_blocks") == 2 and got.gauge("p_pool_bytes") == 2 * POOL_SLOT
+    assert len(got.data["series"]["p_pool_load_s"]) == 1
+    registry, types = _registry_metric_types()
+
+    class Prom(KVConnectorProm):
+        _gauge_cls, _counter_cls, _histogram_cls = types[Gauge], types[Counter], types[Histogram]
+
+    prom = Prom(p.engine.vllm_config, LABELS, {0: ["toy", "0"]})
+    prom.observe(got.data, 0)
+    labels = {"model_name": "toy", "engine": "0", "role": "P"}
+    assert registry.get_sample_value("vllm:kvxfer_pool_hit_tokens_total",
+                                     {**labels, "source": "own_pool"}) == 32
+    assert registry.get_sample_value("vllm:kvxfer_pool_evicted_blocks_total", labels) == 4
+    assert registry.get_sample_value("vllm:kvxfer_pool_blocks", labels) == 2
+    assert registry.get_sample_value("vllm:kvxfer_pool_bytes", labels) == 2 * POOL_SLOT

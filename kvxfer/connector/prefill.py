@@ -11,6 +11,7 @@ saved, the engine may free P's device blocks as soon as a request finishes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -26,12 +27,13 @@ from kvxfer.device.staging import Staging, block_tags
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.nixl.wire import Source
-from kvxfer.plan.blocks import kernel_placement, table_entries
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
 from kvxfer.stats import Recorder, Stats, Trace
 
 __all__ = ["PrefillConnector", "PrefillWorker"]
+
+logger = logging.getLogger(__name__)
 
 
 class PrefillWorker:
@@ -59,7 +61,11 @@ class PrefillWorker:
                                           piece=self.processes.piece, recorder=self.recorder)
         self.transport.answer_in_background()  # D's acks do not wait for the engine's next step
         self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
-        self.pool_slots = _pool_slots(config, self.stagings)
+        self.slot_bytes = sum(s.block_bytes * s.num_layers for s in self.stagings)
+        self.pool_slots = _pool_slots(config, self.slot_bytes)
+        logger.info("P's host pool: %d bytes (host_pool_bytes; 0, the default, keeps none): "
+                    "%d staging slots of %d bytes", config.host_pool_bytes, self.pool_slots,
+                    self.slot_bytes)
         if self.pool_slots:
             self.processes.precompile(caches, saves=False)  # loads from the pool
 
@@ -125,13 +131,18 @@ class PrefillWorker:
         slots)` of group `g` (the scheduler side's `acquire_pooled`). Returns the new
         caches, in the form given, and the requests whose blocks did not check out (the
         engine computes them instead)."""
+        start = time.monotonic()
         groups, single = per_group(caches, len(self.layouts))
         bad: dict[str, str] = {}
         for g in range(len(self.layouts)):
             self.processes.scatter(g, groups, {r: load[g] for r, load in loads.items()}, bad)
         self.processes.agree_bad(loads, bad)
+        for req_id, why in bad.items():
+            logger.warning("P's pooled blocks of %s did not check out (%s): it is computed",
+                           req_id, why)
         self.recorder.count("p_pool_load_blocks", sum(len(ids) for load in loads.values()
                                                       for ids, _ in load))
+        self.recorder.observe("p_pool_load_s", time.monotonic() - start)
         return (groups[0] if single else groups), sorted(bad)
 
     def _trace_gathers(self, meta: SaveMeta, start: float) -> None:
@@ -251,24 +262,13 @@ class PrefillConnector:
         request's device blocks (`tables[g]`: group `g`'s block table, logical ids in token
         order) instead of prefilling them; returns the new caches and whether the blocks
         checked out (else the engine computes them)."""
-        groups = self.scheduler.tracker.groups
-        if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
-                or len(tables) != len(groups)):
-            raise InvalidInputError(f"load of {req_id!r}: tables must hold one block table per "
-                                    f"KV cache group ({len(groups)}), got {tables!r:.80}")
-        slots = self.scheduler.acquire_pooled(req_id, block_hashes, num_computed_tokens,
-                                              num_tokens)
+        loads = self.scheduler.acquire_pooled(req_id, block_hashes, num_computed_tokens,
+                                              num_tokens, tables)
+        failed = [req_id]  # until the load returns
         try:
-            loads = []
-            for spec, table, group_slots in zip(self.scheduler.tracker.groups, tables, slots):
-                first = num_computed_tokens // spec.tokens_per_block
-                entries = table_entries(range(first, first + num_tokens // spec.tokens_per_block),
-                                        table)
-                loads.append(([k for _, k in kernel_placement(entries, self.config.kernel_ratio)],
-                              group_slots))
             caches, failed = self.worker.load(caches, {req_id: loads})
         finally:
-            self.scheduler.loaded(req_id)
+            self.scheduler.loaded(req_id, failed=bool(failed))
         return caches, not failed
 
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
@@ -313,10 +313,9 @@ class PrefillConnector:
         self.worker.close()
 
 
-def _pool_slots(config: ConnectorConfig, stagings: Sequence[Staging]) -> int:
-    """`host_pool_bytes` as slots of every group's staging (this process's bytes of a slot
-    in each), refused by name where the staging cannot hold it."""
-    per_slot = sum(s.block_bytes * s.num_layers for s in stagings)
+def _pool_slots(config: ConnectorConfig, per_slot: int) -> int:
+    """`host_pool_bytes` as slots of every group's staging (`per_slot`: this process's bytes
+    of a slot in each), refused by name where the staging cannot hold it."""
     slots = config.host_pool_bytes // per_slot
     if slots > config.staging_blocks:
         raise InvalidInputError(

@@ -32,7 +32,7 @@ from kvxfer.nixl.wire import (
     parse_sources,
     prompt_digest,
 )
-from kvxfer.plan.blocks import is_int, kernel_placement
+from kvxfer.plan.blocks import is_int, kernel_placement, table_entries
 from kvxfer.plan.pool import Pools
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
@@ -191,6 +191,7 @@ class PrefillScheduler:
             raise InvalidInputError(f"pool_slots must be an int in [0, staging_blocks="
                                     f"{staging_blocks}], got {pool_slots!r}")
         self.pools = Pools(self.tracker.groups, self.slot_maps, kernel_ratio, pool_slots)
+        self._pool_hit_tokens = 0
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
         self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
@@ -383,24 +384,59 @@ class PrefillScheduler:
         return self.pools.match(block_hashes, num_computed_tokens)
 
     def acquire_pooled(self, req_id: str, block_hashes: Sequence[Sequence[Hashable]],
-                       num_computed_tokens: int, num_tokens: int) -> list[list[int]]:
+                       num_computed_tokens: int, num_tokens: int,
+                       tables: Sequence[Sequence[int]]) -> list[tuple[list[int], list[int]]]:
         """Hold the pooled blocks of tokens `[num_computed_tokens, +num_tokens)` for loading
-        into `req_id`'s device blocks; per group, their slots in kernel order (what the
-        worker's `load` reads). `loaded(req_id)` lets go of them."""
-        return self.pools.acquire(("load", req_id), block_hashes, num_computed_tokens,
-                                  num_tokens)
+        into `req_id`'s device blocks (`tables[g]`: group `g`'s block table, logical ids in
+        token order): per group `(kernel ids, slots)`, what the worker's `load` takes.
+        `loaded(req_id)` lets go of them."""
+        groups = self.tracker.groups
+        if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
+                or len(tables) != len(groups)):
+            raise InvalidInputError(f"load of {req_id!r}: tables must hold one block table per "
+                                    f"KV cache group ({len(groups)}), got {tables!r:.80}")
+        slots = self.pools.acquire(("load", req_id), block_hashes, num_computed_tokens,
+                                   num_tokens)
+        try:
+            loads = []
+            for spec, table, group_slots in zip(groups, tables, slots):
+                first = num_computed_tokens // spec.tokens_per_block
+                entries = table_entries(range(first, first + num_tokens // spec.tokens_per_block),
+                                        table)
+                loads.append(([k for _, k in kernel_placement(entries, self.kernel_ratio)],
+                              group_slots))
+        except BaseException:
+            self.loaded(req_id)
+            raise
+        self._pool_hit_tokens += num_tokens
+        return loads
 
-    def loaded(self, req_id: str) -> None:
-        self.pools.release(("load", req_id))
+    def loaded(self, req_id: str, failed: bool = False) -> None:
+        """The worker loaded `req_id`'s pooled blocks: let go of them; where they did not
+        check out (`failed`), out of the pool with them."""
+        if failed:
+            self.pools.drop(("load", req_id))
+        else:
+            self.pools.release(("load", req_id))
 
     def held(self) -> list[str]:
         """Requests handed to D whose slots the worker has not yet freed."""
         return sorted(self._held)
 
     def gauges(self) -> dict[str, float]:
-        """`p_staging_slots_in_use` (every group's) and `p_requests_held_for_d` now."""
+        """`p_staging_slots_in_use` (every group's) and `p_requests_held_for_d` now; with a
+        pool, its `p_pool_blocks` and `p_pool_slots` (`Pools.gauges`)."""
         used = sum(m.num_slots - m.num_free_slots for m in self.slot_maps)
-        return {"p_staging_slots_in_use": used, "p_requests_held_for_d": len(self._held)}
+        return {"p_staging_slots_in_use": used, "p_requests_held_for_d": len(self._held),
+                **(self.pools.gauges() if self.pools.pools else {})}
+
+    def counters(self) -> dict[str, int]:
+        """Since start, with a pool: `p_pool_hit_tokens` (prompt tokens loaded from it instead
+        of prefilled) and `p_pool_evicted_blocks`."""
+        if not self.pools.pools:
+            return {}
+        return {"p_pool_hit_tokens": self._pool_hit_tokens,
+                "p_pool_evicted_blocks": self.pools.evictions()}
 
     def _free_slots(self, req_id: str, forget: bool = True) -> None:
         """Free a request's slots and, unless it is restarted (staged afresh under its

@@ -65,6 +65,7 @@ class Pool:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # least recently used first
         self._held: dict[Hashable, list[Hashable]] = {}  # owner -> hashes it references
         self._evicted: list[Hashable] = []  # since the last `take_evicted`
+        self.evictions = 0  # entries evicted since start
         slot_map.reclaim = self.make_room
 
     def __contains__(self, block_hash: object) -> bool:
@@ -135,6 +136,19 @@ class Pool:
             self._entries[h].refs -= 1
         self._evict(self.pooled_slots - self.max_slots)  # a budget lowered under readers
 
+    def drop(self, owner: Hashable) -> None:
+        """Release `owner` and evict the entries it held that no one else references: what a
+        failed load read (else the next match would load them again)."""
+        hashes = self._held.get(owner, ())
+        self.release(owner)
+        for h in dict.fromkeys(hashes):
+            entry = self._entries.get(h)
+            if entry is not None and entry.refs == 0:
+                del self._entries[h]
+                self.slot_map.release_slots(entry.slots)
+                self._evicted.append(h)
+                self.evictions += 1
+
     def make_room(self, slots: int) -> None:
         """Evict unreferenced entries, least recently used first, until the slot map has
         `slots` more free slots; none where that cannot free enough (the request is refused,
@@ -142,6 +156,13 @@ class Pool:
         unreferenced = sum(e.refs == 0 for e in self._entries.values()) * self.slots_per_block
         if unreferenced >= slots:
             self._evict(slots)
+
+    def resize(self, max_slots: int) -> None:
+        """Hold at most `max_slots` from now on (evicting down to it where entries are free)."""
+        if not is_int(max_slots) or max_slots < 0:
+            raise InvalidInputError(f"Pool max_slots must be a non-negative int, got {max_slots!r}")
+        self.max_slots = max_slots
+        self._evict(self.pooled_slots - max_slots)
 
     def take_evicted(self) -> list[Hashable]:
         """The hashes evicted since the last call, oldest first (for events and metrics)."""
@@ -161,6 +182,7 @@ class Pool:
                 return
             self.slot_map.release_slots(self._entries.pop(h).slots)
             self._evicted.append(h)
+            self.evictions += 1
             slots -= self.slots_per_block
 
 
@@ -270,8 +292,28 @@ class Pools:
         for pool in self.pools:
             pool.release(owner)
 
+    def drop(self, owner: Hashable) -> None:
+        """See `Pool.drop`."""
+        for pool in self.pools:
+            pool.drop(owner)
+
+    def resize(self, max_slots: int) -> None:
+        """Each group's budget from now on, in slots (a scheduler that learns it from its
+        workers: `kvxfer.vllm`)."""
+        for pool in self.pools:
+            pool.resize(max_slots)
+
     def entries(self) -> int:
         return sum(len(p) for p in self.pools)
+
+    def gauges(self) -> dict[str, float]:
+        """`p_pool_blocks` (entries, every group's) and `p_pool_slots` (their staging slots)."""
+        return {"p_pool_blocks": self.entries(),
+                "p_pool_slots": sum(p.pooled_slots for p in self.pools)}
+
+    def evictions(self) -> int:
+        """Entries evicted since start, every group's."""
+        return sum(p.evictions for p in self.pools)
 
 
 def _check_tokens(**counts: object) -> None:

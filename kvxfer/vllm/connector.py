@@ -156,7 +156,8 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             recompute = getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute"
             self._scheduler = SchedulerSide(self.settings, self.groups, self.producer,
-                                            self.consumer, instance, recompute)
+                                            self.consumer, instance, recompute,
+                                            getattr(kv_cache_config, "hash_block_size", None))
         else:
             self._worker = WorkerSide(self.settings, kv_cache_config,
                                       model_description(vllm_config, self.groups),

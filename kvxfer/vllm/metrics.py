@@ -155,6 +155,8 @@ HISTOGRAMS = {
     "bytes_staged": ("p_request_bytes", _BYTES, "P: KV bytes staged per request (re-copied "
                      "blocks included)"),
     "num_descriptors": ("d_read_descriptors", _COUNTS, "D: NIXL descriptors per request"),
+    "pool_load_time_seconds": ("p_pool_load_s", _TIMES, "P: time a step's loads from the host "
+                               "pool into the device caches took, fingerprints checked"),
 }
 
 _GAUGES = {
@@ -163,6 +165,8 @@ _GAUGES = {
     "requests_held": ("p_requests_held", None, "P: requests held for D (staged, lease live)"),
     "requests_waiting": (None, "d_requests_waiting", "D: requests waiting for their KV "
                          "(accepted, or being read)"),
+    "pool_blocks": ("p_pool_blocks", None, "Blocks the host pool holds (every group's)"),
+    "pool_bytes": ("p_pool_bytes", None, "Host staging bytes the pool's blocks hold"),
 }
 
 
@@ -197,6 +201,14 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             documentation="Messages from peers dropped: malformed, of a type this side does "
                           "not take, or that it could not answer (each peer's logged at most "
                           "once a minute per reason)")
+        self.pool_hits = self._counter_cls(
+            name="vllm:kvxfer_pool_hit_tokens", labelnames=[*role, "source"],
+            documentation="Prompt tokens loaded instead of computed, by where they came from "
+                          "(own_pool: this instance's host pool); vLLM's own "
+                          "vllm:prefix_cache_hits counts the device's")
+        self.evictions = self._counter_cls(
+            name="vllm:kvxfer_pool_evicted_blocks", labelnames=role,
+            documentation="Blocks evicted from the host pool (least recently used first)")
         self.handshakes = self._counter_cls(
             name="vllm:kvxfer_num_failed_handshakes", labelnames=labelnames,
             documentation="D: handshakes with a P agent that failed")
@@ -230,6 +242,8 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             for reason in OUTCOMES:
                 _inc(self.failed, [*labels, r, reason], counters.get(f"{role}_failed_{reason}", 0))
         _inc(self.recomputed, labels, counters.get("d_recompute_blocks", 0))
+        _inc(self.pool_hits, [*labels, "P", "own_pool"], counters.get("p_pool_hit_tokens", 0))
+        _inc(self.evictions, [*labels, "P"], counters.get("p_pool_evicted_blocks", 0))
         _inc(self.handshakes, labels, counters.get("d_handshake_failures", 0))
         for key, n in counters.items():
             fallback = parse_counter(key)
@@ -292,5 +306,11 @@ def _sources(connector: Any) -> list[tuple[str, Stats]]:
     prefill, fallbacks = scheduler.prefill, getattr(scheduler, "fallbacks", None)
     if prefill is None and fallbacks is None:
         return []
-    return [("scheduler", Stats(counters=dict(fallbacks.counters) if fallbacks else {},
-                                gauges=prefill.gauges() if prefill is not None else {}))]
+    counters = dict(fallbacks.counters) if fallbacks else {}
+    gauges = {}
+    if prefill is not None:
+        counters.update(prefill.counters())
+        gauges = prefill.gauges()
+        if "p_pool_slots" in gauges:
+            gauges["p_pool_bytes"] = gauges.pop("p_pool_slots") * scheduler.pool_slot_bytes
+    return [("scheduler", Stats(counters=counters, gauges=gauges))]

@@ -39,12 +39,18 @@ class WorkerReport(KVConnectorWorkerMetadata):
     On D, `verified`: the P agents the worker completed a handshake with since its last
     report (a handshake proves an agent of that name answered; params name any), which
     D's scheduler side labels fallbacks with (`kvxfer.vllm.fallbacks`); each worker's are
-    bounded (`VERIFIED_PER_REPORT`), the aggregate is their union."""
+    bounded (`VERIFIED_PER_REPORT`), the aggregate is their union.
+
+    On a P with a host pool, every step, `pool_slots`: the staging slots its
+    `host_pool_bytes` buys, and `slot_bytes`, the bytes of one slot (every group's); the
+    aggregate takes the smallest budget, so an entry fits every worker's piece of it."""
 
     freed: dict[str, int] = field(default_factory=dict)
     sources: tuple[Source, ...] = ()
     units: int = 0
     verified: tuple[str, ...] = ()
+    pool_slots: int = 0
+    slot_bytes: int = 0
 
     def __post_init__(self) -> None:
         # The scheduler adds the counts up to the number of P processes: a count of 0 or
@@ -58,9 +64,10 @@ class WorkerReport(KVConnectorWorkerMetadata):
                 isinstance(s, Source) for s in self.sources):
             raise InvalidInputError(f"WorkerReport sources must be a tuple of Source, got "
                                     f"{self.sources!r:.120}")
-        if not is_int(self.units) or self.units < 0:
-            raise InvalidInputError(f"WorkerReport units must be an int >= 0, got "
-                                    f"{self.units!r}")
+        for name in ("units", "pool_slots", "slot_bytes"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise InvalidInputError(f"WorkerReport {name} must be an int >= 0, got "
+                                        f"{getattr(self, name)!r}")
         if not isinstance(self.verified, tuple) or not all(
                 isinstance(n, str) and n for n in self.verified):
             raise InvalidInputError(f"WorkerReport verified must be a tuple of P agent names "
@@ -75,7 +82,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
         for req_id, n in other.freed.items():
             freed[req_id] = freed.get(req_id, 0) + n
         verified = tuple(dict.fromkeys(self.verified + other.verified))  # each name once
-        return WorkerReport(freed, sources, units, verified)
+        pool = min((r.pool_slots, r.slot_bytes) for r in (self, other) if r.pool_slots) if (
+            self.pool_slots or other.pool_slots) else (0, 0)
+        return WorkerReport(freed, sources, units, verified, *pool)
 
 
 def worker_processes(vllm_config: Any) -> int | None:

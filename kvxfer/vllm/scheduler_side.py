@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
-from kvxfer.errors import InvalidInputError
+from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.wire import Source, StreamParams, is_stream_id, prompt_digest
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 from kvxfer.vllm.fallbacks import Fallbacks, p_engine
@@ -62,6 +63,9 @@ class KvxferMetadata(KVConnectorMetadata):
 
     save: SaveMeta | None = None
     loads: dict[str, LoadRequest] = field(default_factory=dict)
+    # P: requests loading their prompt's pooled blocks, per group (kernel ids, slots); None:
+    # the blocks went between the match and the allocation (the worker fails the load)
+    pool_loads: dict[str, list[tuple[list[int], list[int]]] | None] = field(default_factory=dict)
     expects: list[dict[str, Any]] = field(default_factory=list)  # D: accepted, not yet loaded
     cancels: list[dict[str, Any]] = field(default_factory=list)  # D: expected, then dropped
 
@@ -70,7 +74,8 @@ class SchedulerSide:
     """vLLM's scheduler-side calls on P (`prefill`) and D (`fallbacks`, the loads)."""
 
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
-                 consumer: bool, instance: str | None = None, recompute: bool = True):
+                 consumer: bool, instance: str | None = None, recompute: bool = True,
+                 hash_block_size: int | None = None):
         self.groups = list(groups)
         self.consumer = consumer
         self.threshold = settings.kv_recompute_threshold  # D: fewer tokens to load: computed
@@ -81,7 +86,18 @@ class SchedulerSide:
             groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
             address=PeerAddress(settings.p_name, settings.host, settings.p_port),
             instance=instance,
+            # the workers say how many slots host_pool_bytes is (WorkerReport.pool_slots)
+            pool_slots=config.staging_blocks if config.host_pool_bytes else 0,
         ) if producer else None
+        self._hash_block = hash_block_size or self.groups[0].tokens_per_block
+        if self.prefill is not None and self.prefill.pools.pools and not recompute:
+            logger.warning("P's host pool is on under kv_load_failure_policy 'fail': a pooled "
+                           "block that fails its check fails its request instead of being "
+                           "recomputed; 'recompute' computes it")
+        self._pooled: dict[str, tuple[int, int]] = {}  # P: request -> (computed, pooled run)
+        self._pool_loads: dict[str, list[tuple[list[int], list[int]]] | None] = {}
+        self._pool_loading: set[str] = set()  # P: handed to the worker, not yet reported
+        self.pool_slot_bytes = 0  # P: bytes of one staging slot, every group (the workers')
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
         self._prompts: dict[str, str | None] = {}  # D: the prompt digest, from matched_tokens
         self._waiting: dict[str, dict[str, Any]] = {}  # D: params accepted, load not started
@@ -102,7 +118,7 @@ class SchedulerSide:
         if self.fallbacks is not None:
             self.fallbacks.arrived(req_id, params)
         if not self.consumer or not _asks(params, "do_remote_prefill", req_id):
-            return 0, False
+            return self._pool_match(request, num_computed)
         streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
         sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
         digest = _prompt_digest(request)
@@ -127,7 +143,50 @@ class SchedulerSide:
             self._expects.append(dict(params))
         return count, True
 
+    # P
+    def _pool_match(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        """P: the prompt tokens past its device hit that its host pool holds (a hash-chain
+        match), loaded asynchronously; the prompt's last token is always computed."""
+        req_id = request.request_id
+        self._pooled.pop(req_id, None)
+        if self.prefill is None or not self.prefill.pools.pools:
+            return 0, False
+        step = math.lcm(*(g.tokens_per_block for g in self.groups))
+        limit = (request.num_prompt_tokens - 1) // step * step - num_computed
+        count = min(self.prefill.match_pooled(self._block_hashes(request), num_computed), limit)
+        if count <= 0:
+            return 0, False
+        self._pooled[req_id] = (num_computed, count)
+        return count, True
+
+    def _block_hashes(self, request: Request) -> list[list[Any]]:
+        """Per group, the hashes of the prompt's full blocks at the group's block size: vLLM
+        hashes at `hash_block_size`, and a chain's hash at a block's last piece stands for
+        every token up to it."""
+        hashes, out = request.block_hashes, []
+        for g in self.groups:
+            k = g.tokens_per_block // self._hash_block
+            full = min(request.num_prompt_tokens // g.tokens_per_block, len(hashes) // k)
+            out.append([hashes[(i + 1) * k - 1] for i in range(full)])
+        return out
+
+    def _acquire_pooled(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        req_id = request.request_id
+        computed, count = self._pooled.pop(req_id)
+        try:
+            if num_external != count:
+                raise InvalidInputError(f"vLLM allocated {num_external} external tokens for "
+                                        f"{req_id}, the pool matched {count}")
+            self._pool_loads[req_id] = self.prefill.acquire_pooled(
+                req_id, self._block_hashes(request), computed, count,
+                [list(ids) for ids in blocks.get_block_ids()])
+        except KvxferError as e:  # the worker fails it: vLLM computes it (or fails it)
+            logger.warning("P request %s cannot load from its pool: %s", req_id, e)
+            self._pool_loads[req_id] = None
+
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if request.request_id in self._pooled and num_external > 0:
+            self._acquire_pooled(request, blocks, num_external)
         params = request.kv_transfer_params
         if not params:
             return
@@ -137,13 +196,15 @@ class SchedulerSide:
                 transfer = req_id
                 while self.prefill.holds(transfer):
                     transfer = f"{req_id}~{next(self._reuses)}"
+                hashes = self._block_hashes(request) if self.prefill.pools.pools else None
                 try:
                     self.prefill.add_request(transfer, request.num_prompt_tokens,
-                                             request.prompt_token_ids, _stream(params, req_id))
+                                             request.prompt_token_ids, _stream(params, req_id),
+                                             hashes)
                 except InvalidInputError as e:  # a stream id another request holds (a retry)
                     logger.warning("P request %s is not streamed: %s", req_id, e)
                     self.prefill.add_request(transfer, request.num_prompt_tokens,
-                                             request.prompt_token_ids)
+                                             request.prompt_token_ids, block_hashes=hashes)
                 self._transfers[req_id] = transfer
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
         if self.consumer and _asks(params, "do_remote_prefill", request.request_id):
@@ -169,6 +230,8 @@ class SchedulerSide:
                 [replace(s, req_id=self._transfers[s.req_id]) if s.req_id in self._transfers else s
                  for s in scheduled_requests(so)])
         meta.loads, self._loads = self._loads, {}
+        meta.pool_loads, self._pool_loads = self._pool_loads, {}
+        self._pool_loading.update(meta.pool_loads)
         meta.expects, self._expects = self._expects, []
         meta.cancels, self._cancels = self._cancels, []
         return meta
@@ -177,12 +240,19 @@ class SchedulerSide:
         """The workers' news of a step (vLLM's `KVConnectorOutput`, every worker's merged):
         D's received and failed loads and verified P agents; P's freed requests and sources."""
         meta = output.kv_connector_worker_meta
+        failed = set(getattr(output, "failed_recving", None) or ())
+        for req_id in self._pool_loading & {*(output.finished_recving or ()), *failed}:
+            self._pool_loading.discard(req_id)
+            self.prefill.loaded(req_id, failed=req_id in failed)
         if self.fallbacks is not None:  # P agents verified first: this step's loads
             self.fallbacks.verified(meta.verified if isinstance(meta, WorkerReport) else ())
             self.fallbacks.loaded(output.finished_recving or (),
                                   getattr(output, "failed_recving", ()))
         if isinstance(meta, WorkerReport):
             self.learn_sources(meta.sources, meta.units)
+            if meta.pool_slots and self.prefill is not None:  # before freed requests pool
+                self.prefill.pools.resize(meta.pool_slots)
+                self.pool_slot_bytes = meta.slot_bytes
             self.release(meta.freed)
 
     def release(self, freed: Mapping[str, int]) -> None:
@@ -224,6 +294,7 @@ class SchedulerSide:
             self.fallbacks.finished(request.request_id)
         self._local.pop(request.request_id, None)
         self._prompts.pop(request.request_id, None)
+        self._pooled.pop(request.request_id, None)
         waited = self._waiting.pop(request.request_id, None)
         if waited is not None:  # aborted in D's queue: P frees its blocks now
             self._cancels.append(waited)

@@ -30,15 +30,9 @@ _THRESHOLD = "kv_recompute_threshold"
 """D's recompute threshold (tokens), which `Settings` reads itself too."""
 
 
-_NOT_IN_VLLM = {"host_pool_bytes": "P's host pool is not yet wired into vLLM's scheduler "
-                                   "(it works in kvxfer's own PrefillConnector); leave it out"}
-"""`ConnectorConfig` fields the vLLM adapter does not read yet, and why, refused by name."""
-
-
 def _option_keys() -> tuple[list[str], list[str]]:
     """The fields of `ConnectorConfig` and of `TransportConfig` a user may set."""
-    connector = [f.name for f in fields(ConnectorConfig)
-                 if f.name != "transport" and f.name not in _NOT_IN_VLLM]
+    connector = [f.name for f in fields(ConnectorConfig) if f.name != "transport"]
     transport = [f.name for f in fields(TransportConfig) if f.name not in ("name", "host",
                                                                             "listen_port")]
     return connector, transport
@@ -59,7 +53,7 @@ class Settings:
       processes, which both name P (a random one would differ between them).
     - `options`: every other key, each a field of `kvxfer.connector.config.
       ConnectorConfig` (`staging_blocks`, `kernel_ratio`, `verify_fingerprints`,
-      `precompile`; `stage_units` is deprecated and ignored)
+      `precompile`, `host_pool_bytes`; `stage_units` is deprecated and ignored)
       or of `kvxfer.nixl.agent.TransportConfig` (`handshake_timeout_s`,
       `transfer_timeout_s`, `lease_s`, `heartbeat_interval_s`, `stream_wait_s`, `ucx_tls`,
       `num_threads`, `progress_wake_us`, `etcd_endpoints`), documented there.
@@ -85,10 +79,6 @@ class Settings:
         extra = dict(extra or {})
         connector, transport = _option_keys()
         known = {*_ADDRESS, _THRESHOLD, *connector, *transport}
-        not_yet = sorted(set(extra) & set(_NOT_IN_VLLM))
-        if not_yet:
-            raise InvalidInputError(f"kv_connector_extra_config {not_yet}: "
-                                    f"{'; '.join(_NOT_IN_VLLM[k] for k in not_yet)}")
         unknown = sorted(set(extra) - known)
         if unknown:
             raise InvalidInputError(f"kv_connector_extra_config has unknown keys {unknown}; "

@@ -43,6 +43,7 @@ class WorkerSide:
         self._prefill: Any = None  # PrefillWorker, started with the runner
         self._decode: Any = None  # DecodeConnector
         self._freed: set[str] = set()
+        self._pool_loads: dict[str, Any] = {}  # P: this step's loads from the pool
         self._verified: set[str] = set()  # D: P agents named in a report already
 
     def register_runner(self, runner: Any) -> None:
@@ -63,6 +64,9 @@ class WorkerSide:
         if self.consumer:
             from kvxfer.connector.decode import DecodeConnector
 
+            if not self.producer and self.settings.connector_config(False).host_pool_bytes:
+                logger.warning("host_pool_bytes is P's: this D keeps no host pool (a D "
+                               "reads from P's, and its device prefix cache keeps its own)")
             self._decode = DecodeConnector(self.settings.connector_config(False), self._caches(),
                                            model=self.model)
 
@@ -78,6 +82,7 @@ class WorkerSide:
         self.runner.kv_caches = caches
 
     def start_load(self, meta: KvxferMetadata) -> None:
+        self._pool_loads.update(meta.pool_loads)  # loaded after the forward, in poll
         for what, params in [*(("expect", p) for p in meta.expects),
                              *(("cancel", p) for p in meta.cancels)]:
             try:
@@ -95,13 +100,28 @@ class WorkerSide:
             self._prefill.save(self._caches(), save)
 
     def poll(self) -> tuple[set[str], set[str]]:
+        """The requests whose loads finished this step, and those of them that failed: P's
+        from its pool (loaded here, after the forward: those requests wait, the engine does
+        not), D's from P."""
+        received, failed = set(), set()
         if self._prefill is not None:
             self._freed.update(self._prefill.poll())
+            received, failed = self._load_pooled()
         if self._decode is None:
-            return set(), set()
-        caches, finished, failed = self._decode.get_finished(self._caches())
+            return received, failed
+        caches, finished, bad = self._decode.get_finished(self._caches())
         self._store(caches)  # the old arrays are donated once anything was scattered
-        return set(finished), set(failed)
+        return received | set(finished), failed | set(bad)
+
+    def _load_pooled(self) -> tuple[set[str], set[str]]:
+        loads, self._pool_loads = self._pool_loads, {}
+        gone = {r for r, load in loads.items() if load is None}
+        loads = {r: load for r, load in loads.items() if load is not None}
+        bad: list[str] = []
+        if loads:
+            caches, bad = self._prefill.load(self._caches(), loads)
+            self._store(caches)
+        return set(loads) | gone, set(bad) | gone
 
     def load_errors(self) -> set[int]:
         return self._decode.get_block_ids_with_load_errors() if self._decode else set()
@@ -116,8 +136,9 @@ class WorkerSide:
         names = self._decode.transport.peers.verified_names() if self._decode else ()
         verified = tuple(n for n in names if n not in self._verified)[:VERIFIED_PER_REPORT]
         self._verified.update(verified)  # the rest: in the next reports
-        if prefill is not None and prefill.sources:
-            return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified)
+        pool = (prefill.pool_slots, prefill.slot_bytes) if prefill is not None else (0, 0)
+        if prefill is not None and (prefill.sources or prefill.pool_slots):
+            return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified, *pool)
         return WorkerReport(counts, verified=verified) if counts or verified else None
 
     def close(self) -> None:
