@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
     KVConnectorProm,
 )
+from vllm.v1.metrics.stats import PrefixCacheStats
 
 from kvxfer.vllm import TPUConnector
 from kvxfer.vllm.fallbacks import counter_name
@@ -196,6 +197,14 @@ def test_through_vllm_the_pool_reports_its_blocks_bytes_hits_and_evictions(pd):
     assert got.data["counters"]["p_pool_hit_tokens"] == 32
     assert got.gauge("p_pool_blocks") == 2 and got.gauge("p_pool_bytes") == 2 * POOL_SLOT
     assert len(got.data["series"]["p_pool_load_s"]) == 1
+    # vLLM 0.33 splits the connector's hits by tier: P's pool is host memory.
+    tiers: dict[str, int] = {}
+    for r in p.call(list, p.steps):
+        hits = getattr(r.scheduler_stats, "connector_prefix_cache_stats", None)
+        for tier, n in getattr(hits, "hits_by_source", {}).items():
+            tiers[str(tier.value)] = tiers.get(str(tier.value), 0) + n
+    if hasattr(PrefixCacheStats(), "hits_by_source"):  # 0.32 has no tiers
+        assert tiers == {"host": 32}
     registry, types = _registry_metric_types()
 
     class Prom(KVConnectorProm):

@@ -214,6 +214,17 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.matched_tokens(request, num_computed_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[Any, int]:
+        """vLLM 0.33's split of a request's loaded tokens by tier: P's pool is host memory
+        (`HOST`), D's loads from P a peer's (`P2P`)."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        source = self._scheduler.hit_source(request.request_id)
+        if not num_external_tokens or source is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {CacheHitSource(source): num_external_tokens}
+
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return tuple(range(len(self.groups)))  # P sends every group of the request
 

@@ -97,6 +97,7 @@ class SchedulerSide:
         self._pooled: dict[str, tuple[int, int]] = {}  # P: request -> (computed, pooled run)
         self._pool_loads: dict[str, list[tuple[list[int], list[int]]] | None] = {}
         self._pool_loading: set[str] = set()  # P: handed to the worker, not yet reported
+        self._sources: dict[str, str] = {}  # request -> where its loaded tokens come from
         self.pool_slot_bytes = 0  # P: bytes of one staging slot, every group (the workers')
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
         self._prompts: dict[str, str | None] = {}  # D: the prompt digest, from matched_tokens
@@ -180,6 +181,7 @@ class SchedulerSide:
             self._pool_loads[req_id] = self.prefill.acquire_pooled(
                 req_id, self._block_hashes(request), computed, count,
                 [list(ids) for ids in blocks.get_block_ids()])
+            self._sources[req_id] = "host"
         except KvxferError as e:  # the worker fails it: vLLM computes it (or fails it)
             logger.warning("P request %s cannot load from its pool: %s", req_id, e)
             self._pool_loads[req_id] = None
@@ -218,6 +220,7 @@ class SchedulerSide:
                     self.fallbacks.loading(request.request_id, params)
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
                         for g in self.groups]
+                self._sources[request.request_id] = "p2p"
                 self._loads[request.request_id] = LoadRequest(
                     dict(params), [list(ids) for ids in blocks.get_block_ids()], have,
                     digest or _prompt_digest(request))
@@ -295,6 +298,7 @@ class SchedulerSide:
         self._local.pop(request.request_id, None)
         self._prompts.pop(request.request_id, None)
         self._pooled.pop(request.request_id, None)
+        self._sources.pop(request.request_id, None)
         waited = self._waiting.pop(request.request_id, None)
         if waited is not None:  # aborted in D's queue: P frees its blocks now
             self._cancels.append(waited)
@@ -306,6 +310,11 @@ class SchedulerSide:
             return None
         return {**params, "do_remote_prefill": True, "do_remote_decode": False,
                 "num_prompt_tokens": request.num_prompt_tokens}
+
+    def hit_source(self, req_id: str) -> str | None:
+        """Where the tokens a request loads come from (vLLM 0.33's `CacheHitSource` values):
+        `host` (P's pool), `p2p` (D's load from P); None before its allocation."""
+        return self._sources.get(req_id)
 
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
