@@ -4,6 +4,7 @@ table, and the D blocks each load under way writes, freed when it ends."""
 import os
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -35,6 +36,17 @@ def test_p_params_parse_as_a_stream_where_they_name_one_else_as_finished_params(
         LoadRequest.parse_params(dict(stream.to_dict(), port=-1), 1)
     with pytest.raises(InvalidInputError, match="must be a list of 2 groups"):
         LoadRequest.parse_params(finished.to_dict(), 2)
+
+
+def test_params_naming_pool_entries_round_trip_and_bad_entries_are_refused_by_name():
+    shared = replace(_params([0, 1, 2], [5, 6, 9]), entries=(((0, "a" * 32), (1, "b" * 32)),))
+    back = LoadRequest.parse_params(shared.to_dict(), 1)
+    assert back == shared and back.secrets_of(0) == ["a" * 32, "b" * 32, "0" * 32]
+    group = shared.to_dict()["groups"][0]
+    for bad in ([[3, "a" * 32]], [[0, "a" * 32], [0, "b" * 32]], [[0, "xyz"]], [0, "a" * 32],
+                "entries", [[0, "a" * 32]] * 4, [[True, "a" * 32]]):
+        with pytest.raises(InvalidInputError, match="group 0 'entries' must be distinct"):
+            LoadRequest.parse_params(dict(shared.to_dict(), groups=[{**group, "entries": bad}]), 1)
 
 
 def test_a_read_places_each_block_at_its_position_of_d_table_past_what_d_holds():

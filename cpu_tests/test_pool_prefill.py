@@ -115,3 +115,65 @@ def test_bad_hashes_and_token_counts_are_refused_by_name_before_any_change(pair)
             pr.p.load_pooled(pr.p_caches[0], "b", [["h0", "h1"]], 0, 32, [3, 4])
     assert all((as_bits(c) == b).all() for c, b in zip(pr.p_caches[0], before))
     assert all(e.refs == 0 for e in pr.p.scheduler.pools.pools[0]._entries.values())
+
+
+def _entry_slots(pr, hashes):
+    entries = pr.p.scheduler.pools.pools[0]._entries
+    return [s for h in hashes for s in entries[h].slots]
+
+
+def test_a_prompt_starting_with_pooled_blocks_names_them_and_stages_only_the_rest(pair):
+    pr = pair(pool_bytes=8 * SLOT)
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
+    pr.p_caches[0] = [rewrite_blocks(c, [7], seed=3) for c in pr.p_caches[0]]  # b's own block
+    want = [as_bits(c)[[5, 9, 7]].copy() for c in pr.p_caches[0]]
+    pr.p.add_request("b", 40, block_hashes=[["h0", "h1"]])
+    with pr._lock:
+        meta = pr.save(ScheduledRequest("b", 0, 40, ([3, 4, 7],), full_table=True))
+        params = pr.p.request_finished("b")
+    assert meta.blocks["b"][0] == [(2, 7)]  # the pooled two are not copied again
+    assert params["groups"][0]["slots"][:2] == _entry_slots(pr, ["h0", "h1"])
+    assert [k for k, _ in params["groups"][0]["entries"]] == [0, 1]
+    assert pr.load("b", params, [25, 26, 27]) == (["b"], [])
+    for cache, expected in zip(pr.d_caches[0], want):
+        assert (as_bits(cache)[[25, 26, 27]] == expected).all()
+
+
+def test_requests_sharing_a_pooled_prefix_read_the_same_slots_and_each_gets_its_own_rest(pair):
+    pr = pair(pool_bytes=8 * SLOT)
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
+    params = {}
+    for req_id, table in (("b", [3, 4, 7]), ("c", [3, 4, 8])):
+        pr.p.add_request(req_id, 40, block_hashes=[["h0", "h1"]])
+        with pr._lock:
+            pr.save(ScheduledRequest(req_id, 0, 40, (table,), full_table=True))
+            params[req_id] = pr.p.request_finished(req_id)
+    assert params["b"]["groups"][0]["slots"][:2] == params["c"]["groups"][0]["slots"][:2]
+    pool = pr.p.scheduler.pools.pools[0]
+    assert [pool._entries[h].refs for h in ("h0", "h1")] == [2, 2]  # each lease holds them
+    finished, failed = pr.load_all({"b": (params["b"], [25, 26, 27]),
+                                    "c": (params["c"], [28, 29, 30])}, 2)
+    assert sorted(finished) == ["b", "c"] and failed == []
+    for cache in pr.d_caches[0]:
+        bits = as_bits(cache)
+        assert (bits[[25, 26]] == bits[[28, 29]]).all() and (bits[[25, 26]] == bits[[20, 21]]).all()
+    pr.wait_freed(3)
+    assert [pool._entries[h].refs for h in ("h0", "h1")] == [0, 0]  # the leases let go
+
+
+def test_params_whose_entry_secret_or_slot_is_not_the_entrys_fail_and_never_read_as_success(pair):
+    pr = pair(pool_bytes=8 * SLOT)
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
+    _read_by_d(pr, "x", [["x0"]], [6, 10], [23, 24], tokens=20)
+    pr.p.add_request("b", 40, block_hashes=[["h0", "h1"]])
+    with pr._lock:
+        pr.save(ScheduledRequest("b", 0, 40, ([3, 4, 7],), full_table=True))
+        params = pr.p.request_finished("b")
+    other = _entry_slots(pr, ["x0"])[0]
+    forged_secret = {**params, "groups": [{**params["groups"][0], "entries": [
+        [0, "0" * 32], params["groups"][0]["entries"][1]]}]}
+    forged_slot = {**params, "groups": [{**params["groups"][0],
+                                         "slots": [other, *params["groups"][0]["slots"][1:]]}]}
+    assert pr.load("b", params, [25, 26, 27]) == (["b"], [])  # the real params read
+    for i, forged in enumerate((forged_secret, forged_slot)):
+        assert pr.load(f"b{i}", forged, [28, 29, 30]) == ([], [f"b{i}"])

@@ -201,6 +201,16 @@ def _released(p, n: int = 0) -> None:
         time.sleep(0.01)
 
 
+def gathered(p: ServedP, transfer: str) -> list[int]:
+    """The kernel positions P's steps gathered into staging for `transfer` (group 0)."""
+    out = []
+    for r in p.call(list, p.steps):
+        save = getattr(r.scheduler_output.kv_connector_metadata, "save", None)
+        if save is not None and transfer in save.blocks:
+            out += [pos for pos, _ in save.blocks[transfer][0]]
+    return out
+
+
 def test_p_loads_what_its_host_pool_holds_instead_of_prefilling_it(pd):
     p, d = _pool_pair(pd)
     shared = _prompt(21, 48)
@@ -216,6 +226,10 @@ def test_p_loads_what_its_host_pool_holds_instead_of_prefilling_it(pd):
     assert (first_computed, total) == (48, 20)
     assert p.call(prefill.counters)["p_pool_hit_tokens"] == 48
     assert params["groups"][0]["keys"] == [0, 1, 2, 3, 4]
+    # The pooled blocks are named where the pool holds them, not copied again: P gathered
+    # only b's last two blocks, and its four whole ones are tagged as pool entries.
+    assert gathered(p, "b") == [3, 4]
+    assert [k for k, _ in params["groups"][0]["entries"]] == [0, 1, 2, 3]
     decode(d, "b-d", second, params)
     assert_prompt_kv(d, "b-d", second)
     # A prompt that differs in its first block shares no chain with the pool: nothing loads.

@@ -23,7 +23,7 @@ from kvxfer.connector._processes import for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.device.layout import CacheLayout, advertised
-from kvxfer.device.staging import Staging, block_tags
+from kvxfer.device.staging import Staging, block_tags, tags_of
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.nixl.wire import Source
@@ -108,7 +108,7 @@ class PrefillWorker:
                 self.processes.gather(g, group_caches, np.asarray(ids, np.int64),
                                   np.asarray(slots, np.int64))
                 self.stagings[g].tags[slots] = np.concatenate([
-                    block_tags(meta.secrets[req_id], g, [pos for pos, _ in placed[g]])
+                    _tags(meta, req_id, g, [pos for pos, _ in placed[g]])
                     for req_id, placed in meta.blocks.items() if placed[g]])
         if meta.blocks:
             self._trace_gathers(meta, start)
@@ -311,6 +311,16 @@ class PrefillConnector:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _tags(meta: SaveMeta, req_id: str, g: int, positions: Sequence[int]) -> np.ndarray:
+    """The tags of `req_id`'s blocks at `positions` of group `g`: from its secret, or for a
+    whole hashed prompt block of a P with a pool, from the block's entry secret."""
+    entries = meta.entries.get(req_id)
+    if not entries or not entries[g]:
+        return block_tags(meta.secrets[req_id], g, positions)
+    secret = meta.secrets[req_id]
+    return tags_of([entries[g].get(pos, secret) for pos in positions], g, positions)
 
 
 def _pool_slots(config: ConnectorConfig, per_slot: int) -> int:

@@ -26,6 +26,7 @@ from kvxfer.nixl.wire import (
     ReadParams,
     Source,
     StreamParams,
+    entry_secret,
     is_stream_id,
     new_instance,
     new_secret,
@@ -57,7 +58,10 @@ class SaveMeta:
     - `instance`: the P instance the params name (the worker's transport is
       started under it);
     - `secrets[req_id]`: the secret of each request with blocks this step, which
-      the worker derives the blocks' tags from (`kvxfer.device.staging.block_tags`).
+      the worker derives the blocks' tags from (`kvxfer.device.staging.block_tags`);
+      `entries[req_id][g]`: kernel position -> entry secret of the blocks this step
+      that are whole hashed prompt blocks of a P with a host pool, whose tags come from
+      that instead (`kvxfer.nixl.wire.entry_secret`: they may become pool entries).
     - `streams[req_id]`: `[stream id, prompt digest or None]` of a streamed request
       with blocks this step; `final[req_id][g]`: the kernel positions of group `g`,
       among this step's, that no later step copies again (the worker names them to
@@ -73,6 +77,7 @@ class SaveMeta:
     slots: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)
+    entries: dict[str, tuple[dict[int, str], ...]] = field(default_factory=dict)
     streams: dict[str, list[str | None]] = field(default_factory=dict)
     final: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     cancels: list[str] = field(default_factory=list)
@@ -192,6 +197,7 @@ class PrefillScheduler:
                                     f"{staging_blocks}], got {pool_slots!r}")
         self.pools = Pools(self.tracker.groups, self.slot_maps, kernel_ratio, pool_slots)
         self._pool_hit_tokens = 0
+        self._entries: dict[str, tuple[dict[int, str], ...]] = {}  # request -> entry secrets
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
         self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
@@ -255,8 +261,12 @@ class PrefillScheduler:
         hashes = (None if block_hashes is None
                   else self.pools.check(block_hashes, num_prompt_tokens))  # before any change
         self.tracker.add(req_id, num_prompt_tokens)
-        if hashes is not None:
+        if hashes is not None and stream is None and self.pools.pools:  # streams: not pooled
             self.pools.remember(req_id, hashes)
+            r = self.kernel_ratio
+            self._entries[req_id] = tuple(
+                {i * r + j: entry_secret(self._key, g, h) for i, h in enumerate(group)
+                 for j in range(r)} for g, group in enumerate(hashes))
         self._secrets[req_id] = new_secret(self._key, req_id, next(self._added))
         if digest is not None:
             self._prompts[req_id] = digest
@@ -284,7 +294,10 @@ class PrefillScheduler:
         for req_id, groups in self.tracker.plan_placed(scheduled).items():
             if req_id in restarted:  # new, or resumed after preemption: staged afresh
                 self._free_slots(req_id, forget=False)
-            placed = tuple(kernel_placement(g, self.kernel_ratio) for g in groups)
+                self.pools.lend(req_id)  # the pooled run of its prompt: named, not copied
+            lent = self.pools.lent(req_id) or [0] * len(groups)
+            placed = tuple([(pos, k) for pos, k in kernel_placement(g, self.kernel_ratio)
+                            if pos // self.kernel_ratio >= n] for g, n in zip(groups, lent))
             try:
                 slots = tuple(m.assign(req_id, [pos for pos, _ in blocks])
                               for m, blocks in zip(self.slot_maps, placed))
@@ -294,6 +307,9 @@ class PrefillScheduler:
                 continue
             meta.blocks[req_id], meta.slots[req_id] = placed, slots
             meta.secrets[req_id] = self._secrets[req_id]
+            if req_id in self._entries:
+                meta.entries[req_id] = tuple({pos: e[pos] for pos, _ in p if pos in e}
+                                             for p, e in zip(placed, self._entries[req_id]))
             if req_id in self._streams and (any(placed) or (
                     req_id in self._held and req_id not in self.tracker)):
                 self._stream_step(req_id, placed, ends[req_id], meta)
@@ -325,7 +341,7 @@ class PrefillScheduler:
                                    host=a.host, port=a.port, generation=self._next_generation,
                                    secret=self._secrets[req_id],
                                    prompt=self._prompts.get(req_id), sources=self.sources,
-                                   units=self.units)
+                                   units=self.units, entries=self._entries.get(req_id, ()))
         if params is None:
             logger.warning("P request %s completed with nothing staged", req_id)
             return
@@ -441,8 +457,10 @@ class PrefillScheduler:
     def _free_slots(self, req_id: str, forget: bool = True) -> None:
         """Free a request's slots and, unless it is restarted (staged afresh under its
         secret), forget it."""
+        self.pools.unlend(req_id)
         if forget:
             self.pools.forget(req_id)
+            self._entries.pop(req_id, None)
             self._secrets.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._streams.pop(req_id, None)

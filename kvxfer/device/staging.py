@@ -23,12 +23,24 @@ from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.plan.blocks import coalesce, is_int
 from kvxfer.plan.slots import Placement, SlotMap
 
-__all__ = ["TAG_WORDS", "Staging", "block_tags", "free_in_all", "stagings_of"]
+__all__ = ["TAG_WORDS", "Staging", "block_tags", "free_in_all", "stagings_of", "tags_of"]
 
 _ALIGN = 4096  # page-align regions: registration pins whole pages
 
 TAG_WORDS = 2
 """uint32 words of one slot's tag: a guess passes with probability 2**-64."""
+
+
+def tags_of(secrets: Sequence[str], group: int, keys: Sequence[int]) -> np.ndarray:
+    """`block_tags` of each key under its own secret (`secrets[i]` for `keys[i]`): a
+    request's blocks, some of them host pool entries with secrets of their own."""
+    out = np.empty((len(keys), TAG_WORDS), np.uint32)
+    at: dict[str, list[int]] = {}
+    for i, secret in enumerate(secrets):
+        at.setdefault(secret, []).append(i)
+    for secret, rows in at.items():
+        out[rows] = block_tags(secret, group, [keys[i] for i in rows])
+    return out
 
 
 def block_tags(secret: str, group: int, keys: Sequence[int]) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.device.staging import Staging, block_tags, free_in_all
+from kvxfer.device.staging import Staging, free_in_all, tags_of
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.peers import Peer, Peers
 from kvxfer.nixl.wire import ReadParams, StreamParams, is_generation, message_field
@@ -212,9 +212,11 @@ def post(agent: Any, leg: Leg, descriptors: Callable[[], tuple[np.ndarray, np.nd
 
 def tags_match(stagings: Sequence[Staging], read: Read) -> bool:
     """Whether every slot read holds the block its params name: the tags P wrote with the
-    request's secret at each block's position (`kvxfer.device.staging.block_tags`)."""
+    request's secret (or a pool entry's, `ReadParams.entries`) at each block's position
+    (`kvxfer.device.staging.block_tags`)."""
     p = read.params
-    return all(not keys or np.array_equal(staging.tags[slots], block_tags(p.secret, g, keys))
+    return all(not keys or np.array_equal(staging.tags[slots],
+                                          tags_of(p.secrets_of(g), g, keys))
                for g, (staging, keys, slots) in enumerate(zip(stagings, p.keys, read.d_slots)))
 
 

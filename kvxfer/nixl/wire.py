@@ -31,7 +31,7 @@ __all__ = ["PROTOCOL_VERSION", "WHOLE", "WIRE_INT_LIMIT", "ReadParams", "Source"
            "is_stream_id", "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
            "parse_sources", "prompt_digest"]
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 _MAGIC = b"kvxfer:"
@@ -100,6 +100,16 @@ def new_secret(key: str | None = None, req_id: str = "", count: int = 0) -> str:
     if key is None:
         return secrets.token_hex(16)
     return hashlib.blake2b(f"{req_id}\0{count}".encode(), key=bytes.fromhex(key),
+                           digest_size=16).hexdigest()
+
+
+def entry_secret(key: str, group: int, block_hash: object) -> str:
+    """A host pool entry's secret, 32 hex digits, derived from the P instance's key, the KV
+    cache group and the block's hash (BLAKE2b keyed): the tags of a pooled block come from
+    it, not from one request's secret, so every request whose hash chain holds the block
+    reads the same slots, and only params P made for such a request name the secret."""
+    data = block_hash if isinstance(block_hash, bytes) else repr(block_hash).encode()
+    return hashlib.blake2b(b"entry\0%d\0" % group + data, key=bytes.fromhex(key),
                            digest_size=16).hexdigest()
 
 
@@ -201,10 +211,12 @@ class ReadParams:
     """P's transfer params for one request, checked (`ReadParams.parse`).
 
     `keys[g]` are the staging keys of group `g`'s blocks, `slots[g]` their P slots.
-    `sources` (empty where P's scheduler has not yet heard from its workers: P's one
-    agent holds every unit) lists every process of P and
-    the units of each block it stages (`kvxfer.device.pieces`), of `units`;
-    every one of them stages the same slots.
+    `entries[g]`: `(key, secret)` of the keys whose blocks are P's host pool entries, shared
+    by every request whose hash chain holds them: their tags come from that entry secret
+    (`entry_secret`), the other keys' from `secret`. `sources` (empty where P's scheduler
+    has not yet heard from its workers: P's one agent holds every unit) lists every process
+    of P and the units of each block it stages (`kvxfer.device.pieces`), of `units`; every
+    one of them stages the same slots.
     """
 
     peer: str
@@ -219,6 +231,7 @@ class ReadParams:
     prompt: str | None = None
     sources: tuple[Source, ...] = ()
     units: int = 0
+    entries: tuple[tuple[tuple[int, str], ...], ...] = ()
 
     @classmethod
     def parse(cls, params: object, num_groups: int) -> ReadParams:
@@ -238,7 +251,7 @@ class ReadParams:
 
         groups = get("groups", lambda v: isinstance(v, list) and len(v) == num_groups,
                      f"a list of {num_groups} groups")
-        keys, slots = [], []
+        keys, slots, entries = [], [], []
         for g, group in enumerate(groups):
             k = group.get("keys") if isinstance(group, Mapping) else None
             s = group.get("slots") if isinstance(group, Mapping) else None
@@ -251,6 +264,7 @@ class ReadParams:
                 raise InvalidInputError(f"transfer params group {g} repeats a key or a slot")
             keys.append(tuple(k))
             slots.append(tuple(s))
+            entries.append(_entries(group.get("entries"), k, g))
         if not any(keys):
             raise InvalidInputError("transfer params name no block in any group")
         sources, units = parse_sources(params.get("sources"), params.get("units"))
@@ -269,22 +283,33 @@ class ReadParams:
                        "absent or 32 hex digits (a prompt_digest)"),
             sources=sources,
             units=units,
+            entries=tuple(entries) if any(entries) else (),
         )
 
     @classmethod
     def staged(cls, slot_maps: Sequence[SlotMap], req_id: str, *, peer: str, instance: str,
                host: str, port: int, generation: int, secret: str,
                prompt: str | None = None, sources: Sequence[Source] = (),
-               units: int = 0) -> ReadParams | None:
-        """The params of everything `req_id` has staged, one slot map per group (None if nothing)."""
+               units: int = 0, entries: Sequence[Mapping[int, str]] = ()) -> ReadParams | None:
+        """The params of everything `req_id` has staged, one slot map per group (None if
+        nothing); `entries[g]` maps the keys of group `g` that are pool entries to their
+        entry secrets."""
         keys = [m.blocks(req_id) if req_id in m else [] for m in slot_maps]
         if not any(keys):
             return None
+        shared = tuple(tuple((k, e[k]) for k in ks if k in e)
+                       for ks, e in zip(keys, entries)) if entries else ()
         return cls(peer=peer, instance=instance, host=host, port=port, req_id=req_id,
                    generation=generation, keys=tuple(map(tuple, keys)),
                    slots=tuple(tuple(m.slots(req_id, k)) if k else ()
                                for m, k in zip(slot_maps, keys)),
-                   secret=secret, prompt=prompt, sources=tuple(sources), units=units)
+                   secret=secret, prompt=prompt, sources=tuple(sources), units=units,
+                   entries=shared if any(shared) else ())
+
+    def secrets_of(self, group: int) -> list[str]:
+        """The secret each key of `group` has its tags from, in key order."""
+        shared = dict(self.entries[group]) if self.entries else {}
+        return [shared.get(k, self.secret) for k in self.keys[group]]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able params (what `parse` reads back)."""
@@ -293,6 +318,9 @@ class ReadParams:
             "req_id": self.req_id, "generation": self.generation, "secret": self.secret,
             "groups": [{"keys": list(k), "slots": list(s)} for k, s in zip(self.keys, self.slots)],
         }
+        for group, shared in zip(out["groups"], self.entries):
+            if shared:
+                group["entries"] = [[k, secret] for k, secret in shared]
         if self.prompt is not None:
             out["prompt"] = self.prompt
         if self.sources:
@@ -311,6 +339,22 @@ class ReadParams:
     def peers(self) -> list[str]:
         """Every P agent that stages a piece of the request (P's one agent for one process)."""
         return [s.peer for s in self.sources] if self.sources else [self.peer]
+
+
+def _entries(entries: object, keys: Sequence[int], group: int) -> tuple[tuple[int, str], ...]:
+    """A params group's `entries` (absent: none), checked: `[key, entry secret]` pairs of
+    distinct keys the group names."""
+    if entries is None:
+        return ()
+    named = set(keys)
+    if not (isinstance(entries, list) and len(entries) <= len(keys) and all(
+            isinstance(e, list) and len(e) == 2 and e[0] in named and is_wire_index(e[0])
+            and _is_hex(e[1], 32) for e in entries)
+            and len({e[0] for e in entries}) == len(entries)):
+        raise InvalidInputError(f"transfer params group {group} 'entries' must be distinct "
+                                f"[key, 32 hex digits] pairs of the group's keys, got "
+                                f"{entries!r:.120}")
+    return tuple((k, secret) for k, secret in entries)
 
 
 def parse_sources(sources: object, units: object) -> tuple[tuple[Source, ...], int]:

@@ -208,6 +208,7 @@ class Pools:
         self.pools = ([Pool(m, max_slots, kernel_ratio) for m in slot_maps]
                       if max_slots and all(g.kind == "attention" for g in groups) else [])
         self._hashes: dict[Hashable, list[list[Hashable]]] = {}
+        self._lent: dict[Hashable, list[int]] = {}  # request -> blocks lent, per group
 
     def check(self, block_hashes: object, num_prompt_tokens: int | None = None
               ) -> list[list[Hashable]]:
@@ -237,6 +238,36 @@ class Pools:
     def forget(self, req_id: Hashable) -> None:
         self._hashes.pop(req_id, None)
 
+    def hashes(self, req_id: Hashable) -> list[list[Hashable]] | None:
+        """The block hashes `remember`ed for `req_id`, per group (None: none)."""
+        return self._hashes.get(req_id)
+
+    def lend(self, req_id: Hashable) -> list[int]:
+        """Name the leading run of `req_id`'s prompt blocks each group's pool holds as the
+        request's own staged blocks, without copying them (`SlotMap.borrow`): they stay
+        referenced until `unlend`. Returns the blocks lent, per group (what its saves skip)."""
+        self.unlend(req_id)
+        hashes = self._hashes.get(req_id)
+        if hashes is None:
+            return [0] * len(self.groups)
+        r, lent = self.kernel_ratio, []
+        for pool, group_hashes in zip(self.pools, hashes):
+            run = pool.lookup(group_hashes)
+            slots = pool.acquire(("lease", req_id), group_hashes[:run])
+            pool.slot_map.borrow(req_id, list(range(run * r)), [s for e in slots for s in e])
+            lent.append(run)
+        self._lent[req_id] = lent
+        return lent
+
+    def lent(self, req_id: Hashable) -> list[int] | None:
+        """Blocks `lend` lent `req_id`, per group (None: none)."""
+        return self._lent.get(req_id)
+
+    def unlend(self, req_id: Hashable) -> None:
+        """Let go of what `lend` lent `req_id` (its slot map entries go with the request)."""
+        if self._lent.pop(req_id, None) is not None:
+            self.release(("lease", req_id))
+
     def keep(self, req_id: Hashable) -> None:
         """Before a released request's slots are freed: its full prompt blocks staged in
         every group enter the pools (the rest is freed with the request)."""
@@ -247,9 +278,11 @@ class Pools:
         for pool, group_hashes in zip(self.pools, hashes):
             if req_id not in pool.slot_map:
                 continue
-            staged = set(pool.slot_map.blocks(req_id))
+            # lent blocks are entries already (held until unlent below): only its own enter
+            own = set(pool.slot_map.blocks(req_id)) - pool.slot_map.borrowed(req_id)
             blocks = [(h, [i * r + j for j in range(r)]) for i, h in enumerate(group_hashes)]
-            pool.keep(req_id, [(h, keys) for h, keys in blocks if staged.issuperset(keys)])
+            pool.keep(req_id, [(h, keys) for h, keys in blocks if own.issuperset(keys)])
+        self.unlend(req_id)
 
     def match(self, block_hashes: Sequence[Sequence[Hashable]], num_computed_tokens: int) -> int:
         """Tokens past `num_computed_tokens` (a whole number of blocks) every group's pool

@@ -99,6 +99,7 @@ class SlotAllocator:
 class _Request:
     slots: dict[int, int] = field(default_factory=dict)  # kernel id -> slot
     spare: list[int] = field(default_factory=list)  # reserved, not yet used, in order
+    borrowed: set[int] = field(default_factory=set)  # keys whose slots another owner frees
 
 
 class SlotMap:
@@ -181,6 +182,24 @@ class SlotMap:
         del req.spare[: len(new)]
         return [req.slots[k] for k in kernel_ids]
 
+    def borrow(self, req_id: Hashable, kernel_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Name slots another owner holds (a host pool's entries) as `req_id`'s blocks
+        `kernel_ids`: its params read them, `free` leaves them to their owner. Keys the
+        request has staged already raise `InvalidInputError`, before any change."""
+        req = self._requests.setdefault(req_id, _Request())
+        taken = [k for k in kernel_ids if k in req.slots]
+        if taken or len(kernel_ids) != len(slots):
+            if not req.slots and not req.spare:
+                del self._requests[req_id]
+            raise InvalidInputError(f"request {req_id!r}: cannot borrow {len(slots)} slots for "
+                                    f"keys {list(kernel_ids)[:8]} (staged already: {taken[:4]})")
+        req.slots.update(zip(kernel_ids, slots))
+        req.borrowed.update(kernel_ids)
+
+    def borrowed(self, req_id: Hashable) -> set[int]:
+        """The keys of `req_id` whose slots it borrowed (`borrow`)."""
+        return set(self._request(req_id).borrowed)
+
     def slot(self, req_id: Hashable, kernel_id: int) -> int:
         """The slot holding kernel block `kernel_id` of `req_id`."""
         return self.slots(req_id, [kernel_id])[0]
@@ -211,7 +230,8 @@ class SlotMap:
         if req is None:
             raise UnknownRequestError(f"request {req_id!r} is not staged")
         if self.placement == "runs":
-            for start, length in coalesce(sorted([*req.slots.values(), *req.spare])):
+            own = [s for k, s in req.slots.items() if k not in req.borrowed]
+            for start, length in coalesce(sorted([*own, *req.spare])):
                 self._free.release(start, length)
 
     def detach(self, req_id: Hashable, kernel_ids: Sequence[int]) -> list[int]:
