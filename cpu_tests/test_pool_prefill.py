@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import kvxfer.connector.prefill as prefill
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import TransportConfig
@@ -84,13 +85,18 @@ def test_without_a_pool_or_hashes_nothing_is_kept(pair):
     assert pr2.p.scheduler.pools.entries() == 0
 
 
-def test_a_bad_pool_setting_is_refused_by_name(pair):
+def test_a_bad_pool_setting_is_refused_by_name(pair, monkeypatch):
     with pytest.raises(InvalidInputError, match="host_pool_bytes must be a non-negative int"):
         ConnectorConfig(TransportConfig("P-pool"), host_pool_bytes=-1)
     with pytest.raises(InvalidInputError, match="host_pool_bytes must be a non-negative int"):
         ConnectorConfig(TransportConfig("P-pool"), host_pool_bytes=1.5)
     with pytest.raises(InvalidInputError, match="more than staging_blocks 32: the pool lives in"):
         pair(pool_bytes=33 * SLOT)
+    assert prefill.available_memory() > 0  # Linux: MemAvailable
+    monkeypatch.setattr(prefill, "available_memory", lambda: 4 * SLOT)  # less than the pool
+    with pytest.raises(InvalidInputError, match=f"host_pool_bytes {8 * SLOT} is more than "
+                                                f"this host's available memory"):
+        pair(pool_bytes=8 * SLOT)
 
 
 def test_bad_hashes_and_token_counts_are_refused_by_name_before_any_change(pair):

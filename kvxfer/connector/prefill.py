@@ -51,23 +51,27 @@ class PrefillWorker:
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                  instance: str | None = None, model: Mapping[str, Any] | None = None):
+        available = available_memory()
+        if available is not None and config.host_pool_bytes > available:
+            raise InvalidInputError(f"host_pool_bytes {config.host_pool_bytes} is more than this "
+                                    f"host's available memory ({available} bytes, MemAvailable)")
         self.processes = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.processes.layouts, self.processes.stagings
         self.recorder = Recorder(config.stats)
+        self.slot_bytes = sum(s.block_bytes * s.num_layers for s in self.stagings)
+        self.pool_slots = _pool_slots(config, self.slot_bytes)  # refused before the agent starts
+        logger.info("P's host pool: %d bytes (host_pool_bytes; 0, the default, keeps none): "
+                    "%d staging slots of %d bytes", config.host_pool_bytes, self.pool_slots,
+                    self.slot_bytes)
         self.processes.precompile(caches, saves=True)  # before the agent: nothing to close if it fails
+        if self.pool_slots:
+            self.processes.precompile(caches, saves=False)  # loads from the pool
         self.transport = PrefillTransport(self.processes.transport_config, self.stagings,
                                           advertised(self.layouts, model, self.processes.unit_axes),
                                           instance=self.processes.instance(instance),
                                           piece=self.processes.piece, recorder=self.recorder)
         self.transport.answer_in_background()  # D's acks do not wait for the engine's next step
         self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
-        self.slot_bytes = sum(s.block_bytes * s.num_layers for s in self.stagings)
-        self.pool_slots = _pool_slots(config, self.slot_bytes)
-        logger.info("P's host pool: %d bytes (host_pool_bytes; 0, the default, keeps none): "
-                    "%d staging slots of %d bytes", config.host_pool_bytes, self.pool_slots,
-                    self.slot_bytes)
-        if self.pool_slots:
-            self.processes.precompile(caches, saves=False)  # loads from the pool
 
     @property
     def address(self) -> PeerAddress:
@@ -321,6 +325,18 @@ def _tags(meta: SaveMeta, req_id: str, g: int, positions: Sequence[int]) -> np.n
         return block_tags(meta.secrets[req_id], g, positions)
     secret = meta.secrets[req_id]
     return tags_of([entries[g].get(pos, secret) for pos in positions], g, positions)
+
+
+def available_memory() -> int | None:
+    """The host's available memory in bytes (Linux's MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _pool_slots(config: ConnectorConfig, per_slot: int) -> int:
