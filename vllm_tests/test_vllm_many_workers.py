@@ -104,3 +104,27 @@ def test_a_worker_report_with_a_count_that_is_no_positive_int_is_refused_naming_
 def test_a_worker_report_with_odd_sources_or_units_is_refused_naming_them(sources, units):
     with pytest.raises(InvalidInputError, match="WorkerReport"):
         WorkerReport({}, sources, units)
+
+
+def test_a_p_pools_within_the_smallest_budget_any_of_its_workers_reports(engines, model_dir):
+    """Each worker of a P over several hosts turns host_pool_bytes into slots of its own piece;
+    the scheduler keeps one index over them all, so its budget is the smallest reported."""
+    engine = engines(model_dir, kv_role="kv_producer",
+                     extra_config={"port": free_port(), "staging_blocks": 16,
+                                   "host_pool_bytes": 8 * 16384})  # 8 slots of this engine's
+    prefill = engine.connector._scheduler.prefill
+    aggregator = KVOutputAggregator(2)
+    both = aggregator.aggregate([output(kv_connector_worker_meta=WorkerReport({}, pool_slots=9,
+                                                                             slot_bytes=64)),
+                                 output(kv_connector_worker_meta=WorkerReport({}, pool_slots=3,
+                                                                             slot_bytes=32))])
+    report = both.kv_connector_output.kv_connector_worker_meta
+    assert (report.pool_slots, report.slot_bytes) == (3, 32)
+    engine.connector.update_connector_output(both.kv_connector_output)
+    assert [p.max_slots for p in prefill.pools.pools] == [3]
+    assert engine.connector._scheduler.pool_slot_bytes == 32
+    engine.add_request("r", list(range(10, 43)), kv_transfer_params={"do_remote_decode": True})
+    engine.run_until(lambda r: "r" in r.finished)  # this engine's own worker reports its 8
+    assert [p.max_slots for p in prefill.pools.pools] == [8]
+    with pytest.raises(InvalidInputError, match="WorkerReport pool_slots must be an int >= 0"):
+        WorkerReport({}, pool_slots=-1)
