@@ -43,14 +43,14 @@ def d_url():
 
 
 def test_a_load_points_kv_moved_and_breakdown_come_from_the_metrics_deltas(d_url):
-    after = load._scrape({"D": d_url, "P": None})
+    after = load.scrape({"D": d_url, "P": None})
     assert after[("D", "vllm:kvxfer_num_fallbacks_total")] == 2.0  # label sets summed
     before = {("D", "vllm:kvxfer_num_transfers_total"): 2.0,
               ("D", "vllm:kvxfer_kv_wait_time_seconds_sum"): 0.2,
               ("D", "vllm:kvxfer_kv_wait_time_seconds_count"): 2.0,
               ("D", "vllm:request_queue_time_seconds_sum"): 0.3,
               ("D", "vllm:request_queue_time_seconds_count"): 2.0}
-    out = load._deltas(before, after, completed=5)
+    out = load.deltas(before, after, completed=5)
     assert out["kv_moved"] == 0.8  # 4 loads for 5 requests: one was computed on D
     assert out["fallbacks"] == 2
     b = out["breakdown_ms"]
@@ -60,15 +60,15 @@ def test_a_load_points_kv_moved_and_breakdown_come_from_the_metrics_deltas(d_url
 
 
 def test_a_stack_without_kvxfers_counters_says_kv_moved_is_unknown():
-    assert load._deltas({}, {("D", "vllm:num_requests_running"): 1.0}, 4) == {"kv_moved": None}
+    assert load.deltas({}, {("D", "vllm:num_requests_running"): 1.0}, 4) == {"kv_moved": None}
 
 
 def test_kv_moved_counts_each_request_once_over_ds_workers():
     # D over two hosts: each worker counts a transfer once it read its piece of the KV.
     before = {("D", "vllm:kvxfer_num_transfers_total"): 0.0}
     after = {("D", "vllm:kvxfer_num_transfers_total"): 6.0}
-    assert load._deltas(before, after, completed=3, d_workers=2)["kv_moved"] == 1.0
-    assert load._deltas(before, after, completed=4, d_workers=2)["kv_moved"] == 0.75
+    assert load.deltas(before, after, completed=3, d_workers=2)["kv_moved"] == 1.0
+    assert load.deltas(before, after, completed=4, d_workers=2)["kv_moved"] == 0.75
 
 
 def test_load_and_hosts_are_refused_by_name_for_other_benchmarks(capsys):
@@ -90,7 +90,7 @@ def test_a_stack_without_kvxfer_still_gets_vllms_own_queue_and_prefill_times():
              ("P", "vllm:request_prefill_time_seconds_count"): 4.0,
              ("D", "vllm:request_queue_time_seconds_sum"): 0.4,
              ("D", "vllm:request_queue_time_seconds_count"): 4.0}
-    out = load._deltas({}, after, completed=4)
+    out = load.deltas({}, after, completed=4)
     assert out["kv_moved"] is None
     b = out["breakdown_ms"]
     assert b["p_prefill"] == 750.0 and b["d_queue"] == 100.0

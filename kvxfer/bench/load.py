@@ -33,6 +33,7 @@ One request's TTFT is the one-in-flight point's; `ratios` are two hosts over one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,12 +42,15 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvxfer.errors import InvalidInputError
 
-__all__ = ["run", "HOSTS", "HOSTS_LOADS", "LOADS", "STACKS", "Stack"]
+__all__ = ["run", "HOSTS", "HOSTS_LOADS", "LOADS", "STACKS", "Stack", "bench_model", "need_stack",
+           "deltas", "pyplot", "ratio", "roles", "samples", "save", "scrape",
+           "started"]
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / ".pd" / "bench"
@@ -107,11 +111,7 @@ def run(loads: tuple[tuple[int, int], ...] | None = None, hosts: int = 1) -> dic
     stacks, (mine, theirs), name = ((STACKS, ("kvxfer", "tpu_inference"), "load") if hosts == 1
                                     else (HOSTS, ("two_hosts", "one_host"), "hosts"))
     loads = loads or (LOADS if hosts == 1 else HOSTS_LOADS)
-    vllm = ROOT / ".venv-tpu" / "bin" / "vllm"
-    if not (ROOT / "scripts" / "pd-up").exists() or not vllm.exists():
-        raise InvalidInputError(f"kvxfer bench serve --load runs from a checkout of kvxfer with "
-                                f".venv-tpu built (bash scripts/tpu-inference-env); {vllm} is "
-                                f"missing")
+    need_stack("kvxfer bench serve --load")
     OUT.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"loads": [list(x) for x in loads], "output_tokens": OUTPUT_TOKENS,
                               "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}
@@ -128,42 +128,70 @@ def run(loads: tuple[tuple[int, int], ...] | None = None, hosts: int = 1) -> dic
     return result
 
 
-def _stack(name: str, how: Stack, loads: tuple[tuple[int, int], ...]
-           ) -> dict[str, dict[str, Any]]:
-    run_dir = ROOT / ".pd" / f"load-{name}"
+def need_stack(command: str) -> None:
+    """Raise unless this is a checkout of kvxfer with `scripts/pd-up` and `.venv-tpu`."""
+    vllm = ROOT / ".venv-tpu" / "bin" / "vllm"
+    if not (ROOT / "scripts" / "pd-up").exists() or not vllm.exists():
+        raise InvalidInputError(f"{command} runs from a checkout of kvxfer with .venv-tpu built "
+                                f"(bash scripts/tpu-inference-env); {vllm} is missing")
+
+
+def bench_model() -> Path:
+    """The tiny float32 Llama every serving benchmark runs, built on first use."""
     model = ROOT / ".pd" / "bench-model"
     if not (model / "config.json").exists():
         subprocess.run([str(ROOT / ".venv-tpu/bin/python"), "scripts/tiny-model", str(model)],
                        cwd=ROOT, check=True, timeout=300, stdout=sys.stderr)
-    longest = max(n for n, _ in loads) + OUTPUT_TOKENS
+    return model
+
+
+@contextlib.contextmanager
+def started(run_dir: Path, how: Stack, settings: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Stack `how` up in `run_dir` with pd-up's `settings` (`PD_...`, over the caller's
+    environment), serving `bench_model()` as "tiny"; yields `stack.env`'s addresses, and
+    stops the stack however the block ends. A failed start raises `CalledProcessError`
+    (pd-up has stopped what it started and printed the logs' tails)."""
     environ = {**os.environ, "PD_DIR": str(run_dir), "RAY_PD_DIR": str(run_dir),
-               "PD_MODEL_NAME": "tiny",
-               "PD_MAX_MODEL_LEN": str(-(-longest // 128) * 128),
-               "PD_MAX_NUM_SEQS": str(max(c for _, c in loads)), "PD_EXTRA_ARGS": "", **how.env}
-    points: dict[str, dict[str, Any]] = {}
+               "PD_MODEL_NAME": "tiny", "PD_EXTRA_ARGS": "", **settings, **how.env}
     try:
-        subprocess.run(["bash", f"scripts/{how.up}", str(model)], cwd=ROOT, env=environ,
+        subprocess.run(["bash", f"scripts/{how.up}", str(bench_model())], cwd=ROOT, env=environ,
                        check=True, timeout=600, stdout=sys.stderr)
-        urls = dict(line.split("=", 1) for line in (run_dir / "stack.env").read_text().splitlines()
-                    if "=" in line)
+        yield dict(line.split("=", 1) for line in (run_dir / "stack.env").read_text().splitlines()
+                   if "=" in line)
+    finally:
+        subprocess.run(["bash", f"scripts/{how.down}"], cwd=ROOT, env=environ, timeout=120,
+                       stdout=sys.stderr)
+
+
+def roles(urls: dict[str, str]) -> dict[str, str | None]:
+    """P's and D's base URLs from `stack.env`'s addresses (D None for one colocated
+    instance)."""
+    return {"P": urls["P_URL"], "D": urls.get("D_URL") or None}
+
+
+def _stack(name: str, how: Stack, loads: tuple[tuple[int, int], ...]
+           ) -> dict[str, dict[str, Any]]:
+    run_dir = ROOT / ".pd" / f"load-{name}"
+    model = bench_model()
+    longest = max(n for n, _ in loads) + OUTPUT_TOKENS
+    settings = {"PD_MAX_MODEL_LEN": str(-(-longest // 128) * 128),
+                "PD_MAX_NUM_SEQS": str(max(c for _, c in loads))}
+    points: dict[str, dict[str, Any]] = {}
+    with started(run_dir, how, settings) as urls:
         front = urls.get("PROXY_URL") or urls["P_URL"]
-        roles = {"P": urls["P_URL"], "D": urls.get("D_URL") or None}
         for n in dict.fromkeys(n for n, _ in loads):  # compiles every batch shape, unrecorded
             _client(front, model, n, max(c for _, c in loads), run_dir / f"warm-{n}.json",
                     seed=n, ready_check=True)
         for i, (n, concurrency) in enumerate(loads):
-            before = _scrape(roles)
+            before = scrape(roles(urls))
             point = _client(front, model, n, concurrency, run_dir / f"{n}-{concurrency}.json",
                             seed=1_000_000 + i)
-            point.update(_deltas(before, _scrape(roles), point["completed"], how.d_workers))
+            point.update(deltas(before, scrape(roles(urls)), point["completed"], how.d_workers))
             points[f"{n}x{concurrency}"] = point
             print(f"bench serve --load: {name} {n} tokens x {concurrency} in flight: p90 TTFT "
                   f"{point['p90_ttft_ms']} ms, p50 TPOT {point['median_tpot_ms']} ms, "
                   f"{point['completed']} done, {point['failed']} failed, KV moved "
                   f"{point.get('kv_moved')}", file=sys.stderr, flush=True)
-    finally:
-        subprocess.run(["bash", f"scripts/{how.down}"], cwd=ROOT, env=environ, timeout=120,
-                       stdout=sys.stderr)
     return points
 
 
@@ -226,22 +254,27 @@ def _relay(argv: list[str], env: dict[str, str], timeout_s: float) -> int:
 _LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
 
 
-def _scrape(roles: dict[str, str | None]) -> dict[tuple[str, str], float]:
+def samples(url: str) -> Iterator[tuple[str, str, float]]:
+    """Every sample of `url`'s `/metrics`: its name, its label set as written (`{...}`, or
+    "" for none) and its value."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m and not line.startswith("#"):
+            yield m.group(1), m.group(2) or "", float(m.group(3))
+
+
+def scrape(roles: dict[str, str | None]) -> dict[tuple[str, str], float]:
     """Every sample of P's and D's `/metrics`, summed over label sets: `(role, name)`."""
     out: dict[tuple[str, str], float] = {}
     for role, url in roles.items():
-        if url is None:
-            continue
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-            for line in response.read().decode().splitlines():
-                m = _LINE.match(line)
-                if m and not line.startswith("#"):
-                    key = (role, m.group(1))
-                    out[key] = out.get(key, 0.0) + float(m.group(3))
+        for name, _, value in samples(url) if url is not None else ():
+            out[(role, name)] = out.get((role, name), 0.0) + value
     return out
 
 
-def _deltas(before: dict, after: dict, completed: int, d_workers: int = 1) -> dict[str, Any]:
+def deltas(before: dict, after: dict, completed: int, d_workers: int = 1) -> dict[str, Any]:
     """KV moved and the breakdown (mean seconds per request, as ms) between two scrapes.
 
     Each of D's `d_workers` counts a transfer once it read its piece of a request's KV, so
@@ -273,12 +306,12 @@ def _deltas(before: dict, after: dict, completed: int, d_workers: int = 1) -> di
 def _ratios(mine: dict[str, dict[str, Any]], theirs: dict[str, dict[str, Any]]
             ) -> dict[str, dict[str, float | None]]:
     """Per load point, `mine` over `theirs` for p50 and p90 TTFT and p50 TPOT."""
-    return {key: {m: _ratio(point.get(m), theirs.get(key, {}).get(m))
+    return {key: {m: ratio(point.get(m), theirs.get(key, {}).get(m))
                   for m in ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")}
             for key, point in mine.items()}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
@@ -290,12 +323,8 @@ def _plot(result: dict[str, Any], loads: tuple[tuple[int, int], ...], stacks: di
           path: Path) -> str | None:
     """TTFT and TPOT against load, one line per stack and prompt length; the file's path, or
     None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, title in zip(axes, ("p90_ttft_ms", "median_tpot_ms"),
@@ -307,6 +336,23 @@ def _plot(result: dict[str, Any], loads: tuple[tuple[int, int], ...], stacks: di
                 ax.plot(xs, ys, marker="o", label=f"{stack}, {n} tokens")
         ax.set_xlabel("requests in flight")
         ax.set_title(title)
+    return save(plt, fig, axes, path)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only), or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save(plt: Any, fig: Any, axes: Any, path: Path) -> str:
+    """The first panel's legend, then `fig` saved to `path` and closed; the path."""
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

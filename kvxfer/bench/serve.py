@@ -36,7 +36,7 @@ import numpy as np
 
 from kvxfer.errors import InvalidInputError
 
-__all__ = ["run"]
+__all__ = ["run", "block_bytes", "stream"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (64, 256, 512, 900)
@@ -85,7 +85,7 @@ def _one_connector(name: str, env: dict[str, str], rounds: int, lengths: tuple[i
 def _measure(p_url: str, d_url: str, model: Path, rounds: int, lengths: tuple[int, ...]
              ) -> dict[str, Any]:
     rng = np.random.default_rng(0)
-    block_bytes, block = _block_bytes(model)
+    per_block, block = block_bytes(model)
     ttft: dict[str, dict[str, float]] = {}
     equal = requests = 0
     for n in lengths:
@@ -102,10 +102,10 @@ def _measure(p_url: str, d_url: str, model: Path, rounds: int, lengths: tuple[in
         ttft[str(n)] = {"median": round(statistics.median(times), 1),
                         "p90": round(float(np.percentile(times, 90)), 1)}
     return {"ttft_ms": ttft, "tokens_equal": equal, "requests": requests,
-            "kv_mb": {str(n): round(math.ceil(n / block) * block_bytes / 1e6, 3) for n in lengths}}
+            "kv_mb": {str(n): round(math.ceil(n / block) * per_block / 1e6, 3) for n in lengths}}
 
 
-def _block_bytes(model: Path) -> tuple[int, int]:
+def block_bytes(model: Path) -> tuple[int, int]:
     """Bytes of one 64-token block over every layer (K and V, the config's dtype), and 64."""
     config = json.loads((model / "config.json").read_text())
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.get("dtype", "float32")]
@@ -132,18 +132,25 @@ def _stream(url: str, prompt: list[int], max_tokens: int, params: dict | None
             ) -> tuple[float, str]:
     """(seconds to the first streamed token, the whole text) of D's streamed answer."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "kv_transfer_params": params}
+            "ignore_eos": True, "kv_transfer_params": params}
+    first, _, choices = stream(url, body)
+    return first, "".join(choice.get("text", "") for choice in choices)
+
+
+def stream(url: str, body: dict) -> tuple[float, float, list[dict]]:
+    """Seconds from sending `body` (a completion, sent with `stream: true`) to `url`'s first
+    streamed chunk and to its last, and each chunk's first choice."""
     start = time.perf_counter()
-    first, pieces = None, []
-    with _post(url + "/v1/completions", body) as response:
+    first, last, choices = None, 0.0, []
+    with _post(url + "/v1/completions", {**body, "stream": True}) as response:
         for line in response:
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
+            choices.append((json.loads(line[6:]).get("choices") or [{}])[0])
+            last = time.perf_counter() - start
             if first is None:  # a token's chunk (its text may be empty: part of a UTF-8 character)
-                first = time.perf_counter() - start
-            pieces.append(choices[0].get("text", ""))
+                first = last
     if first is None:
-        raise InvalidInputError(f"D at {url} streamed no token")
-    return first, "".join(pieces)
+        raise InvalidInputError(f"{url} streamed no token")
+    return first, last, choices
