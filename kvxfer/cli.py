@@ -215,6 +215,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--tp-p and --tp-d take a device count, 1 or more, got {tp}")
     if (args.load or args.hosts is not None) and args.what != "serve":
         raise InvalidInputError("--load and --hosts are options of `kvxfer bench serve`")
+    if args.multi_turn:
+        return _bench_multi_turn(args)
     load = args.load or args.hosts is not None
     module = importlib.import_module("kvxfer.bench.load" if load else _BENCHES[args.what])
     if load:
@@ -237,6 +239,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print("\n".join(["", *table(traces)]))
         png = timeline(traces, os.path.abspath("kvxfer-trace.png"))
         print(f"timeline: {png}" if png else "timeline: not drawn (matplotlib is not installed)")
+    return 1 if result.get("ok") is False else 0
+
+
+def _bench_multi_turn(args: argparse.Namespace) -> int:
+    """`kvxfer bench serve --multi-turn`: a table per regime, then with --json the figures as
+    one JSON object on the last line."""
+    if args.what != "serve":
+        raise InvalidInputError("--multi-turn is an option of `kvxfer bench serve`")
+    if args.load or args.hosts is not None:
+        raise InvalidInputError("--multi-turn runs on its own: give it or --load/--hosts, not both")
+    module = importlib.import_module("kvxfer.bench.multiturn")
+    result = module.run()
+    print("\n".join(module.table(result)))
+    print(json.dumps(result) if args.json else f"figures: .pd/bench/multiturn.json, plot: "
+          f"{result.get('plot') or 'not drawn (matplotlib is not installed)'}")
     return 1 if result.get("ok") is False else 0
 
 
@@ -328,6 +345,11 @@ def _add_bench(sub: Any) -> None:
                        help="serve: 2 runs P and D each over two hosts (Ray nodes in network "
                             "namespaces, tpu-inference's Ray executor), and P over two with D "
                             "on one, against each on one, under load as --load")
+    bench.add_argument("--multi-turn", action="store_true",
+                       help="serve: conversations with a shared system prompt, each turn resending "
+                            "the history, with every conversation in the device caches and with "
+                            "more than they hold; kvxfer (with P's host pool) against "
+                            "tpu-inference's connector and one colocated instance")
     for side, default in (("p", 4), ("d", 8)):
         bench.add_argument(f"--tp-{side}", type=int, default=None, metavar="N",
                            help=f"e2e, ttft: {side.upper()}'s devices (default {default}: emulated "
