@@ -9,8 +9,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler
 from kvxfer.errors import InvalidInputError, StagingFullError, UnknownRequestError
 from kvxfer.plan.pool import Pool
+from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
 
 SLOTS = 24
@@ -62,7 +64,7 @@ class PoolMachine(RuleBasedStateMachine):
                   for i, h in enumerate(hashes[:n])]
         new = self.pool.keep(req, blocks)
         assert new == [h for h, _ in blocks if h not in self.lru]
-        for h, _ in blocks:
+        for h, _ in reversed(blocks):  # a chain's head is the most recently used
             if h in self.lru:
                 self.lru.remove(h)
             self.lru.append(h)
@@ -77,7 +79,7 @@ class PoolMachine(RuleBasedStateMachine):
         hashes = data.draw(st.lists(st.sampled_from(self.lru), min_size=1, max_size=3, unique=True))
         slots = self.pool.acquire(owner, hashes)
         assert all(len(s) == self.per_block for s in slots)
-        for h in hashes:
+        for h in reversed(hashes):
             self.refs[h] = self.refs.get(h, 0) + 1
             self.lru.remove(h)
             self.lru.append(h)
@@ -156,11 +158,32 @@ def test_a_full_pool_evicts_for_a_new_request_and_never_refuses_it():
     assert pool.keep("r", [("a", [0]), ("b", [1]), ("c", [2]), ("d", [3])]) == ["a", "b", "c", "d"]
     slot_map.free("r")
     pool.acquire("lease", ["a"])
-    assert slot_map.assign("s", [0, 1]) == [1, 2]  # b and c (least recently used) gave way
-    assert pool.take_evicted() == ["b", "c"] and pool.lookup(["a", "b"]) == 1
+    # d and c gave way: a chain's tail is its least recently used part (its head, which a
+    # prefix match reaches first, stays longest)
+    assert slot_map.assign("s", [0, 1]) == [2, 3]
+    assert pool.take_evicted() == ["d", "c"] and pool.lookup(["a", "b", "c"]) == 2
     with pytest.raises(StagingFullError):
-        slot_map.assign("t", [0, 1])  # a is held: evicting d would leave it one slot short
-    assert pool.take_evicted() == [] and pool.lookup(["a"]) == 1 and "d" in pool
+        slot_map.assign("t", [0, 1])  # a is held: evicting b would leave it one slot short
+    assert pool.take_evicted() == [] and pool.lookup(["a"]) == 1 and "b" in pool
     pool.release("lease")
-    assert sorted(slot_map.assign("t", [0, 1])) == [0, 3]
-    assert pool.take_evicted() == ["d", "a"] and len(pool) == 0
+    assert sorted(slot_map.assign("t", [0, 1])) == [0, 1]
+    assert pool.take_evicted() == ["b", "a"] and len(pool) == 0
+
+
+def test_groups_of_different_block_sizes_match_only_whole_blocks_of_every_group():
+    """Each group's pool evicts on its own, so one may hold a run another lacks: a match is
+    whole blocks of every group (else its load is refused and the request matched again,
+    for ever)."""
+    s = PrefillScheduler([GroupSpec(16), GroupSpec(32)], staging_blocks=64, kernel_ratio=1,
+                         address=PeerAddress("p", "127.0.0.1", 0), pool_slots=64)
+    for req_id, tables, hashes in (
+            ("a", ([1, 2, 3, 4], [1, 2]), [["h0", "h1", "h2", "h3"], ["H0", "H1"]]),
+            ("b", ([5, 6, 7, 8], [3, 4]), [["h0", "x1", "x2", "x3"], ["Y0", "Y1"]])):
+        s.add_request(req_id, 64, block_hashes=hashes)
+        s.build_connector_meta([ScheduledRequest(req_id, 0, 64, tables, full_table=True)])
+        assert s.request_finished(req_id) is not None
+        s.release([req_id])
+    s.pools.resize(4)  # group 0 keeps h0 and b's last three; group 1 keeps all four
+    assert "h0" in s.pools.pools[0] and "h1" not in s.pools.pools[0]
+    assert s.match_pooled([["h0", "h1", "h2", "h3"], ["H0", "H1"]], 0) == 0  # 16: not whole
+    assert s.match_pooled([["h0", "x1", "x2", "x3"], ["Y0", "Y1"]], 0) == 64

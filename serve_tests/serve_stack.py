@@ -96,7 +96,8 @@ def http_error(call) -> urllib.error.HTTPError:
 def _ray_env(name: str) -> dict[str, str]:
     return {**os.environ, "RAY_PD_DIR": str(ROOT / ".pd" / f"serve_tests-{name}"),
             "RAY_PD_TAG": "st", "RAY_PD_D1": "1", "PD_CHUNK": str(CHUNK), "PD_MODEL_NAME": "tiny",
-            "PD_EXTRA_ARGS": "--enable-prompt-tokens-details"}
+            "PD_EXTRA_ARGS": "--enable-prompt-tokens-details",
+            "RAY_SERVE_KV_EXTRA": f'"host_pool_bytes": {16 << 20}'}  # P's pool (D: ignored)
 
 
 def restart_ray_p(name: str) -> None:

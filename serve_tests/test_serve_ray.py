@@ -85,6 +85,28 @@ def test_d_on_one_host_staging_units_answers_as_p_alone_from_the_kv_of_both_p_wo
     assert _until(lambda: _metric(stack.p_url, "vllm:kvxfer_requests_held"), 0.0) == 0.0
 
 
+def test_a_prompt_pooled_on_both_p_workers_is_named_not_copied_again_and_d1_reads_it(ray_stack):
+    """P over two hosts keeps a host pool (16 MiB a worker): a prompt D read through the proxy
+    leaves its whole blocks pooled in both P workers' pieces. The same prompt sent on to D1,
+    which holds none of it, names those entries instead of copying them again (P gathers
+    only its last, partial block), and D1 reads their units from both P workers."""
+    stack = ray_stack
+    prompt = random_prompt(200, seed=5800)  # three whole 64-token blocks and 8 tokens
+    pooled = _metric(stack.p_url, "vllm:kvxfer_pool_blocks")
+    staged = _metric(stack.p_url, "vllm:kvxfer_kv_bytes_total", role="P")
+    stack.complete(stack.proxy_url, prompt)
+    assert _until(lambda: _metric(stack.p_url, "vllm:kvxfer_pool_blocks"), pooled + 3) == pooled + 3
+    first = _metric(stack.p_url, "vllm:kvxfer_kv_bytes_total", role="P") - staged
+    transfers1, fallbacks1 = _counts(stack, stack.d1_url)
+    got = stack.complete(stack.d1_proxy_url, prompt)
+    assert _until(lambda: _counts(stack, stack.d1_url)[0], transfers1 + 1) == transfers1 + 1
+    _same_answer(got, stack.complete(stack.p_url, prompt))
+    assert _counts(stack, stack.d1_url)[1] == fallbacks1  # D1 computed none of it itself
+    second = _until(lambda: _metric(stack.p_url, "vllm:kvxfer_kv_bytes_total", role="P")
+                    - staged - first, first / 6)
+    assert 0 < second <= first / 4, (first, second)  # one block, against six gathers (chunks)
+
+
 def test_one_p_worker_killed_before_d_reads_fails_the_load_on_both_d_workers_and_d_computes_it(
         ray_stack):
     """Last: P's engine dies with its worker. One of D's two workers reads from the killed

@@ -269,6 +269,53 @@ def test_a_corrupted_pooled_block_is_recomputed_on_p_and_d_gets_the_right_kv(pd)
     assert_prompt_kv(d, "b-d", second)
 
 
+def test_requests_loading_the_same_pooled_blocks_in_one_step_each_get_them(pd):
+    """A shared system prompt: two requests of one step load the same pooled blocks (one
+    scatter would read each slot twice, which it refuses: P loads them one after the
+    other), and each lets go of them once D has read it."""
+    p, d = _pool_pair(pd)
+    shared = _prompt(44, 48)
+    a, b, c = shared + _prompt(45, 5), shared + _prompt(46, 9), shared + _prompt(47, 11)
+    decode(d, "a-d", a, p.prefill("a", a))
+    _released(p)
+
+    def both():
+        for req_id, prompt in (("b", b), ("c", c)):
+            p.engine.add_request(req_id, prompt, max_tokens=1,
+                                 kv_transfer_params={"do_remote_decode": True})
+    p.call(both)
+    deadline = time.monotonic() + 30
+    while not {"b", "c"} <= set(p.finished):
+        assert time.monotonic() < deadline, "P never finished b and c"
+        time.sleep(0.01)
+    assert scheduled_tokens(p.steps, "b") == (48, 9)
+    assert scheduled_tokens(p.steps, "c") == (48, 11)
+    for req_id, prompt in (("b", b), ("c", c)):
+        decode(d, f"{req_id}-d", prompt, p.finished[req_id])
+        assert_prompt_kv(d, f"{req_id}-d", prompt)
+    _released(p)
+    pools = p.engine.connector._scheduler.prefill.pools.pools
+    assert all(e.refs == 0 for pool in pools for e in pool._entries.values())
+
+
+def test_a_pool_smaller_than_a_prompt_keeps_its_head_which_a_prefix_can_reach(pd):
+    p, d = _pool_pair(pd, slots=2)
+    prompt = _prompt(43, 56)  # three whole blocks, the pool holds two: the first two
+    decode(d, "a-d", prompt, p.prefill("a", prompt))
+    _released(p)
+    params = p.prefill("b", prompt)
+    assert scheduled_tokens(p.steps, "b") == (32, 24)
+    decode(d, "b-d", prompt, params)
+    assert_prompt_kv(d, "b-d", prompt)
+
+
+def test_a_pool_of_less_than_one_slot_is_refused_at_start_by_name(engines, model_dir):
+    with pytest.raises(InvalidInputError, match=f"host_pool_bytes {POOL_SLOT - 1} is less than "
+                                                f"one staging slot of {POOL_SLOT} bytes"):
+        engines(model_dir, kv_role="kv_producer", devices=jax.devices()[:1],
+                extra_config={"port": free_port(), "host_pool_bytes": POOL_SLOT - 1})
+
+
 def test_prefix_cache_hit_on_d_reads_only_what_d_lacks(pd, monkeypatch):
     p, d = pd()
     shared = _prompt(7, 32)

@@ -115,14 +115,14 @@ def test_a_p_pools_within_the_smallest_budget_any_of_its_workers_reports(engines
     prefill = engine.connector._scheduler.prefill
     aggregator = KVOutputAggregator(2)
     both = aggregator.aggregate([output(kv_connector_worker_meta=WorkerReport({}, pool_slots=9,
-                                                                             slot_bytes=64)),
+                                                                             slot_bytes=(64,))),
                                  output(kv_connector_worker_meta=WorkerReport({}, pool_slots=3,
-                                                                             slot_bytes=32))])
+                                                                             slot_bytes=(32,)))])
     report = both.kv_connector_output.kv_connector_worker_meta
-    assert (report.pool_slots, report.slot_bytes) == (3, 32)
+    assert (report.pool_slots, report.slot_bytes) == (3, (32,))
     engine.connector.update_connector_output(both.kv_connector_output)
     assert [p.max_slots for p in prefill.pools.pools] == [3]
-    assert engine.connector._scheduler.pool_slot_bytes == 32
+    assert engine.connector._scheduler.pool_slot_bytes == (32,)
     engine.add_request("r", list(range(10, 43)), kv_transfer_params={"do_remote_decode": True})
     engine.run_until(lambda r: "r" in r.finished)  # this engine's own worker reports its 8
     assert [p.max_slots for p in prefill.pools.pools] == [8]

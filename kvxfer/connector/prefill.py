@@ -58,11 +58,11 @@ class PrefillWorker:
         self.processes = for_caches(config, caches)
         self.config, self.layouts, self.stagings = config, self.processes.layouts, self.processes.stagings
         self.recorder = Recorder(config.stats)
-        self.slot_bytes = sum(s.block_bytes * s.num_layers for s in self.stagings)
-        self.pool_slots = _pool_slots(config, self.slot_bytes)  # refused before the agent starts
+        self.slot_bytes = [s.block_bytes * s.num_layers for s in self.stagings]  # per group
+        self.pool_slots = _pool_slots(config, sum(self.slot_bytes))  # before the agent starts
         logger.info("P's host pool: %d bytes (host_pool_bytes; 0, the default, keeps none): "
                     "%d staging slots of %d bytes", config.host_pool_bytes, self.pool_slots,
-                    self.slot_bytes)
+                    sum(self.slot_bytes))
         self.processes.precompile(caches, saves=True)  # before the agent: nothing to close if it fails
         if self.pool_slots:
             self.processes.precompile(caches, saves=False)  # loads from the pool
@@ -138,8 +138,10 @@ class PrefillWorker:
         start = time.monotonic()
         groups, single = per_group(caches, len(self.layouts))
         bad: dict[str, str] = {}
-        for g in range(len(self.layouts)):
-            self.processes.scatter(g, groups, {r: load[g] for r, load in loads.items()}, bad)
+        for batch in _disjoint(loads):  # requests sharing pooled blocks: one scatter each
+            for g in range(len(self.layouts)):
+                self.processes.scatter(g, groups, {r: load[g] for r, load in batch.items()},
+                                       bad)
         self.processes.agree_bad(loads, bad)
         for req_id, why in bad.items():
             logger.warning("P's pooled blocks of %s did not check out (%s): it is computed",
@@ -306,7 +308,7 @@ class PrefillConnector:
     def stats(self, take: bool = False) -> Stats:
         """See `PrefillWorker.stats`; with the scheduler side's staging slots in use."""
         stats = self.worker.stats(take)
-        stats.gauges.update(self.scheduler.gauges())
+        stats.gauges.update(self.scheduler.gauges(self.worker.slot_bytes))
         return stats
 
     def traces(self) -> list[Trace]:
@@ -315,6 +317,23 @@ class PrefillConnector:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _disjoint(loads: Mapping[str, Sequence]) -> list[dict[str, Sequence]]:
+    """`loads` in batches that read no slot twice (a scatter's rows are distinct): requests
+    loading the same pooled blocks go in different batches."""
+    batches: list[tuple[dict[str, Sequence], list[set[int]]]] = []
+    for req_id, load in loads.items():
+        slots = [set(group_slots) for _, group_slots in load]
+        for batch, taken in batches:
+            if all(not (s & t) for s, t in zip(slots, taken)):
+                batch[req_id] = load
+                for s, t in zip(slots, taken):
+                    t |= s
+                break
+        else:
+            batches.append(({req_id: load}, slots))
+    return [batch for batch, _ in batches]
 
 
 def _tags(meta: SaveMeta, req_id: str, g: int, positions: Sequence[int]) -> np.ndarray:
@@ -343,6 +362,11 @@ def _pool_slots(config: ConnectorConfig, per_slot: int) -> int:
     """`host_pool_bytes` as slots of every group's staging (`per_slot`: this process's bytes
     of a slot in each), refused by name where the staging cannot hold it."""
     slots = config.host_pool_bytes // per_slot
+    if config.host_pool_bytes and not slots:
+        raise InvalidInputError(
+            f"host_pool_bytes {config.host_pool_bytes} is less than one staging slot of "
+            f"{per_slot} bytes (a block of every layer and group): it would pool nothing; "
+            f"give at least {per_slot}, or 0 for no pool")
     if slots > config.staging_blocks:
         raise InvalidInputError(
             f"host_pool_bytes {config.host_pool_bytes} is {slots} staging slots of "

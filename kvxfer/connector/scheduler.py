@@ -197,6 +197,7 @@ class PrefillScheduler:
                                     f"{staging_blocks}], got {pool_slots!r}")
         self.pools = Pools(self.tracker.groups, self.slot_maps, kernel_ratio, pool_slots)
         self._pool_hit_tokens = 0
+        self._loading: dict[str, int] = {}  # request -> tokens it loads from the pool
         self._entries: dict[str, tuple[dict[int, str], ...]] = {}  # request -> entry secrets
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
@@ -386,8 +387,9 @@ class PrefillScheduler:
             if req_id not in self._held:
                 logger.debug("P ignores the release of %s, which it does not hold for D", req_id)
                 continue
-            if req_id in self.tracker:
+            if req_id in self.tracker:  # never completed: not every block is written
                 self.tracker.abort(req_id)
+                self.pools.forget(req_id)
             self._params.pop(req_id, None)  # they would name freed slots
             self._held.discard(req_id)
             self.pools.keep(req_id)
@@ -422,29 +424,32 @@ class PrefillScheduler:
                 loads.append(([k for _, k in kernel_placement(entries, self.kernel_ratio)],
                               group_slots))
         except BaseException:
-            self.loaded(req_id)
+            self.pools.release(("load", req_id))
             raise
-        self._pool_hit_tokens += num_tokens
+        self._loading[req_id] = num_tokens
         return loads
 
     def loaded(self, req_id: str, failed: bool = False) -> None:
         """The worker loaded `req_id`'s pooled blocks: let go of them; where they did not
         check out (`failed`), out of the pool with them."""
+        tokens = self._loading.pop(req_id, 0)
         if failed:
             self.pools.drop(("load", req_id))
         else:
+            self._pool_hit_tokens += tokens  # loaded, checked: a hit
             self.pools.release(("load", req_id))
 
     def held(self) -> list[str]:
         """Requests handed to D whose slots the worker has not yet freed."""
         return sorted(self._held)
 
-    def gauges(self) -> dict[str, float]:
+    def gauges(self, slot_bytes: Sequence[int] = ()) -> dict[str, float]:
         """`p_staging_slots_in_use` (every group's) and `p_requests_held_for_d` now; with a
-        pool, its `p_pool_blocks` and `p_pool_slots` (`Pools.gauges`)."""
+        pool, its `p_pool_blocks`, `p_pool_slots` and, given each group's bytes of a slot,
+        `p_pool_bytes` (`Pools.gauges`)."""
         used = sum(m.num_slots - m.num_free_slots for m in self.slot_maps)
         return {"p_staging_slots_in_use": used, "p_requests_held_for_d": len(self._held),
-                **(self.pools.gauges() if self.pools.pools else {})}
+                **(self.pools.gauges(slot_bytes) if self.pools.pools else {})}
 
     def counters(self) -> dict[str, int]:
         """Since start, with a pool: `p_pool_hit_tokens` (prompt tokens loaded from it instead

@@ -23,6 +23,7 @@ never refuses a request: what it cannot evict stays until released.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ class Pool:
         self.slot_map.slots(req_id, taken)  # every key staged: checked before any change
         for h, keys in new:
             self._entries[h] = _Entry(tuple(self.slot_map.detach(req_id, keys)))
-        for h, _ in blocks:
+        for h, _ in reversed(blocks):  # a chain's head last: the most recently used
             self._entries.move_to_end(h)
         self._evict(self.pooled_slots - self.max_slots)
         return [h for h, _ in new]
@@ -121,14 +122,11 @@ class Pool:
         missing = [h for h in hashes if h not in self._entries]
         if missing:
             raise UnknownRequestError(f"the pool holds no block of hash {missing[0]!r:.40}")
-        out = []
-        for h in hashes:
-            entry = self._entries[h]
-            entry.refs += 1
+        for h in reversed(hashes):  # a chain's head last: evicted after its tail
+            self._entries[h].refs += 1
             self._entries.move_to_end(h)
-            out.append(entry.slots)
         self._held.setdefault(owner, []).extend(hashes)
-        return out
+        return [self._entries[h].slots for h in hashes]
 
     def release(self, owner: Hashable) -> None:
         """Drop every reference `owner` holds (none: nothing happens)."""
@@ -297,7 +295,8 @@ class Pools:
             if num_computed_tokens % tpb:
                 return 0
             runs.append(pool.lookup(hashes[num_computed_tokens // tpb:]) * tpb)
-        return min(runs)
+        whole = math.lcm(*(g.tokens_per_block for g in self.groups))  # whole blocks of each
+        return min(runs) // whole * whole
 
     def acquire(self, owner: Hashable, block_hashes: Sequence[Sequence[Hashable]],
                 num_computed_tokens: int, num_tokens: int) -> list[list[int]]:
@@ -339,10 +338,14 @@ class Pools:
     def entries(self) -> int:
         return sum(len(p) for p in self.pools)
 
-    def gauges(self) -> dict[str, float]:
-        """`p_pool_blocks` (entries, every group's) and `p_pool_slots` (their staging slots)."""
-        return {"p_pool_blocks": self.entries(),
-                "p_pool_slots": sum(p.pooled_slots for p in self.pools)}
+    def gauges(self, slot_bytes: Sequence[int] = ()) -> dict[str, float]:
+        """`p_pool_blocks` (entries, every group's) and `p_pool_slots` (their staging slots);
+        with each group's bytes of a slot, `p_pool_bytes`."""
+        out = {"p_pool_blocks": self.entries(),
+               "p_pool_slots": sum(p.pooled_slots for p in self.pools)}
+        if len(slot_bytes) == len(self.pools):
+            out["p_pool_bytes"] = sum(p.pooled_slots * b for p, b in zip(self.pools, slot_bytes))
+        return out
 
     def evictions(self) -> int:
         """Entries evicted since start, every group's."""

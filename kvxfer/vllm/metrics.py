@@ -310,7 +310,6 @@ def _sources(connector: Any) -> list[tuple[str, Stats]]:
     gauges = {}
     if prefill is not None:
         counters.update(prefill.counters())
-        gauges = prefill.gauges()
-        if "p_pool_slots" in gauges:
-            gauges["p_pool_bytes"] = gauges.pop("p_pool_slots") * scheduler.pool_slot_bytes
+        gauges = prefill.gauges(scheduler.pool_slot_bytes)
+        gauges.pop("p_pool_slots", None)  # as p_pool_bytes
     return [("scheduler", Stats(counters=counters, gauges=gauges))]

@@ -42,7 +42,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     bounded (`VERIFIED_PER_REPORT`), the aggregate is their union.
 
     On a P with a host pool, every step, `pool_slots`: the staging slots its
-    `host_pool_bytes` buys, and `slot_bytes`, the bytes of one slot (every group's); the
+    `host_pool_bytes` buys, and `slot_bytes`, each group's bytes of one slot; the
     aggregate takes the smallest budget, so an entry fits every worker's piece of it."""
 
     freed: dict[str, int] = field(default_factory=dict)
@@ -50,7 +50,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     units: int = 0
     verified: tuple[str, ...] = ()
     pool_slots: int = 0
-    slot_bytes: int = 0
+    slot_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # The scheduler adds the counts up to the number of P processes: a count of 0 or
@@ -64,7 +64,11 @@ class WorkerReport(KVConnectorWorkerMetadata):
                 isinstance(s, Source) for s in self.sources):
             raise InvalidInputError(f"WorkerReport sources must be a tuple of Source, got "
                                     f"{self.sources!r:.120}")
-        for name in ("units", "pool_slots", "slot_bytes"):
+        if not isinstance(self.slot_bytes, tuple) or not all(
+                is_int(b) and b > 0 for b in self.slot_bytes):
+            raise InvalidInputError(f"WorkerReport slot_bytes must be a tuple of positive ints, "
+                                    f"got {self.slot_bytes!r:.80}")
+        for name in ("units", "pool_slots"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise InvalidInputError(f"WorkerReport {name} must be an int >= 0, got "
                                         f"{getattr(self, name)!r}")
@@ -83,7 +87,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
             freed[req_id] = freed.get(req_id, 0) + n
         verified = tuple(dict.fromkeys(self.verified + other.verified))  # each name once
         pool = min((r.pool_slots, r.slot_bytes) for r in (self, other) if r.pool_slots) if (
-            self.pool_slots or other.pool_slots) else (0, 0)
+            self.pool_slots or other.pool_slots) else (0, ())
         return WorkerReport(freed, sources, units, verified, *pool)
 
 

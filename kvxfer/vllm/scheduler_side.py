@@ -98,7 +98,9 @@ class SchedulerSide:
         self._pool_loads: dict[str, list[tuple[list[int], list[int]]] | None] = {}
         self._pool_loading: set[str] = set()  # P: handed to the worker, not yet reported
         self._sources: dict[str, str] = {}  # request -> where its loaded tokens come from
-        self.pool_slot_bytes = 0  # P: bytes of one staging slot, every group (the workers')
+        self.pool_slot_bytes: tuple[int, ...] = ()  # P: each group's bytes of a slot (workers')
+        if self.prefill is not None:
+            self.prefill.pools.resize(0)  # keeps nothing until the workers say how much
         self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
         self._prompts: dict[str, str | None] = {}  # D: the prompt digest, from matched_tokens
         self._waiting: dict[str, dict[str, Any]] = {}  # D: params accepted, load not started

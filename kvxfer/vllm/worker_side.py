@@ -136,7 +136,7 @@ class WorkerSide:
         names = self._decode.transport.peers.verified_names() if self._decode else ()
         verified = tuple(n for n in names if n not in self._verified)[:VERIFIED_PER_REPORT]
         self._verified.update(verified)  # the rest: in the next reports
-        pool = (prefill.pool_slots, prefill.slot_bytes) if prefill is not None else (0, 0)
+        pool = (prefill.pool_slots, tuple(prefill.slot_bytes)) if prefill is not None else (0, ())
         if prefill is not None and (prefill.sources or prefill.pool_slots):
             return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified, *pool)
         return WorkerReport(counts, verified=verified) if counts or verified else None
