@@ -32,7 +32,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.staged: dict[str, list[int]] = {}  # request -> keys staged
         self.lru: list[str] = []  # the model: hashes, least recently used first
         self.refs: dict[str, int] = {}
-        self.owners: dict[str, list[str]] = {}
+        self.owners: dict[str, list[tuple[str, int]]] = {}  # owner -> (hash, epoch) it holds
+        self.epoch: dict[str, int] = {}  # a hash's entries cleared so far
+        self.ghosts: dict[tuple[str, int], int] = {}  # cleared entries' references left
         self.next = 0
 
     @rule(blocks=st.integers(1, 6))
@@ -83,16 +85,61 @@ class PoolMachine(RuleBasedStateMachine):
             self.refs[h] = self.refs.get(h, 0) + 1
             self.lru.remove(h)
             self.lru.append(h)
-        self.owners[owner] = hashes
+        self.owners[owner] = [(h, self.epoch.get(h, 0)) for h in hashes]
 
     @precondition(lambda self: self.owners)
     @rule(data=st.data())
     def release(self, data):
         owner = data.draw(st.sampled_from(sorted(self.owners)))
         self.pool.release(owner)
-        for h in self.owners.pop(owner):
-            self.refs[h] -= 1
+        for h, epoch in self.owners.pop(owner):
+            if epoch == self.epoch.get(h, 0):
+                self.refs[h] -= 1
+            else:
+                self.ghosts[h, epoch] -= 1
         self._sync_evicted()
+
+    @precondition(lambda self: self.owners)
+    @rule(data=st.data())
+    def drop(self, data):
+        """A load that failed its check: its entries leave the pool (others reading them keep
+        their slots until they let go)."""
+        owner = data.draw(st.sampled_from(sorted(self.owners)))
+        held = self.owners.pop(owner)
+        self.pool.drop(owner)
+        dropped = list(dict.fromkeys(h for h, e in held if e == self.epoch.get(h, 0)
+                                     and h in self.lru))
+        evicted = self.pool.take_evicted()
+        assert evicted[:len(dropped)] == dropped
+        for h, epoch in held:
+            if epoch != self.epoch.get(h, 0):
+                self.ghosts[h, epoch] -= 1
+            else:
+                self.refs[h] -= 1
+        for h in dropped:
+            self.lru.remove(h)
+            if self.refs.get(h, 0):
+                self.ghosts[h, self.epoch.get(h, 0)] = self.refs[h]
+            self.refs[h] = 0
+            self.epoch[h] = self.epoch.get(h, 0) + 1
+        for h in evicted[len(dropped):]:  # then down to the budget, least recently used first
+            unreferenced = [x for x in self.lru if self.refs.get(x, 0) == 0]
+            assert unreferenced and h == unreferenced[0]
+            self.lru.remove(h)
+
+    @rule()
+    def clear(self):
+        """vLLM resets the cache: every entry leaves the index; referenced ones keep their
+        slots until released, and a hash kept again is a new entry."""
+        assert self.pool.clear() == self.lru
+        assert self.pool.take_evicted() == self.lru
+        for h in self.lru:
+            if self.refs.get(h, 0):
+                self.ghosts[h, self.epoch.get(h, 0)] = self.refs[h]
+            self.refs[h] = 0
+            self.epoch[h] = self.epoch.get(h, 0) + 1
+        self.lru = []
+        assert len(self.pool) == 0 and self.pool.lookup(list("abcdefgh")) == 0
 
     @rule(hashes=st.lists(st.sampled_from("abcdefghij"), max_size=5))
     def lookup(self, hashes):
@@ -114,7 +161,9 @@ class PoolMachine(RuleBasedStateMachine):
     def one_owner_per_slot(self):
         free = _free(self.map)
         requests = [s for r in self.map._requests.values() for s in [*r.slots.values(), *r.spare]]
-        pooled = [s for e in self.pool._entries.values() for s in e.slots]
+        gone = {id(e): e for held in self.pool._held.values() for _, e in held if e.gone}
+        assert len(gone) == sum(n > 0 for n in self.ghosts.values())
+        pooled = [s for e in [*self.pool._entries.values(), *gone.values()] for s in e.slots]
         assert len(free) + len(requests) + len(pooled) == SLOTS
         assert free | set(requests) | set(pooled) == set(range(SLOTS))
 

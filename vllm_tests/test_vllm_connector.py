@@ -15,9 +15,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import pytest
 from engine import Engine, kv_slot_shape
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import free_port
@@ -314,6 +316,51 @@ def test_a_pool_of_less_than_one_slot_is_refused_at_start_by_name(engines, model
                                                 f"one staging slot of {POOL_SLOT} bytes"):
         engines(model_dir, kv_role="kv_producer", devices=jax.devices()[:1],
                 extra_config={"port": free_port(), "host_pool_bytes": POOL_SLOT - 1})
+
+
+def _published(p: ServedP) -> list:
+    """Every KV event P's vLLM scheduler publishes from now on, as a ZMQ subscriber decodes
+    them (msgpack, vLLM's own `KVEventBatch`)."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    got, encode = [], msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+    p.engine.scheduler.kv_event_publisher.publish = lambda batch: got.extend(
+        decode(encode(batch)).events)
+    return got
+
+
+def test_the_pool_publishes_its_stores_and_removals_as_vllm_kv_events_of_medium_cpu(pd):
+    p, d = _pool_pair(pd, slots=3)
+    events = _published(p)
+    prompt = _prompt(51, 50)  # three whole blocks
+    decode(d, "a-d", prompt, p.prefill("a", prompt))
+    _released(p)
+    time.sleep(0.05)  # a step after the release publishes it
+    hashes = p.call(lambda: p.engine.connector._scheduler.prefill.pools.pools[0]._entries.copy())
+    (stored,) = [e for e in events if type(e).__name__ == "BlockStored"]
+    assert (stored.medium, stored.block_size, stored.parent_block_hash) == ("CPU", 16, None)
+    # the chain, in prompt order, as vLLM's own events give block hashes
+    assert stored.block_hashes == [maybe_convert_block_hash(h) for h in reversed(list(hashes))]
+    assert stored.token_ids == prompt[:48] and stored.group_idx == 0
+    other = _prompt(52, 20)  # one whole block: the pool evicts a's tail to hold it
+    decode(d, "b-d", other, p.prefill("b", other))
+    _released(p)
+    time.sleep(0.05)
+    (removed,) = [e for e in events if type(e).__name__ == "BlockRemoved"]
+    assert removed.medium == "CPU" and removed.block_hashes == [stored.block_hashes[-1]]
+    # vLLM's cache reset (new weights): the pool lets go of everything, and says so.
+    assert p.call(p.engine.scheduler.reset_prefix_cache, reset_connector=True)
+    time.sleep(0.05)
+    assert p.call(p.engine.connector._scheduler.prefill.pools.entries) == 0
+    params = p.prefill("c", prompt)
+    assert scheduled_tokens(p.steps, "c") == (0, 50)  # nothing stale is loaded
+    cleared = [e for e in events if type(e).__name__ == "BlockRemoved"][1:]
+    assert sorted(h for e in cleared for h in e.block_hashes) == sorted(
+        [*stored.block_hashes[:2], *[e for e in events if type(e).__name__ == "BlockStored"][1]
+         .block_hashes])
+    decode(d, "c-d", prompt, params)
+    assert_prompt_kv(d, "c-d", prompt)
 
 
 def test_prefix_cache_hit_on_d_reads_only_what_d_lacks(pd, monkeypatch):

@@ -198,6 +198,8 @@ class PrefillScheduler:
         self.pools = Pools(self.tracker.groups, self.slot_maps, kernel_ratio, pool_slots)
         self._pool_hit_tokens = 0
         self._loading: dict[str, int] = {}  # request -> tokens it loads from the pool
+        self._tokens: dict[str, list[int]] = {}  # pooled request -> its prompt (for events)
+        self._pool_events: list[dict[str, Any]] = []
         self._entries: dict[str, tuple[dict[int, str], ...]] = {}  # request -> entry secrets
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
@@ -264,6 +266,8 @@ class PrefillScheduler:
         self.tracker.add(req_id, num_prompt_tokens)
         if hashes is not None and stream is None and self.pools.pools:  # streams: not pooled
             self.pools.remember(req_id, hashes)
+            if prompt_token_ids is not None:
+                self._tokens[req_id] = list(prompt_token_ids)
             r = self.kernel_ratio
             self._entries[req_id] = tuple(
                 {i * r + j: entry_secret(self._key, g, h) for i, h in enumerate(group)
@@ -392,8 +396,31 @@ class PrefillScheduler:
                 self.pools.forget(req_id)
             self._params.pop(req_id, None)  # they would name freed slots
             self._held.discard(req_id)
-            self.pools.keep(req_id)
+            self._pool_events.extend(self._evicted())  # before what enters: events in order
+            hashes, tokens = self.pools.hashes(req_id), self._tokens.pop(req_id, None)
+            for g, indices in enumerate(self.pools.keep(req_id)):
+                self._pool_events.extend(_stored(g, self.tracker.groups[g].tokens_per_block,
+                                                 hashes[g], indices, tokens))
             self._free_slots(req_id)
+
+    def take_pool_events(self) -> list[dict[str, Any]]:
+        """What entered and left the pool since the last call, in order (for vLLM's KV
+        events): `{"group", "stored", "parent", "token_ids", "block_size"}` for a run of
+        blocks of one prompt that entered (`stored` their hashes, `parent` the hash before
+        them or None, `token_ids` their tokens when the request was added with them, else
+        None), `{"group", "removed"}` for hashes evicted, dropped or cleared."""
+        self._pool_events.extend(self._evicted())
+        events, self._pool_events = self._pool_events, []
+        return events
+
+    def clear_pool(self) -> None:
+        """Take every entry out of the pool (vLLM's cache reset, after new weights): none is
+        loaded or lent again; those being read are freed once let go."""
+        self.pools.clear()
+
+    def _evicted(self) -> list[dict[str, Any]]:
+        return [{"group": g, "removed": removed} for g, pool in enumerate(self.pools.pools)
+                if (removed := pool.take_evicted())]
 
     def match_pooled(self, block_hashes: Sequence[Sequence[Hashable]],
                      num_computed_tokens: int) -> int:
@@ -466,9 +493,26 @@ class PrefillScheduler:
         if forget:
             self.pools.forget(req_id)
             self._entries.pop(req_id, None)
+            self._tokens.pop(req_id, None)
             self._secrets.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._streams.pop(req_id, None)
         for m in self.slot_maps:
             if req_id in m:
                 m.free(req_id)
+
+
+def _stored(group: int, block_size: int, hashes: list[Hashable], indices: list[int],
+            tokens: list[int] | None) -> list[dict[str, Any]]:
+    """`take_pool_events`' entries for blocks `indices` of a prompt that entered a pool: one
+    per run of consecutive blocks."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [{"group": group, "stored": [hashes[i] for i in run],
+             "parent": hashes[run[0] - 1] if run[0] else None, "block_size": block_size,
+             "token_ids": None if tokens is None
+             else tokens[run[0] * block_size:(run[-1] + 1) * block_size]} for run in runs]

@@ -39,6 +39,7 @@ __all__ = ["Pool"]
 class _Entry:
     slots: tuple[int, ...]
     refs: int = 0
+    gone: bool = False  # out of the index (cleared) while referenced: freed at the last release
 
 
 class Pool:
@@ -64,7 +65,7 @@ class Pool:
                                         f" int, got {value!r}")
         self.slot_map, self.max_slots, self.slots_per_block = slot_map, max_slots, slots_per_block
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # least recently used first
-        self._held: dict[Hashable, list[Hashable]] = {}  # owner -> hashes it references
+        self._held: dict[Hashable, list[tuple[Hashable, _Entry]]] = {}  # owner -> what it holds
         self._evicted: list[Hashable] = []  # since the last `take_evicted`
         self.evictions = 0  # entries evicted since start
         slot_map.reclaim = self.make_room
@@ -125,27 +126,45 @@ class Pool:
         for h in reversed(hashes):  # a chain's head last: evicted after its tail
             self._entries[h].refs += 1
             self._entries.move_to_end(h)
-        self._held.setdefault(owner, []).extend(hashes)
+        self._held.setdefault(owner, []).extend((h, self._entries[h]) for h in hashes)
         return [self._entries[h].slots for h in hashes]
 
     def release(self, owner: Hashable) -> None:
         """Drop every reference `owner` holds (none: nothing happens)."""
-        for h in self._held.pop(owner, ()):
-            self._entries[h].refs -= 1
+        for _, entry in self._held.pop(owner, ()):
+            entry.refs -= 1
+            if entry.gone and entry.refs == 0:  # cleared under its readers: free at last
+                self.slot_map.release_slots(entry.slots)
         self._evict(self.pooled_slots - self.max_slots)  # a budget lowered under readers
 
     def drop(self, owner: Hashable) -> None:
-        """Release `owner` and evict the entries it held that no one else references: what a
-        failed load read (else the next match would load them again)."""
-        hashes = self._held.get(owner, ())
+        """Release `owner` and take the entries it held out of the pool: what a failed load
+        read (else the next match would load them again). Others reading them keep their
+        slots until they let go."""
+        held = self._held.get(owner, ())
+        for h, entry in held:
+            self._forget(h, entry)
         self.release(owner)
-        for h in dict.fromkeys(hashes):
-            entry = self._entries.get(h)
-            if entry is not None and entry.refs == 0:
-                del self._entries[h]
-                self.slot_map.release_slots(entry.slots)
-                self._evicted.append(h)
-                self.evictions += 1
+
+    def clear(self) -> list[Hashable]:
+        """Take every entry out of the pool (vLLM's cache reset: after new weights, none may
+        be loaded again): free the unreferenced ones now, the others once released. Returns
+        their hashes (`take_evicted` names them too)."""
+        cleared = list(self._entries)
+        for h, entry in list(self._entries.items()):
+            self._forget(h, entry)
+        return cleared
+
+    def _forget(self, h: Hashable, entry: _Entry) -> None:
+        if self._entries.get(h) is not entry:
+            return  # gone already
+        del self._entries[h]
+        self._evicted.append(h)
+        self.evictions += 1
+        if entry.refs == 0:
+            self.slot_map.release_slots(entry.slots)
+        else:
+            entry.gone = True
 
     def make_room(self, slots: int) -> None:
         """Evict unreferenced entries, least recently used first, until the slot map has
@@ -166,11 +185,6 @@ class Pool:
         """The hashes evicted since the last call, oldest first (for events and metrics)."""
         evicted, self._evicted = self._evicted, []
         return evicted
-
-    def clear(self) -> list[Hashable]:
-        """Evict every unreferenced entry; returns their hashes."""
-        self._evict(self.pooled_slots)
-        return self.take_evicted()
 
     def _evict(self, slots: int) -> None:
         if slots <= 0:  # keep and release ask after every change: mostly nothing to do
@@ -266,21 +280,26 @@ class Pools:
         if self._lent.pop(req_id, None) is not None:
             self.release(("lease", req_id))
 
-    def keep(self, req_id: Hashable) -> None:
+    def keep(self, req_id: Hashable) -> list[list[int]]:
         """Before a released request's slots are freed: its full prompt blocks staged in
-        every group enter the pools (the rest is freed with the request)."""
+        every group enter the pools (the rest is freed with the request). Returns, per
+        group, the indices (in the prompt) of the blocks that entered."""
         hashes = self._hashes.pop(req_id, None)
         if hashes is None:
-            return
-        r = self.kernel_ratio
+            return []
+        r, entered = self.kernel_ratio, []
         for pool, group_hashes in zip(self.pools, hashes):
             if req_id not in pool.slot_map:
+                entered.append([])
                 continue
             # lent blocks are entries already (held until unlent below): only its own enter
             own = set(pool.slot_map.blocks(req_id)) - pool.slot_map.borrowed(req_id)
             blocks = [(h, [i * r + j for j in range(r)]) for i, h in enumerate(group_hashes)]
-            pool.keep(req_id, [(h, keys) for h, keys in blocks if own.issuperset(keys)])
+            new = set(pool.keep(req_id, [(h, keys) for h, keys in blocks
+                                         if own.issuperset(keys)]))
+            entered.append([i for i, h in enumerate(group_hashes) if h in new])
         self.unlend(req_id)
+        return entered
 
     def match(self, block_hashes: Sequence[Sequence[Hashable]], num_computed_tokens: int) -> int:
         """Tokens past `num_computed_tokens` (a whole number of blocks) every group's pool
@@ -329,6 +348,10 @@ class Pools:
         for pool in self.pools:
             pool.drop(owner)
 
+    def clear(self) -> None:
+        """See `Pool.clear` (the hashes go to `take_events`)."""
+        for pool in self.pools:
+            pool.clear()
     def resize(self, max_slots: int) -> None:
         """Each group's budget from now on, in slots (a scheduler that learns it from its
         workers: `kvxfer.vllm`)."""

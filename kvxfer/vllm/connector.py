@@ -250,6 +250,16 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         return self._scheduler.holding()
 
+    def take_events(self) -> list[Any]:
+        """P's host pool's stores and removals, as vLLM KV events of medium `CPU`, which vLLM
+        publishes beside its own (`--kv-events-config`)."""
+        return self._scheduler.take_events() if self._scheduler is not None else []
+
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)` (after new weights): P's host
+        pool drops every entry, so none is loaded again."""
+        return self._scheduler.reset_cache() if self._scheduler is not None else True
+
     def get_finished_count(self) -> int | None:
         """How many workers report each load finished: vLLM's aggregator waits for that many
         (by default its world size, TP x PP). Under a Ray executor, one worker per placement

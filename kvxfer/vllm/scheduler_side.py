@@ -313,6 +313,36 @@ class SchedulerSide:
         return {**params, "do_remote_prefill": True, "do_remote_decode": False,
                 "num_prompt_tokens": request.num_prompt_tokens}
 
+    def take_events(self) -> list[Any]:
+        """P's pool's stores and removals since the last call, as vLLM's KV events with
+        medium `CPU` (`BlockStored`, `BlockRemoved`), block hashes as vLLM's own events
+        give them; none elsewhere."""
+        if self.prefill is None or not self.prefill.pools.pools:
+            return []
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        out: list[Any] = []
+        for e in self.prefill.take_pool_events():
+            if "removed" in e:
+                out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h)
+                                                      for h in e["removed"]],
+                                        medium=MEDIUM_CPU, group_idx=e["group"]))
+                continue
+            parent = e["parent"]
+            out.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in e["stored"]],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                token_ids=e["token_ids"] or [], block_size=e["block_size"], lora_id=None,
+                medium=MEDIUM_CPU, lora_name=None, group_idx=e["group"]))
+        return out
+
+    def reset_cache(self) -> bool:
+        """vLLM's cache reset (new weights): P's pool lets go of every entry."""
+        if self.prefill is not None:
+            self.prefill.clear_pool()
+        return True
+
     def hit_source(self, req_id: str) -> str | None:
         """Where the tokens a request loads come from (vLLM 0.33's `CacheHitSource` values):
         `host` (P's pool), `p2p` (D's load from P); None before its allocation."""
