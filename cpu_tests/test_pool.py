@@ -234,5 +234,5 @@ def test_groups_of_different_block_sizes_match_only_whole_blocks_of_every_group(
         s.release([req_id])
     s.pools.resize(4)  # group 0 keeps h0 and b's last three; group 1 keeps all four
     assert "h0" in s.pools.pools[0] and "h1" not in s.pools.pools[0]
-    assert s.match_pooled([["h0", "h1", "h2", "h3"], ["H0", "H1"]], 0) == 0  # 16: not whole
-    assert s.match_pooled([["h0", "x1", "x2", "x3"], ["Y0", "Y1"]], 0) == 64
+    assert s.pools.match([["h0", "h1", "h2", "h3"], ["H0", "H1"]], 0) == 0  # 16: not whole
+    assert s.pools.match([["h0", "x1", "x2", "x3"], ["Y0", "Y1"]], 0) == 64

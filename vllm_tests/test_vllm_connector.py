@@ -226,7 +226,7 @@ def test_p_loads_what_its_host_pool_holds_instead_of_prefilling_it(pd):
     # still sent D every block of the prompt, the pooled ones included.
     first_computed, total = scheduled_tokens(p.steps, "b")
     assert (first_computed, total) == (48, 20)
-    assert p.call(prefill.counters)["p_pool_hit_tokens"] == 48
+    assert p.call(prefill.pools.counters)["p_pool_hit_tokens"] == 48
     assert params["groups"][0]["keys"] == [0, 1, 2, 3, 4]
     # The pooled blocks are named where the pool holds them, not copied again: P gathered
     # only b's last two blocks, and its four whole ones are tagged as pool entries.

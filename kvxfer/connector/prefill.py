@@ -132,7 +132,7 @@ class PrefillWorker:
              ) -> tuple[Any, list[str]]:
         """Write pooled blocks from staging into the caches (in place, donated), checked
         against the sums P took when it staged them: `loads[req_id][g]` is `(kernel ids,
-        slots)` of group `g` (the scheduler side's `acquire_pooled`). Returns the new
+        slots)` of group `g` (the scheduler side's `Pools.load`). Returns the new
         caches, in the form given, and the requests whose blocks did not check out (the
         engine computes them instead)."""
         start = time.monotonic()
@@ -257,8 +257,8 @@ class PrefillConnector:
 
     def pooled_tokens(self, block_hashes: Sequence[Sequence[Hashable]],
                       num_computed_tokens: int = 0) -> int:
-        """See `PrefillScheduler.match_pooled`."""
-        return self.scheduler.match_pooled(block_hashes, num_computed_tokens)
+        """See `kvxfer.plan.pool.Pools.match`."""
+        return self.scheduler.pools.match(block_hashes, num_computed_tokens)
 
     def load_pooled(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                     req_id: str, block_hashes: Sequence[Sequence[Hashable]],
@@ -268,13 +268,13 @@ class PrefillConnector:
         request's device blocks (`tables[g]`: group `g`'s block table, logical ids in token
         order) instead of prefilling them; returns the new caches and whether the blocks
         checked out (else the engine computes them)."""
-        loads = self.scheduler.acquire_pooled(req_id, block_hashes, num_computed_tokens,
-                                              num_tokens, tables)
+        loads = self.scheduler.pools.load(req_id, block_hashes, num_computed_tokens,
+                                          num_tokens, tables)
         failed = [req_id]  # until the load returns
         try:
             caches, failed = self.worker.load(caches, {req_id: loads})
         finally:
-            self.scheduler.loaded(req_id, failed=bool(failed))
+            self.scheduler.pools.loaded(req_id, failed=bool(failed))
         return caches, not failed
 
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:

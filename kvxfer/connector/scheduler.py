@@ -33,7 +33,7 @@ from kvxfer.nixl.wire import (
     parse_sources,
     prompt_digest,
 )
-from kvxfer.plan.blocks import is_int, kernel_placement, table_entries
+from kvxfer.plan.blocks import is_int, kernel_placement
 from kvxfer.plan.pool import Pools
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
@@ -172,7 +172,7 @@ class PrefillScheduler:
             for every process of a P across hosts; None draws one.
         pool_slots: each group's host pool budget, in staging slots (`kvxfer.plan.pool`):
             a request added with its block hashes leaves its full prompt blocks in
-            staging once released, for later prompts to load (`match_pooled`). 0: none.
+            staging once released, for later prompts to load (`pools`). 0: none.
     """
 
     def __init__(self, groups: Sequence[GroupSpec], *, staging_blocks: int, kernel_ratio: int,
@@ -196,10 +196,6 @@ class PrefillScheduler:
             raise InvalidInputError(f"pool_slots must be an int in [0, staging_blocks="
                                     f"{staging_blocks}], got {pool_slots!r}")
         self.pools = Pools(self.tracker.groups, self.slot_maps, kernel_ratio, pool_slots)
-        self._pool_hit_tokens = 0
-        self._loading: dict[str, int] = {}  # request -> tokens it loads from the pool
-        self._tokens: dict[str, list[int]] = {}  # pooled request -> its prompt (for events)
-        self._pool_events: list[dict[str, Any]] = []
         self._entries: dict[str, tuple[dict[int, str], ...]] = {}  # request -> entry secrets
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
@@ -232,7 +228,7 @@ class PrefillScheduler:
 
         With `block_hashes` (per group, the hashes of its full prompt blocks: vLLM's
         `request.block_hashes` at the group's block size) and a pool, its full blocks
-        stay in staging once D has read them, for later prompts (`match_pooled`).
+        stay in staging once D has read them, for later prompts (`pools`: `Pools.match`).
 
         With `prompt_token_ids`, its params carry their `prompt_digest`, and a D
         that knows its own prompt refuses params computed for another one.
@@ -265,9 +261,7 @@ class PrefillScheduler:
                   else self.pools.check(block_hashes, num_prompt_tokens))  # before any change
         self.tracker.add(req_id, num_prompt_tokens)
         if hashes is not None and stream is None and self.pools.pools:  # streams: not pooled
-            self.pools.remember(req_id, hashes)
-            if prompt_token_ids is not None:
-                self._tokens[req_id] = list(prompt_token_ids)
+            self.pools.remember(req_id, hashes, prompt_token_ids)
             r = self.kernel_ratio
             self._entries[req_id] = tuple(
                 {i * r + j: entry_secret(self._key, g, h) for i, h in enumerate(group)
@@ -396,75 +390,8 @@ class PrefillScheduler:
                 self.pools.forget(req_id)
             self._params.pop(req_id, None)  # they would name freed slots
             self._held.discard(req_id)
-            self._pool_events.extend(self._evicted())  # before what enters: events in order
-            hashes, tokens = self.pools.hashes(req_id), self._tokens.pop(req_id, None)
-            for g, indices in enumerate(self.pools.keep(req_id)):
-                self._pool_events.extend(_stored(g, self.tracker.groups[g].tokens_per_block,
-                                                 hashes[g], indices, tokens))
+            self.pools.keep(req_id)
             self._free_slots(req_id)
-
-    def take_pool_events(self) -> list[dict[str, Any]]:
-        """What entered and left the pool since the last call, in order (for vLLM's KV
-        events): `{"group", "stored", "parent", "token_ids", "block_size"}` for a run of
-        blocks of one prompt that entered (`stored` their hashes, `parent` the hash before
-        them or None, `token_ids` their tokens when the request was added with them, else
-        None), `{"group", "removed"}` for hashes evicted, dropped or cleared."""
-        self._pool_events.extend(self._evicted())
-        events, self._pool_events = self._pool_events, []
-        return events
-
-    def clear_pool(self) -> None:
-        """Take every entry out of the pool (vLLM's cache reset, after new weights): none is
-        loaded or lent again; those being read are freed once let go."""
-        self.pools.clear()
-
-    def _evicted(self) -> list[dict[str, Any]]:
-        return [{"group": g, "removed": removed} for g, pool in enumerate(self.pools.pools)
-                if (removed := pool.take_evicted())]
-
-    def match_pooled(self, block_hashes: Sequence[Sequence[Hashable]],
-                     num_computed_tokens: int) -> int:
-        """Prompt tokens past `num_computed_tokens` the pool holds in every group (vLLM's
-        `get_num_new_matched_tokens`): hash chains, so a run from there is a prefix match."""
-        return self.pools.match(block_hashes, num_computed_tokens)
-
-    def acquire_pooled(self, req_id: str, block_hashes: Sequence[Sequence[Hashable]],
-                       num_computed_tokens: int, num_tokens: int,
-                       tables: Sequence[Sequence[int]]) -> list[tuple[list[int], list[int]]]:
-        """Hold the pooled blocks of tokens `[num_computed_tokens, +num_tokens)` for loading
-        into `req_id`'s device blocks (`tables[g]`: group `g`'s block table, logical ids in
-        token order): per group `(kernel ids, slots)`, what the worker's `load` takes.
-        `loaded(req_id)` lets go of them."""
-        groups = self.tracker.groups
-        if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
-                or len(tables) != len(groups)):
-            raise InvalidInputError(f"load of {req_id!r}: tables must hold one block table per "
-                                    f"KV cache group ({len(groups)}), got {tables!r:.80}")
-        slots = self.pools.acquire(("load", req_id), block_hashes, num_computed_tokens,
-                                   num_tokens)
-        try:
-            loads = []
-            for spec, table, group_slots in zip(groups, tables, slots):
-                first = num_computed_tokens // spec.tokens_per_block
-                entries = table_entries(range(first, first + num_tokens // spec.tokens_per_block),
-                                        table)
-                loads.append(([k for _, k in kernel_placement(entries, self.kernel_ratio)],
-                              group_slots))
-        except BaseException:
-            self.pools.release(("load", req_id))
-            raise
-        self._loading[req_id] = num_tokens
-        return loads
-
-    def loaded(self, req_id: str, failed: bool = False) -> None:
-        """The worker loaded `req_id`'s pooled blocks: let go of them; where they did not
-        check out (`failed`), out of the pool with them."""
-        tokens = self._loading.pop(req_id, 0)
-        if failed:
-            self.pools.drop(("load", req_id))
-        else:
-            self._pool_hit_tokens += tokens  # loaded, checked: a hit
-            self.pools.release(("load", req_id))
 
     def held(self) -> list[str]:
         """Requests handed to D whose slots the worker has not yet freed."""
@@ -478,14 +405,6 @@ class PrefillScheduler:
         return {"p_staging_slots_in_use": used, "p_requests_held_for_d": len(self._held),
                 **(self.pools.gauges(slot_bytes) if self.pools.pools else {})}
 
-    def counters(self) -> dict[str, int]:
-        """Since start, with a pool: `p_pool_hit_tokens` (prompt tokens loaded from it instead
-        of prefilled) and `p_pool_evicted_blocks`."""
-        if not self.pools.pools:
-            return {}
-        return {"p_pool_hit_tokens": self._pool_hit_tokens,
-                "p_pool_evicted_blocks": self.pools.evictions()}
-
     def _free_slots(self, req_id: str, forget: bool = True) -> None:
         """Free a request's slots and, unless it is restarted (staged afresh under its
         secret), forget it."""
@@ -493,7 +412,6 @@ class PrefillScheduler:
         if forget:
             self.pools.forget(req_id)
             self._entries.pop(req_id, None)
-            self._tokens.pop(req_id, None)
             self._secrets.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._streams.pop(req_id, None)
@@ -501,18 +419,3 @@ class PrefillScheduler:
             if req_id in m:
                 m.free(req_id)
 
-
-def _stored(group: int, block_size: int, hashes: list[Hashable], indices: list[int],
-            tokens: list[int] | None) -> list[dict[str, Any]]:
-    """`take_pool_events`' entries for blocks `indices` of a prompt that entered a pool: one
-    per run of consecutive blocks."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and runs[-1][-1] == i - 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return [{"group": group, "stored": [hashes[i] for i in run],
-             "parent": hashes[run[0] - 1] if run[0] else None, "block_size": block_size,
-             "token_ids": None if tokens is None
-             else tokens[run[0] * block_size:(run[-1] + 1) * block_size]} for run in runs]

@@ -29,7 +29,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvxfer.errors import InvalidInputError, UnknownRequestError
-from kvxfer.plan.blocks import is_int
+from kvxfer.plan.blocks import is_int, kernel_placement, table_entries
 from kvxfer.plan.slots import SlotMap
 
 __all__ = ["Pool"]
@@ -220,7 +220,11 @@ class Pools:
         self.pools = ([Pool(m, max_slots, kernel_ratio) for m in slot_maps]
                       if max_slots and all(g.kind == "attention" for g in groups) else [])
         self._hashes: dict[Hashable, list[list[Hashable]]] = {}
+        self._tokens: dict[Hashable, list[int]] = {}  # request -> its prompt (for events)
         self._lent: dict[Hashable, list[int]] = {}  # request -> blocks lent, per group
+        self._loading: dict[Hashable, int] = {}  # request -> tokens it loads
+        self._events: list[dict] = []  # since the last `take_events`
+        self.hit_tokens = 0  # prompt tokens loaded (and checked) since start
 
     def check(self, block_hashes: object, num_prompt_tokens: int | None = None
               ) -> list[list[Hashable]]:
@@ -241,14 +245,18 @@ class Pools:
                     f"full ones")
         return [list(h) for h in block_hashes]
 
-    def remember(self, req_id: Hashable, block_hashes: list[list[Hashable]]) -> None:
+    def remember(self, req_id: Hashable, block_hashes: list[list[Hashable]],
+                 prompt_token_ids: Sequence[int] | None = None) -> None:
         """`block_hashes[g]` (checked: `check`): the hashes of group `g`'s full prompt blocks,
-        in order."""
+        in order; with the prompt's tokens, its `take_events` name them."""
         if self.pools:
             self._hashes[req_id] = block_hashes
+            if prompt_token_ids is not None:
+                self._tokens[req_id] = list(prompt_token_ids)
 
     def forget(self, req_id: Hashable) -> None:
         self._hashes.pop(req_id, None)
+        self._tokens.pop(req_id, None)
 
     def hashes(self, req_id: Hashable) -> list[list[Hashable]] | None:
         """The block hashes `remember`ed for `req_id`, per group (None: none)."""
@@ -284,9 +292,10 @@ class Pools:
         """Before a released request's slots are freed: its full prompt blocks staged in
         every group enter the pools (the rest is freed with the request). Returns, per
         group, the indices (in the prompt) of the blocks that entered."""
-        hashes = self._hashes.pop(req_id, None)
+        hashes, tokens = self._hashes.pop(req_id, None), self._tokens.pop(req_id, None)
         if hashes is None:
             return []
+        self._take_evicted()  # before what enters: events in order
         r, entered = self.kernel_ratio, []
         for pool, group_hashes in zip(self.pools, hashes):
             if req_id not in pool.slot_map:
@@ -299,6 +308,9 @@ class Pools:
                                          if own.issuperset(keys)]))
             entered.append([i for i, h in enumerate(group_hashes) if h in new])
         self.unlend(req_id)
+        for g, indices in enumerate(entered):
+            self._events.extend(_stored(g, self.groups[g].tokens_per_block, hashes[g], indices,
+                                        tokens))
         return entered
 
     def match(self, block_hashes: Sequence[Sequence[Hashable]], num_computed_tokens: int) -> int:
@@ -343,6 +355,63 @@ class Pools:
         for pool in self.pools:
             pool.release(owner)
 
+    def load(self, req_id: Hashable, block_hashes: Sequence[Sequence[Hashable]],
+             num_computed_tokens: int, num_tokens: int, tables: Sequence[Sequence[int]]
+             ) -> list[tuple[list[int], list[int]]]:
+        """Hold the pooled blocks of tokens `[num_computed_tokens, +num_tokens)` for loading
+        into `req_id`'s device blocks (`tables[g]`: group `g`'s block table, logical ids in
+        token order): per group `(kernel ids, slots)`, what P's worker `load`s. `loaded`
+        lets go of them."""
+        if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
+                or len(tables) != len(self.groups)):
+            raise InvalidInputError(f"load of {req_id!r}: tables must hold one block table per "
+                                    f"KV cache group ({len(self.groups)}), got {tables!r:.80}")
+        slots = self.acquire(("load", req_id), block_hashes, num_computed_tokens, num_tokens)
+        try:
+            loads = []
+            for spec, table, group_slots in zip(self.groups, tables, slots):
+                first = num_computed_tokens // spec.tokens_per_block
+                entries = table_entries(range(first, first + num_tokens // spec.tokens_per_block),
+                                        table)
+                loads.append(([k for _, k in kernel_placement(entries, self.kernel_ratio)],
+                              group_slots))
+        except BaseException:
+            self.release(("load", req_id))
+            raise
+        self._loading[req_id] = num_tokens
+        return loads
+
+    def loaded(self, req_id: Hashable, failed: bool = False) -> None:
+        """The worker loaded `req_id`'s pooled blocks: let go of them; where they did not
+        check out (`failed`), out of the pool with them."""
+        tokens = self._loading.pop(req_id, 0)
+        if failed:
+            self.drop(("load", req_id))
+        else:
+            self.hit_tokens += tokens  # loaded, checked: a hit
+            self.release(("load", req_id))
+
+    def counters(self) -> dict[str, int]:
+        """Since start, with a pool: `p_pool_hit_tokens` (prompt tokens loaded from it instead
+        of prefilled) and `p_pool_evicted_blocks`."""
+        if not self.pools:
+            return {}
+        return {"p_pool_hit_tokens": self.hit_tokens, "p_pool_evicted_blocks": self.evictions()}
+
+    def take_events(self) -> list[dict]:
+        """What entered and left the pools since the last call, in order (for vLLM's KV
+        events): `{"group", "stored", "parent", "token_ids", "block_size"}` for a run of
+        blocks of one prompt that entered (`stored` their hashes, `parent` the hash before
+        them or None, `token_ids` their tokens when the request was remembered with them,
+        else None), `{"group", "removed"}` for hashes evicted, dropped or cleared."""
+        self._take_evicted()
+        events, self._events = self._events, []
+        return events
+
+    def _take_evicted(self) -> None:
+        self._events.extend({"group": g, "removed": removed} for g, pool in enumerate(self.pools)
+                            if (removed := pool.take_evicted()))
+
     def drop(self, owner: Hashable) -> None:
         """See `Pool.drop`."""
         for pool in self.pools:
@@ -373,6 +442,22 @@ class Pools:
     def evictions(self) -> int:
         """Entries evicted since start, every group's."""
         return sum(p.evictions for p in self.pools)
+
+
+def _stored(group: int, block_size: int, hashes: list[Hashable], indices: list[int],
+            tokens: list[int] | None) -> list[dict]:
+    """`take_events`' entries for blocks `indices` of a prompt that entered a pool: one per
+    run of consecutive blocks."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [{"group": group, "stored": [hashes[i] for i in run],
+             "parent": hashes[run[0] - 1] if run[0] else None, "block_size": block_size,
+             "token_ids": None if tokens is None
+             else tokens[run[0] * block_size:(run[-1] + 1) * block_size]} for run in runs]
 
 
 def _check_tokens(**counts: object) -> None:

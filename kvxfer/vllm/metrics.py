@@ -309,7 +309,7 @@ def _sources(connector: Any) -> list[tuple[str, Stats]]:
     counters = dict(fallbacks.counters) if fallbacks else {}
     gauges = {}
     if prefill is not None:
-        counters.update(prefill.counters())
+        counters.update(prefill.pools.counters())
         gauges = prefill.gauges(scheduler.pool_slot_bytes)
         gauges.pop("p_pool_slots", None)  # as p_pool_bytes
     return [("scheduler", Stats(counters=counters, gauges=gauges))]

@@ -156,7 +156,7 @@ class SchedulerSide:
             return 0, False
         step = math.lcm(*(g.tokens_per_block for g in self.groups))
         limit = (request.num_prompt_tokens - 1) // step * step - num_computed
-        count = min(self.prefill.match_pooled(self._block_hashes(request), num_computed), limit)
+        count = min(self.prefill.pools.match(self._block_hashes(request), num_computed), limit)
         if count <= 0:
             return 0, False
         self._pooled[req_id] = (num_computed, count)
@@ -180,7 +180,7 @@ class SchedulerSide:
             if num_external != count:
                 raise InvalidInputError(f"vLLM allocated {num_external} external tokens for "
                                         f"{req_id}, the pool matched {count}")
-            self._pool_loads[req_id] = self.prefill.acquire_pooled(
+            self._pool_loads[req_id] = self.prefill.pools.load(
                 req_id, self._block_hashes(request), computed, count,
                 [list(ids) for ids in blocks.get_block_ids()])
             self._sources[req_id] = "host"
@@ -248,7 +248,7 @@ class SchedulerSide:
         failed = set(getattr(output, "failed_recving", None) or ())
         for req_id in self._pool_loading & {*(output.finished_recving or ()), *failed}:
             self._pool_loading.discard(req_id)
-            self.prefill.loaded(req_id, failed=req_id in failed)
+            self.prefill.pools.loaded(req_id, failed=req_id in failed)
         if self.fallbacks is not None:  # P agents verified first: this step's loads
             self.fallbacks.verified(meta.verified if isinstance(meta, WorkerReport) else ())
             self.fallbacks.loaded(output.finished_recving or (),
@@ -323,7 +323,7 @@ class SchedulerSide:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         out: list[Any] = []
-        for e in self.prefill.take_pool_events():
+        for e in self.prefill.pools.take_events():
             if "removed" in e:
                 out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h)
                                                       for h in e["removed"]],
@@ -340,7 +340,7 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         """vLLM's cache reset (new weights): P's pool lets go of every entry."""
         if self.prefill is not None:
-            self.prefill.clear_pool()
+            self.prefill.pools.clear()
         return True
 
     def hit_source(self, req_id: str) -> str | None:
