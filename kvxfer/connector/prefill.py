@@ -23,7 +23,7 @@ from kvxfer.connector._processes import for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.device.layout import CacheLayout, advertised
-from kvxfer.device.staging import Staging, block_tags, tags_of
+from kvxfer.device.staging import Staging, tags_of
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.nixl.wire import Source
@@ -339,11 +339,8 @@ def _disjoint(loads: Mapping[str, Sequence]) -> list[dict[str, Sequence]]:
 def _tags(meta: SaveMeta, req_id: str, g: int, positions: Sequence[int]) -> np.ndarray:
     """The tags of `req_id`'s blocks at `positions` of group `g`: from its secret, or for a
     whole hashed prompt block of a P with a pool, from the block's entry secret."""
-    entries = meta.entries.get(req_id)
-    if not entries or not entries[g]:
-        return block_tags(meta.secrets[req_id], g, positions)
-    secret = meta.secrets[req_id]
-    return tags_of([entries[g].get(pos, secret) for pos in positions], g, positions)
+    shared = meta.entries.get(req_id, ({},) * (g + 1))[g]
+    return tags_of([shared.get(pos, meta.secrets[req_id]) for pos in positions], g, positions)
 
 
 def available_memory() -> int | None:

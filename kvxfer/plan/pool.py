@@ -258,10 +258,6 @@ class Pools:
         self._hashes.pop(req_id, None)
         self._tokens.pop(req_id, None)
 
-    def hashes(self, req_id: Hashable) -> list[list[Hashable]] | None:
-        """The block hashes `remember`ed for `req_id`, per group (None: none)."""
-        return self._hashes.get(req_id)
-
     def lend(self, req_id: Hashable) -> list[int]:
         """Name the leading run of `req_id`'s prompt blocks each group's pool holds as the
         request's own staged blocks, without copying them (`SlotMap.borrow`): they stay
