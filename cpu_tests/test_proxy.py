@@ -908,3 +908,91 @@ def test_a_content_length_that_lies_is_a_502_naming_p_never_a_hang_or_a_500(said
 
     status, answer, p_url = run(go())
     assert status == 502 and answer["error"]["upstream"] == p_url and d.seen == []
+
+
+def test_a_later_turn_d_holds_all_but_a_short_suffix_of_skips_p_and_the_route_says_so():
+    ps, ds = [FakeVllm("P0"), FakeVllm("P1")], [FakeVllm("D0"), FakeVllm("D1")]
+    turn1 = list(range(1000, 1512))
+    prompts = [turn1, list(range(5000, 5600)), turn1 + list(range(7, 207)),
+               turn1 + list(range(7, 207)) + list(range(9, 609))]
+
+    async def go():
+        async with pd(ps, ds, local_prefill_tokens=256) as (session, url):
+            routes = []
+            for prompt in prompts:
+                async with session.post(url + "/v1/completions", json={**BODY, "prompt": prompt}) as r:
+                    routes.append((r.headers["X-Kvxfer-Route"], r.headers["X-Kvxfer-Transfer"],
+                                   (await r.json())["choices"][0]["text"]))
+            async with session.get(url + "/metrics") as r:
+                return routes, await r.text()
+
+    routes, metrics = run(go())
+    assert [t for _, t, _ in routes] == ["params", "params", "local", "params"]
+    assert [a for _, _, a in routes] == ["decoded by D0", "decoded by D1", "decoded by D0",
+                                         "decoded by D0"]
+    assert routes[2][0].startswith("choice=local; prefill=-; decode=http://127.0.0.1:")
+    assert "expected_hit=512; reason=prefix" in routes[2][0]
+    assert "choice=pd" in routes[3][0] and "expected_hit=512" in routes[3][0]
+    assert [len(b["prompt"]) for f in ps for _, b, _ in f.seen] == [512, 1312, 600]
+    local = ds[0].seen[1][1]
+    assert "kv_transfer_params" not in local and local["prompt"] == prompts[2]
+    assert 'kvxfer_proxy_routes_total{choice="local",reason="prefix"} 1' in metrics
+    assert 'kvxfer_proxy_routes_total{choice="pd",reason="prefix"} 1' in metrics
+    assert 'kvxfer_proxy_routes_total{choice="pd",reason="turn"} 2' in metrics
+    assert metrics.count("kvxfer_proxy_in_flight{") == 4 and "} 0\n" in metrics
+
+
+def test_a_session_header_keeps_a_client_on_one_d():
+    ps, ds = [FakeVllm("P0")], [FakeVllm("D0"), FakeVllm("D1"), FakeVllm("D2")]
+
+    async def go():
+        async with pd(ps, ds) as (session, url):
+            answers = []
+            for i in range(4):
+                async with session.post(url + "/v1/completions", json={**BODY, "prompt": f"q{i}"},
+                                        headers={"X-Session-Id": "s" * 4000}) as r:
+                    answers.append((await r.json())["choices"][0]["text"])
+            return answers
+
+    assert run(go()) == ["decoded by D0"] * 4
+
+
+def test_an_instance_failing_its_health_check_is_not_routed_to_within_one_interval():
+    ps, ds = [FakeVllm("P0")], [FakeVllm("D0", health=503), FakeVllm("D1")]
+
+    async def go():
+        async with pd(ps, ds, health_interval_s=0.05) as (session, url):
+            await asyncio.sleep(0.5)
+            answers = []
+            for i in range(4):
+                async with session.post(url + "/v1/completions", json={**BODY, "prompt": f"q{i}"}) as r:
+                    answers.append((await r.json())["choices"][0]["text"])
+            ds[0].health = 200
+            await asyncio.sleep(0.5)
+            for i in range(4, 6):
+                async with session.post(url + "/v1/completions", json={**BODY, "prompt": f"q{i}"}) as r:
+                    answers.append((await r.json())["choices"][0]["text"])
+            async with session.get(url + "/metrics") as r:
+                return answers, await r.text()
+
+    answers, metrics = run(go())
+    assert answers[:4] == ["decoded by D1"] * 4 and set(answers[4:]) == {"decoded by D0",
+                                                                         "decoded by D1"}
+    assert metrics.count('kvxfer_proxy_up{') == 3 and '} 0\n' not in metrics.split("up{")[-1]
+
+
+def test_cli_takes_the_routing_flags_with_their_defaults_and_refuses_bad_ones(monkeypatch, capsys):
+    from kvxfer.serve import proxy
+
+    configs = []
+    monkeypatch.setattr(proxy, "serve", configs.append)
+    args = ["proxy", "--prefill", "http://p:1", "--decode", "http://d:2", "--port", "8000"]
+    assert cli.main(args) == 0
+    assert cli.main([*args, "--route", "round_robin", "--local-prefill-tokens", "0",
+                     "--route-imbalance", "9", "--health-interval", "0.5"]) == 0
+    assert [(c.route, c.local_prefill_tokens, c.route_imbalance, c.health_interval_s)
+            for c in configs] == [("prefix", 512, 4, 5.0), ("round_robin", 0, 9, 0.5)]
+    assert cli.main([*args, "--local-prefill-tokens", "-3"]) == 2
+    assert "--local-prefill-tokens must be an int of at least 0, got -3" in capsys.readouterr().err
+    assert cli.main([*args, "--health-interval", "nan"]) == 2
+    assert "--health-interval must be a positive, finite" in capsys.readouterr().err

@@ -172,7 +172,11 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
                                   max_body_mb=args.max_body_mb,
                                   prefill_timeout_s=args.prefill_timeout,
                                   decode_timeout_s=args.decode_timeout,
-                                  prefill_max_bytes=args.prefill_max_bytes))
+                                  prefill_max_bytes=args.prefill_max_bytes,
+                                  route=args.route,
+                                  local_prefill_tokens=args.local_prefill_tokens,
+                                  route_imbalance=args.route_imbalance,
+                                  health_interval_s=args.health_interval))
     return 0
 
 
@@ -322,6 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--prefill-max-bytes", type=int, default=4 << 20, metavar="N",
                        help="the most of P's answer read, in bytes (default 4194304, 4 MiB); a "
                             "longer one is a 502")
+    proxy.add_argument("--route", choices=("prefix", "round_robin"), default="prefix",
+                       help="prefix (default): P and D by the prompts each was sent, load and "
+                            "X-Session-Id; round_robin: each in turn")
+    proxy.add_argument("--local-prefill-tokens", type=int, default=512, metavar="N",
+                       help="D prefills a prompt itself, P skipped, when the prompts D was sent "
+                            "cover all of it but at most N tokens (default 512; 0: never)")
+    proxy.add_argument("--route-imbalance", type=int, default=4, metavar="N",
+                       help="a prefix or session may choose an instance with up to N more "
+                            "requests in flight than the least loaded one (default 4)")
+    proxy.add_argument("--health-interval", type=float, default=5.0, metavar="S",
+                       help="seconds between health checks; an instance that fails one is not "
+                            "routed to until it passes one (default 5)")
     proxy.set_defaults(func=_cmd_proxy)
 
     _add_bench(sub)

@@ -103,6 +103,8 @@ DEVICE_BYTES = 32 << 30
 """tpu-inference's memory per device, which `--gpu-memory-utilization` takes a share of."""
 STAGING_BLOCKS = 256
 """pd-up's `PD_STAGING_BLOCKS`: P's staging, in blocks; the pool gets half its bytes."""
+TPU_PROXY = {"PD_PROXY_ARGS": "--local-prefill-tokens 0"}
+"""tpu-inference's stack behind `kvxfer proxy` never prefilling on D, as its own proxy."""
 _POOL = ("vllm:kvxfer_pool",)
 _BY_SOURCE = ("vllm:prompt_tokens_cached_by_source_total",)
 
@@ -128,6 +130,9 @@ def run() -> dict[str, Any]:
          f"{settings['PD_MEMORY']}); kvxfer's P with a host pool of {pool_bytes} bytes "
          f"(PD_HOST_POOL_BYTES, half of {STAGING_BLOCKS} staging blocks)")
     for name, how in STACKS.items():
+        if name == "tpu_inference":  # every request through P, as tpu-inference's proxy sends it
+            result["stacks"][name] = _stack(name, how, {**settings, **TPU_PROXY})
+            continue
         if name != "kvxfer":
             result["stacks"][name] = _stack(name, how, settings)
             continue
@@ -277,13 +282,14 @@ def _stack(name: str, how: Stack, settings: dict[str, str]) -> dict[str, Any]:
         out: dict[str, Any] = {"device_blocks": {r: c["num_gpu_blocks"] for r, c in config.items()},
                                "block_size": block}
         seen: set[tuple[int, ...]] = set()
+        proxy = urls.get("PROXY_URL")
         for seed, (regime, n) in enumerate(CONVERSATIONS.items(), start=1):
-            out[regime] = _regime(name, regime, n, seed, front, who, how, seen, block)
+            out[regime] = _regime(name, regime, n, seed, front, who, how, seen, block, proxy)
     return out
 
 
 def _regime(name: str, regime: str, n: int, seed: int, front: str, who: dict, how: Stack,
-            seen: set[tuple[int, ...]], block: int) -> dict[str, Any]:
+            seen: set[tuple[int, ...]], block: int, proxy: str | None = None) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     system = rng.integers(3, 500, SYSTEM).tolist()
     histories = [list(system) for _ in range(n)]
@@ -294,10 +300,11 @@ def _regime(name: str, regime: str, n: int, seed: int, front: str, who: dict, ho
             history += rng.integers(3, 500, USER).tolist()
         prompts = [list(h) for h in histories]
         held = sum(held_tokens(p, seen, block) for p in prompts)
-        before, start = scrape(who), time.perf_counter()
+        routed, before, start = _routes(proxy), scrape(who), time.perf_counter()
         answers = _wave(front, prompts)
         wall = time.perf_counter() - start
         turns.append(wave_figures(answers, held, before, scrape(who), how.d_workers))
+        turns[-1]["routes"] = {c: n - routed.get(c, 0) for c, n in _routes(proxy).items()}
         for prompt, history, answer in zip(prompts, histories, answers):
             remember(prompt, seen, block)
             history += answer.get("tokens", [])
@@ -305,7 +312,8 @@ def _regime(name: str, regime: str, n: int, seed: int, front: str, who: dict, ho
         _say(f"{name} {regime} turn {k + 1}: p50/p90 TTFT {t['p50_ttft_ms']}/{t['p90_ttft_ms']} "
              f"ms, p50 TPOT {t['p50_tpot_ms']} ms, prefilled {t['computed_tokens']} of "
              f"{t['prompt_tokens']} tokens ({t['held_tokens']} held, recompute "
-             f"{t['recompute_fraction']}), KV moved {t['kv_moved']}, {t['failed']} failed, "
+             f"{t['recompute_fraction']}), KV moved {t['kv_moved']}, routes {t['routes']}, "
+             f"{t['failed']} failed, "
              f"{wall:.1f} s")
     moved = [(t["kv_moved"], t["requests"] - t["failed"]) for t in turns]
     return {"conversations": n, "turns": turns,
@@ -339,6 +347,17 @@ def _answer(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     tokens = [t for c in choices for t in c.get("token_ids") or ()]
     return {"ttft_s": first, "tokens": tokens,
             "tpot_s": (last - first) / (len(tokens) - 1) if len(tokens) > 1 else None}
+
+
+def _routes(proxy: str | None) -> dict[str, int]:
+    """`kvxfer proxy`'s requests so far by choice (`pd`, `local`: D prefilled alone); {} without
+    one."""
+    out: dict[str, int] = {}
+    for name, labels, value in samples(proxy) if proxy else ():
+        if name == "kvxfer_proxy_routes_total":
+            choice = re.search(r'choice="(\w+)"', labels).group(1)
+            out[choice] = out.get(choice, 0) + int(value)
+    return out
 
 
 def _cache_config(url: str) -> dict[str, int]:

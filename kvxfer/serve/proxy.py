@@ -46,7 +46,6 @@ kvxfer imports it.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
@@ -63,6 +62,7 @@ from aiohttp import web
 from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.nixl.wire import new_stream_id
 from kvxfer.plan.blocks import is_int
+from kvxfer.serve.routing import Prompt, Route, Router
 
 __all__ = ["ProxyConfig", "build_app", "check_listen", "parse_urls", "serve"]
 
@@ -85,7 +85,9 @@ nothing reaches the client."""
 
 _FORWARDED_HEADERS = ("Authorization",)
 _REQUEST_ID = "X-Request-Id"
+_SESSION = "X-Session-Id"
 _TRANSFER = "X-Kvxfer-Transfer"
+_ROUTE = "X-Kvxfer-Route"
 
 
 def _check_url(flag: str, url: str) -> str:
@@ -152,6 +154,10 @@ class ProxyConfig:
     prefill_timeout_s: float = 600.0
     decode_timeout_s: float = 3600.0
     prefill_max_bytes: int = 4 << 20
+    route: str = "prefix"
+    local_prefill_tokens: int = 512
+    route_imbalance: int = 4
+    health_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -181,15 +187,25 @@ class ProxyConfig:
         if not is_int(self.prefill_max_bytes) or not self.prefill_max_bytes > 0:
             raise InvalidInputError(f"--prefill-max-bytes must be a positive int, got "
                                     f"{self.prefill_max_bytes!r}")
+        value = self.health_interval_s
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                or not math.isfinite(value)):
+            raise InvalidInputError(f"--health-interval must be a positive, finite number of "
+                                    f"seconds, got {value!r}")
+        self.router()  # refuses a bad --route, --local-prefill-tokens or --route-imbalance
+
+    def router(self) -> Router:
+        """A fresh `Router` over these instances with these settings."""
+        return Router(self.prefill, self.decode, self.route, self.local_prefill_tokens,
+                      self.route_imbalance)
 
 
 class _Upstreams:
-    """The session to the upstreams and the round-robin turn of each pool."""
+    """The session to the upstreams and the router that picks among them."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self._next_prefill = itertools.cycle(config.prefill)
-        self._next_decode = itertools.cycle(config.decode)
+        self.router = config.router()
         self._session: aiohttp.ClientSession | None = None
         self.kv: dict[str, dict[str, Any]] = {}  # P url -> its kvxfer address, once known
 
@@ -207,12 +223,6 @@ class _Upstreams:
             raise SetupError("the proxy's upstream session opens when its app starts "
                              "(serve, or an aiohttp.web.AppRunner)")
         return self._session
-
-    def prefill(self) -> str:
-        return next(self._next_prefill)
-
-    def decode(self) -> str:
-        return next(self._next_decode)
 
     async def open(self) -> None:
         # No limit on connections: each streamed answer holds one for its whole generation.
@@ -408,13 +418,13 @@ def _drop(sent: asyncio.Future) -> None:
     sent.cancel()
 
 
-async def _decode(request: web.Request, upstreams: _Upstreams, url: str, sent: asyncio.Future,
+async def _decode(request: web.Request, upstreams: _Upstreams, route: Route, sent: asyncio.Future,
                   headers: dict[str, str], transfer: str) -> web.StreamResponse:
-    """Relay D's answer to the request `sent` to D at `url` within `--decode-timeout`: a D over
+    """Relay D's answer to the request `sent` to `route`'s D within `--decode-timeout`: a D over
     its time is a 504 or, once the client has D's status, an ended stream. Whatever way this
     ends, D's answer is closed."""
-    timeout_s = upstreams.config.decode_timeout_s
-    out = web.StreamResponse()
+    url, timeout_s = route.decode, upstreams.config.decode_timeout_s
+    out = web.StreamResponse(headers={_ROUTE: route.header()})
     try:  # errors inside _relayed are its own: a timeout that comes out is this one
         return await asyncio.wait_for(_relayed(request, url, sent, out, headers, transfer), timeout_s)
     except asyncio.TimeoutError:
@@ -470,43 +480,59 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, str]
                  ) -> web.StreamResponse:
-    """P's part, then D's with P's `kv_transfer_params` (or both at once: `_streamed`)."""
+    """The router's choice, then P's part and D's with P's `kv_transfer_params` (or both at once:
+    `_streamed`), or D's alone when it prefills the prompt itself."""
     upstreams = request.app[_UPSTREAMS]
-    p_url, d_url = upstreams.prefill(), upstreams.decode()
-    address = upstreams.kv.get(p_url) if upstreams.config.stream else None
+    route = upstreams.router.choose(Prompt.of(request.path, body), request.headers.get(_SESSION))
+    log.debug("request %s: %s", headers[_REQUEST_ID], route.header())
+    upstreams.router.started(route)
+    try:
+        return await _routed(request, upstreams, route, body, headers)
+    finally:
+        upstreams.router.finished(route)
+
+
+async def _routed(request: web.Request, upstreams: _Upstreams, route: Route, body: dict[str, Any],
+                  headers: dict[str, str]) -> web.StreamResponse:
+    d_url = route.decode
+    if route.prefill is None:  # D holds all but a short suffix: it prefills that itself
+        sent = asyncio.ensure_future(upstreams.session.post(d_url + request.path, headers=headers,
+                                                            json=body))
+        return await _decode(request, upstreams, route, sent, headers, "local")
+    address = upstreams.kv.get(route.prefill) if upstreams.config.stream else None
     if address is not None:
-        return await _streamed(request, upstreams, p_url, d_url, address, body, headers)
-    params = await _prefill(upstreams, p_url, request.path, body, headers)
+        return await _streamed(request, upstreams, route, address, body, headers)
+    params = await _prefill(upstreams, route.prefill, request.path, body, headers)
     if isinstance(params, web.Response):
         return params
     log.debug("request %s prefilled; params %s", headers[_REQUEST_ID], params)
     sent = asyncio.ensure_future(upstreams.session.post(
         d_url + request.path, headers=headers, json={**body, "kv_transfer_params": params}))
-    return await _decode(request, upstreams, d_url, sent, headers, "params")
+    return await _decode(request, upstreams, route, sent, headers, "params")
 
 
-async def _streamed(request: web.Request, upstreams: _Upstreams, p_url: str, d_url: str,
+async def _streamed(request: web.Request, upstreams: _Upstreams, route: Route,
                     address: dict[str, Any], body: dict[str, Any],
                     headers: dict[str, str]) -> web.StreamResponse:
     """P and D at once: D reads P's KV by the stream id both are given, while P prefills."""
     stream = new_stream_id()
     to_d = {"do_remote_prefill": True, "do_remote_decode": False, "stream": stream, **address}
     sent = asyncio.ensure_future(upstreams.session.post(
-        d_url + request.path, headers=headers, json={**body, "kv_transfer_params": to_d}))
+        route.decode + request.path, headers=headers, json={**body, "kv_transfer_params": to_d}))
     try:
-        params = await _prefill(upstreams, p_url, request.path, body, headers, stream)
+        params = await _prefill(upstreams, route.prefill, request.path, body, headers, stream)
     except BaseException:  # cancelled, the client gone: D would wait for a stream P never fills
         _drop(sent)
         raise
     if isinstance(params, web.Response):  # D would wait for a stream P never fills
         _drop(sent)
         return params
-    return await _decode(request, upstreams, d_url, sent, headers, "stream")
+    return await _decode(request, upstreams, route, sent, headers, "stream")
 
 
 async def _models(request: web.Request) -> web.Response:
     upstreams = request.app[_UPSTREAMS]
-    url = upstreams.decode()
+    url = upstreams.router.any_decode()
     headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
     try:
         async with upstreams.session.get(url + "/v1/models", headers=headers) as resp:
@@ -526,18 +552,56 @@ async def _down_reason(session: aiohttp.ClientSession, url: str, timeout_s: floa
         return str(e) or type(e).__name__
 
 
-async def _health(request: web.Request) -> web.Response:
-    """200 when every P and D instance answers its `/health`, else 503 naming those down."""
-    upstreams = request.app[_UPSTREAMS]
+async def _check(upstreams: _Upstreams) -> list[dict[str, str]]:
+    """Ask every P and D instance's `/health`; mark each up or down for the router; return those
+    down (role, url, reason)."""
     config = upstreams.config
     roles = [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
     reasons = await asyncio.gather(*(_down_reason(upstreams.session, url, config.health_timeout_s)
                                      for _, url in roles))
-    down = [{"role": role, "url": url, "reason": reason}
+    for (_, url), reason in zip(roles, reasons):
+        upstreams.router.mark(url, reason is None)
+    return [{"role": role, "url": url, "reason": reason}
             for (role, url), reason in zip(roles, reasons) if reason is not None]
-    answer = {"status": "unhealthy" if down else "ok", "prefill": list(config.prefill),
-              "decode": list(config.decode), "down": down}
+
+
+async def _watch(upstreams: _Upstreams) -> None:
+    """Every `--health-interval`, take instances that stopped answering out of routing and put
+    back those that answer again."""
+    while True:
+        await asyncio.sleep(upstreams.config.health_interval_s)
+        down = await _check(upstreams)
+        if down:
+            log.warning("instances down, not routed to: %s",
+                        "; ".join(f"{d['role']} {d['url']} ({d['reason']})" for d in down))
+
+
+async def _health(request: web.Request) -> web.Response:
+    """200 when every P and D instance answers its `/health`, else 503 naming those down."""
+    upstreams = request.app[_UPSTREAMS]
+    down = await _check(upstreams)
+    answer = {"status": "unhealthy" if down else "ok", "prefill": list(upstreams.config.prefill),
+              "decode": list(upstreams.config.decode), "down": down}
     return web.json_response(answer, status=503 if down else 200)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    """The router's counters in Prometheus' text format."""
+    router = request.app[_UPSTREAMS].router
+    lines = ["# HELP kvxfer_proxy_routes_total Requests routed, by choice (pd: P then D; local: "
+             "D prefilled alone) and the reason D was chosen.",
+             "# TYPE kvxfer_proxy_routes_total counter"]
+    lines += [f'kvxfer_proxy_routes_total{{choice="{c}",reason="{r}"}} {n}'
+              for (c, r), n in sorted(router.counts.items())]
+    for name, kind, text in (("in_flight", "gauge", "Requests in flight per instance."),
+                             ("up", "gauge", "1 while the instance is routed to.")):
+        lines += [f"# HELP kvxfer_proxy_{name} {text}", f"# TYPE kvxfer_proxy_{name} {kind}"]
+        for role, instances in (("prefill", router.prefill), ("decode", router.decode)):
+            for url in instances.urls:
+                value = instances.in_flight[url] if name == "in_flight" else int(
+                    url not in instances.down)
+                lines.append(f'kvxfer_proxy_{name}{{role="{role}",url="{url}"}} {value}')
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
 def check_listen(host: str, port: int) -> None:
@@ -564,7 +628,9 @@ def build_app(config: ProxyConfig) -> web.Application:
 
     async def session(_app: web.Application):  # aiohttp's cleanup context: open, then close
         await upstreams.open()
+        watch = asyncio.ensure_future(_watch(upstreams))
         yield
+        watch.cancel()
         await upstreams.close()
 
     app.cleanup_ctx.append(session)
@@ -572,6 +638,7 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
     return app
 
 

@@ -1,0 +1,154 @@
+"""`kvxfer.serve.routing`: the proxy's choice of P and D, without a network."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer.errors import InvalidInputError
+from kvxfer.serve import routing
+from kvxfer.serve.routing import Prompt, Router
+
+PS, DS = ("http://p0", "http://p1"), ("http://d0", "http://d1")
+
+
+def ids(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def completion(prompt) -> Prompt | None:
+    return Prompt.of("/v1/completions", {"prompt": prompt})
+
+
+def test_unrelated_prompts_take_p_and_d_in_turn():
+    router = Router(PS, DS, local_prefill_tokens=512)
+    routes = [router.choose(completion(ids(64, 10_000 * i))) for i in range(4)]
+    assert [(r.prefill, r.decode, r.reason) for r in routes] == [
+        ("http://p0", "http://d0", "turn"), ("http://p1", "http://d1", "turn")] * 2
+    assert router.counts == {("pd", "turn"): 4}
+
+
+def test_the_next_turn_goes_to_the_d_that_holds_its_history_and_d_prefills_a_short_suffix_alone():
+    router = Router(PS, DS, local_prefill_tokens=256)
+    first = router.choose(completion(ids(512)))
+    router.choose(completion(ids(64, 50_000)))  # another conversation moves the turn on
+    second = router.choose(completion(ids(512) + ids(200, 7)))
+    assert first.choice == "pd" and second.choice == "local"
+    assert second.decode == first.decode and second.prefill is None
+    assert (second.expected_hit, second.reason) == (512, "prefix")
+    third = router.choose(completion(ids(512) + ids(200, 7) + ids(300, 9)))
+    assert third.choice == "pd" and third.decode == first.decode, "300 tokens to go: P prefills"
+    assert third.prefill == first.prefill and third.expected_hit == 512, "P holds turn 1's prompt"
+    assert "choice=pd" in third.header() and "expected_hit=512" in third.header()
+
+
+def test_a_local_prefill_needs_a_hit_and_a_threshold():
+    short = completion(ids(40))
+    assert Router(PS, DS, local_prefill_tokens=512).choose(short).choice == "pd", (
+        "a short prompt D never saw still goes through P")
+    router = Router(PS, DS, local_prefill_tokens=0)
+    router.choose(completion(ids(512)))
+    assert router.choose(completion(ids(520))).choice == "pd"
+
+
+def test_a_d_with_the_prefix_but_too_many_requests_in_flight_loses_to_the_least_loaded():
+    router = Router(PS, DS, local_prefill_tokens=0, imbalance=2)
+    held = router.choose(completion(ids(512)))
+    busy = [router.choose(completion(ids(64, 90_000 + 100 * i))) for i in range(6)]
+    for route in busy:
+        if route.decode == held.decode:
+            router.started(route)
+    loaded = router.decode.in_flight[held.decode]
+    assert loaded == 3
+    moved = router.choose(completion(ids(600)))
+    assert moved.decode != held.decode and moved.reason == "turn"
+    router.finished(next(r for r in busy if r.decode == held.decode))
+    again = router.choose(completion(ids(512) + ids(88, 70_000)))
+    assert again.decode == held.decode and again.reason == "prefix"
+
+
+def test_a_session_sticks_to_its_d_and_another_session_does_not():
+    router = Router(PS, DS)
+    first = router.choose(completion(ids(64, 1)), session="alice")
+    assert [router.choose(completion(ids(64, 100 * i)), session="alice").decode
+            for i in range(2, 5)] == [first.decode] * 3
+    assert router.choose(completion(ids(64, 9999)), session="bob").decode != first.decode
+    assert router.counts[("pd", "session")] == 3
+
+
+def test_instances_marked_down_are_not_chosen_until_marked_up_and_all_down_means_all():
+    router = Router(PS, DS)
+    fresh = iter(range(0, 10**9, 1000))
+
+    def four() -> set[str]:  # four prompts nobody was sent
+        return {router.choose(completion(ids(64, next(fresh)))).decode for _ in range(4)}
+
+    router.mark("http://d0", up=False)
+    assert four() == {"http://d1"}
+    router.mark("http://d1", up=False)
+    assert four() == set(DS)
+    router.mark("http://d0", up=True)
+    router.mark("http://d1", up=True)
+    assert four() == set(DS)
+
+
+def test_each_instance_forgets_its_least_recently_sent_chunks_beyond_its_bound():
+    router = Router(PS[:1], DS[:1], local_prefill_tokens=0, index_chunks=8)
+    router.choose(completion(ids(128)))  # 8 chunks of 16
+    assert router.decode.hit("http://d0", completion(ids(128))) == 128
+    router.choose(completion(ids(64, 5000)))  # 4 more: the first 4 go
+    assert router.decode.hit("http://d0", completion(ids(128))) == 0
+    assert len(router.decode.sent["http://d0"]) == 8
+
+
+def test_chat_messages_match_as_a_conversation_grows_and_not_across_roles():
+    turn1 = [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "u" * 200}]
+    turn2 = [*turn1, {"role": "assistant", "content": "a" * 100}, {"role": "user", "content": "v"}]
+    router = Router(PS, DS, local_prefill_tokens=512)
+    router.choose(Prompt.of("/v1/chat/completions", {"messages": turn1}))
+    later = router.choose(Prompt.of("/v1/chat/completions", {"messages": turn2}))
+    assert later.choice == "local" and later.expected_hit >= 100
+    swapped = [{"role": "user", "content": "s" * 300}, *turn1[1:]]
+    assert router.decode.hit(later.decode,
+                             Prompt.of("/v1/chat/completions", {"messages": swapped})) == 0
+
+
+@pytest.mark.parametrize("body", [{}, {"prompt": ["a", "b"]}, {"prompt": [[1, 2]]},
+                                  {"prompt": [1, "x"]}, {"prompt": [1, True]}, {"prompt": 3},
+                                  {"prompt": []}])
+def test_prompts_the_router_does_not_read_route_in_turn_without_a_hit(body):
+    assert Prompt.of("/v1/completions", body) is None
+    router = Router(PS, DS)
+    assert router.choose(None).reason == "turn"
+
+
+def test_a_huge_prompt_is_read_up_to_its_chunk_bound(monkeypatch):
+    monkeypatch.setattr(routing, "MAX_CHUNKS", 4)
+    prompt = completion(ids(1000))
+    assert len(prompt.chain) == 4 and prompt.tokens == 1000
+    text = Prompt.of("/v1/completions", {"prompt": "x" * 10_000})
+    assert len(text.chain) == 4 and text.tokens == 2500
+
+
+def test_sessions_remembered_are_bounded(monkeypatch):
+    monkeypatch.setattr(routing, "MAX_SESSIONS", 3)
+    router = Router(PS, DS)
+    for i in range(10):
+        router.choose(None, session=f"s{i}")
+    assert len(router.sessions) == 3
+
+
+def test_round_robin_ignores_prefixes():
+    router = Router(PS, DS, policy="round_robin", local_prefill_tokens=512)
+    routes = [router.choose(completion(ids(512) + ids(i))) for i in range(4)]
+    assert [r.decode for r in routes] == list(DS) * 2 and all(r.choice == "pd" for r in routes)
+    assert router.counts == {("pd", "round_robin"): 4}
+
+
+@pytest.mark.parametrize("kwargs,flag", [({"policy": "nearest"}, "--route"),
+                                         ({"local_prefill_tokens": -1}, "--local-prefill-tokens"),
+                                         ({"local_prefill_tokens": 1.5}, "--local-prefill-tokens"),
+                                         ({"imbalance": "2"}, "--route-imbalance"),
+                                         ({"index_chunks": 0}, "index_chunks")])
+def test_bad_settings_are_refused_naming_them(kwargs, flag):
+    with pytest.raises(InvalidInputError, match=flag):
+        Router(PS, DS, **kwargs)

@@ -1,0 +1,260 @@
+"""Which P and which D a request goes to, and when D prefills it alone: `kvxfer proxy`'s policy.
+
+The proxy remembers, per instance, the prompts it sent there, as a chain of chunk hashes
+(`Prompt`): 16 token ids a chunk for a prompt given as ids, 64 bytes of text (about 16
+tokens) for a text prompt or a chat's messages. A new request's expected hit on an
+instance is its longest run of leading chunks that instance was sent, in tokens (text at 4
+bytes a token). It is an estimate for choosing, never a claim on KV: what an instance
+reuses is decided by its own vLLM, by block hash.
+
+`Router.choose`, with the `prefix` policy:
+
+- The candidates are the instances not marked down (`mark`; all of them when every one is).
+- Among the candidates whose requests in flight are at most `imbalance` over the least
+  loaded one's: the one the client's session (`X-Session-Id`) went to last; else the one
+  with the longest expected hit; ties go in turn (round robin), so unrelated prompts
+  spread as before.
+- D is chosen first; when its expected hit leaves at most `local_prefill_tokens` of the
+  prompt, P is skipped and D prefills that suffix itself (a local prefill, `local`:
+  vLLM on D finds the rest in its prefix cache). Else P is chosen the same way over P's
+  memory of the prompts it prefilled.
+
+The `round_robin` policy takes P and D in turn, each independently, as the proxy did
+before it had a policy. Each decision is counted by choice and reason (`counts`).
+Memory is bounded: each instance keeps at most `index_chunks` chunk hashes (least recently
+used go first), a prompt is read up to `MAX_CHUNKS` chunks, and the sessions remembered are
+at most `MAX_SESSIONS`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.errors import InvalidInputError
+from kvxfer.plan.blocks import is_int
+
+__all__ = ["POLICIES", "Prompt", "Route", "Router"]
+
+POLICIES = ("prefix", "round_robin")
+IDS_PER_CHUNK = 16
+"""Token ids a chunk of a prompt given as ids."""
+BYTES_PER_CHUNK = 64
+"""UTF-8 bytes a chunk of a text prompt or of a chat's messages."""
+BYTES_PER_TOKEN = 4
+"""The estimate of text's bytes a token (English under BPE tokenizers is about 4)."""
+MAX_CHUNKS = 16384
+"""The most chunks of one prompt read: 256k tokens as ids, 1 MiB of text."""
+MAX_SESSIONS = 65536
+"""Sessions remembered, least recently used dropped first."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt as the router sees it: `chain`, the hash of each whole chunk with
+    everything before it; `tokens`, the prompt's length in tokens (estimated for text);
+    `per_chunk`, tokens a chunk."""
+
+    chain: tuple[int, ...]
+    tokens: int
+    per_chunk: int
+
+    @staticmethod
+    def of(path: str, body: dict[str, Any]) -> Prompt | None:
+        """The prompt of a `/v1/completions` or `/v1/chat/completions` body; None for one the
+        router does not read (a batch of prompts, a missing or malformed one: vLLM answers it)."""
+        if path.endswith("/chat/completions"):
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None
+            text = "".join(_message(m) for m in messages)
+            return _text_prompt(text)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return _text_prompt(prompt)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            chunks = [tuple(prompt[i:i + IDS_PER_CHUNK])
+                      for i in range(0, min(len(prompt), MAX_CHUNKS * IDS_PER_CHUNK), IDS_PER_CHUNK)]
+            return Prompt(_chain(c for c in chunks if len(c) == IDS_PER_CHUNK), len(prompt),
+                          IDS_PER_CHUNK)
+        return None
+
+
+def _message(message: Any) -> str:
+    """One chat message as text that is a prefix-stable piece of the conversation's."""
+    if not isinstance(message, dict):
+        return json.dumps(message, sort_keys=True, default=str) + "\x1e"
+    content = message.get("content")
+    if not isinstance(content, str):
+        content = json.dumps(content, sort_keys=True, default=str)
+    return f"{message.get('role')}\x1f{content}\x1e"
+
+
+def _text_prompt(text: str) -> Prompt:
+    data = text.encode("utf-8", "surrogatepass")
+    end = min(len(data), MAX_CHUNKS * BYTES_PER_CHUNK) // BYTES_PER_CHUNK * BYTES_PER_CHUNK
+    return Prompt(_chain(data[i:i + BYTES_PER_CHUNK] for i in range(0, end, BYTES_PER_CHUNK)),
+                  -(-len(data) // BYTES_PER_TOKEN), BYTES_PER_CHUNK // BYTES_PER_TOKEN)
+
+
+def _chain(chunks) -> tuple[int, ...]:
+    out, parent = [], 0
+    for chunk in chunks:
+        parent = hash((parent, chunk))
+        out.append(parent)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes: `prefill`, P's URL (None when D prefills alone); `decode`, D's;
+    `expected_hit`, the tokens of the prompt the chosen D (or, through P, P) is expected to
+    hold; `reason`, why D was chosen (`session`, `prefix`, `turn`, `round_robin`)."""
+
+    prefill: str | None
+    decode: str
+    expected_hit: int
+    reason: str
+
+    @property
+    def choice(self) -> str:
+        """`local` when D prefills alone, else `pd`."""
+        return "pd" if self.prefill is not None else "local"
+
+    def header(self) -> str:
+        """The answer's `X-Kvxfer-Route` value."""
+        return (f"choice={self.choice}; prefill={self.prefill or '-'}; decode={self.decode}; "
+                f"expected_hit={self.expected_hit}; reason={self.reason}")
+
+
+class _Instances:
+    """One role's instances: what each was sent, its requests in flight, whether it is down."""
+
+    def __init__(self, urls: Sequence[str], index_chunks: int) -> None:
+        self.urls = tuple(urls)
+        self.index_chunks = index_chunks
+        self.sent: dict[str, OrderedDict[int, None]] = {u: OrderedDict() for u in self.urls}
+        self.in_flight: Counter[str] = Counter()
+        self.down: set[str] = set()
+        self.turn = 0
+
+    def hit(self, url: str, prompt: Prompt | None) -> int:
+        """`prompt`'s expected hit on `url`, in tokens."""
+        if prompt is None:
+            return 0
+        sent, n = self.sent[url], 0
+        while n < len(prompt.chain) and prompt.chain[n] in sent:
+            n += 1
+        return min(n * prompt.per_chunk, prompt.tokens)
+
+    def remember(self, url: str, prompt: Prompt | None) -> None:
+        if prompt is None:
+            return
+        sent = self.sent[url]
+        for h in prompt.chain:
+            sent[h] = None
+            sent.move_to_end(h)
+        while len(sent) > self.index_chunks:
+            sent.popitem(last=False)
+
+    def candidates(self, imbalance: int) -> list[str]:
+        """The instances up and within `imbalance` of the least loaded, in turn order."""
+        up = [u for u in self.urls if u not in self.down] or list(self.urls)
+        least = min(self.in_flight[u] for u in up)
+        n = len(self.urls)
+        ordered = [self.urls[(self.turn + i) % n] for i in range(n)]
+        return [u for u in ordered if u in up and self.in_flight[u] <= least + imbalance]
+
+    def take(self, url: str) -> str:
+        """`url`, moving the turn past it."""
+        self.turn = (self.urls.index(url) + 1) % len(self.urls)
+        return url
+
+
+class Router:
+    """The proxy's routing state and policy (see the module's docstring).
+
+    **Arguments:** `prefill`, `decode`: the instances' base URLs; `policy`, one of
+    `POLICIES`; `local_prefill_tokens`, the longest suffix D prefills alone (0: never);
+    `imbalance`, how many more requests in flight than the least loaded instance a prefix or
+    session may choose; `index_chunks`, chunk hashes kept per instance.
+    """
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], policy: str = "prefix",
+                 local_prefill_tokens: int = 0, imbalance: int = 4,
+                 index_chunks: int = 1 << 17) -> None:
+        if policy not in POLICIES:
+            raise InvalidInputError(f"--route must be one of {', '.join(POLICIES)}, got {policy!r}")
+        for flag, value, low in (("--local-prefill-tokens", local_prefill_tokens, 0),
+                                 ("--route-imbalance", imbalance, 0),
+                                 ("index_chunks", index_chunks, 1)):
+            if not is_int(value) or value < low:
+                raise InvalidInputError(f"{flag} must be an int of at least {low}, got {value!r}")
+        self.policy, self.local_prefill_tokens, self.imbalance = policy, local_prefill_tokens, imbalance
+        self.prefill = _Instances(prefill, index_chunks)
+        self.decode = _Instances(decode, index_chunks)
+        self.sessions: OrderedDict[int, str] = OrderedDict()  # session hash -> its last D
+        self.counts: Counter[tuple[str, str]] = Counter()  # (choice, reason) -> requests
+
+    def choose(self, prompt: Prompt | None, session: str | None = None) -> Route:
+        """Where a request with `prompt` (None: unread) and the client's `session` goes; the
+        route is counted and the prompt remembered for the instances chosen."""
+        if self.policy == "round_robin":
+            route = Route(self._turn(self.prefill), self._turn(self.decode), 0, "round_robin")
+            self.counts[(route.choice, route.reason)] += 1
+            return route
+        d_url, d_hit, reason = self._pick(self.decode, prompt, self.sessions.get(hash(session)))
+        if (self.local_prefill_tokens and d_hit and prompt is not None
+                and prompt.tokens - d_hit <= self.local_prefill_tokens):
+            route = Route(None, d_url, d_hit, reason)
+        else:
+            p_url, p_hit, _ = self._pick(self.prefill, prompt, None)
+            self.prefill.remember(p_url, prompt)
+            route = Route(p_url, d_url, p_hit, reason)
+        self.decode.remember(d_url, prompt)
+        if session is not None:
+            self.sessions[hash(session)] = d_url
+            self.sessions.move_to_end(hash(session))
+            if len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+        self.counts[(route.choice, route.reason)] += 1
+        return route
+
+    def _pick(self, role: _Instances, prompt: Prompt | None, sticky: str | None
+              ) -> tuple[str, int, str]:
+        candidates = role.candidates(self.imbalance)
+        if sticky in candidates:
+            return role.take(sticky), role.hit(sticky, prompt), "session"
+        hits = [role.hit(u, prompt) for u in candidates]
+        best = max(hits)
+        url = candidates[hits.index(best)]
+        return role.take(url), best, "prefix" if best else "turn"
+
+    @staticmethod
+    def _turn(role: _Instances) -> str:
+        return role.take(role.candidates(1 << 62)[0])
+
+    def started(self, route: Route) -> None:
+        """`route`'s request is in flight on its instances."""
+        if route.prefill is not None:
+            self.prefill.in_flight[route.prefill] += 1
+        self.decode.in_flight[route.decode] += 1
+
+    def finished(self, route: Route) -> None:
+        """`route`'s request has ended (answered, failed or abandoned)."""
+        if route.prefill is not None:
+            self.prefill.in_flight[route.prefill] -= 1
+        self.decode.in_flight[route.decode] -= 1
+
+    def mark(self, url: str, up: bool) -> None:
+        """Route to `url` again (`up`) or not until it is marked up."""
+        for role in (self.prefill, self.decode):
+            if url in role.urls:
+                (role.down.discard if up else role.down.add)(url)
+
+    def any_decode(self) -> str:
+        """A D instance that is up, in turn (for requests that are not completions)."""
+        return self._turn(self.decode)
