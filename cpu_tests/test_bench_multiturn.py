@@ -63,8 +63,23 @@ def test_a_waves_figures_come_from_its_answers_and_ps_metric_deltas():
     assert t["ttft_ms"] == [100.0, 300.0, 200.0] and t["p50_ttft_ms"] == 200.0
     assert t["p90_ttft_ms"] == 280.0 and t["p50_tpot_ms"] == 30.0
     assert t["kv_moved"] == 1.0  # 3 transfers for the 3 answered
+    assert t["computed_on_d"] == 0
     colocated = multiturn.wave_figures(answers[:1], 0, _scrape(0, 0, 0), _scrape(352, 0, 0))
     assert colocated["kv_moved"] is None and colocated["recompute_fraction"] is None
+
+
+def test_a_wave_d_prefilled_alone_counts_what_d_computed_not_what_d_loaded():
+    """Two requests: one through P (D loads 400 tokens, its device held 64), one the proxy sent
+    D alone (500 tokens, 448 in D's device cache)."""
+    answers = [{"ttft_s": 0.1, "tpot_s": 0.02}, {"ttft_s": 0.05, "tpot_s": 0.02}]
+    before = {("P", "vllm:prompt_tokens_total"): 0, ("D", "vllm:prompt_tokens_total"): 0}
+    after = {("P", "vllm:prompt_tokens_total"): 464, ("P", "vllm:prefix_cache_hits_total"): 64,
+             ("D", "vllm:prompt_tokens_total"): 964, ("D", "vllm:prefix_cache_hits_total"): 512,
+             ("D", "vllm:external_prefix_cache_hits_total"): 400}
+    t = multiturn.wave_figures(answers, 896, before, after, prompt_tokens=964)
+    assert t["prompt_tokens"] == 964 and t["computed_on_d"] == 52
+    assert t["computed_tokens"] == 400 + 52
+    assert t["recomputed_tokens"] == 452 - (964 - 896)
 
 
 def _turns(ttfts, held, recomputed):

@@ -935,7 +935,9 @@ def test_a_later_turn_d_holds_all_but_a_short_suffix_of_skips_p_and_the_route_sa
     assert "choice=pd" in routes[3][0] and "expected_hit=512" in routes[3][0]
     assert [len(b["prompt"]) for f in ps for _, b, _ in f.seen] == [512, 1312, 600]
     local = ds[0].seen[1][1]
-    assert "kv_transfer_params" not in local and local["prompt"] == prompts[2]
+    assert local["kv_transfer_params"] == {"do_remote_decode": False, "do_remote_prefill": False,
+                                           "local_prefill": True}
+    assert local["prompt"] == prompts[2]
     assert 'kvxfer_proxy_routes_total{choice="local",reason="prefix"} 1' in metrics
     assert 'kvxfer_proxy_routes_total{choice="pd",reason="prefix"} 1' in metrics
     assert 'kvxfer_proxy_routes_total{choice="pd",reason="turn"} 2' in metrics

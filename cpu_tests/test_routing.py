@@ -19,6 +19,15 @@ def completion(prompt) -> Prompt | None:
     return Prompt.of("/v1/completions", {"prompt": prompt})
 
 
+def answered(router: Router, prompt, session: str | None = None):
+    """Route `prompt` (ids or a Prompt) and finish it answered; return its route."""
+    prompt = completion(prompt) if isinstance(prompt, list) else prompt
+    route = router.choose(prompt, session)
+    router.started(route)
+    router.finished(route, prompt, ok=True)
+    return route
+
+
 def test_unrelated_prompts_take_p_and_d_in_turn():
     router = Router(PS, DS, local_prefill_tokens=512)
     routes = [router.choose(completion(ids(64, 10_000 * i))) for i in range(4)]
@@ -29,16 +38,30 @@ def test_unrelated_prompts_take_p_and_d_in_turn():
 
 def test_the_next_turn_goes_to_the_d_that_holds_its_history_and_d_prefills_a_short_suffix_alone():
     router = Router(PS, DS, local_prefill_tokens=256)
-    first = router.choose(completion(ids(512)))
-    router.choose(completion(ids(64, 50_000)))  # another conversation moves the turn on
-    second = router.choose(completion(ids(512) + ids(200, 7)))
+    first = answered(router, ids(512))
+    answered(router, ids(64, 50_000))  # another conversation moves the turn on
+    second = answered(router, ids(512) + ids(200, 7))
     assert first.choice == "pd" and second.choice == "local"
     assert second.decode == first.decode and second.prefill is None
     assert (second.expected_hit, second.reason) == (512, "prefix")
-    third = router.choose(completion(ids(512) + ids(200, 7) + ids(300, 9)))
+    third = answered(router, ids(512) + ids(200, 7) + ids(300, 9))
     assert third.choice == "pd" and third.decode == first.decode, "300 tokens to go: P prefills"
     assert third.prefill == first.prefill and third.expected_hit == 512, "P holds turn 1's prompt"
     assert "choice=pd" in third.header() and "expected_hit=512" in third.header()
+
+
+def test_a_prompt_counts_as_held_only_once_its_request_was_answered():
+    router = Router(PS, DS, local_prefill_tokens=512)
+    system = ids(256)
+    first = router.choose(completion(system + ids(96, 1)))
+    router.started(first)
+    second = router.choose(completion(system + ids(96, 2)))
+    assert second.choice == "pd", "D holds nothing of the system prompt while the first runs"
+    router.finished(first, completion(system + ids(96, 1)), ok=False)
+    assert router.choose(completion(system + ids(96, 3))).choice == "pd", "a failure holds nothing"
+    answered(router, system + ids(96, 4))
+    later = router.choose(completion(system + ids(96, 5)))
+    assert later.choice == "local" and later.expected_hit == 256
 
 
 def test_a_local_prefill_needs_a_hit_and_a_threshold():
@@ -46,13 +69,13 @@ def test_a_local_prefill_needs_a_hit_and_a_threshold():
     assert Router(PS, DS, local_prefill_tokens=512).choose(short).choice == "pd", (
         "a short prompt D never saw still goes through P")
     router = Router(PS, DS, local_prefill_tokens=0)
-    router.choose(completion(ids(512)))
+    answered(router, ids(512))
     assert router.choose(completion(ids(520))).choice == "pd"
 
 
 def test_a_d_with_the_prefix_but_too_many_requests_in_flight_loses_to_the_least_loaded():
     router = Router(PS, DS, local_prefill_tokens=0, imbalance=2)
-    held = router.choose(completion(ids(512)))
+    held = answered(router, ids(512))
     busy = [router.choose(completion(ids(64, 90_000 + 100 * i))) for i in range(6)]
     for route in busy:
         if route.decode == held.decode:
@@ -93,9 +116,9 @@ def test_instances_marked_down_are_not_chosen_until_marked_up_and_all_down_means
 
 def test_each_instance_forgets_its_least_recently_sent_chunks_beyond_its_bound():
     router = Router(PS[:1], DS[:1], local_prefill_tokens=0, index_chunks=8)
-    router.choose(completion(ids(128)))  # 8 chunks of 16
+    answered(router, ids(128))  # 8 chunks of 16
     assert router.decode.hit("http://d0", completion(ids(128))) == 128
-    router.choose(completion(ids(64, 5000)))  # 4 more: the first 4 go
+    answered(router, ids(64, 5000))  # 4 more: the first 4 go
     assert router.decode.hit("http://d0", completion(ids(128))) == 0
     assert len(router.decode.sent["http://d0"]) == 8
 
@@ -104,8 +127,8 @@ def test_chat_messages_match_as_a_conversation_grows_and_not_across_roles():
     turn1 = [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "u" * 200}]
     turn2 = [*turn1, {"role": "assistant", "content": "a" * 100}, {"role": "user", "content": "v"}]
     router = Router(PS, DS, local_prefill_tokens=512)
-    router.choose(Prompt.of("/v1/chat/completions", {"messages": turn1}))
-    later = router.choose(Prompt.of("/v1/chat/completions", {"messages": turn2}))
+    answered(router, Prompt.of("/v1/chat/completions", {"messages": turn1}))
+    later = answered(router, Prompt.of("/v1/chat/completions", {"messages": turn2}))
     assert later.choice == "local" and later.expected_hit >= 100
     swapped = [{"role": "user", "content": "s" * 300}, *turn1[1:]]
     assert router.decode.hit(later.decode,

@@ -149,3 +149,24 @@ def test_worker_reports_add_up_their_verified_names_and_refuse_odd_ones():
     for bad in (["p"], ("",), (7,), "p"):
         with pytest.raises(InvalidInputError, match="WorkerReport verified"):
             WorkerReport({}, verified=bad)
+
+
+def test_a_local_prefill_reuses_the_prompt_d_loaded_and_is_counted_as_one_not_as_a_fallback(pd):
+    """`kvxfer proxy`'s local choice: the next turn goes to D alone, marked `local_prefill`; D
+    computes only what its prefix cache lacks and counts a local prefill, no fallback."""
+    from kvxfer.serve.proxy import LOCAL_PARAMS
+
+    p, d = pd(d=dict(log_stats=True))
+    first = _prompt(50, 48)  # 3 whole blocks of 16
+    steps = decode(d, "turn1", first, p.prefill("turn1", first))
+    later = first + _prompt(51, 20)
+    steps += decode(d, "turn2", later, dict(LOCAL_PARAMS))
+    assert scheduled_tokens(steps, "turn2") == (48, 20 + 1), "D computed only the new 20 tokens"
+    counters = _stats_of(steps).data["counters"]
+    assert counters["d_local_prefills"] == 1
+    assert not [k for k in counters if k.startswith("d_fallback_")], counters
+    registry, types = _registry_metric_types()
+    prom = TPUConnector.build_prom_metrics(d.vllm_config, types, LABELS, {0: ["m", "0"]})
+    prom.observe(_stats_of(steps).data)
+    assert registry.get_sample_value("vllm:kvxfer_num_local_prefills_total",
+                                     {"model_name": "m", "engine": "0"}) == 1

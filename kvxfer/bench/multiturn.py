@@ -28,17 +28,19 @@ kvxfer without (`"pool": false`).
 
 Per stack, regime and turn: p50 and p90 time to first token (from sending the request to its
 first streamed chunk), p50 time per output token (the rest of the stream over the tokens
-after the first), and what the prefilling instance (P; the colocated one's only instance)
-did, from its `/metrics` between waves:
+after the first), and what the instances (P and D; the colocated one's only instance) did,
+from their `/metrics` between waves:
 
-- `prompt_tokens`: the wave's prompt tokens (`vllm:prompt_tokens_total`).
+- `prompt_tokens`: the wave's answered prompts' tokens.
 - `held_tokens`: tokens of the wave's prompts that an earlier wave's prompt, sent to that
   instance, held: per prompt, its longest run of whole blocks (the stack's block size, from
   `vllm:cache_config_info`) that is also the start of an earlier prompt. Counted here from
   the histories, the answers left out (P never sees D's answer).
-- `computed_tokens`: prompt tokens less device prefix-cache hits
-  (`vllm:prefix_cache_hits_total`) less the connector's hits
-  (`vllm:external_prefix_cache_hits_total`: kvxfer's pool), i.e. the tokens prefilled.
+- `computed_tokens`: the tokens prefilled, by P and D: each one's prompt tokens
+  (`vllm:prompt_tokens_total`) less its device prefix-cache hits
+  (`vllm:prefix_cache_hits_total`) less its connector's hits
+  (`vllm:external_prefix_cache_hits_total`: P's pool, what D loaded from P);
+  `computed_on_d`, D's share (the prompts `kvxfer proxy` sent D alone, its local choice).
 - `recomputed_tokens`: of those, the ones that were held: the prefilled tokens beyond the
   ones never held (`prompt - held`), at most `held`; `recompute_fraction` is that over
   `held_tokens` (None with nothing held). A lower bound where the instance also kept what it
@@ -200,26 +202,33 @@ def recompute(prompt: int, held: int, computed: int) -> tuple[int, float | None]
 
 
 def wave_figures(answers: list[dict], held: int, before: dict, after: dict,
-                 d_workers: int = 1) -> dict[str, Any]:
+                 d_workers: int = 1, prompt_tokens: int | None = None) -> dict[str, Any]:
     """One wave's figures from its answers (`ttft_s`, `tpot_s`, or `error`), the tokens its
-    prompts held, and P's and D's `/metrics` (`scrape`) around it."""
-    def delta(name: str) -> int:
-        return int(after.get(("P", name), 0.0) - before.get(("P", name), 0.0))
+    prompts held, and P's and D's `/metrics` (`scrape`) around it. `prompt_tokens`: the
+    answered prompts' tokens (P's count when not given). Computed tokens are P's and D's:
+    what D prefilled alone (the proxy's local choice) counts, what D loaded does not."""
+    def delta(role: str, name: str) -> int:
+        return int(after.get((role, name), 0.0) - before.get((role, name), 0.0))
+
+    def computed(role: str) -> int:
+        return (delta(role, "vllm:prompt_tokens_total") - delta(role, "vllm:prefix_cache_hits_total")
+                - delta(role, "vllm:external_prefix_cache_hits_total"))
 
     done = [a for a in answers if "error" not in a]
-    prompt = delta("vllm:prompt_tokens_total")
-    device, connector = delta("vllm:prefix_cache_hits_total"), delta(
-        "vllm:external_prefix_cache_hits_total")
+    prompt = delta("P", "vllm:prompt_tokens_total") if prompt_tokens is None else prompt_tokens
+    device, connector = delta("P", "vllm:prefix_cache_hits_total"), delta(
+        "P", "vllm:external_prefix_cache_hits_total")
+    on_d = max(computed("D"), 0)
     held = min(held, prompt)  # a failed request's prompt is not counted
-    again, fraction = recompute(prompt, held, prompt - device - connector)
+    again, fraction = recompute(prompt, held, computed("P") + on_d)
     ttft = [round(a["ttft_s"] * 1e3, 1) for a in done]
     tpot = [a["tpot_s"] * 1e3 for a in done if a.get("tpot_s") is not None]
     return {"requests": len(answers), "failed": len(answers) - len(done), "ttft_ms": ttft,
             "p50_ttft_ms": _pct(ttft, 50), "p90_ttft_ms": _pct(ttft, 90),
             "p50_tpot_ms": _pct(tpot, 50), "prompt_tokens": prompt, "held_tokens": held,
             "device_hits": device, "connector_hits": connector,
-            "computed_tokens": prompt - device - connector, "recomputed_tokens": again,
-            "recompute_fraction": fraction,
+            "computed_tokens": computed("P") + on_d, "computed_on_d": on_d,
+            "recomputed_tokens": again, "recompute_fraction": fraction,
             "kv_moved": deltas(before, after, len(done), d_workers)["kv_moved"]}
 
 
@@ -303,7 +312,8 @@ def _regime(name: str, regime: str, n: int, seed: int, front: str, who: dict, ho
         routed, before, start = _routes(proxy), scrape(who), time.perf_counter()
         answers = _wave(front, prompts)
         wall = time.perf_counter() - start
-        turns.append(wave_figures(answers, held, before, scrape(who), how.d_workers))
+        answered = sum(len(p) for p, a in zip(prompts, answers) if "error" not in a)
+        turns.append(wave_figures(answers, held, before, scrape(who), how.d_workers, answered))
         turns[-1]["routes"] = {c: n - routed.get(c, 0) for c, n in _routes(proxy).items()}
         for prompt, history, answer in zip(prompts, histories, answers):
             remember(prompt, seen, block)

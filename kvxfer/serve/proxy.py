@@ -71,6 +71,10 @@ log = logging.getLogger(__name__)
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 """What P's request carries in `kv_transfer_params`: prefill here, decode elsewhere."""
 
+LOCAL_PARAMS = {"do_remote_decode": False, "do_remote_prefill": False, "local_prefill": True}
+"""What D's request carries when D prefills alone: a local prefill, which kvxfer's D counts as
+such, not as a fallback."""
+
 _DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 """Fields P must not see: `stream_options` needs `stream`, and a minimum above
 P's one token would be refused (vLLM's NIXL proxy drops the same)."""
@@ -483,21 +487,24 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     """The router's choice, then P's part and D's with P's `kv_transfer_params` (or both at once:
     `_streamed`), or D's alone when it prefills the prompt itself."""
     upstreams = request.app[_UPSTREAMS]
-    route = upstreams.router.choose(Prompt.of(request.path, body), request.headers.get(_SESSION))
+    prompt = Prompt.of(request.path, body)
+    route = upstreams.router.choose(prompt, request.headers.get(_SESSION))
     log.debug("request %s: %s", headers[_REQUEST_ID], route.header())
     upstreams.router.started(route)
+    answer = None
     try:
-        return await _routed(request, upstreams, route, body, headers)
+        answer = await _routed(request, upstreams, route, body, headers)
+        return answer
     finally:
-        upstreams.router.finished(route)
+        upstreams.router.finished(route, prompt, answer is not None and 200 <= answer.status < 300)
 
 
 async def _routed(request: web.Request, upstreams: _Upstreams, route: Route, body: dict[str, Any],
                   headers: dict[str, str]) -> web.StreamResponse:
     d_url = route.decode
     if route.prefill is None:  # D holds all but a short suffix: it prefills that itself
-        sent = asyncio.ensure_future(upstreams.session.post(d_url + request.path, headers=headers,
-                                                            json=body))
+        sent = asyncio.ensure_future(upstreams.session.post(
+            d_url + request.path, headers=headers, json={**body, "kv_transfer_params": LOCAL_PARAMS}))
         return await _decode(request, upstreams, route, sent, headers, "local")
     address = upstreams.kv.get(route.prefill) if upstreams.config.stream else None
     if address is not None:

@@ -19,8 +19,11 @@ reuses is decided by its own vLLM, by block hash.
   vLLM on D finds the rest in its prefix cache). Else P is chosen the same way over P's
   memory of the prompts it prefilled.
 
-The `round_robin` policy takes P and D in turn, each independently, as the proxy did
-before it had a policy. Each decision is counted by choice and reason (`counts`).
+An instance remembers a prompt once it has answered it (`finished`, `ok`): requests in flight
+at once that share a prefix none has yet all go through P, since D holds nothing of it
+before the first is done. The `round_robin` policy takes P and D in turn, each
+independently, as the proxy did before it had a policy. Each decision is counted by choice
+and reason (`counts`).
 Memory is bounded: each instance keeps at most `index_chunks` chunk hashes (least recently
 used go first), a prompt is read up to `MAX_CHUNKS` chunks, and the sessions remembered are
 at most `MAX_SESSIONS`.
@@ -201,7 +204,7 @@ class Router:
 
     def choose(self, prompt: Prompt | None, session: str | None = None) -> Route:
         """Where a request with `prompt` (None: unread) and the client's `session` goes; the
-        route is counted and the prompt remembered for the instances chosen."""
+        route is counted, and the session's D remembered."""
         if self.policy == "round_robin":
             route = Route(self._turn(self.prefill), self._turn(self.decode), 0, "round_robin")
             self.counts[(route.choice, route.reason)] += 1
@@ -212,9 +215,7 @@ class Router:
             route = Route(None, d_url, d_hit, reason)
         else:
             p_url, p_hit, _ = self._pick(self.prefill, prompt, None)
-            self.prefill.remember(p_url, prompt)
             route = Route(p_url, d_url, p_hit, reason)
-        self.decode.remember(d_url, prompt)
         if session is not None:
             self.sessions[hash(session)] = d_url
             self.sessions.move_to_end(hash(session))
@@ -243,11 +244,16 @@ class Router:
             self.prefill.in_flight[route.prefill] += 1
         self.decode.in_flight[route.decode] += 1
 
-    def finished(self, route: Route) -> None:
-        """`route`'s request has ended (answered, failed or abandoned)."""
+    def finished(self, route: Route, prompt: Prompt | None = None, ok: bool = False) -> None:
+        """`route`'s request has ended: answered (`ok`: its instances now hold `prompt`),
+        failed or abandoned."""
         if route.prefill is not None:
             self.prefill.in_flight[route.prefill] -= 1
+            if ok:
+                self.prefill.remember(route.prefill, prompt)
         self.decode.in_flight[route.decode] -= 1
+        if ok:
+            self.decode.remember(route.decode, prompt)
 
     def mark(self, url: str, up: bool) -> None:
         """Route to `url` again (`up`) or not until it is marked up."""

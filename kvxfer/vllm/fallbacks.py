@@ -13,6 +13,10 @@ the P engine that prefilled it, and logs a warning at most once per reason per m
 - `load_failed`: the load failed and vLLM recomputes the prompt
   (`kv_load_failure_policy="recompute"`).
 
+A request whose params say `local_prefill` (`kvxfer proxy` sent it to D alone on purpose:
+D holds all but a short suffix of its prompt) is no fallback: it is counted as
+`d_local_prefills` (`vllm:kvxfer_num_local_prefills_total`), without a warning.
+
 The counts go out as `Stats` counters named `d_fallback_<reason>|<P engine>`
 (`counter_name`), which `kvxfer.vllm.metrics` turns into `vllm:kvxfer_num_fallbacks_total
 {reason, p_engine}`. The P engine is P's agent name as its params name it (`peer`): one
@@ -50,6 +54,8 @@ MAX_ENGINES = 64
 MAX_VERIFIED = 16 * MAX_ENGINES  # P agent names kept (a P across hosts has one per process)
 NAME_CHARS = 128
 WARN_INTERVAL_S = 60.0
+LOCAL = "d_local_prefills"
+"""The counter of requests sent to D alone on purpose (`local_prefill` in their params)."""
 
 
 def counter_name(reason: str, engine: str) -> str:
@@ -97,7 +103,10 @@ class Fallbacks:
         if req_id in self._seen:
             return
         self._seen.add(req_id)
-        if not (isinstance(params, Mapping) and params.get("do_remote_prefill") is True):
+        if isinstance(params, Mapping) and params.get("local_prefill") is True and not params.get(
+                "do_remote_prefill"):
+            self.counters[LOCAL] = self.counters.get(LOCAL, 0) + 1
+        elif not (isinstance(params, Mapping) and params.get("do_remote_prefill") is True):
             self.count("no_params", NO_ENGINE, req_id, "no kv_transfer_params from P")
 
     def loading(self, req_id: str, params: Mapping[str, Any]) -> None:

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvxfer.stats import OUTCOMES, Stats
-from kvxfer.vllm.fallbacks import REASONS, parse_counter
+from kvxfer.vllm.fallbacks import LOCAL, REASONS, parse_counter
 
 __all__ = ["HISTOGRAMS", "KvxferPromMetrics", "KvxferStats", "StatsDelta", "StatsReporting"]
 
@@ -212,6 +212,11 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
         self.handshakes = self._counter_cls(
             name="vllm:kvxfer_num_failed_handshakes", labelnames=labelnames,
             documentation="D: handshakes with a P agent that failed")
+        self.local_prefills = self._counter_cls(
+            name="vllm:kvxfer_num_local_prefills", labelnames=labelnames,
+            documentation="D: requests a router sent to D alone to prefill (kvxfer proxy's "
+                          "local choice: D held all but a short suffix of the prompt); no "
+                          "fallback")
         self.fallbacks = self._counter_cls(
             name="vllm:kvxfer_num_fallbacks", labelnames=[*labelnames, "reason", "p_engine"],
             documentation="D: requests whose prompt D computed itself instead of loading P's "
@@ -245,6 +250,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
         _inc(self.pool_hits, [*labels, "P", "own_pool"], counters.get("p_pool_hit_tokens", 0))
         _inc(self.evictions, [*labels, "P"], counters.get("p_pool_evicted_blocks", 0))
         _inc(self.handshakes, labels, counters.get("d_handshake_failures", 0))
+        _inc(self.local_prefills, labels, counters.get(LOCAL, 0))
         for key, n in counters.items():
             fallback = parse_counter(key)
             if fallback is not None:
