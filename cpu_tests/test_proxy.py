@@ -304,14 +304,14 @@ def test_d_error_reaches_the_client_with_its_status_and_body(status, stream):
 
 
 @pytest.mark.parametrize("dead", ["prefill", "decode"])
-def test_an_unreachable_upstream_is_a_502_naming_its_url(dead):
+def test_an_unreachable_upstream_is_a_502_naming_its_url_without_local_prefill(dead):
     gone = closed_port_url()
     alive = [FakeVllm("P")] if dead == "decode" else []
     decodes = [FakeVllm("D")] if dead == "prefill" else []
 
     async def go():
         extra = {"extra_prefill": [gone]} if dead == "prefill" else {"extra_decode": [gone]}
-        async with pd(alive, decodes, **extra) as (session, url):
+        async with pd(alive, decodes, local_prefill_tokens=0, **extra) as (session, url):
             async with session.post(url + "/v1/completions", json=BODY) as resp:
                 return resp.status, await resp.json()
 
@@ -998,3 +998,77 @@ def test_cli_takes_the_routing_flags_with_their_defaults_and_refuses_bad_ones(mo
     assert "--local-prefill-tokens must be an int of at least 0, got -3" in capsys.readouterr().err
     assert cli.main([*args, "--health-interval", "nan"]) == 2
     assert "--health-interval must be a positive, finite" in capsys.readouterr().err
+
+
+def test_with_local_prefill_on_a_p_that_cannot_be_reached_has_d_prefill_alone_and_is_marked_down():
+    gone, d = closed_port_url(), FakeVllm("D")
+
+    async def go():
+        async with pd([], [d], extra_prefill=[gone], health_interval_s=3600) as (session, url):
+            answers = []
+            for _ in range(2):
+                async with session.post(url + "/v1/completions", json=BODY) as r:
+                    answers.append((r.status, r.headers["X-Kvxfer-Route"],
+                                    r.headers["X-Kvxfer-Transfer"], await r.json()))
+            async with session.get(url + "/metrics") as r:
+                return answers, await r.text()
+
+    answers, metrics = run(go())
+    for status, route, how, answer in answers:
+        assert (status, how, answer) == (200, "local", {"choices": [{"text": "decoded by D"}]})
+        assert route.startswith("choice=local; prefill=-;") and "reason=p_unreachable" in route
+    assert [b["kv_transfer_params"] for _, b, _ in d.seen] == [
+        {"do_remote_decode": False, "do_remote_prefill": False, "local_prefill": True}] * 2
+    assert 'kvxfer_proxy_routes_total{choice="local",reason="p_unreachable"} 2' in metrics
+    assert f'kvxfer_proxy_up{{role="prefill",url="{gone}"}} 0' in metrics
+
+
+def _vllm_metrics(blocks: int, block_size: int) -> web.Application:
+    """A D whose /metrics says its KV cache is `blocks` blocks of `block_size` tokens."""
+    d = FakeVllm("D")
+    app = d.app()
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=(
+            '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+            f'vllm:cache_config_info{{block_size="{block_size}",engine="0",'
+            f'num_gpu_blocks="{blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n'))
+
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_from_its_metrics():
+    """D's cache holds 8 blocks of 16 tokens (128 tokens, 8 spans): of a 512-token prompt D
+    answered, only the last 8 spans are remembered, so the prompt's next turn finds no run
+    from its start and goes through P."""
+    p = FakeVllm("P")
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            d_url = await stack.enter_async_context(serving(_vllm_metrics(8, 16)))
+            proxy, session = await _proxy_over(stack, p, d_url)
+            routes = []
+            for prompt in (list(range(512)), list(range(512)) + [7] * 40):
+                async with session.post(proxy + "/v1/completions",
+                                        json={**BODY, "prompt": prompt}) as r:
+                    routes.append(r.headers["X-Kvxfer-Route"])
+            return routes
+
+    routes = run(go())
+    assert [r.split(";")[0] for r in routes] == ["choice=pd", "choice=pd"], routes
+
+
+async def _proxy_over(stack, p: FakeVllm, d_url: str):
+    """A proxy over fake P `p` and the D at `d_url`, once its first health check has run."""
+    p_url = await stack.enter_async_context(serving(p.app()))
+    config = ProxyConfig(prefill=(p_url,), decode=(d_url,))
+    app = build_app(config)
+    proxy = await stack.enter_async_context(serving(app))
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    for _ in range(100):  # the check at start asks D's /metrics once
+        async with session.get(proxy + "/metrics") as r:
+            if f'kvxfer_proxy_cache_tokens{{role="decode",url="{d_url}"}} 128' in await r.text():
+                return proxy, session
+        await asyncio.sleep(0.05)
+    raise AssertionError("the proxy never learned D's cache size")

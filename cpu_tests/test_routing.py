@@ -24,7 +24,8 @@ def answered(router: Router, prompt, session: str | None = None):
     prompt = completion(prompt) if isinstance(prompt, list) else prompt
     route = router.choose(prompt, session)
     router.started(route)
-    router.finished(route, prompt, ok=True)
+    router.finished(route)
+    router.answered(route, prompt)
     return route
 
 
@@ -57,7 +58,7 @@ def test_a_prompt_counts_as_held_only_once_its_request_was_answered():
     router.started(first)
     second = router.choose(completion(system + ids(96, 2)))
     assert second.choice == "pd", "D holds nothing of the system prompt while the first runs"
-    router.finished(first, completion(system + ids(96, 1)), ok=False)
+    router.finished(first)  # failed: not answered
     assert router.choose(completion(system + ids(96, 3))).choice == "pd", "a failure holds nothing"
     answered(router, system + ids(96, 4))
     later = router.choose(completion(system + ids(96, 5)))
@@ -114,9 +115,9 @@ def test_instances_marked_down_are_not_chosen_until_marked_up_and_all_down_means
     assert four() == set(DS)
 
 
-def test_each_instance_forgets_its_least_recently_sent_chunks_beyond_its_bound():
-    router = Router(PS[:1], DS[:1], local_prefill_tokens=0, index_chunks=8)
-    answered(router, ids(128))  # 8 chunks of 16
+def test_each_instance_forgets_its_least_recently_sent_spans_beyond_its_bound():
+    router = Router(PS[:1], DS[:1], local_prefill_tokens=0, index_spans=8)
+    answered(router, ids(128))  # 8 spans of 16
     assert router.decode.hit("http://d0", completion(ids(128))) == 128
     answered(router, ids(64, 5000))  # 4 more: the first 4 go
     assert router.decode.hit("http://d0", completion(ids(128))) == 0
@@ -144,8 +145,8 @@ def test_prompts_the_router_does_not_read_route_in_turn_without_a_hit(body):
     assert router.choose(None).reason == "turn"
 
 
-def test_a_huge_prompt_is_read_up_to_its_chunk_bound(monkeypatch):
-    monkeypatch.setattr(routing, "MAX_CHUNKS", 4)
+def test_a_huge_prompt_is_read_up_to_its_span_bound(monkeypatch):
+    monkeypatch.setattr(routing, "MAX_SPANS", 4)
     prompt = completion(ids(1000))
     assert len(prompt.chain) == 4 and prompt.tokens == 1000
     text = Prompt.of("/v1/completions", {"prompt": "x" * 10_000})
@@ -171,7 +172,19 @@ def test_round_robin_ignores_prefixes():
                                          ({"local_prefill_tokens": -1}, "--local-prefill-tokens"),
                                          ({"local_prefill_tokens": 1.5}, "--local-prefill-tokens"),
                                          ({"imbalance": "2"}, "--route-imbalance"),
-                                         ({"index_chunks": 0}, "index_chunks")])
+                                         ({"index_spans": 0}, "index_spans")])
 def test_bad_settings_are_refused_naming_them(kwargs, flag):
     with pytest.raises(InvalidInputError, match=flag):
         Router(PS, DS, **kwargs)
+
+
+def test_an_instance_whose_cache_holds_fewer_tokens_is_believed_to_hold_no_more():
+    router = Router(PS[:1], DS[:1], local_prefill_tokens=512)
+    answered(router, ids(512))
+    router.holds("http://d0", 128)  # 8 spans: the first 24 of the prompt go
+    assert len(router.decode.sent["http://d0"]) == 8
+    assert router.choose(completion(ids(512) + ids(8, 1))).choice == "pd"
+    answered(router, ids(64, 7000))
+    assert len(router.decode.sent["http://d0"]) == 8
+    with pytest.raises(InvalidInputError, match="positive number of tokens, got 0 for http://d0"):
+        router.holds("http://d0", 0)

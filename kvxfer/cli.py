@@ -306,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     proxy = sub.add_parser("proxy", help="an OpenAI-compatible router in front of P and D `vllm "
                            "serve` instances: prefill on P, decode on D with P's kv_transfer_params")
     proxy.add_argument("--prefill", required=True, help="P base URLs, comma-separated "
-                       "(e.g. http://10.0.0.5:8100,http://10.0.0.6:8100); taken in turn")
-    proxy.add_argument("--decode", required=True, help="D base URLs, comma-separated; taken in turn")
+                       "(e.g. http://10.0.0.5:8100,http://10.0.0.6:8100); chosen by --route")
+    proxy.add_argument("--decode", required=True, help="D base URLs, comma-separated; chosen by --route")
     proxy.add_argument("--port", type=int, required=True, help="port to listen on")
     proxy.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")

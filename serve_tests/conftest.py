@@ -2,26 +2,39 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
 from serve_stack import Stack, start, start_ray
+
+EVENTS_PORT = 5699
+"""fail_stack's P publishes KV events on tcp://*:EVENTS_PORT."""
+EVERY_PROMPT_THROUGH_P = "--local-prefill-tokens 0"
+"""The stacks' proxies send every prompt through P, even one D holds: their tests move KV (the
+proxy's default routing has its own test, `test_serve.py`'s `routing_proxy`)."""
 
 
 @pytest.fixture(scope="module")
 def tp_stack() -> Iterator[Stack]:
     """P at TP 2, D at TP 1 (forced CPU devices), D recomputing a failed load."""
     yield from start("tp", PD_P_TP="2", PD_D_TP="1", PD_D_POLICY="recompute",
-                     PD_P_PORT="8110", PD_D_PORT="8210", PD_PROXY_PORT="8010", PD_KV_PORT="5611")
+                     PD_P_PORT="8110", PD_D_PORT="8210", PD_PROXY_PORT="8010", PD_KV_PORT="5611",
+                     PD_PROXY_ARGS=EVERY_PROMPT_THROUGH_P)
 
 
 @pytest.fixture(scope="module")
 def fail_stack() -> Iterator[Stack]:
     """P and D at TP 1, D failing a request whose load failed (`kv_load_failure_policy=fail`);
     no device prefix cache on either, and a host pool on P (16 MiB), so that P's prompt hits
-    are its pool's."""
+    are its pool's; P publishes KV events over ZMQ on `EVENTS_PORT`."""
     yield from start("fail", PD_D_POLICY="fail", PD_P_PORT="8120", PD_D_PORT="8220",
                      PD_PROXY_PORT="8020", PD_KV_PORT="5612", PD_HOST_POOL_BYTES=str(16 << 20),
+                     PD_PROXY_ARGS=EVERY_PROMPT_THROUGH_P,
+                     PD_P_EXTRA_ARGS="--kv-events-config " + json.dumps(
+                         {"enable_kv_cache_events": True, "publisher": "zmq",
+                          "endpoint": f"tcp://*:{EVENTS_PORT}", "topic": "kv"},
+                         separators=(",", ":")),
                      PD_EXTRA_ARGS="--enable-prompt-tokens-details --no-enable-prefix-caching")
 
 

@@ -8,12 +8,14 @@ logprobs to float32 rounding. The last test kills P: keep it last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -141,14 +143,14 @@ def test_p_s_and_d_s_metrics_count_exactly_the_kv_that_moved(tp_stack):
     assert staged >= moved and staged % block == 0, figures
 
 
-@pytest.fixture(scope="module")
-def stream_proxy(tp_stack):
-    """A second `kvxfer proxy`, with `--stream`, in front of the same P and D."""
-    url = "http://127.0.0.1:8030"
-    log = open(tp_stack.dir / "stream-proxy.log", "wb")  # noqa: SIM115 - closed below
+@contextlib.contextmanager
+def _proxy(stack, port: int, *flags: str) -> Iterator[str]:
+    """Another `kvxfer proxy` in front of `stack`'s P and D, on `port`, with `flags`."""
+    url, name = f"http://127.0.0.1:{port}", f"proxy-{port}"
+    log = open(stack.dir / f"{name}.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([str(ROOT / ".venv-tpu/bin/kvxfer"), "proxy", "--prefill",
-                             tp_stack.p_url, "--decode", tp_stack.d_url, "--port", "8030",
-                             "--stream"], stdout=log, stderr=subprocess.STDOUT)
+                             stack.p_url, "--decode", stack.d_url, "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -157,7 +159,7 @@ def stream_proxy(tp_stack):
                     break
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, \
-                    (tp_stack.dir / "stream-proxy.log").read_text()
+                    (stack.dir / f"{name}.log").read_text()
                 time.sleep(0.2)
         yield url
     finally:
@@ -166,29 +168,68 @@ def stream_proxy(tp_stack):
         log.close()
 
 
-def _complete_with_transfer(stack, url: str, prompt: list[int]) -> tuple[dict, str]:
-    """`Stack.complete` through a proxy, with how the KV moved (`X-Kvxfer-Transfer`)."""
+@pytest.fixture(scope="module")
+def stream_proxy(tp_stack):
+    """A second `kvxfer proxy`, with `--stream`, in front of the same P and D."""
+    with _proxy(tp_stack, 8030, "--stream") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def routing_proxy(tp_stack):
+    """A `kvxfer proxy` with its default routing (the stack's own is started with
+    `--local-prefill-tokens 0`, so that its tests move every prompt's KV)."""
+    with _proxy(tp_stack, 8031) as url:
+        yield url
+
+
+def _complete_with_transfer(stack, url: str, prompt: list[int]) -> tuple[dict, str, str]:
+    """`Stack.complete` through a proxy, with how the KV moved (`X-Kvxfer-Transfer`) and the
+    route (`X-Kvxfer-Route`)."""
     body = {"model": stack.model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "logprobs": 3, "return_token_ids": True}
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-        return json.loads(response.read()), response.headers["X-Kvxfer-Transfer"]
+        headers = response.headers
+        return json.loads(response.read()), headers["X-Kvxfer-Transfer"], headers["X-Kvxfer-Route"]
 
 
 def test_streamed_requests_decode_exactly_as_p_answers_alone(tp_stack, stream_proxy):
     """D reads each chunk's KV while P prefills (80-token chunks, 64-token blocks: blocks
     straddle chunks): the answers are P's alone, as for requests that go by P's params."""
-    _, how = _complete_with_transfer(tp_stack, stream_proxy, random_prompt(30, seed=3000))
+    _, how, _ = _complete_with_transfer(tp_stack, stream_proxy, random_prompt(30, seed=3000))
     assert how == "params"  # the proxy learns P's kvxfer address from P's first answer
     for length in (65, 150, 400, 900):
         prompt = random_prompt(length, seed=3000 + length)
         external = _metric(tp_stack.d_url, "vllm:external_prefix_cache_hits_total")
-        got, how = _complete_with_transfer(tp_stack, stream_proxy, prompt)  # cold on P and D
+        got, how, _ = _complete_with_transfer(tp_stack, stream_proxy, prompt)  # cold on P and D
         assert how == "stream"
         hits = _metric(tp_stack.d_url, "vllm:external_prefix_cache_hits_total") - external
         assert hits >= length - 1  # D took the prompt's KV from P's stream
         _same_answer(got, tp_stack.complete(tp_stack.p_url, prompt))
+
+
+def test_a_conversations_next_turn_is_prefilled_on_d_alone_and_answers_as_p_alone(
+        tp_stack, routing_proxy):
+    """The proxy's default routing: turn 1 goes through P; turn 2 (turn 1's prompt, the
+    answer D decoded, 60 new tokens) goes to D alone, which finds turn 1 and what it can of
+    the answer in its prefix cache, counts a local prefill, no fallback, and answers as P."""
+    turn1 = random_prompt(300, seed=7000)
+    got1, how1, route1 = _complete_with_transfer(tp_stack, routing_proxy, turn1)
+    assert (how1, route1.split(";")[0]) == ("params", "choice=pd"), route1
+    turn2 = turn1 + got1["choices"][0]["token_ids"] + random_prompt(60, seed=7001)
+    d = tp_stack.d_url
+    local, hits = (_metric(d, "vllm:kvxfer_num_local_prefills_total"),
+                   _metric(d, "vllm:prefix_cache_hits_total"))
+    fallbacks = _metric(d, "vllm:kvxfer_num_fallbacks_total")
+    got2, how2, route2 = _complete_with_transfer(tp_stack, routing_proxy, turn2)
+    assert how2 == "local" and route2.startswith("choice=local; prefill=-;"), route2
+    assert "expected_hit=288;" in route2, route2  # 18 whole spans of 16 tokens of turn 1
+    assert _metric(d, "vllm:prefix_cache_hits_total") - hits >= 256  # turn 1's 4 whole blocks
+    assert _until(lambda: _metric(d, "vllm:kvxfer_num_local_prefills_total"), local + 1) == local + 1
+    assert _metric(d, "vllm:kvxfer_num_fallbacks_total") == fallbacks
+    _same_answer(got2, tp_stack.complete(tp_stack.p_url, turn2))
 
 
 def test_p_killed_between_prefill_and_decode_is_recomputed_on_d(tp_stack):

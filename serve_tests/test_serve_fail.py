@@ -1,11 +1,14 @@
-"""P's host pool on the real engine; then D under `kv_load_failure_policy=fail`: a load from a
-dead P is a clear error, and D serves on. (In this order: the second test kills P.)"""
+"""P's host pool on the real engine, and its KV events over ZMQ; then D under
+`kv_load_failure_policy=fail`: a load from a dead P is a clear error, and D serves on. (In
+this order: the last test kills P.)"""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
+from conftest import EVENTS_PORT
 from serve_stack import http_error, random_prompt
 from test_serve import _metric, _until
 
@@ -25,6 +28,38 @@ def test_a_prompt_p_pooled_is_loaded_not_prefilled_and_answers_alike(fail_stack)
                   - hits, 256) == 256
     assert _metric(p, "vllm:prompt_tokens_total") - computed == 300  # every prompt token, counted
     assert _metric(fail_stack.d_url, "vllm:kvxfer_num_transfers_total") == 2
+
+
+def test_p_publishes_its_pools_stores_as_vllm_kv_events_a_zmq_subscriber_decodes(fail_stack):
+    """P runs with `--kv-events-config` (zmq, bound on its wildcard endpoint): a subscriber that
+    connects gets `BlockStored` events with medium CPU for the whole blocks P pools, in
+    vLLM's own event types."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{EVENTS_PORT}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(1.0)  # a subscription takes a moment to reach the publisher
+        prompt = random_prompt(200, seed=41)  # three whole 64-token blocks and 8 tokens
+        fail_stack.complete(fail_stack.proxy_url, prompt)
+        decoder, stored = msgspec.msgpack.Decoder(type=KVEventBatch), []
+        deadline = time.monotonic() + 60
+        while sum(len(e.block_hashes) for e in stored) < 3 and time.monotonic() < deadline:
+            if sub.poll(500):
+                topic, _seq, payload = sub.recv_multipart()
+                assert topic == b"kv"
+                stored += [e for e in decoder.decode(payload).events
+                           if isinstance(e, BlockStored) and e.medium == "CPU"]
+    finally:
+        sub.close(0)
+        context.term()
+    assert sum(len(e.block_hashes) for e in stored) == 3, stored
+    assert all(e.block_size == 64 for e in stored)
+    assert [t for e in stored for t in e.token_ids] == prompt[:192]
 
 
 def test_a_load_from_a_killed_p_is_an_error_and_d_keeps_serving(fail_stack):

@@ -7,7 +7,11 @@ for D and answers with the `kv_transfer_params` that say where it is. The
 client's own request then goes to a D instance with those params added, and
 D's answer (streamed or not) is relayed to the client as it arrives. P and
 D share the request's `X-Request-Id` (the client's, or one made here) and the
-client's `Authorization`. P instances and D instances are each taken in turn.
+client's `Authorization`. Which P and which D is `kvxfer.serve.routing`'s choice (by the
+prompts each instance answered, the requests in flight, and `X-Session-Id`); when D holds
+all but `--local-prefill-tokens` of the prompt, P is skipped and D's request carries
+`kv_transfer_params: {"local_prefill": true, ...}` (`X-Kvxfer-Transfer: local`). Every answer
+names its route in `X-Kvxfer-Route`; `GET /metrics` counts the choices.
 
 With `--stream` (`ProxyConfig.stream`), once the proxy knows a P instance's
 kvxfer address (from the `kv_transfer_params` of its first answer), it sends
@@ -49,6 +53,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import socket
 import uuid
 from collections.abc import Coroutine
@@ -210,6 +215,7 @@ class _Upstreams:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.router = config.router()
+        self.sized: set[str] = set()  # upstreams whose KV cache size was asked for
         self._session: aiohttp.ClientSession | None = None
         self.kv: dict[str, dict[str, Any]] = {}  # P url -> its kvxfer address, once known
 
@@ -253,6 +259,14 @@ def _unreachable(role: str, url: str, exc: BaseException) -> web.Response:
     reason = str(exc) or type(exc).__name__
     log.warning("%s instance %s failed: %s", role, url, reason)
     return _error(502, f"{role} instance {url} failed: {reason}", "upstream_unreachable", upstream=url)
+
+
+class _Unreached(Exception):
+    """P could not be connected to: the request never reached it. `answer` is its 502."""
+
+    def __init__(self, answer: web.Response) -> None:
+        super().__init__(answer.text)
+        self.answer = answer
 
 
 def _timed_out(role: str, url: str, flag: str, timeout_s: float, request_id: str) -> web.Response:
@@ -345,8 +359,9 @@ async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | Non
 async def _ask_prefill(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
                        headers: dict[str, str], limit: int
                        ) -> tuple[int, bytes, str | None] | web.Response:
-    """P's status, body and content type for `body`, or the 502 when P at `url` cannot be had
-    or answers more than `limit` bytes (its request is then closed: P aborts it)."""
+    """P's status, body and content type for `body`, or the 502 when P at `url` fails or
+    answers more than `limit` bytes (its request is then closed: P aborts it); raises
+    `_Unreached` (with that 502) when no connection to P could be made."""
     try:
         async with session.post(url + path, json=body, headers=headers) as resp:
             data = await _read_at_most(resp, limit)
@@ -357,6 +372,8 @@ async def _ask_prefill(session: aiohttp.ClientSession, url: str, path: str, body
                 return _error(502, f"prefill instance {url} answered more than --prefill-max-bytes "
                               f"{limit} bytes", "bad_upstream_response", upstream=url)
             return resp.status, data, resp.headers.get("Content-Type")
+    except aiohttp.ClientConnectorError as e:  # no connection: nothing reached P
+        raise _Unreached(_unreachable("prefill", url, e)) from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return _unreachable("prefill", url, e)
 
@@ -491,21 +508,38 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     route = upstreams.router.choose(prompt, request.headers.get(_SESSION))
     log.debug("request %s: %s", headers[_REQUEST_ID], route.header())
     upstreams.router.started(route)
-    answer = None
+    answer, used = None, route
     try:
-        answer = await _routed(request, upstreams, route, body, headers)
+        answer, used = await _routed(request, upstreams, route, body, headers)
         return answer
     finally:
-        upstreams.router.finished(route, prompt, answer is not None and 200 <= answer.status < 300)
+        upstreams.router.finished(route)
+        if answer is not None and 200 <= answer.status < 300:
+            upstreams.router.answered(used, prompt)
 
 
 async def _routed(request: web.Request, upstreams: _Upstreams, route: Route, body: dict[str, Any],
-                  headers: dict[str, str]) -> web.StreamResponse:
-    d_url = route.decode
-    if route.prefill is None:  # D holds all but a short suffix: it prefills that itself
-        sent = asyncio.ensure_future(upstreams.session.post(
-            d_url + request.path, headers=headers, json={**body, "kv_transfer_params": LOCAL_PARAMS}))
-        return await _decode(request, upstreams, route, sent, headers, "local")
+                  headers: dict[str, str]) -> tuple[web.StreamResponse, Route]:
+    """The client's answer by `route`, and the route it took: with local prefill on, a P that
+    cannot be connected to is marked down and D prefills the prompt alone instead."""
+    if route.prefill is None:
+        return await _local(request, upstreams, route, body, headers), route
+    try:
+        return await _through_p(request, upstreams, route, body, headers), route
+    except _Unreached as e:
+        if not upstreams.config.local_prefill_tokens:
+            return e.answer, route
+    upstreams.router.mark(route.prefill, up=False)
+    local = upstreams.router.instead_of_p(route)
+    log.warning("request %s: prefill instance %s cannot be reached; decode instance %s "
+                "prefills it alone", headers[_REQUEST_ID], route.prefill, route.decode)
+    return await _local(request, upstreams, local, body, headers), local
+
+
+async def _through_p(request: web.Request, upstreams: _Upstreams, route: Route,
+                     body: dict[str, Any], headers: dict[str, str]) -> web.StreamResponse:
+    """P's part, then D's with P's `kv_transfer_params` (or both at once: `_streamed`); raises
+    `_Unreached` when P cannot be connected to."""
     address = upstreams.kv.get(route.prefill) if upstreams.config.stream else None
     if address is not None:
         return await _streamed(request, upstreams, route, address, body, headers)
@@ -514,8 +548,16 @@ async def _routed(request: web.Request, upstreams: _Upstreams, route: Route, bod
         return params
     log.debug("request %s prefilled; params %s", headers[_REQUEST_ID], params)
     sent = asyncio.ensure_future(upstreams.session.post(
-        d_url + request.path, headers=headers, json={**body, "kv_transfer_params": params}))
+        route.decode + request.path, headers=headers, json={**body, "kv_transfer_params": params}))
     return await _decode(request, upstreams, route, sent, headers, "params")
+
+
+async def _local(request: web.Request, upstreams: _Upstreams, route: Route, body: dict[str, Any],
+                 headers: dict[str, str]) -> web.StreamResponse:
+    """D's answer for a prompt it prefills alone (`route` has no P)."""
+    sent = asyncio.ensure_future(upstreams.session.post(
+        route.decode + request.path, headers=headers, json={**body, "kv_transfer_params": LOCAL_PARAMS}))
+    return await _decode(request, upstreams, route, sent, headers, "local")
 
 
 async def _streamed(request: web.Request, upstreams: _Upstreams, route: Route,
@@ -566,21 +608,44 @@ async def _check(upstreams: _Upstreams) -> list[dict[str, str]]:
     roles = [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
     reasons = await asyncio.gather(*(_down_reason(upstreams.session, url, config.health_timeout_s)
                                      for _, url in roles))
-    for (_, url), reason in zip(roles, reasons):
+    for (role, url), reason in zip(roles, reasons):
         upstreams.router.mark(url, reason is None)
+        # D's device cache bounds what it holds; P's host pool may hold more than its cache.
+        if role == "decode" and reason is None and url not in upstreams.sized:
+            upstreams.sized.add(url)
+            tokens = await _cache_tokens(upstreams.session, url, config.health_timeout_s)
+            if tokens is not None:
+                upstreams.router.holds(url, tokens)
     return [{"role": role, "url": url, "reason": reason}
             for (role, url), reason in zip(roles, reasons) if reason is not None]
 
 
+async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: float) -> int | None:
+    """The tokens `url`'s KV cache holds, from its `/metrics`' `vllm:cache_config_info`
+    (`num_gpu_blocks` times `block_size`); None when it does not say."""
+    try:
+        async with session.get(url + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            text = (await resp.content.read(1 << 22)).decode(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    info = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
+    blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    if not (blocks.isdigit() and size.isdigit()) or not int(blocks) * int(size):
+        return None
+    return int(blocks) * int(size)
+
+
 async def _watch(upstreams: _Upstreams) -> None:
-    """Every `--health-interval`, take instances that stopped answering out of routing and put
-    back those that answer again."""
+    """At start and then every `--health-interval`, take instances that stopped answering out
+    of routing and put back those that answer again."""
     while True:
-        await asyncio.sleep(upstreams.config.health_interval_s)
         down = await _check(upstreams)
         if down:
             log.warning("instances down, not routed to: %s",
                         "; ".join(f"{d['role']} {d['url']} ({d['reason']})" for d in down))
+        await asyncio.sleep(upstreams.config.health_interval_s)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -608,6 +673,11 @@ async def _metrics(request: web.Request) -> web.Response:
                 value = instances.in_flight[url] if name == "in_flight" else int(
                     url not in instances.down)
                 lines.append(f'kvxfer_proxy_{name}{{role="{role}",url="{url}"}} {value}')
+    lines += ["# HELP kvxfer_proxy_cache_tokens Tokens the instance's KV cache holds (from its "
+              "vllm:cache_config_info): the most the proxy believes it holds.",
+              "# TYPE kvxfer_proxy_cache_tokens gauge"]
+    lines += [f'kvxfer_proxy_cache_tokens{{role="decode",url="{url}"}} {tokens}'
+              for url, tokens in router.decode.capacity.items()]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 

@@ -1,9 +1,9 @@
 """Which P and which D a request goes to, and when D prefills it alone: `kvxfer proxy`'s policy.
 
-The proxy remembers, per instance, the prompts it sent there, as a chain of chunk hashes
-(`Prompt`): 16 token ids a chunk for a prompt given as ids, 64 bytes of text (about 16
+The proxy remembers, per instance, the prompts it answered, as a chain of span hashes
+(`Prompt`): 16 token ids a span for a prompt given as ids, 64 bytes of text (about 16
 tokens) for a text prompt or a chat's messages. A new request's expected hit on an
-instance is its longest run of leading chunks that instance was sent, in tokens (text at 4
+instance is its longest run of leading spans that instance answered, in tokens (text at 4
 bytes a token). It is an estimate for choosing, never a claim on KV: what an instance
 reuses is decided by its own vLLM, by block hash.
 
@@ -19,14 +19,16 @@ reuses is decided by its own vLLM, by block hash.
   vLLM on D finds the rest in its prefix cache). Else P is chosen the same way over P's
   memory of the prompts it prefilled.
 
-An instance remembers a prompt once it has answered it (`finished`, `ok`): requests in flight
+An instance remembers a prompt once it has answered it (`answered`): requests in flight
 at once that share a prefix none has yet all go through P, since D holds nothing of it
 before the first is done. The `round_robin` policy takes P and D in turn, each
 independently, as the proxy did before it had a policy. Each decision is counted by choice
 and reason (`counts`).
-Memory is bounded: each instance keeps at most `index_chunks` chunk hashes (least recently
-used go first), a prompt is read up to `MAX_CHUNKS` chunks, and the sessions remembered are
-at most `MAX_SESSIONS`.
+Memory is bounded: each instance keeps at most `index_spans` span hashes (least recently
+used go first), and no more than its KV cache holds once that is known (`holds`: the proxy
+reads it from the instance's `vllm:cache_config_info`), so that a prompt its vLLM has
+likely evicted is not counted as held; a prompt is read up to `MAX_SPANS` spans; and the
+sessions remembered are at most `MAX_SESSIONS`.
 """
 
 from __future__ import annotations
@@ -43,27 +45,27 @@ from kvxfer.plan.blocks import is_int
 __all__ = ["POLICIES", "Prompt", "Route", "Router"]
 
 POLICIES = ("prefix", "round_robin")
-IDS_PER_CHUNK = 16
-"""Token ids a chunk of a prompt given as ids."""
-BYTES_PER_CHUNK = 64
-"""UTF-8 bytes a chunk of a text prompt or of a chat's messages."""
+IDS_PER_SPAN = 16
+"""Token ids a span of a prompt given as ids."""
+BYTES_PER_SPAN = 64
+"""UTF-8 bytes a span of a text prompt or of a chat's messages."""
 BYTES_PER_TOKEN = 4
 """The estimate of text's bytes a token (English under BPE tokenizers is about 4)."""
-MAX_CHUNKS = 16384
-"""The most chunks of one prompt read: 256k tokens as ids, 1 MiB of text."""
+MAX_SPANS = 16384
+"""The most spans of one prompt read: 256k tokens as ids, 1 MiB of text."""
 MAX_SESSIONS = 65536
 """Sessions remembered, least recently used dropped first."""
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request's prompt as the router sees it: `chain`, the hash of each whole chunk with
+    """A request's prompt as the router sees it: `chain`, the hash of each whole span with
     everything before it; `tokens`, the prompt's length in tokens (estimated for text);
-    `per_chunk`, tokens a chunk."""
+    `per_span`, tokens a span."""
 
     chain: tuple[int, ...]
     tokens: int
-    per_chunk: int
+    per_span: int
 
     @staticmethod
     def of(path: str, body: dict[str, Any]) -> Prompt | None:
@@ -79,10 +81,10 @@ class Prompt:
         if isinstance(prompt, str):
             return _text_prompt(prompt)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            chunks = [tuple(prompt[i:i + IDS_PER_CHUNK])
-                      for i in range(0, min(len(prompt), MAX_CHUNKS * IDS_PER_CHUNK), IDS_PER_CHUNK)]
-            return Prompt(_chain(c for c in chunks if len(c) == IDS_PER_CHUNK), len(prompt),
-                          IDS_PER_CHUNK)
+            spans = [tuple(prompt[i:i + IDS_PER_SPAN])
+                      for i in range(0, min(len(prompt), MAX_SPANS * IDS_PER_SPAN), IDS_PER_SPAN)]
+            return Prompt(_chain(c for c in spans if len(c) == IDS_PER_SPAN), len(prompt),
+                          IDS_PER_SPAN)
         return None
 
 
@@ -98,15 +100,15 @@ def _message(message: Any) -> str:
 
 def _text_prompt(text: str) -> Prompt:
     data = text.encode("utf-8", "surrogatepass")
-    end = min(len(data), MAX_CHUNKS * BYTES_PER_CHUNK) // BYTES_PER_CHUNK * BYTES_PER_CHUNK
-    return Prompt(_chain(data[i:i + BYTES_PER_CHUNK] for i in range(0, end, BYTES_PER_CHUNK)),
-                  -(-len(data) // BYTES_PER_TOKEN), BYTES_PER_CHUNK // BYTES_PER_TOKEN)
+    end = min(len(data), MAX_SPANS * BYTES_PER_SPAN) // BYTES_PER_SPAN * BYTES_PER_SPAN
+    return Prompt(_chain(data[i:i + BYTES_PER_SPAN] for i in range(0, end, BYTES_PER_SPAN)),
+                  -(-len(data) // BYTES_PER_TOKEN), BYTES_PER_SPAN // BYTES_PER_TOKEN)
 
 
-def _chain(chunks) -> tuple[int, ...]:
+def _chain(spans) -> tuple[int, ...]:
     out, parent = [], 0
-    for chunk in chunks:
-        parent = hash((parent, chunk))
+    for span in spans:
+        parent = hash((parent, span))
         out.append(parent)
     return tuple(out)
 
@@ -115,7 +117,8 @@ def _chain(chunks) -> tuple[int, ...]:
 class Route:
     """Where one request goes: `prefill`, P's URL (None when D prefills alone); `decode`, D's;
     `expected_hit`, the tokens of the prompt the chosen D (or, through P, P) is expected to
-    hold; `reason`, why D was chosen (`session`, `prefix`, `turn`, `round_robin`)."""
+    hold; `reason`, why D was chosen (`session`, `prefix`, `turn`, `round_robin`), or
+    `p_unreachable` when D prefills alone because P could not be reached."""
 
     prefill: str | None
     decode: str
@@ -136,11 +139,12 @@ class Route:
 class _Instances:
     """One role's instances: what each was sent, its requests in flight, whether it is down."""
 
-    def __init__(self, urls: Sequence[str], index_chunks: int) -> None:
+    def __init__(self, urls: Sequence[str], index_spans: int) -> None:
         self.urls = tuple(urls)
-        self.index_chunks = index_chunks
+        self.index_spans = index_spans
         self.sent: dict[str, OrderedDict[int, None]] = {u: OrderedDict() for u in self.urls}
         self.in_flight: Counter[str] = Counter()
+        self.capacity: dict[str, int] = {}  # url -> tokens its KV cache holds, once known
         self.down: set[str] = set()
         self.turn = 0
 
@@ -151,17 +155,24 @@ class _Instances:
         sent, n = self.sent[url], 0
         while n < len(prompt.chain) and prompt.chain[n] in sent:
             n += 1
-        return min(n * prompt.per_chunk, prompt.tokens)
+        return min(n * prompt.per_span, prompt.tokens)
 
     def remember(self, url: str, prompt: Prompt | None) -> None:
         if prompt is None:
             return
-        sent = self.sent[url]
+        sent, bound = self.sent[url], self.bound(url)
         for h in prompt.chain:
             sent[h] = None
             sent.move_to_end(h)
-        while len(sent) > self.index_chunks:
+        while len(sent) > bound:
             sent.popitem(last=False)
+
+    def bound(self, url: str) -> int:
+        """The most spans kept for `url`: `index_spans`, or fewer when its KV cache is known
+        to hold fewer tokens (`Router.holds`)."""
+        tokens = self.capacity.get(url)
+        return self.index_spans if tokens is None else max(1, min(self.index_spans,
+                                                                  tokens // IDS_PER_SPAN))
 
     def candidates(self, imbalance: int) -> list[str]:
         """The instances up and within `imbalance` of the least loaded, in turn order."""
@@ -183,22 +194,22 @@ class Router:
     **Arguments:** `prefill`, `decode`: the instances' base URLs; `policy`, one of
     `POLICIES`; `local_prefill_tokens`, the longest suffix D prefills alone (0: never);
     `imbalance`, how many more requests in flight than the least loaded instance a prefix or
-    session may choose; `index_chunks`, chunk hashes kept per instance.
+    session may choose; `index_spans`, span hashes kept per instance.
     """
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], policy: str = "prefix",
                  local_prefill_tokens: int = 0, imbalance: int = 4,
-                 index_chunks: int = 1 << 17) -> None:
+                 index_spans: int = 1 << 17) -> None:
         if policy not in POLICIES:
             raise InvalidInputError(f"--route must be one of {', '.join(POLICIES)}, got {policy!r}")
         for flag, value, low in (("--local-prefill-tokens", local_prefill_tokens, 0),
                                  ("--route-imbalance", imbalance, 0),
-                                 ("index_chunks", index_chunks, 1)):
+                                 ("index_spans", index_spans, 1)):
             if not is_int(value) or value < low:
                 raise InvalidInputError(f"{flag} must be an int of at least {low}, got {value!r}")
         self.policy, self.local_prefill_tokens, self.imbalance = policy, local_prefill_tokens, imbalance
-        self.prefill = _Instances(prefill, index_chunks)
-        self.decode = _Instances(decode, index_chunks)
+        self.prefill = _Instances(prefill, index_spans)
+        self.decode = _Instances(decode, index_spans)
         self.sessions: OrderedDict[int, str] = OrderedDict()  # session hash -> its last D
         self.counts: Counter[tuple[str, str]] = Counter()  # (choice, reason) -> requests
 
@@ -244,16 +255,38 @@ class Router:
             self.prefill.in_flight[route.prefill] += 1
         self.decode.in_flight[route.decode] += 1
 
-    def finished(self, route: Route, prompt: Prompt | None = None, ok: bool = False) -> None:
-        """`route`'s request has ended: answered (`ok`: its instances now hold `prompt`),
-        failed or abandoned."""
+    def finished(self, route: Route) -> None:
+        """`route`'s request has ended: answered, failed or abandoned."""
         if route.prefill is not None:
             self.prefill.in_flight[route.prefill] -= 1
-            if ok:
-                self.prefill.remember(route.prefill, prompt)
         self.decode.in_flight[route.decode] -= 1
-        if ok:
-            self.decode.remember(route.decode, prompt)
+
+    def answered(self, route: Route, prompt: Prompt | None) -> None:
+        """`route`'s instances answered `prompt` (2xx): they hold it now."""
+        if route.prefill is not None:
+            self.prefill.remember(route.prefill, prompt)
+        self.decode.remember(route.decode, prompt)
+
+    def instead_of_p(self, route: Route) -> Route:
+        """`route` with D prefilling alone because its P could not be reached (recounted as
+        `local`, reason `p_unreachable`)."""
+        self.counts[(route.choice, route.reason)] -= 1
+        local = Route(None, route.decode, 0, "p_unreachable")
+        self.counts[(local.choice, local.reason)] += 1
+        return local
+
+    def holds(self, url: str, tokens: int) -> None:
+        """`url`'s KV cache holds `tokens` tokens: remember no more of what it was sent (the
+        least recently sent go first, as vLLM evicts its free blocks)."""
+        if not is_int(tokens) or tokens < 1:
+            raise InvalidInputError(f"an instance's KV cache must hold a positive number of "
+                                    f"tokens, got {tokens!r} for {url}")
+        for role in (self.prefill, self.decode):
+            if url in role.urls:
+                role.capacity[url] = tokens
+                sent = role.sent[url]
+                while len(sent) > role.bound(url):
+                    sent.popitem(last=False)
 
     def mark(self, url: str, up: bool) -> None:
         """Route to `url` again (`up`) or not until it is marked up."""
