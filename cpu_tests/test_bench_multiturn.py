@@ -147,7 +147,11 @@ def test_multi_turn_is_refused_by_name_for_other_benchmarks_and_beside_load(caps
     assert main(["bench", "ttft", "--multi-turn"]) == 2
     assert "--multi-turn is an option of `kvxfer bench serve`" in capsys.readouterr().err
     assert main(["bench", "serve", "--multi-turn", "--load"]) == 2
-    assert "give it or --load/--hosts, not both" in capsys.readouterr().err
+    assert "--multi-turn runs on its own: give one of --load" in capsys.readouterr().err
+    assert main(["bench", "serve", "--multi-turn", "--local-prefill"]) == 2
+    assert "runs on its own" in capsys.readouterr().err
+    assert main(["bench", "e2e", "--local-prefill"]) == 2
+    assert "--local-prefill is an option of `kvxfer bench serve`" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -65,6 +65,17 @@ def test_a_prompt_counts_as_held_only_once_its_request_was_answered():
     assert later.choice == "local" and later.expected_hit == 256
 
 
+def test_d_does_not_prefill_alone_when_a_p_is_expected_to_hold_more():
+    router = Router(PS[:1], DS, local_prefill_tokens=512)
+    answered(router, ids(512))  # P and D0 hold it
+    router.holds("http://d0", 256)  # D0 keeps only what its cache holds: the last 16 spans
+    answered(router, ids(256, 5))  # ... now its own
+    route = router.choose(completion(ids(256, 5) + ids(600)[256:]))
+    assert route.choice == "local", "D holds 256, P nothing of this one"
+    route = router.choose(completion(ids(512) + ids(100, 9)))
+    assert route.choice == "pd" and route.expected_hit == 512, "P holds all 512, D none"
+
+
 def test_a_local_prefill_needs_a_hit_and_a_threshold():
     short = completion(ids(40))
     assert Router(PS, DS, local_prefill_tokens=512).choose(short).choice == "pd", (

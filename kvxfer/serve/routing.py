@@ -15,9 +15,10 @@ reuses is decided by its own vLLM, by block hash.
   with the longest expected hit; ties go in turn (round robin), so unrelated prompts
   spread as before.
 - D is chosen first; when its expected hit leaves at most `local_prefill_tokens` of the
-  prompt, P is skipped and D prefills that suffix itself (a local prefill, `local`:
-  vLLM on D finds the rest in its prefix cache). Else P is chosen the same way over P's
-  memory of the prompts it prefilled.
+  prompt, and no P is expected to hold more of it, P is skipped and D prefills that suffix
+  itself (a local prefill, `local`: vLLM on D finds the rest in its prefix cache). Else P
+  is chosen the same way over P's memory of the prompts it prefilled (its device cache and
+  host pool hold them).
 
 An instance remembers a prompt once it has answered it (`answered`): requests in flight
 at once that share a prefix none has yet all go through P, since D holds nothing of it
@@ -221,7 +222,8 @@ class Router:
             self.counts[(route.choice, route.reason)] += 1
             return route
         d_url, d_hit, reason = self._pick(self.decode, prompt, self.sessions.get(hash(session)))
-        if (self.local_prefill_tokens and d_hit and prompt is not None
+        p_best = max(self.prefill.hit(u, prompt) for u in self.prefill.candidates(self.imbalance))
+        if (self.local_prefill_tokens and d_hit and prompt is not None and d_hit >= p_best
                 and prompt.tokens - d_hit <= self.local_prefill_tokens):
             route = Route(None, d_url, d_hit, reason)
         else:
