@@ -1066,9 +1066,63 @@ async def _proxy_over(stack, p: FakeVllm, d_url: str):
     app = build_app(config)
     proxy = await stack.enter_async_context(serving(app))
     session = await stack.enter_async_context(aiohttp.ClientSession())
-    for _ in range(100):  # the check at start asks D's /metrics once
-        async with session.get(proxy + "/metrics") as r:
-            if f'kvxfer_proxy_cache_tokens{{role="decode",url="{d_url}"}} 128' in await r.text():
-                return proxy, session
+    await _until_checked(session, proxy, d_url)  # the check at start asks D's /metrics once
+    return proxy, session
+
+
+@pytest.mark.parametrize("local", [0, 512])
+def test_a_d_that_stops_answering_is_marked_down_and_the_next_d_gets_the_request(local):
+    """D2 passes the proxy's first health check, then goes away: the request the proxy sends
+    it reaches nobody, so the next D gets it, P's params and all; D2 is then out of routing."""
+    p, d1 = FakeVllm("P"), FakeVllm("D1")
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            p_url = await stack.enter_async_context(serving(p.app()))
+            d1_url = await stack.enter_async_context(serving(d1.app()))
+            d2 = contextlib.AsyncExitStack()
+            d2_url = await d2.enter_async_context(serving(_vllm_metrics(8, 16)))
+            config = ProxyConfig(prefill=(p_url,), decode=(d1_url, d2_url),
+                                 local_prefill_tokens=local, health_interval_s=3600)
+            url = await stack.enter_async_context(serving(build_app(config)))
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            await _until_checked(session, url, d2_url)
+            await d2.aclose()  # D2's port is closed now: nothing reaches it
+            answers = []
+            for i in range(3):  # Ds in turn: D1, D2 (gone: D1 instead), D1
+                async with session.post(url + "/v1/completions",
+                                        json={**BODY, "prompt": f"q{i}"}) as r:
+                    answers.append((r.status, r.headers["X-Kvxfer-Route"],
+                                    (await r.json())["choices"][0]["text"]))
+            async with session.get(url + "/metrics") as r:
+                return answers, await r.text(), d2_url
+
+    answers, metrics, gone = run(go())
+    assert [(s, a) for s, _, a in answers] == [(200, "decoded by D1")] * 3
+    assert ["d_unreachable" in route for _, route, _ in answers] == [False, True, False]
+    assert "choice=pd" in answers[1][1]
+    assert [b["kv_transfer_params"]["remote_host"] for _, b, _ in d1.seen] == ["P"] * 3
+    assert f'kvxfer_proxy_up{{role="decode",url="{gone}"}} 0' in metrics
+    assert 'kvxfer_proxy_routes_total{choice="pd",reason="d_unreachable"} 1' in metrics
+
+
+def test_a_d_that_cannot_be_reached_at_all_is_a_502_naming_it_when_no_other_d_is_up():
+    p, gone = FakeVllm("P"), closed_port_url()
+
+    async def go():
+        async with pd([p], [], extra_decode=[gone]) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY) as r:
+                return r.status, await r.json()
+
+    status, answer = run(go())
+    assert status == 502 and gone in answer["error"]["message"]
+
+
+async def _until_checked(session, url: str, d_url: str) -> None:
+    """Wait until the proxy at `url` has read D's KV cache size (its first health check)."""
+    for _ in range(100):
+        async with session.get(url + "/metrics") as r:
+            if f'kvxfer_proxy_cache_tokens{{role="decode",url="{d_url}"}}' in await r.text():
+                return
         await asyncio.sleep(0.05)
-    raise AssertionError("the proxy never learned D's cache size")
+    raise AssertionError("the proxy never checked D")

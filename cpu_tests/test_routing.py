@@ -156,6 +156,26 @@ def test_prompts_the_router_does_not_read_route_in_turn_without_a_hit(body):
     assert router.choose(None).reason == "turn"
 
 
+def test_another_tenants_salt_or_another_model_never_matches():
+    router = Router(PS, DS, local_prefill_tokens=512)
+    base = {"model": "m", "prompt": ids(512)}
+    answered(router, Prompt.of("/v1/completions", {**base, "cache_salt": "alice"}))
+    for other in ({**base, "cache_salt": "bob"}, base, {**base, "cache_salt": "alice",
+                                                         "model": "m-lora"}):
+        route = router.choose(Prompt.of("/v1/completions", {**other, "prompt": ids(520)}))
+        assert route.choice == "pd" and route.expected_hit == 0, other
+    same = router.choose(Prompt.of("/v1/completions",
+                                   {**base, "cache_salt": "alice", "prompt": ids(520)}))
+    assert same.choice == "local" and same.expected_hit == 512
+
+
+def test_a_chat_too_deep_to_write_again_is_not_read():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert Prompt.of("/v1/chat/completions", {"messages": [{"role": "user", "content": deep}]}) is None
+
+
 def test_a_huge_prompt_is_read_up_to_its_span_bound(monkeypatch):
     monkeypatch.setattr(routing, "MAX_SPANS", 4)
     prompt = completion(ids(1000))

@@ -311,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     plan.set_defaults(func=_cmd_plan)
 
+    _add_proxy(sub)
+
+    _add_bench(sub)
+    return parser
+
+
+def _add_proxy(sub: Any) -> None:
+    """`kvxfer proxy` and its flags."""
     proxy = sub.add_parser("proxy", help="an OpenAI-compatible router in front of P and D `vllm "
                            "serve` instances: prefill on P, decode on D with P's kv_transfer_params")
     proxy.add_argument("--prefill", required=True, help="P base URLs, comma-separated "
@@ -347,9 +355,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between health checks; an instance that fails one is not "
                             "routed to until it passes one (default 5)")
     proxy.set_defaults(func=_cmd_proxy)
-
-    _add_bench(sub)
-    return parser
 
 
 def _add_bench(sub: Any) -> None:

@@ -144,12 +144,14 @@ def test_p_s_and_d_s_metrics_count_exactly_the_kv_that_moved(tp_stack):
 
 
 @contextlib.contextmanager
-def _proxy(stack, port: int, *flags: str) -> Iterator[str]:
-    """Another `kvxfer proxy` in front of `stack`'s P and D, on `port`, with `flags`."""
+def _proxy(stack, port: int, *flags: str, decode: str | None = None) -> Iterator[str]:
+    """Another `kvxfer proxy` in front of `stack`'s P and D (or the D URLs `decode`), on
+    `port`, with `flags`."""
     url, name = f"http://127.0.0.1:{port}", f"proxy-{port}"
     log = open(stack.dir / f"{name}.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([str(ROOT / ".venv-tpu/bin/kvxfer"), "proxy", "--prefill",
-                             stack.p_url, "--decode", stack.d_url, "--port", str(port), *flags],
+                             stack.p_url, "--decode", decode or stack.d_url, "--port", str(port),
+                             *flags],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60

@@ -18,7 +18,7 @@ import signal
 import time
 
 from serve_stack import random_prompt, restart_ray_p
-from test_serve import _metric, _same_answer, _until
+from test_serve import _complete_with_transfer, _metric, _proxy, _same_answer, _until
 
 
 def _counts(stack, url=None) -> tuple[float, float]:
@@ -105,6 +105,26 @@ def test_a_prompt_pooled_on_both_p_workers_is_named_not_copied_again_and_d1_read
     second = _until(lambda: _metric(stack.p_url, "vllm:kvxfer_kv_bytes_total", role="P")
                     - staged - first, first / 6)
     assert 0 < second <= first / 4, (first, second)  # one block, against six gathers (chunks)
+
+
+def test_a_proxy_over_both_ds_keeps_each_conversation_on_its_d_and_prefills_its_next_turn_there(
+        ray_stack):
+    """`kvxfer proxy` with its default routing over D (two hosts) and D1 (one host): two
+    conversations' first turns go through P, one to each D in turn; each second turn (the
+    first, its answer, 40 new tokens) goes to the D that answered the first, alone, and
+    answers as P alone."""
+    stack = ray_stack
+    firsts = [random_prompt(200, seed=5900 + i) for i in range(2)]
+    with _proxy(stack, 8395, decode=f"{stack.d_url},{stack.d1_url}") as url:
+        turn1 = [_complete_with_transfer(stack, url, prompt) for prompt in firsts]
+        assert [how for _, how, _ in turn1] == ["params", "params"]
+        ds = [re.search(r"decode=(\S+);", route).group(1) for _, _, route in turn1]
+        assert sorted(ds) == sorted([stack.d_url, stack.d1_url]), ds
+        for (got1, _, _), first, d in zip(turn1, firsts, ds):
+            turn2 = first + got1["choices"][0]["token_ids"] + random_prompt(40, seed=5950)
+            got2, how, route = _complete_with_transfer(stack, url, turn2)
+            assert how == "local" and f"decode={d};" in route and "reason=prefix" in route, route
+            _same_answer(got2, stack.complete(stack.p_url, turn2))
 
 
 def test_one_p_worker_killed_before_d_reads_fails_the_load_on_both_d_workers_and_d_computes_it(

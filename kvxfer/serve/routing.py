@@ -71,20 +71,25 @@ class Prompt:
     @staticmethod
     def of(path: str, body: dict[str, Any]) -> Prompt | None:
         """The prompt of a `/v1/completions` or `/v1/chat/completions` body; None for one the
-        router does not read (a batch of prompts, a missing or malformed one: vLLM answers it)."""
-        if path.endswith("/chat/completions"):
-            messages = body.get("messages")
-            if not isinstance(messages, list):
-                return None
-            text = "".join(_message(m) for m in messages)
-            return _text_prompt(text)
-        prompt = body.get("prompt")
+        router does not read (a batch of prompts, a missing or malformed one: vLLM answers it).
+        The chain starts from the body's `model` and `cache_salt`: as in vLLM's block hashes,
+        prompts under another model (a LoRA adapter) or another tenant's salt never match."""
+        root = hash((str(body.get("model")), str(body.get("cache_salt"))))
+        try:
+            if path.endswith("/chat/completions"):
+                messages = body.get("messages")
+                if not isinstance(messages, list):
+                    return None
+                return _text_prompt(root, "".join(_message(m) for m in messages))
+            prompt = body.get("prompt")
+        except (RecursionError, ValueError):  # content JSON will not write again: unread
+            return None
         if isinstance(prompt, str):
-            return _text_prompt(prompt)
+            return _text_prompt(root, prompt)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             spans = [tuple(prompt[i:i + IDS_PER_SPAN])
-                      for i in range(0, min(len(prompt), MAX_SPANS * IDS_PER_SPAN), IDS_PER_SPAN)]
-            return Prompt(_chain(c for c in spans if len(c) == IDS_PER_SPAN), len(prompt),
+                     for i in range(0, min(len(prompt), MAX_SPANS * IDS_PER_SPAN), IDS_PER_SPAN)]
+            return Prompt(_chain(root, (c for c in spans if len(c) == IDS_PER_SPAN)), len(prompt),
                           IDS_PER_SPAN)
         return None
 
@@ -99,15 +104,15 @@ def _message(message: Any) -> str:
     return f"{message.get('role')}\x1f{content}\x1e"
 
 
-def _text_prompt(text: str) -> Prompt:
+def _text_prompt(root: int, text: str) -> Prompt:
     data = text.encode("utf-8", "surrogatepass")
     end = min(len(data), MAX_SPANS * BYTES_PER_SPAN) // BYTES_PER_SPAN * BYTES_PER_SPAN
-    return Prompt(_chain(data[i:i + BYTES_PER_SPAN] for i in range(0, end, BYTES_PER_SPAN)),
+    return Prompt(_chain(root, (data[i:i + BYTES_PER_SPAN] for i in range(0, end, BYTES_PER_SPAN))),
                   -(-len(data) // BYTES_PER_TOKEN), BYTES_PER_SPAN // BYTES_PER_TOKEN)
 
 
-def _chain(spans) -> tuple[int, ...]:
-    out, parent = [], 0
+def _chain(root: int, spans) -> tuple[int, ...]:
+    out, parent = [], root
     for span in spans:
         parent = hash((parent, span))
         out.append(parent)
@@ -118,8 +123,9 @@ def _chain(spans) -> tuple[int, ...]:
 class Route:
     """Where one request goes: `prefill`, P's URL (None when D prefills alone); `decode`, D's;
     `expected_hit`, the tokens of the prompt the chosen D (or, through P, P) is expected to
-    hold; `reason`, why D was chosen (`session`, `prefix`, `turn`, `round_robin`), or
-    `p_unreachable` when D prefills alone because P could not be reached."""
+    hold; `reason`, why D was chosen (`session`, `prefix`, `turn`, `round_robin`),
+    `p_unreachable` when D prefills alone because P could not be reached, or
+    `d_unreachable` when the D first chosen could not be."""
 
     prefill: str | None
     decode: str
@@ -289,6 +295,19 @@ class Router:
                 sent = role.sent[url]
                 while len(sent) > role.bound(url):
                     sent.popitem(last=False)
+
+    def other_decode(self, route: Route) -> Route | None:
+        """`route` with the next D that is up instead of its own, which could not be reached
+        (recounted under reason `d_unreachable`); None when no other D is up."""
+        others = [u for u in self.decode.candidates(1 << 62)
+                  if u != route.decode and u not in self.decode.down]
+        if not others:
+            return None
+        self.counts[(route.choice, route.reason)] -= 1
+        other = Route(route.prefill, self.decode.take(others[0]), route.expected_hit,
+                      "d_unreachable")
+        self.counts[(other.choice, other.reason)] += 1
+        return other
 
     def mark(self, url: str, up: bool) -> None:
         """Route to `url` again (`up`) or not until it is marked up."""

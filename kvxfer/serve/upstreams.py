@@ -1,0 +1,436 @@
+"""`kvxfer proxy`'s side toward P and D: its settings (`ProxyConfig`), the session and router it
+holds (`Upstreams`), P's part of a request (`prefill_part`), relaying D's answer
+(`decode_part`), and the health checks that take instances in and out of routing (`check`,
+`watch`). The handlers that use them, and what the client sees, are in `proxy.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from kvxfer.errors import InvalidInputError, SetupError
+from kvxfer.plan.blocks import is_int
+from kvxfer.serve.routing import Route, Router
+
+__all__ = ["LOCAL_PARAMS", "PREFILL_PARAMS", "REQUEST_ID", "ROUTE", "TRANSFER", "ProxyConfig",
+           "Unreached", "Upstreams", "check", "check_url", "connected", "decode_part", "drop",
+           "error", "parse_urls", "passed_through", "prefill_part", "timed_out", "unreachable",
+           "watch"]
+
+log = logging.getLogger("kvxfer.serve.proxy")
+
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+"""What P's request carries in `kv_transfer_params`: prefill here, decode elsewhere."""
+
+LOCAL_PARAMS = {"do_remote_decode": False, "do_remote_prefill": False, "local_prefill": True}
+"""What D's request carries when D prefills alone: a local prefill, which kvxfer's D counts as
+such, not as a fallback."""
+
+_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+"""Fields P must not see: `stream_options` needs `stream`, and a minimum above
+P's one token would be refused (vLLM's NIXL proxy drops the same)."""
+
+REQUEST_ID, TRANSFER, ROUTE = "X-Request-Id", "X-Kvxfer-Transfer", "X-Kvxfer-Route"
+"""The headers P and D share the request's id in, and that say how the KV moved and the route."""
+
+
+def check_url(flag: str, url: str) -> str:
+    """Return `url` without a trailing slash; raise `InvalidInputError` unless it is a server's base URL."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError when out of range or not a number
+    except ValueError as e:
+        raise InvalidInputError(f"{flag} {url!r} is not a valid URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidInputError(
+            f"{flag} {url!r} must be an http:// or https:// URL with a host, e.g. http://10.0.0.5:8100")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise InvalidInputError(
+            f"{flag} {url!r} must be the server's base URL, without a path (the proxy adds /v1/...)")
+    return url.rstrip("/")
+
+
+def parse_urls(flag: str, text: str) -> tuple[str, ...]:
+    """Split a comma-separated `--prefill` / `--decode` value into checked base URLs.
+
+    **Arguments:** `flag`, the option's name (for messages); `text`, e.g.
+    `"http://10.0.0.5:8100,http://10.0.0.6:8100"`.
+
+    **Returns:** the URLs without trailing slashes, in the order given.
+    Raises `InvalidInputError` naming the first bad value.
+    """
+    urls = tuple(check_url(flag, u.strip()) for u in text.split(",") if u.strip())
+    if not urls:
+        raise InvalidInputError(f"{flag} needs at least one URL, got {text!r}")
+    return urls
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Where the proxy listens and which P and D instances it routes to.
+
+    `prefill` and `decode` are base URLs (`parse_urls`); `health_timeout_s`
+    bounds each upstream's `/health` answer, `connect_timeout_s` each
+    connection to an upstream.
+    `prefill_timeout_s` (`--prefill-timeout`) bounds P's whole answer: its queue, the
+    prompt's prefill and the transfer's start. The default, 600 s, leaves a busy P many
+    minutes for a prompt of hundreds of thousands of tokens, yet frees a hung one.
+    `decode_timeout_s` (`--decode-timeout`) bounds D's answer, from P's answer to D's last
+    byte. The default, 3600 s, lets a long generation finish (30k tokens at 10 tokens/s
+    under load), yet frees a D that stalls. A P over its time is a 504 and D is not asked;
+    a D over its time is a 504 or, once its answer has begun, an ended stream.
+    `max_body_mb`: the largest request body taken (`--max-body-mb`); a larger one
+    is a 413 in the OpenAI shape before P or D see it. The default, 64 MiB, takes a
+    chat with a few base64 images or a 200k-token prompt as ids (about 1.4 MB).
+    `prefill_max_bytes` (`--prefill-max-bytes`): the most of P's answer read, so that a P
+    answering without end (streaming, say) cannot grow the proxy; more is a 502. The
+    default, 4 MiB, is thousands of times a one-token answer with its `kv_transfer_params`.
+    """
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    health_timeout_s: float = 5.0
+    connect_timeout_s: float = 10.0
+    stream: bool = False
+    max_body_mb: float = 64.0
+    prefill_timeout_s: float = 600.0
+    decode_timeout_s: float = 3600.0
+    prefill_max_bytes: int = 4 << 20
+    route: str = "prefix"
+    local_prefill_tokens: int = 512
+    route_imbalance: int = 4
+    health_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
+            if isinstance(urls, str) or not urls:
+                raise InvalidInputError(f"{flag} needs a non-empty sequence of URLs, got {urls!r}")
+            object.__setattr__(self, flag[2:], tuple(check_url(flag, u) for u in urls))
+        if not is_int(self.port) or not 1 <= self.port <= 65535:
+            raise InvalidInputError(f"--port must be in 1-65535, got {self.port!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise InvalidInputError(f"--host must be a host name or address, got {self.host!r}")
+        if not isinstance(self.stream, bool):
+            raise InvalidInputError(f"stream must be a bool, got {self.stream!r}")
+        if (isinstance(self.max_body_mb, bool) or not isinstance(self.max_body_mb, (int, float))
+                or not 0 < self.max_body_mb <= 4096):
+            raise InvalidInputError(f"--max-body-mb must be a number in (0, 4096], got "
+                                    f"{self.max_body_mb!r}")
+        for name in ("health_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidInputError(f"{name} must be a positive number of seconds, got {value!r}")
+        for flag, value in (("--prefill-timeout", self.prefill_timeout_s),
+                            ("--decode-timeout", self.decode_timeout_s)):
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                    or not math.isfinite(value)):
+                raise InvalidInputError(f"{flag} must be a positive, finite number of seconds, "
+                                        f"got {value!r}")
+        if not is_int(self.prefill_max_bytes) or not self.prefill_max_bytes > 0:
+            raise InvalidInputError(f"--prefill-max-bytes must be a positive int, got "
+                                    f"{self.prefill_max_bytes!r}")
+        value = self.health_interval_s
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                or not math.isfinite(value)):
+            raise InvalidInputError(f"--health-interval must be a positive, finite number of "
+                                    f"seconds, got {value!r}")
+        self.router()  # refuses a bad --route, --local-prefill-tokens or --route-imbalance
+
+    def router(self) -> Router:
+        """A fresh `Router` over these instances with these settings."""
+        return Router(self.prefill, self.decode, self.route, self.local_prefill_tokens,
+                      self.route_imbalance)
+
+
+class Upstreams:
+    """The session to the upstreams and the router that picks among them."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.router = config.router()
+        self.sized: set[str] = set()  # upstreams whose KV cache size was asked for
+        self._session: aiohttp.ClientSession | None = None
+        self.kv: dict[str, dict[str, Any]] = {}  # P url -> its kvxfer address, once known
+
+    def learn(self, url: str, params: dict[str, Any]) -> None:
+        """Keep P's kvxfer address from its `kv_transfer_params` (a P restarted elsewhere is
+        learned again from its next answer)."""
+        address = {key: params.get(key) for key in ("peer", "host", "port")}
+        if isinstance(address["peer"], str) and isinstance(address["host"], str) and is_int(
+                address["port"]):
+            self.kv[url] = address
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise SetupError("the proxy's upstream session opens when its app starts "
+                             "(serve, or an aiohttp.web.AppRunner)")
+        return self._session
+
+    async def open(self) -> None:
+        # No limit on connections: each streamed answer holds one for its whole generation.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def error(status: int, message: str, kind: str, **extra: Any) -> web.Response:
+    """An OpenAI-style error answer made by the proxy itself."""
+    return web.json_response({"error": {"message": message, "type": kind, "code": status, **extra}},
+                             status=status)
+
+
+def unreachable(role: str, url: str, exc: BaseException) -> web.Response:
+    reason = str(exc) or type(exc).__name__
+    log.warning("%s instance %s failed: %s", role, url, reason)
+    return error(502, f"{role} instance {url} failed: {reason}", "upstream_unreachable", upstream=url)
+
+
+class Unreached(Exception):
+    """An upstream (`role` prefill or decode) could not be connected to: the request never
+    reached it. `answer` is its 502."""
+
+    def __init__(self, answer: web.Response, role: str) -> None:
+        super().__init__(answer.text)
+        self.answer, self.role = answer, role
+
+
+def timed_out(role: str, url: str, flag: str, timeout_s: float, request_id: str) -> web.Response:
+    """The 504 for an upstream that did not answer within `flag`'s `timeout_s`."""
+    log.warning("request %s: %s instance %s did not answer within %s %g s", request_id, role, url,
+                flag, timeout_s)
+    return error(504, f"{role} instance {url} did not answer within {flag} {timeout_s:g} s",
+                  "upstream_timeout", upstream=url)
+
+
+def connected(request: web.Request) -> bool:
+    """Whether the client's connection is still open."""
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
+
+
+def passed_through(status: int, body: bytes, content_type: str | None) -> web.Response:
+    """An upstream's answer, status and body unchanged."""
+    headers = {"Content-Type": content_type} if content_type else None
+    return web.Response(status=status, body=body, headers=headers)
+
+
+def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """P's request for the client's `body`: one token, not streamed, KV kept for D."""
+    sent = {k: v for k, v in body.items() if k not in _DROPPED_FOR_PREFILL}
+    sent.update(stream=False, max_tokens=1, kv_transfer_params=dict(PREFILL_PARAMS))
+    if "max_completion_tokens" in body:
+        sent["max_completion_tokens"] = 1
+    return sent
+
+
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """`resp`'s body, or None (not reading on) once it is over `limit` bytes."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    data = bytearray()
+    while chunk := await resp.content.read(limit + 1 - len(data)):
+        data += chunk
+        if len(data) > limit:
+            return None
+    return bytes(data)
+
+
+async def _ask_prefill(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
+                       headers: dict[str, str], limit: int
+                       ) -> tuple[int, bytes, str | None] | web.Response:
+    """P's status, body and content type for `body`, or the 502 when P at `url` fails or
+    answers more than `limit` bytes (its request is then closed: P aborts it); raises
+    `Unreached` (with that 502) when no connection to P could be made."""
+    try:
+        async with session.post(url + path, json=body, headers=headers) as resp:
+            data = await _read_at_most(resp, limit)
+            if data is None:
+                resp.close()
+                log.warning("prefill instance %s answered over --prefill-max-bytes %d for %s", url,
+                            limit, headers[REQUEST_ID])
+                return error(502, f"prefill instance {url} answered more than --prefill-max-bytes "
+                              f"{limit} bytes", "bad_upstream_response", upstream=url)
+            return resp.status, data, resp.headers.get("Content-Type")
+    except aiohttp.ClientConnectorError as e:  # no connection: nothing reached P
+        raise Unreached(unreachable("prefill", url, e), "prefill") from None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return unreachable("prefill", url, e)
+
+
+async def prefill_part(upstreams: Upstreams, url: str, path: str, body: dict[str, Any],
+                   headers: dict[str, str], stream: str | None = None
+                   ) -> dict[str, Any] | web.Response:
+    """Run P's part at `url` (streamed to D under `stream`, if given) within `--prefill-timeout`;
+    return P's `kv_transfer_params`, or the answer the client gets instead."""
+    sent = _prefill_body(body)
+    if stream is not None:
+        sent["kv_transfer_params"]["stream"] = stream
+    timeout_s, limit = upstreams.config.prefill_timeout_s, upstreams.config.prefill_max_bytes
+    try:  # a timeout inside _ask_prefill is its 502: one that comes out is this one
+        answer = await asyncio.wait_for(
+            _ask_prefill(upstreams.session, url, path, sent, headers, limit), timeout_s)
+    except asyncio.TimeoutError:
+        return timed_out("prefill", url, "--prefill-timeout", timeout_s, headers[REQUEST_ID])
+    if isinstance(answer, web.Response):
+        return answer
+    status, data, content_type = answer
+    if not 200 <= status < 300:
+        log.debug("prefill instance %s answered %s for %s", url, status, headers[REQUEST_ID])
+        return passed_through(status, data, content_type)
+    try:
+        params = json.loads(data).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return error(502, f"prefill instance {url} answered {status} with a body that is not a "
+                      f"JSON object", "bad_upstream_response", upstream=url)
+    if not isinstance(params, dict) or not params:
+        return error(502, f"prefill instance {url} returned no kv_transfer_params: is it started "
+                      f"with a kv_producer --kv-transfer-config?", "bad_upstream_response", upstream=url)
+    upstreams.learn(url, params)
+    return params
+
+
+async def _relay(request: web.Request, resp: aiohttp.ClientResponse, out: web.StreamResponse,
+                 request_id: str, transfer: str) -> web.StreamResponse:
+    """Send `resp` to the client through `out` as it arrives: status, content type and body,
+    chunk by chunk."""
+    out.set_status(resp.status, resp.reason)
+    if "Content-Type" in resp.headers:
+        out.headers["Content-Type"] = resp.headers["Content-Type"]
+    out.headers[REQUEST_ID] = request_id
+    out.headers[TRANSFER] = transfer
+    if resp.content_length is not None and "Content-Encoding" not in resp.headers:
+        out.content_length = resp.content_length
+    await out.prepare(request)
+    async for chunk in resp.content.iter_any():
+        await out.write(chunk)
+    await out.write_eof()
+    return out
+
+
+def drop(sent: asyncio.Future) -> None:
+    """Cancel the request `sent` to D, closing D's answer if it has come (D aborts the request)."""
+
+    def close(done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            done.result().close()
+
+    sent.add_done_callback(close)
+    sent.cancel()
+
+
+async def decode_part(request: web.Request, upstreams: Upstreams, route: Route, sent: asyncio.Future,
+                  headers: dict[str, str], transfer: str) -> web.StreamResponse:
+    """Relay D's answer to the request `sent` to `route`'s D within `--decode-timeout`: a D over
+    its time is a 504 or, once the client has D's status, an ended stream. Whatever way this
+    ends, D's answer is closed."""
+    url, timeout_s = route.decode, upstreams.config.decode_timeout_s
+    out = web.StreamResponse(headers={ROUTE: route.header()})
+    try:  # errors inside _relayed are its own: a timeout that comes out is this one
+        return await asyncio.wait_for(_relayed(request, url, sent, out, headers, transfer), timeout_s)
+    except asyncio.TimeoutError:
+        if not out.prepared:
+            return timed_out("decode", url, "--decode-timeout", timeout_s, headers[REQUEST_ID])
+        # As when D breaks off: dropping the client's connection says the answer is incomplete.
+        log.warning("request %s: decode instance %s did not finish within --decode-timeout %g s; "
+                    "ending the stream", headers[REQUEST_ID], url, timeout_s)
+        raise
+    finally:
+        drop(sent)
+
+
+async def _relayed(request: web.Request, url: str, sent: asyncio.Future, out: web.StreamResponse,
+                   headers: dict[str, str], transfer: str) -> web.StreamResponse:
+    """D's answer to the request `sent` relayed through `out`, or the 502 when D fails; raises
+    `Unreached` (with that 502) when no connection to D could be made."""
+    try:
+        resp = await sent
+    except aiohttp.ClientConnectorError as e:  # no connection: nothing reached D
+        raise Unreached(unreachable("decode", url, e), "decode") from None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return unreachable("decode", url, e)
+    async with resp:
+        try:
+            return await _relay(request, resp, out, headers[REQUEST_ID], transfer)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            if connected(request):  # else the client left, which _for_client logs
+                # The client already has D's status: dropping its connection is the
+                # only way left to tell it that the answer is incomplete.
+                log.warning("request %s: relaying decode instance %s broke off: %r",
+                            headers[REQUEST_ID], url, e)
+            raise
+
+
+async def _down_reason(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    """Why `url`'s `/health` does not answer 2xx, or None when it does."""
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return None if 200 <= resp.status < 300 else f"/health answered {resp.status}"
+    except asyncio.TimeoutError:
+        return f"/health did not answer within {timeout_s} s"
+    except aiohttp.ClientError as e:
+        return str(e) or type(e).__name__
+
+
+async def check(upstreams: Upstreams) -> list[dict[str, str]]:
+    """Ask every P and D instance's `/health`; mark each up or down for the router; return those
+    down (role, url, reason)."""
+    config = upstreams.config
+    roles = [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
+    reasons = await asyncio.gather(*(_down_reason(upstreams.session, url, config.health_timeout_s)
+                                     for _, url in roles))
+    for (role, url), reason in zip(roles, reasons):
+        upstreams.router.mark(url, reason is None)
+        # D's device cache bounds what it holds; P's host pool may hold more than its cache.
+        if role == "decode" and reason is None and url not in upstreams.sized:
+            upstreams.sized.add(url)
+            tokens = await _cache_tokens(upstreams.session, url, config.health_timeout_s)
+            if tokens is not None:
+                upstreams.router.holds(url, tokens)
+    return [{"role": role, "url": url, "reason": reason}
+            for (role, url), reason in zip(roles, reasons) if reason is not None]
+
+
+async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: float) -> int | None:
+    """The tokens `url`'s KV cache holds, from its `/metrics`' `vllm:cache_config_info`
+    (`num_gpu_blocks` times `block_size`); None when it does not say."""
+    try:
+        async with session.get(url + "/metrics",
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            text = (await resp.content.read(1 << 22)).decode(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    info = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
+    blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    if not (blocks.isdigit() and size.isdigit()) or not int(blocks) * int(size):
+        return None
+    return int(blocks) * int(size)
+
+
+async def watch(upstreams: Upstreams) -> None:
+    """At start and then every `--health-interval`, take instances that stopped answering out
+    of routing and put back those that answer again."""
+    while True:
+        down = await check(upstreams)
+        if down:
+            log.warning("instances down, not routed to: %s",
+                        "; ".join(f"{d['role']} {d['url']} ({d['reason']})" for d in down))
+        await asyncio.sleep(upstreams.config.health_interval_s)
