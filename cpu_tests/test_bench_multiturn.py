@@ -206,3 +206,20 @@ def test_a_start_failure_that_is_not_the_pools_is_not_hidden(no_stack, tmp_path,
     monkeypatch.setattr(multiturn, "_stack", fails)
     with pytest.raises(subprocess.CalledProcessError):
         multiturn.run()
+
+
+def test_the_fleet_summary_compares_prefix_routing_with_local_prefill_to_the_other_policies(capsys):
+    from kvxfer.bench import fleet
+
+    def policy(later_ttft, held, again):
+        first = {"ttft_ms": [9000.0], "held_tokens": 0, "recomputed_tokens": 0}
+        return {"turns": [first] + [{"ttft_ms": [later_ttft], "held_tokens": held,
+                                     "recomputed_tokens": again}] * 3}
+
+    out = fleet.summary({"round_robin": policy(400.0, 100, 80), "prefix": policy(300.0, 100, 0),
+                         "prefix_local": policy(100.0, 100, 5), "cache_aware": policy(200.0, 0, 0)})
+    assert out["prefix_over_cache_aware"] == 0.5 and out["prefix_over_round_robin"] == 0.25
+    assert out["recompute_fraction"] == 0.05
+    assert out["p50_ttft_ms_later_turns"]["prefix"] == 300.0
+    assert main(["bench", "serve", "--fleet"]) == 2
+    assert "--fleet is an option of `kvxfer bench serve --multi-turn`" in capsys.readouterr().err

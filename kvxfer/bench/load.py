@@ -163,6 +163,33 @@ def started(run_dir: Path, how: Stack, settings: dict[str, str]) -> Iterator[dic
                        stdout=sys.stderr)
 
 
+@contextlib.contextmanager
+def front(run_dir: Path, name: str, port: int, argv: list[str]) -> Iterator[str]:
+    """A router (`argv`: `kvxfer proxy ...` or `vllm-router ...`, from `.venv-tpu`, listening
+    on `port`) until the block ends; yields its URL once its `/health` answers. Its log is
+    `run_dir/NAME.log`."""
+    url = f"http://127.0.0.1:{port}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([str(ROOT / ".venv-tpu" / "bin" / argv[0]), *argv[1:]], stdout=log,
+                            stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} did not start: see {log.name}") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
 def roles(urls: dict[str, str]) -> dict[str, str | None]:
     """P's and D's base URLs from `stack.env`'s addresses (D None for one colocated
     instance)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.bench.load import OUT, ROOT, STACKS, need_stack, ratio, started
+from kvxfer.bench.load import OUT, ROOT, STACKS, front, need_stack, ratio, started
 from kvxfer.bench.serve import stream
 
 __all__ = ["run", "threshold", "SUFFIXES"]
@@ -56,7 +55,10 @@ def run() -> dict[str, Any]:
     rng = np.random.default_rng(7)
     points: dict[int, dict[str, Any]] = {}
     with started(ROOT / ".pd" / "localprefill", STACKS["kvxfer"], {}) as urls, ExitStack() as stack:
-        fronts = {name: stack.enter_context(_proxy(name, urls["P_URL"], urls["D_URL"]))
+        fronts = {name: stack.enter_context(front(
+            ROOT / ".pd" / "localprefill", f"proxy-{name}", _PORTS[name],
+            ["kvxfer", "proxy", "--prefill", urls["P_URL"], "--decode", urls["D_URL"],
+             "--port", str(_PORTS[name]), *PROXIES[name]]))
                   for name in PROXIES}
         _turn(fronts["pd"], rng.integers(3, 500, TURN1).tolist(), ANSWER)  # compiles, unrecorded
         for n in SUFFIXES:
@@ -147,31 +149,6 @@ def _decoding(d_url: str, prompt: list[int]) -> Iterator[Any]:
     finally:
         stop.set()
         reader.join(120)
-
-
-@contextmanager
-def _proxy(name: str, p_url: str, d_url: str) -> Iterator[str]:
-    """A `kvxfer proxy` named `name` (`PROXIES`) in front of P and D, until the block ends."""
-    port, url = _PORTS[name], f"http://127.0.0.1:{_PORTS[name]}"
-    log = open(ROOT / ".pd" / "localprefill" / f"proxy-{name}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([str(ROOT / ".venv-tpu" / "bin" / "kvxfer"), "proxy", "--prefill", p_url,
-                             "--decode", d_url, "--port", str(port), *PROXIES[name]],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"proxy {name} did not start: see {log.name}") from None
-                time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def _p50(values: list[float]) -> float:

@@ -93,8 +93,8 @@ from kvxfer.bench.serve import block_bytes, stream
 from kvxfer.errors import InvalidInputError
 from kvxfer.plan.blocks import cdiv
 
-__all__ = ["run", "cache_blocks", "held_tokens", "labelled_deltas", "recompute", "summary", "table",
-           "wave_figures", "CONVERSATIONS"]
+__all__ = ["run", "cache_blocks", "held_tokens", "labelled_deltas", "pct", "recompute", "remember",
+           "routes", "summary", "table", "wave", "wave_figures", "CONVERSATIONS"]
 
 SYSTEM, USER, ANSWER, TURNS = 256, 96, 32, 4
 """System prompt, user message and answer tokens; turns per conversation."""
@@ -224,8 +224,8 @@ def wave_figures(answers: list[dict], held: int, before: dict, after: dict,
     ttft = [round(a["ttft_s"] * 1e3, 1) for a in done]
     tpot = [a["tpot_s"] * 1e3 for a in done if a.get("tpot_s") is not None]
     return {"requests": len(answers), "failed": len(answers) - len(done), "ttft_ms": ttft,
-            "p50_ttft_ms": _pct(ttft, 50), "p90_ttft_ms": _pct(ttft, 90),
-            "p50_tpot_ms": _pct(tpot, 50), "prompt_tokens": prompt, "held_tokens": held,
+            "p50_ttft_ms": pct(ttft, 50), "p90_ttft_ms": pct(ttft, 90),
+            "p50_tpot_ms": pct(tpot, 50), "prompt_tokens": prompt, "held_tokens": held,
             "device_hits": device, "connector_hits": connector,
             "computed_tokens": computed("P") + on_d, "computed_on_d": on_d,
             "recomputed_tokens": again, "recompute_fraction": fraction,
@@ -238,7 +238,7 @@ def summary(stacks: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for regime in CONVERSATIONS:
         later = {name: s[regime]["turns"][1:] for name, s in stacks.items()}
-        p50 = {name: _pct([x for t in turns for x in t["ttft_ms"]], 50)
+        p50 = {name: pct([x for t in turns for x in t["ttft_ms"]], 50)
                for name, turns in later.items()}
         fractions = {name: (round(sum(t["recomputed_tokens"] for t in turns)
                                   / sum(t["held_tokens"] for t in turns), 3)
@@ -286,7 +286,7 @@ def _stack(name: str, how: Stack, settings: dict[str, str]) -> dict[str, Any]:
         config = {role: _cache_config(url) for role, url in who.items() if url}
         block = config["P"]["block_size"]
         rng = np.random.default_rng(0)  # compiles, unrecorded: prompts nothing else starts with
-        _wave(front, [rng.integers(3, 500, USER + k * 64).tolist() for k in range(MAX_NUM_SEQS)],
+        wave(front, [rng.integers(3, 500, USER + k * 64).tolist() for k in range(MAX_NUM_SEQS)],
               max_tokens=8)
         out: dict[str, Any] = {"device_blocks": {r: c["num_gpu_blocks"] for r, c in config.items()},
                                "block_size": block}
@@ -309,12 +309,12 @@ def _regime(name: str, regime: str, n: int, seed: int, front: str, who: dict, ho
             history += rng.integers(3, 500, USER).tolist()
         prompts = [list(h) for h in histories]
         held = sum(held_tokens(p, seen, block) for p in prompts)
-        routed, before, start = _routes(proxy), scrape(who), time.perf_counter()
-        answers = _wave(front, prompts)
+        routed, before, start = routes(proxy), scrape(who), time.perf_counter()
+        answers = wave(front, prompts)
         wall = time.perf_counter() - start
         answered = sum(len(p) for p, a in zip(prompts, answers) if "error" not in a)
         turns.append(wave_figures(answers, held, before, scrape(who), how.d_workers, answered))
-        turns[-1]["routes"] = {c: n - routed.get(c, 0) for c, n in _routes(proxy).items()}
+        turns[-1]["routes"] = {c: n - routed.get(c, 0) for c, n in routes(proxy).items()}
         for prompt, history, answer in zip(prompts, histories, answers):
             remember(prompt, seen, block)
             history += answer.get("tokens", [])
@@ -341,7 +341,7 @@ def labelled_deltas(before: dict[str, float], after: dict[str, float]) -> dict[s
                                  if k.split(" ")[1].startswith(_BY_SOURCE) and v}}
 
 
-def _wave(url: str, prompts: list[list[int]], max_tokens: int = ANSWER) -> list[dict[str, Any]]:
+def wave(url: str, prompts: list[list[int]], max_tokens: int = ANSWER) -> list[dict[str, Any]]:
     """Every prompt at once, streamed: each one's TTFT, TPOT and answer tokens (or error)."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: _answer(url, p, max_tokens), prompts))
@@ -359,7 +359,7 @@ def _answer(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
             "tpot_s": (last - first) / (len(tokens) - 1) if len(tokens) > 1 else None}
 
 
-def _routes(proxy: str | None) -> dict[str, int]:
+def routes(proxy: str | None) -> dict[str, int]:
     """`kvxfer proxy`'s requests so far by choice (`pd`, `local`: D prefilled alone); {} without
     one."""
     out: dict[str, int] = {}
@@ -387,7 +387,7 @@ def _labelled(who: dict[str, str | None]) -> dict[str, float]:
             and not name.endswith(("_created", "_bucket"))}
 
 
-def _pct(values: list[float], q: int) -> float | None:
+def pct(values: list[float], q: int) -> float | None:
     return round(float(np.percentile(values, q)), 1) if values else None
 
 
