@@ -1126,3 +1126,157 @@ async def _until_checked(session, url: str, d_url: str) -> None:
                 return
         await asyncio.sleep(0.05)
     raise AssertionError("the proxy never checked D")
+
+
+def _metric(text: str, name: str, role: str, url: str) -> str:
+    return next(line.rsplit(" ", 1)[1] for line in text.splitlines()
+                if line.startswith(f'kvxfer_proxy_{name}{{role="{role}",url="{url}"}}'))
+
+
+def test_a_request_the_next_d_takes_over_is_in_flight_on_that_d_not_on_the_one_gone():
+    p, d1 = FakeVllm("P"), FakeVllm("D1", hold=True)
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            p_url = await stack.enter_async_context(serving(p.app()))
+            d1_url = await stack.enter_async_context(serving(d1.app()))
+            d2 = contextlib.AsyncExitStack()
+            d2_url = await d2.enter_async_context(serving(_vllm_metrics(8, 16)))
+            config = ProxyConfig(prefill=(p_url,), decode=(d2_url, d1_url), health_interval_s=3600)
+            url = await stack.enter_async_context(serving(build_app(config)))
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            await _until_checked(session, url, d2_url)
+            await d2.aclose()
+            asked = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+            await asyncio.wait_for(d1.holding.wait(), WAIT_S)
+            async with session.get(url + "/metrics") as r:
+                during = await r.text()
+            d1.release.set()
+            async with await asyncio.wait_for(asked, WAIT_S) as r:
+                assert r.status == 200 and "d_unreachable" in r.headers["X-Kvxfer-Route"]
+            async with session.get(url + "/metrics") as r:
+                return during, await r.text(), p_url, d1_url, d2_url
+
+    during, after, p_url, d1_url, d2_url = run(go())
+    assert [_metric(during, "in_flight", role, u) for role, u in (
+        ("prefill", p_url), ("decode", d1_url), ("decode", d2_url))] == ["1", "1", "0"]
+    assert [_metric(after, "in_flight", role, u) for role, u in (
+        ("prefill", p_url), ("decode", d1_url), ("decode", d2_url))] == ["0", "0", "0"]
+
+
+def _blackhole(port: int) -> list[socket.socket]:
+    """A socket listening on 127.0.0.1:`port` whose backlog is full: a connection to it is never
+    made (its SYNs are dropped), as to a host switched off. Close the sockets returned."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen(0)
+    held = [s]
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(("127.0.0.1", port))
+        held.append(c)
+    return held
+
+
+def test_a_d_whose_connection_times_out_is_marked_down_and_the_next_d_gets_the_request():
+    """Nothing reached a D whose TCP connection was never made (a host switched off): as one
+    that refuses it, the next D gets the request."""
+    p, d1 = FakeVllm("P"), FakeVllm("D1")
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            p_url = await stack.enter_async_context(serving(p.app()))
+            d1_url = await stack.enter_async_context(serving(d1.app()))
+            d2 = contextlib.AsyncExitStack()
+            d2_url = await d2.enter_async_context(serving(_vllm_metrics(8, 16)))
+            config = ProxyConfig(prefill=(p_url,), decode=(d2_url, d1_url), health_interval_s=3600,
+                                 connect_timeout_s=0.3)
+            url = await stack.enter_async_context(serving(build_app(config)))
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            await _until_checked(session, url, d2_url)
+            await d2.aclose()
+            for s in _blackhole(int(d2_url.rsplit(":", 1)[1])):
+                stack.callback(s.close)
+            async with session.post(url + "/v1/completions", json=BODY) as r:
+                return r.status, r.headers["X-Kvxfer-Route"], await r.json()
+
+    status, route, answer = run(go())
+    assert (status, answer) == (200, {"choices": [{"text": "decoded by D1"}]}), answer
+    assert "reason=d_unreachable" in route
+
+
+def _d_with_metrics(d: FakeVllm, text: str) -> web.Application:
+    app = d.app()
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=text)
+
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+@pytest.mark.parametrize("blocks", ["\u00b2", "9" * 5000])
+def test_a_d_whose_metrics_say_nonsense_does_not_stop_the_health_checks(blocks):
+    ds = [FakeVllm("D0"), FakeVllm("D1")]
+    metrics = f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n'
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            p_url = await stack.enter_async_context(serving(FakeVllm("P").app()))
+            d_urls = [await stack.enter_async_context(serving(_d_with_metrics(d, metrics)))
+                      for d in ds]
+            config = ProxyConfig(prefill=(p_url,), decode=tuple(d_urls), health_interval_s=0.05)
+            url = await stack.enter_async_context(serving(build_app(config)))
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            await asyncio.sleep(0.3)
+            ds[0].health = 503
+            await asyncio.sleep(0.5)
+            answers = []
+            for i in range(4):
+                async with session.post(url + "/v1/completions", json={**BODY, "prompt": f"q{i}"}) as r:
+                    answers.append((await r.json())["choices"][0]["text"])
+            return answers
+
+    assert run(go()) == ["decoded by D1"] * 4
+
+
+def test_in_stream_mode_a_d_that_cannot_be_reached_is_a_502_and_marked_down():
+    p = FakeVllm("P")
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            p_url = await stack.enter_async_context(serving(p.app()))
+            d = contextlib.AsyncExitStack()
+            d_url = await d.enter_async_context(serving(_vllm_metrics(8, 16)))
+            config = ProxyConfig(prefill=(p_url,), decode=(d_url,), stream=True,
+                                 health_interval_s=3600)
+            url = await stack.enter_async_context(serving(build_app(config)))
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            await _until_checked(session, url, d_url)
+            async with session.post(url + "/v1/completions", json=BODY) as r:
+                assert r.status == 200  # the proxy knows P's kvxfer address now
+            await d.aclose()
+            async with session.post(url + "/v1/completions", json=BODY) as r:
+                status, answer = r.status, await r.json()
+            async with session.get(url + "/metrics") as r:
+                return status, answer, await r.text(), d_url
+
+    status, answer, metrics, d_url = run(go())
+    assert status == 502 and d_url in answer["error"]["message"]
+    assert _metric(metrics, "up", "decode", d_url) == "0"
+
+
+def test_metrics_escape_a_url_s_quotes_and_backslashes():
+    config = ProxyConfig(prefill=("http://p\\x:1",), decode=('http://d"x:1',), health_interval_s=3600)
+
+    async def go():
+        async with serving(build_app(config)) as url, aiohttp.ClientSession() as session:
+            async with session.get(url + "/metrics") as r:
+                return await r.text()
+
+    metrics = run(go())
+    assert 'kvxfer_proxy_up{role="prefill",url="http://p\\\\x:1"} ' in metrics
+    assert 'kvxfer_proxy_up{role="decode",url="http://d\\"x:1"} ' in metrics

@@ -219,3 +219,37 @@ def test_an_instance_whose_cache_holds_fewer_tokens_is_believed_to_hold_no_more(
     assert len(router.decode.sent["http://d0"]) == 8
     with pytest.raises(InvalidInputError, match="positive number of tokens, got 0 for http://d0"):
         router.holds("http://d0", 0)
+
+
+def test_an_instance_marked_down_forgets_what_it_held_so_a_restarted_d_does_not_prefill_alone():
+    """A D that went down may come back restarted, its prefix cache empty: the conversation's
+    next turn goes through P, not to D to be recomputed whole."""
+    router = Router(PS[:1], DS[:1], local_prefill_tokens=512)
+    first = answered(router, ids(512), session="alice")
+    router.mark(first.decode, up=False)
+    router.mark(first.decode, up=True)
+    later = router.choose(completion(ids(512) + ids(64, 7)), session="alice")
+    assert later.choice == "pd" and later.decode == first.decode, later
+    assert later.expected_hit == 512, "P still holds it"
+    router.mark(first.decode, up=True)  # marked up again while up: nothing is forgotten
+    answered(router, ids(512))
+    router.mark(first.decode, up=True)
+    assert router.choose(completion(ids(520))).choice == "local"
+
+
+def test_no_salt_and_the_salt_named_none_are_different_tenants():
+    router = Router(PS, DS, local_prefill_tokens=512)
+    answered(router, Prompt.of("/v1/completions", {"model": "m", "prompt": ids(512)}))
+    for salt in ("None", ["x"], {"deep": [[[]]]}):
+        route = router.choose(Prompt.of("/v1/completions",
+                                        {"model": "m", "cache_salt": salt, "prompt": ids(520)}))
+        assert route.choice == "pd" and route.expected_hit == 0, salt
+    route = router.choose(Prompt.of("/v1/completions", {"model": "None", "prompt": ids(520)}))
+    assert route.expected_hit == 0, "no model and the model named None differ too"
+
+
+def test_an_empty_session_header_is_no_session():
+    router = Router(PS, DS)
+    first = router.choose(completion(ids(64, 1)), session="")
+    assert router.choose(completion(ids(64, 500)), session="").decode != first.decode
+    assert router.sessions == {} and router.counts[("pd", "session")] == 0

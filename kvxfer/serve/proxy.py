@@ -175,7 +175,7 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     prompt = Prompt.of(request.path, body)
     route = upstreams.router.choose(prompt, request.headers.get(_SESSION))
     log.debug("request %s: %s", headers[REQUEST_ID], route.header())
-    upstreams.router.started(route)
+    upstreams.router.started(route)  # moved to another route's instances by _instead
     answer, used = None, route
     try:
         answer, used = await _routed(request, upstreams, route, body, headers)
@@ -196,14 +196,30 @@ async def _routed(request: web.Request, upstreams: Upstreams, route: Route, body
     try:
         return await _through_p(request, upstreams, route, body, headers)
     except Unreached as e:
+        if e.role == "decode":  # streamed: P is already prefilling for this D
+            upstreams.router.mark(route.decode, up=False)
         if e.role != "prefill" or not upstreams.config.local_prefill_tokens:
             return e.answer, route
     upstreams.router.mark(route.prefill, up=False)
     local = upstreams.router.instead_of_p(route)
     log.warning("request %s: prefill instance %s cannot be reached; decode instance %s "
                 "prefills it alone", headers[REQUEST_ID], route.prefill, route.decode)
-    return await _to_d(request, upstreams, local, {**body, "kv_transfer_params": LOCAL_PARAMS},
-                       headers, "local")
+    return await _instead(upstreams, route, local, _to_d(
+        request, upstreams, local, {**body, "kv_transfer_params": LOCAL_PARAMS}, headers, "local"))
+
+
+async def _instead(upstreams: Upstreams, route: Route, other: Route,
+                   work: Coroutine[Any, Any, tuple[web.StreamResponse, Route]]
+                   ) -> tuple[web.StreamResponse, Route]:
+    """`work`'s answer, `route`'s request being in flight on `other`'s instances meanwhile (and on
+    `route`'s again however it ends, for `_route` to finish)."""
+    upstreams.router.finished(route)
+    upstreams.router.started(other)
+    try:
+        return await work
+    finally:
+        upstreams.router.finished(other)
+        upstreams.router.started(route)
 
 
 async def _through_p(request: web.Request, upstreams: Upstreams, route: Route,
@@ -227,19 +243,19 @@ async def _to_d(request: web.Request, upstreams: Upstreams, route: Route, d_body
     """D's answer to `d_body`, and the route it took: a D that cannot be connected to (nothing
     reached it) is marked down and the next D that is up gets the same request (P's params
     name P, whom any D can read from; a local prefill is then computed whole)."""
-    while True:
-        sent = asyncio.ensure_future(upstreams.session.post(route.decode + request.path,
-                                                            headers=headers, json=d_body))
-        try:
-            return await decode_part(request, upstreams, route, sent, headers, transfer), route
-        except Unreached as e:
-            upstreams.router.mark(route.decode, up=False)
-            other = upstreams.router.other_decode(route)
-            if other is None:
-                return e.answer, route
-            log.warning("request %s: decode instance %s cannot be reached; asking %s",
-                        headers[REQUEST_ID], route.decode, other.decode)
-            route = other
+    sent = asyncio.ensure_future(upstreams.session.post(route.decode + request.path,
+                                                        headers=headers, json=d_body))
+    try:
+        return await decode_part(request, upstreams, route, sent, headers, transfer), route
+    except Unreached as e:
+        upstreams.router.mark(route.decode, up=False)
+        other = upstreams.router.other_decode(route)
+        if other is None:  # each D tried is marked down: this ends
+            return e.answer, route
+    log.warning("request %s: decode instance %s cannot be reached; asking %s",
+                headers[REQUEST_ID], route.decode, other.decode)
+    return await _instead(upstreams, route, other,
+                          _to_d(request, upstreams, other, d_body, headers, transfer))
 
 
 async def _streamed(request: web.Request, upstreams: Upstreams, route: Route,
@@ -296,13 +312,18 @@ async def _metrics(request: web.Request) -> web.Response:
             for url in instances.urls:
                 value = instances.in_flight[url] if name == "in_flight" else int(
                     url not in instances.down)
-                lines.append(f'kvxfer_proxy_{name}{{role="{role}",url="{url}"}} {value}')
+                lines.append(f'kvxfer_proxy_{name}{{role="{role}",url="{_label(url)}"}} {value}')
     lines += ["# HELP kvxfer_proxy_cache_tokens Tokens the instance's KV cache holds (from its "
               "vllm:cache_config_info): the most the proxy believes it holds.",
               "# TYPE kvxfer_proxy_cache_tokens gauge"]
-    lines += [f'kvxfer_proxy_cache_tokens{{role="decode",url="{url}"}} {tokens}'
+    lines += [f'kvxfer_proxy_cache_tokens{{role="decode",url="{_label(url)}"}} {tokens}'
               for url, tokens in router.decode.capacity.items()]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _label(value: str) -> str:
+    """`value` as a Prometheus label value: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def check_listen(host: str, port: int) -> None:

@@ -74,7 +74,7 @@ class Prompt:
         router does not read (a batch of prompts, a missing or malformed one: vLLM answers it).
         The chain starts from the body's `model` and `cache_salt`: as in vLLM's block hashes,
         prompts under another model (a LoRA adapter) or another tenant's salt never match."""
-        root = hash((str(body.get("model")), str(body.get("cache_salt"))))
+        root = hash(tuple(_key(body.get(k)) for k in ("model", "cache_salt")))
         try:
             if path.endswith("/chat/completions"):
                 messages = body.get("messages")
@@ -92,6 +92,12 @@ class Prompt:
             return Prompt(_chain(root, (c for c in spans if len(c) == IDS_PER_SPAN)), len(prompt),
                           IDS_PER_SPAN)
         return None
+
+
+def _key(value: Any) -> str | tuple[str, str] | None:
+    """`model` or `cache_salt` as part of a chain's root: no salt and the salt `"None"` differ,
+    and a value vLLM would refuse (not a string) is never written out."""
+    return value if value is None or isinstance(value, str) else ("?", type(value).__name__)
 
 
 def _message(message: Any) -> str:
@@ -222,7 +228,8 @@ class Router:
 
     def choose(self, prompt: Prompt | None, session: str | None = None) -> Route:
         """Where a request with `prompt` (None: unread) and the client's `session` goes; the
-        route is counted, and the session's D remembered."""
+        route is counted, and the session's D remembered (an empty `session` is none)."""
+        session = session or None
         if self.policy == "round_robin":
             route = Route(self._turn(self.prefill), self._turn(self.decode), 0, "round_robin")
             self.counts[(route.choice, route.reason)] += 1
@@ -310,9 +317,12 @@ class Router:
         return other
 
     def mark(self, url: str, up: bool) -> None:
-        """Route to `url` again (`up`) or not until it is marked up."""
+        """Route to `url` again (`up`) or not until it is marked up. An instance marked down
+        forgets what it was sent: it may come back restarted, its prefix cache empty."""
         for role in (self.prefill, self.decode):
             if url in role.urls:
+                if not up and url not in role.down:
+                    role.sent[url].clear()
                 (role.down.discard if up else role.down.add)(url)
 
     def any_decode(self) -> str:

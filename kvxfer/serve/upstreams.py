@@ -40,6 +40,11 @@ _DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 """Fields P must not see: `stream_options` needs `stream`, and a minimum above
 P's one token would be refused (vLLM's NIXL proxy drops the same)."""
 
+NOT_CONNECTED = (aiohttp.ClientConnectorError,
+                 getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ServerTimeoutError))
+"""What a request to an upstream raises when no connection was made, refused or timed out (the
+session's only timeout is `sock_connect`): nothing reached the upstream."""
+
 REQUEST_ID, TRANSFER, ROUTE = "X-Request-Id", "X-Kvxfer-Transfer", "X-Kvxfer-Route"
 """The headers P and D share the request's id in, and that say how the KV moved and the route."""
 
@@ -269,7 +274,7 @@ async def _ask_prefill(session: aiohttp.ClientSession, url: str, path: str, body
                 return error(502, f"prefill instance {url} answered more than --prefill-max-bytes "
                               f"{limit} bytes", "bad_upstream_response", upstream=url)
             return resp.status, data, resp.headers.get("Content-Type")
-    except aiohttp.ClientConnectorError as e:  # no connection: nothing reached P
+    except NOT_CONNECTED as e:  # no connection: nothing reached P
         raise Unreached(unreachable("prefill", url, e), "prefill") from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return unreachable("prefill", url, e)
@@ -362,7 +367,7 @@ async def _relayed(request: web.Request, url: str, sent: asyncio.Future, out: we
     `Unreached` (with that 502) when no connection to D could be made."""
     try:
         resp = await sent
-    except aiohttp.ClientConnectorError as e:  # no connection: nothing reached D
+    except NOT_CONNECTED as e:  # no connection: nothing reached D
         raise Unreached(unreachable("decode", url, e), "decode") from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return unreachable("decode", url, e)
@@ -398,6 +403,8 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
                                      for _, url in roles))
     for (role, url), reason in zip(roles, reasons):
         upstreams.router.mark(url, reason is None)
+        if reason is not None:  # it may come back restarted, its KV cache another size
+            upstreams.sized.discard(url)
         # D's device cache bounds what it holds; P's host pool may hold more than its cache.
         if role == "decode" and reason is None and url not in upstreams.sized:
             upstreams.sized.add(url)
@@ -420,7 +427,8 @@ async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: flo
     info = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
     labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
     blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
-    if not (blocks.isdigit() and size.isdigit()) or not int(blocks) * int(size):
+    digits = re.compile(r"[0-9]{1,15}")  # not str.isdigit: "²" is a digit int() refuses
+    if not (digits.fullmatch(blocks) and digits.fullmatch(size)) or not int(blocks) * int(size):
         return None
     return int(blocks) * int(size)
 
@@ -429,7 +437,12 @@ async def watch(upstreams: Upstreams) -> None:
     """At start and then every `--health-interval`, take instances that stopped answering out
     of routing and put back those that answer again."""
     while True:
-        down = await check(upstreams)
+        try:
+            down = await check(upstreams)
+        except Exception:  # an upstream's odd answer must not end the checks for good
+            log.exception("health check failed; trying again in %g s",
+                          upstreams.config.health_interval_s)
+            down = None
         if down:
             log.warning("instances down, not routed to: %s",
                         "; ".join(f"{d['role']} {d['url']} ({d['reason']})" for d in down))
