@@ -1159,7 +1159,7 @@ def test_a_request_the_next_d_takes_over_is_in_flight_on_that_d_not_on_the_one_g
 
     during, after, p_url, d1_url, d2_url = run(go())
     assert [_metric(during, "in_flight", role, u) for role, u in (
-        ("prefill", p_url), ("decode", d1_url), ("decode", d2_url))] == ["1", "1", "0"]
+        ("prefill", p_url), ("decode", d1_url), ("decode", d2_url))] == ["0", "1", "0"]
     assert [_metric(after, "in_flight", role, u) for role, u in (
         ("prefill", p_url), ("decode", d1_url), ("decode", d2_url))] == ["0", "0", "0"]
 
@@ -1280,3 +1280,32 @@ def test_metrics_escape_a_url_s_quotes_and_backslashes():
     metrics = run(go())
     assert 'kvxfer_proxy_up{role="prefill",url="http://p\\\\x:1"} ' in metrics
     assert 'kvxfer_proxy_up{role="decode",url="http://d\\"x:1"} ' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_is_in_flight_on_p_only_until_p_has_answered(stream):
+    """P's work ends with its answer: a long generation on D does not make P look loaded."""
+    p, d = FakeVllm("P"), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], stream=stream) as (session, url):
+            if stream:
+                await _learn_p_address(session, url, d)
+            d.hold = True
+            asked = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+            await asyncio.wait_for(d.holding.wait(), WAIT_S)
+            await _until(lambda: len(p.seen) == 1 + stream, "P answered")
+            await asyncio.sleep(0.1)
+            async with session.get(url + "/metrics") as r:
+                during = await r.text()
+            d.release.set()
+            async with await asyncio.wait_for(asked, WAIT_S) as r:
+                assert r.status == 200
+            async with session.get(url + "/metrics") as r:
+                return during, await r.text()
+
+    during, after = run(go())
+    assert [line.rsplit(" ", 1)[1] for line in during.splitlines()
+            if line.startswith("kvxfer_proxy_in_flight{")] == ["0", "1"]
+    assert [line.rsplit(" ", 1)[1] for line in after.splitlines()
+            if line.startswith("kvxfer_proxy_in_flight{")] == ["0", "0"]

@@ -50,11 +50,12 @@ kvxfer imports it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import uuid
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -98,6 +99,7 @@ _FORWARDED_HEADERS = ("Authorization",)
 _SESSION = "X-Session-Id"
 
 _UPSTREAMS = web.AppKey("upstreams", Upstreams)
+_T = TypeVar("_T")
 
 
 async def _disconnected(request: web.Request) -> None:
@@ -209,8 +211,7 @@ async def _routed(request: web.Request, upstreams: Upstreams, route: Route, body
 
 
 async def _instead(upstreams: Upstreams, route: Route, other: Route,
-                   work: Coroutine[Any, Any, tuple[web.StreamResponse, Route]]
-                   ) -> tuple[web.StreamResponse, Route]:
+                   work: Coroutine[Any, Any, _T]) -> _T:
     """`work`'s answer, `route`'s request being in flight on `other`'s instances meanwhile (and on
     `route`'s again however it ends, for `_route` to finish)."""
     upstreams.router.finished(route)
@@ -234,8 +235,13 @@ async def _through_p(request: web.Request, upstreams: Upstreams, route: Route,
     if isinstance(params, web.Response):
         return params, route
     log.debug("request %s prefilled; params %s", headers[REQUEST_ID], params)
-    return await _to_d(request, upstreams, route, {**body, "kv_transfer_params": params},
-                       headers, "params")
+    return await _instead(upstreams, route, _past_p(route), _to_d(
+        request, upstreams, route, {**body, "kv_transfer_params": params}, headers, "params"))
+
+
+def _past_p(route: Route) -> Route:
+    """`route` once P has answered: what is in flight is on its D alone."""
+    return dataclasses.replace(route, prefill=None)
 
 
 async def _to_d(request: web.Request, upstreams: Upstreams, route: Route, d_body: dict[str, Any],
@@ -274,7 +280,8 @@ async def _streamed(request: web.Request, upstreams: Upstreams, route: Route,
     if isinstance(params, web.Response):  # D would wait for a stream P never fills
         drop(sent)
         return params
-    return await decode_part(request, upstreams, route, sent, headers, "stream")
+    return await _instead(upstreams, route, _past_p(route),
+                          decode_part(request, upstreams, route, sent, headers, "stream"))
 
 
 async def _models(request: web.Request) -> web.Response:
