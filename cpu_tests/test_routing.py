@@ -126,12 +126,12 @@ def test_instances_marked_down_are_not_chosen_until_marked_up_and_all_down_means
     assert four() == set(DS)
 
 
-def test_each_instance_forgets_its_least_recently_sent_spans_beyond_its_bound():
+def test_each_instance_forgets_its_least_recently_sent_spans_beyond_its_bound_end_first():
     router = Router(PS[:1], DS[:1], local_prefill_tokens=0, index_spans=8)
     answered(router, ids(128))  # 8 spans of 16
     assert router.decode.hit("http://d0", completion(ids(128))) == 128
-    answered(router, ids(64, 5000))  # 4 more: the first 4 go
-    assert router.decode.hit("http://d0", completion(ids(128))) == 0
+    answered(router, ids(64, 5000))  # 4 more: the last 4 of the first go, as vLLM evicts
+    assert router.decode.hit("http://d0", completion(ids(128))) == 64
     assert len(router.decode.sent["http://d0"]) == 8
 
 
@@ -212,9 +212,9 @@ def test_bad_settings_are_refused_naming_them(kwargs, flag):
 def test_an_instance_whose_cache_holds_fewer_tokens_is_believed_to_hold_no_more():
     router = Router(PS[:1], DS[:1], local_prefill_tokens=512)
     answered(router, ids(512))
-    router.holds("http://d0", 128)  # 8 spans: the first 24 of the prompt go
+    router.holds("http://d0", 128)  # 8 spans: the prompt's first 8 stay, its last 24 go
     assert len(router.decode.sent["http://d0"]) == 8
-    assert router.choose(completion(ids(512) + ids(8, 1))).choice == "pd"
+    assert router.decode.hit("http://d0", completion(ids(512) + ids(8, 1))) == 128
     answered(router, ids(64, 7000))
     assert len(router.decode.sent["http://d0"]) == 8
     with pytest.raises(InvalidInputError, match="positive number of tokens, got 0 for http://d0"):

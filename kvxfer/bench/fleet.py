@@ -47,7 +47,9 @@ from kvxfer.bench.serve import block_bytes
 
 __all__ = ["run", "summary", "POLICIES"]
 
-CONVERSATIONS = 4
+CONVERSATIONS = 3
+"""Conversations per policy: odd, so that round robin over two instances does not send a
+conversation's turns to one instance by chance."""
 TURNS = multiturn.TURNS
 POLICIES = {"round_robin": ["--route", "round_robin"],
             "prefix": ["--local-prefill-tokens", "0"],

@@ -174,8 +174,8 @@ class _Instances:
         if prompt is None:
             return
         sent, bound = self.sent[url], self.bound(url)
-        for h in prompt.chain:
-            sent[h] = None
+        for h in reversed(prompt.chain):  # the start most recent: it goes last, as vLLM evicts
+            sent[h] = None                 # a request's blocks from its end
             sent.move_to_end(h)
         while len(sent) > bound:
             sent.popitem(last=False)
