@@ -20,18 +20,19 @@ def completion(prompt) -> Prompt | None:
 
 
 def answered(router: Router, prompt, session: str | None = None):
-    """Route `prompt` (ids or a Prompt) and finish it answered; return its route."""
+    """Route `prompt` (ids or a Prompt), settle and finish it answered; return its route."""
     prompt = completion(prompt) if isinstance(prompt, list) else prompt
     route = router.choose(prompt, session)
     router.started(route)
     router.finished(route)
+    router.settled(route)
     router.answered(route, prompt)
     return route
 
 
 def test_unrelated_prompts_take_p_and_d_in_turn():
     router = Router(PS, DS, local_prefill_tokens=512)
-    routes = [router.choose(completion(ids(64, 10_000 * i))) for i in range(4)]
+    routes = [answered(router, ids(64, 10_000 * i)) for i in range(4)]
     assert [(r.prefill, r.decode, r.reason) for r in routes] == [
         ("http://p0", "http://d0", "turn"), ("http://p1", "http://d1", "turn")] * 2
     assert router.counts == {("pd", "turn"): 4}
@@ -103,10 +104,10 @@ def test_a_d_with_the_prefix_but_too_many_requests_in_flight_loses_to_the_least_
 
 def test_a_session_sticks_to_its_d_and_another_session_does_not():
     router = Router(PS, DS)
-    first = router.choose(completion(ids(64, 1)), session="alice")
-    assert [router.choose(completion(ids(64, 100 * i)), session="alice").decode
+    first = answered(router, completion(ids(64, 1)), session="alice")
+    assert [answered(router, completion(ids(64, 100 * i)), session="alice").decode
             for i in range(2, 5)] == [first.decode] * 3
-    assert router.choose(completion(ids(64, 9999)), session="bob").decode != first.decode
+    assert answered(router, completion(ids(64, 9999)), session="bob").decode != first.decode
     assert router.counts[("pd", "session")] == 3
 
 
@@ -192,9 +193,19 @@ def test_sessions_remembered_are_bounded(monkeypatch):
     assert len(router.sessions) == 3
 
 
+def test_a_request_is_counted_once_under_the_route_it_took_in_the_end():
+    router = Router(PS, DS)
+    route = router.choose(completion(ids(64)))
+    assert router.counts == {}, "nothing counted before the route is final"
+    other = router.other_decode(route)
+    local = router.instead_of_p(other)
+    router.settled(local)
+    assert router.counts == {("local", "p_unreachable"): 1}
+
+
 def test_round_robin_ignores_prefixes():
     router = Router(PS, DS, policy="round_robin", local_prefill_tokens=512)
-    routes = [router.choose(completion(ids(512) + ids(i))) for i in range(4)]
+    routes = [answered(router, ids(512) + ids(i)) for i in range(4)]
     assert [r.decode for r in routes] == list(DS) * 2 and all(r.choice == "pd" for r in routes)
     assert router.counts == {("pd", "round_robin"): 4}
 

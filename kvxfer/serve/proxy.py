@@ -184,6 +184,7 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
         return answer
     finally:
         upstreams.router.finished(route)
+        upstreams.router.settled(used)
         if answer is not None and 200 <= answer.status < 300:
             upstreams.router.answered(used, prompt)
 

@@ -228,12 +228,11 @@ class Router:
 
     def choose(self, prompt: Prompt | None, session: str | None = None) -> Route:
         """Where a request with `prompt` (None: unread) and the client's `session` goes; the
-        route is counted, and the session's D remembered (an empty `session` is none)."""
+        session's D is remembered (an empty `session` is none). The route is counted once it
+        is final (`settled`)."""
         session = session or None
         if self.policy == "round_robin":
-            route = Route(self._turn(self.prefill), self._turn(self.decode), 0, "round_robin")
-            self.counts[(route.choice, route.reason)] += 1
-            return route
+            return Route(self._turn(self.prefill), self._turn(self.decode), 0, "round_robin")
         d_url, d_hit, reason = self._pick(self.decode, prompt, self.sessions.get(hash(session)))
         p_best = max(self.prefill.hit(u, prompt) for u in self.prefill.candidates(self.imbalance))
         if (self.local_prefill_tokens and d_hit and prompt is not None and d_hit >= p_best
@@ -247,7 +246,6 @@ class Router:
             self.sessions.move_to_end(hash(session))
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
-        self.counts[(route.choice, route.reason)] += 1
         return route
 
     def _pick(self, role: _Instances, prompt: Prompt | None, sticky: str | None
@@ -276,6 +274,10 @@ class Router:
             self.prefill.in_flight[route.prefill] -= 1
         self.decode.in_flight[route.decode] -= 1
 
+    def settled(self, route: Route) -> None:
+        """Count a request under the route it took in the end (`counts`: only ever grows)."""
+        self.counts[(route.choice, route.reason)] += 1
+
     def answered(self, route: Route, prompt: Prompt | None) -> None:
         """`route`'s instances answered `prompt` (2xx): they hold it now."""
         if route.prefill is not None:
@@ -283,12 +285,9 @@ class Router:
         self.decode.remember(route.decode, prompt)
 
     def instead_of_p(self, route: Route) -> Route:
-        """`route` with D prefilling alone because its P could not be reached (recounted as
-        `local`, reason `p_unreachable`)."""
-        self.counts[(route.choice, route.reason)] -= 1
-        local = Route(None, route.decode, 0, "p_unreachable")
-        self.counts[(local.choice, local.reason)] += 1
-        return local
+        """`route` with D prefilling alone because its P could not be reached (`local`,
+        reason `p_unreachable`)."""
+        return Route(None, route.decode, 0, "p_unreachable")
 
     def holds(self, url: str, tokens: int) -> None:
         """`url`'s KV cache holds `tokens` tokens: remember no more of what it was sent (the
@@ -305,16 +304,13 @@ class Router:
 
     def other_decode(self, route: Route) -> Route | None:
         """`route` with the next D that is up instead of its own, which could not be reached
-        (recounted under reason `d_unreachable`); None when no other D is up."""
+        (reason `d_unreachable`); None when no other D is up."""
         others = [u for u in self.decode.candidates(1 << 62)
                   if u != route.decode and u not in self.decode.down]
         if not others:
             return None
-        self.counts[(route.choice, route.reason)] -= 1
-        other = Route(route.prefill, self.decode.take(others[0]), route.expected_hit,
-                      "d_unreachable")
-        self.counts[(other.choice, other.reason)] += 1
-        return other
+        return Route(route.prefill, self.decode.take(others[0]), route.expected_hit,
+                     "d_unreachable")
 
     def mark(self, url: str, up: bool) -> None:
         """Route to `url` again (`up`) or not until it is marked up. An instance marked down
