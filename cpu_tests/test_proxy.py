@@ -1078,16 +1078,7 @@ def test_a_d_that_stops_answering_is_marked_down_and_the_next_d_gets_the_request
 
     async def go():
         async with contextlib.AsyncExitStack() as stack:
-            p_url = await stack.enter_async_context(serving(p.app()))
-            d1_url = await stack.enter_async_context(serving(d1.app()))
-            d2 = contextlib.AsyncExitStack()
-            d2_url = await d2.enter_async_context(serving(_vllm_metrics(8, 16)))
-            config = ProxyConfig(prefill=(p_url,), decode=(d1_url, d2_url),
-                                 local_prefill_tokens=local, health_interval_s=3600)
-            url = await stack.enter_async_context(serving(build_app(config)))
-            session = await stack.enter_async_context(aiohttp.ClientSession())
-            await _until_checked(session, url, d2_url)
-            await d2.aclose()  # D2's port is closed now: nothing reaches it
+            url, session, _, _, d2_url = await _d2_gone(stack, p, d1, local_prefill_tokens=local)
             answers = []
             for i in range(3):  # Ds in turn: D1, D2 (gone: D1 instead), D1
                 async with session.post(url + "/v1/completions",
@@ -1118,6 +1109,24 @@ def test_a_d_that_cannot_be_reached_at_all_is_a_502_naming_it_when_no_other_d_is
     assert status == 502 and gone in answer["error"]["message"]
 
 
+async def _d2_gone(stack: contextlib.AsyncExitStack, p: FakeVllm, d1: FakeVllm,
+                   d2_first: bool = False, **config):
+    """P, D1 and a D2 that passed the proxy's first health check, then went away (its port
+    closed: nothing reaches it), with a proxy over them (`config`, D2 first in turn when
+    `d2_first`). Returns the proxy's URL, a client session, and P's, D1's and D2's URLs."""
+    p_url = await stack.enter_async_context(serving(p.app()))
+    d1_url = await stack.enter_async_context(serving(d1.app()))
+    d2 = contextlib.AsyncExitStack()
+    d2_url = await d2.enter_async_context(serving(_vllm_metrics(8, 16)))
+    decode = (d2_url, d1_url) if d2_first else (d1_url, d2_url)
+    app = build_app(ProxyConfig(prefill=(p_url,), decode=decode, health_interval_s=3600, **config))
+    url = await stack.enter_async_context(serving(app))
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    await _until_checked(session, url, d2_url)
+    await d2.aclose()
+    return url, session, p_url, d1_url, d2_url
+
+
 async def _until_checked(session, url: str, d_url: str) -> None:
     """Wait until the proxy at `url` has read D's KV cache size (its first health check)."""
     for _ in range(100):
@@ -1138,15 +1147,7 @@ def test_a_request_the_next_d_takes_over_is_in_flight_on_that_d_not_on_the_one_g
 
     async def go():
         async with contextlib.AsyncExitStack() as stack:
-            p_url = await stack.enter_async_context(serving(p.app()))
-            d1_url = await stack.enter_async_context(serving(d1.app()))
-            d2 = contextlib.AsyncExitStack()
-            d2_url = await d2.enter_async_context(serving(_vllm_metrics(8, 16)))
-            config = ProxyConfig(prefill=(p_url,), decode=(d2_url, d1_url), health_interval_s=3600)
-            url = await stack.enter_async_context(serving(build_app(config)))
-            session = await stack.enter_async_context(aiohttp.ClientSession())
-            await _until_checked(session, url, d2_url)
-            await d2.aclose()
+            url, session, p_url, d1_url, d2_url = await _d2_gone(stack, p, d1, d2_first=True)
             asked = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
             await asyncio.wait_for(d1.holding.wait(), WAIT_S)
             async with session.get(url + "/metrics") as r:
@@ -1188,16 +1189,8 @@ def test_a_d_whose_connection_times_out_is_marked_down_and_the_next_d_gets_the_r
 
     async def go():
         async with contextlib.AsyncExitStack() as stack:
-            p_url = await stack.enter_async_context(serving(p.app()))
-            d1_url = await stack.enter_async_context(serving(d1.app()))
-            d2 = contextlib.AsyncExitStack()
-            d2_url = await d2.enter_async_context(serving(_vllm_metrics(8, 16)))
-            config = ProxyConfig(prefill=(p_url,), decode=(d2_url, d1_url), health_interval_s=3600,
-                                 connect_timeout_s=0.3)
-            url = await stack.enter_async_context(serving(build_app(config)))
-            session = await stack.enter_async_context(aiohttp.ClientSession())
-            await _until_checked(session, url, d2_url)
-            await d2.aclose()
+            url, session, _, _, d2_url = await _d2_gone(stack, p, d1, d2_first=True,
+                                                        connect_timeout_s=0.3)
             for s in _blackhole(int(d2_url.rsplit(":", 1)[1])):
                 stack.callback(s.close)
             async with session.post(url + "/v1/completions", json=BODY) as r:

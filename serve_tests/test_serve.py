@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from serve_stack import ROOT, TIMEOUT_S, post, random_prompt
+from serve_stack import TIMEOUT_S, post, random_prompt
+
+from kvxfer.bench.load import front
 
 LOGPROB_TOL = 1e-3
 BLOCK = 64  # tokens per block: tpu-inference's page size for this model on CPU
@@ -146,28 +147,11 @@ def test_p_s_and_d_s_metrics_count_exactly_the_kv_that_moved(tp_stack):
 @contextlib.contextmanager
 def _proxy(stack, port: int, *flags: str, decode: str | None = None) -> Iterator[str]:
     """Another `kvxfer proxy` in front of `stack`'s P and D (or the D URLs `decode`), on
-    `port`, with `flags`."""
-    url, name = f"http://127.0.0.1:{port}", f"proxy-{port}"
-    log = open(stack.dir / f"{name}.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([str(ROOT / ".venv-tpu/bin/kvxfer"), "proxy", "--prefill",
-                             stack.p_url, "--decode", decode or stack.d_url, "--port", str(port),
-                             *flags],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5):
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, \
-                    (stack.dir / f"{name}.log").read_text()
-                time.sleep(0.2)
+    `port`, with `flags`; its log is `proxy-PORT.log` in the stack's directory."""
+    with front(stack.dir, f"proxy-{port}", port, [
+            "kvxfer", "proxy", "--prefill", stack.p_url, "--decode", decode or stack.d_url,
+            "--port", str(port), *flags]) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture(scope="module")
