@@ -24,9 +24,11 @@ request is dropped. Every answer says how its KV moved in
 `X-Kvxfer-Transfer` (`stream` or `params`).
 
 An upstream's error answer reaches the client with its own status and body;
-an upstream that cannot be reached, or a P that returns no
-`kv_transfer_params` (one not started as `kv_producer`), is a 502 that names
-the URL. A P that does not answer within `--prefill-timeout`, or a D within
+a P that returns no `kv_transfer_params` (one not started as `kv_producer`)
+is a 502 that names the URL. An upstream that cannot be connected to (nothing
+reached it) is marked down: for a D, the next D that is up gets the request;
+for a P, with local prefill on, D prefills the prompt alone; with neither,
+it is a 502 that names the URL. A P that does not answer within `--prefill-timeout`, or a D within
 `--decode-timeout`, is a 504 naming the URL and the flag (after P's, D is not
 asked); a D that runs over once its answer has begun ends the stream. Of P's
 answer the proxy reads at most `--prefill-max-bytes` (it needs only the
@@ -40,8 +42,9 @@ cancel a handler whose client left, so the proxy looks at the client's
 connection itself while it waits; a handler that is cancelled (an app run
 with `handler_cancellation=True`, or shutting down) closes them too.
 
-`GET /health` asks every upstream's `/health`; `GET /v1/models` is
-answered by a D instance.
+`GET /health` asks every upstream's `/health` (as the proxy itself does at
+start and every `--health-interval`, routing only to those that answer);
+`GET /v1/models` is answered by a D instance.
 
 This module needs aiohttp (`pip install 'kvxfer[proxy]'`); nothing else in
 kvxfer imports it.
