@@ -173,10 +173,15 @@ class _Instances:
     def remember(self, url: str, prompt: Prompt | None) -> None:
         if prompt is None:
             return
-        sent, bound = self.sent[url], self.bound(url)
+        sent = self.sent[url]
         for h in reversed(prompt.chain):  # the start most recent: it goes last, as vLLM evicts
             sent[h] = None                 # a request's blocks from its end
             sent.move_to_end(h)
+        self.trim(url)
+
+    def trim(self, url: str) -> None:
+        """Forget the least recently answered spans of `url` beyond its `bound`."""
+        sent, bound = self.sent[url], self.bound(url)
         while len(sent) > bound:
             sent.popitem(last=False)
 
@@ -234,9 +239,10 @@ class Router:
         if self.policy == "round_robin":
             return Route(self._turn(self.prefill), self._turn(self.decode), 0, "round_robin")
         d_url, d_hit, reason = self._pick(self.decode, prompt, self.sessions.get(hash(session)))
-        p_best = max(self.prefill.hit(u, prompt) for u in self.prefill.candidates(self.imbalance))
-        if (self.local_prefill_tokens and d_hit and prompt is not None and d_hit >= p_best
-                and prompt.tokens - d_hit <= self.local_prefill_tokens):
+        if (self.local_prefill_tokens and d_hit and prompt is not None
+                and prompt.tokens - d_hit <= self.local_prefill_tokens
+                and all(self.prefill.hit(u, prompt) <= d_hit
+                        for u in self.prefill.candidates(self.imbalance))):
             route = Route(None, d_url, d_hit, reason)
         else:
             p_url, p_hit, _ = self._pick(self.prefill, prompt, None)
@@ -298,9 +304,7 @@ class Router:
         for role in (self.prefill, self.decode):
             if url in role.urls:
                 role.capacity[url] = tokens
-                sent = role.sent[url]
-                while len(sent) > role.bound(url):
-                    sent.popitem(last=False)
+                role.trim(url)
 
     def other_decode(self, route: Route) -> Route | None:
         """`route` with the next D that is up instead of its own, which could not be reached
