@@ -1,4 +1,4 @@
-"""P's host pool (`host_pool_bytes`): a request added with its block hashes leaves its full
+"""The host pool (`host_pool_bytes`) in `PrefillConnector`: a request added with its block hashes leaves its full
 prompt blocks in P's staging once D has read it, and a later prompt whose hash chain starts
 the same loads them into its own device blocks instead of prefilling them: byte for byte,
 checked against the sums P took when it staged them, on both backends."""
@@ -184,3 +184,52 @@ def test_params_whose_entry_secret_or_slot_is_not_the_entrys_fail_and_never_read
     assert pr.load("b", params, [25, 26, 27]) == (["b"], [])  # the real params read
     for i, forged in enumerate((forged_secret, forged_slot)):
         assert pr.load(f"b{i}", forged, [28, 29, 30]) == ([], [f"b{i}"])
+
+
+def _kept(pr, req_id, table, hashes, **kw):
+    """A finished request kept in the pool (`keep_finished`): the save that gathers it, and
+    what `get_finished` reported after it."""
+    delay = pr.p.keep_finished(req_id, [table], hashes, **kw)
+    meta = pr.save()
+    return delay, meta, pr.p.get_finished()
+
+
+def test_a_finished_requests_full_blocks_enter_the_pool_once_gathered_and_load_byte_exact(pair):
+    pr = pair(pool_bytes=8 * SLOT)  # an instance that pools what it decoded (a D's pool)
+    want = [as_bits(c)[[5, 9]].copy() for c in pr.p_caches[0]]
+    assert pr.p.pooled_tokens([["g0", "g1"]]) == 0
+    delay, meta, freed = _kept(pr, "a", [5, 9, 12], [["g0", "g1"]])
+    # The engine keeps a's device blocks until this save gathered them; then they are free.
+    assert delay and meta.keeps == ["a"] and freed == ["a"]
+    assert [pos for pos, _ in meta.blocks["a"][0]] == [0, 1]  # the full blocks only
+    assert pr.p.scheduler.held() == [] and pr.p.pooled_tokens([["g0", "g1", "g2"]]) == 32
+    pr.p_caches[0] = [rewrite_blocks(c, [5, 9, 3, 4], seed=3) for c in pr.p_caches[0]]
+    caches, ok = pr.p.load_pooled(pr.p_caches[0], "b", [["g0", "g1"]], 0, 32, [[3, 4]])
+    assert ok
+    for cache, bits in zip(caches, want):
+        assert (as_bits(cache)[[3, 4]] == bits).all()
+
+
+def test_a_kept_request_gathers_only_what_the_pool_lacks(pair):
+    pr = pair(pool_bytes=8 * SLOT)
+    _kept(pr, "a", [5, 9, 12], [["g0", "g1"]])
+    delay, meta, freed = _kept(pr, "b", [5, 9, 12, 13], [["g0", "g1", "g2"]])
+    assert delay and [pos for pos, _ in meta.blocks["b"][0]] == [2] and freed == ["b"]
+    assert pr.p.scheduler.pools.entries() == 3
+    # Everything pooled already: nothing to gather, the device blocks need not wait.
+    delay, meta, freed = _kept(pr, "c", [5, 9, 12], [["g0", "g1", "g2"]])
+    assert not delay and meta.keeps == [] and freed == []
+    assert pr.p.scheduler.held() == [] and pr.p.scheduler.pools.entries() == 3
+
+
+def test_keeping_needs_a_pool_and_refuses_bad_tables_by_name(pair):
+    assert not pair().p.keep_finished("a", [[5, 9]], [["g0", "g1"]])  # no pool: nothing kept
+    pr = pair(pool_bytes=8 * SLOT)
+    assert not pr.p.keep_finished("a", [[5, 9]], [[]])  # no full block
+    with pytest.raises(InvalidInputError, match="one block table per KV cache group"):
+        pr.p.keep_finished("a", [[5, 9], [1, 2]], [["g0", "g1"]])
+    with pytest.raises(InvalidInputError, match="block_hashes must hold one list"):
+        pr.p.keep_finished("a", [[5, 9]], "g0")
+    # A table shorter than the hashes it is kept under: not pooled, nothing held.
+    assert not pr.p.keep_finished("a", [[5]], [["g0", "g1"]])
+    assert pr.p.scheduler.held() == [] and pr.p.slot_map.num_free_slots == pr.p.slot_map.num_slots

@@ -1023,30 +1023,36 @@ def test_with_local_prefill_on_a_p_that_cannot_be_reached_has_d_prefill_alone_an
     assert f'kvxfer_proxy_up{{role="prefill",url="{gone}"}} 0' in metrics
 
 
-def _vllm_metrics(blocks: int, block_size: int) -> web.Application:
-    """A D whose /metrics says its KV cache is `blocks` blocks of `block_size` tokens."""
+def _vllm_metrics(blocks: int, block_size: int, pool_tokens: int = 0) -> web.Application:
+    """A D whose /metrics says its KV cache is `blocks` blocks of `block_size` tokens, and
+    with `pool_tokens`, that its kvxfer host pool holds that many more."""
     d = FakeVllm("D")
     app = d.app()
+    pool = (f'vllm:kvxfer_pool_capacity_tokens{{engine="0",model_name="m",role="D"}} '
+            f'{pool_tokens}.0\n') if pool_tokens else ""
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(text=(
             '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
             f'vllm:cache_config_info{{block_size="{block_size}",engine="0",'
-            f'num_gpu_blocks="{blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n'))
+            f'num_gpu_blocks="{blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n' + pool))
 
     app.router.add_get("/metrics", metrics)
     return app
 
 
-def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_from_its_metrics():
+@pytest.mark.parametrize("pool_tokens, second", [(0, "pd"), (384, "local")])
+def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_and_pool_from_its_metrics(
+        pool_tokens, second):
     """D's cache holds 8 blocks of 16 tokens (128 tokens, 8 spans): of a 512-token prompt D
     answered, only the last 8 spans are remembered, so the prompt's next turn finds no run
-    from its start and goes through P."""
+    from its start and goes through P. A D whose host pool holds 384 tokens more keeps all
+    of it: the next turn is D's alone."""
     p = FakeVllm("P")
 
     async def go():
         async with contextlib.AsyncExitStack() as stack:
-            d_url = await stack.enter_async_context(serving(_vllm_metrics(8, 16)))
+            d_url = await stack.enter_async_context(serving(_vllm_metrics(8, 16, pool_tokens)))
             proxy, session = await _proxy_over(stack, p, d_url)
             routes = []
             for prompt in (list(range(512)), list(range(512)) + [7] * 40):
@@ -1056,7 +1062,7 @@ def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_from_its_metrics(
             return routes
 
     routes = run(go())
-    assert [r.split(";")[0] for r in routes] == ["choice=pd", "choice=pd"], routes
+    assert [r.split(";")[0] for r in routes] == ["choice=pd", f"choice={second}"], routes
 
 
 async def _proxy_over(stack, p: FakeVllm, d_url: str):

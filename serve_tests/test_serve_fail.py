@@ -1,4 +1,4 @@
-"""P's host pool on the real engine, and its KV events over ZMQ; then D under
+"""The host pools (P's and D's) on the real engine, and P's KV events over ZMQ; then D under
 `kv_load_failure_policy=fail`: a load from a dead P is a clear error, and D serves on. (In
 this order: the last test kills P.)"""
 
@@ -10,7 +10,7 @@ import time
 
 from conftest import EVENTS_PORT
 from serve_stack import http_error, random_prompt
-from test_serve import _metric, _until
+from test_serve import _complete_with_transfer, _metric, _proxy, _same_answer, _until
 
 
 def test_a_prompt_p_pooled_is_loaded_not_prefilled_and_answers_alike(fail_stack):
@@ -60,6 +60,28 @@ def test_p_publishes_its_pools_stores_as_vllm_kv_events_a_zmq_subscriber_decodes
     assert sum(len(e.block_hashes) for e in stored) == 3, stored
     assert all(e.block_size == 64 for e in stored)
     assert [t for e in stored for t in e.token_ids] == prompt[:192]
+
+
+def test_d_pools_the_conversation_it_decoded_and_the_next_turn_loads_it_on_d_alone(fail_stack):
+    """D keeps a host pool too (no device prefix cache here): turn 1 through P leaves D's
+    whole blocks of prompt and answer in D's pool, and the routing proxy's turn 2 (a local
+    prefill on D) loads them from there, answering as P alone."""
+    d = fail_stack.d_url
+    with _proxy(fail_stack, 8032) as proxy:
+        turn1 = random_prompt(300, seed=8000)
+        pooled = _metric(d, "vllm:kvxfer_pool_blocks", role="D")
+        got1, how1, _ = _complete_with_transfer(fail_stack, proxy, turn1)
+        assert how1 == "params"
+        # 300 prompt and 8 answer tokens, 307 of them computed: four whole 64-token blocks.
+        assert _until(lambda: _metric(d, "vllm:kvxfer_pool_blocks", role="D"), pooled + 4) \
+            == pooled + 4
+        turn2 = turn1 + got1["choices"][0]["token_ids"] + random_prompt(60, seed=8001)
+        hits = _metric(d, "vllm:kvxfer_pool_hit_tokens_total", role="D", source="own_pool")
+        got2, how2, route2 = _complete_with_transfer(fail_stack, proxy, turn2)
+    assert how2 == "local", route2
+    assert _until(lambda: _metric(d, "vllm:kvxfer_pool_hit_tokens_total", role="D",
+                                  source="own_pool") - hits, 256) == 256
+    _same_answer(got2, fail_stack.complete(fail_stack.p_url, turn2))
 
 
 def test_a_load_from_a_killed_p_is_an_error_and_d_keeps_serving(fail_stack):

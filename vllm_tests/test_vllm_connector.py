@@ -311,6 +311,47 @@ def test_a_pool_smaller_than_a_prompt_keeps_its_head_which_a_prefix_can_reach(pd
     assert_prompt_kv(d, "b-d", prompt)
 
 
+def _d_pool_pair(pd, slots: int = 8):
+    """P and a D with a host pool of `slots` blocks, neither with a device prefix cache (so
+    every hit on D is its pool's)."""
+    return pd(enable_prefix_caching=False, d=dict(enable_prefix_caching=False,
+                                                  extra={"host_pool_bytes": slots * POOL_SLOT}))
+
+
+def test_d_pools_what_it_decoded_and_the_next_turn_loads_it_instead_of_prefilling(pd):
+    p, d = _d_pool_pair(pd)
+    first = _prompt(41, 40)
+    steps = decode(d, "a-d", first, p.prefill("a", first), max_tokens=20)
+    answer = [t for r in steps for t in r.new_tokens.get("a-d", [])]
+    assert len(answer) == 20
+    # a's device blocks stay until the step after it finished has gathered them; then the
+    # engine frees them (the pool's copy is in host staging).
+    pools = d.connector._scheduler.prefill.pools
+    d.run_until(lambda: not d.connector.has_pending_push_work(), max_steps=5)
+    assert pools.entries() == 3  # 59 tokens computed (the last one never is): 3 full blocks
+    assert d.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == d.kv_cache_config.num_blocks - 1
+    # The next turn resends the conversation: D alone (a local prefill) loads its first 48
+    # tokens, the answer's included, from its pool and computes only the rest.
+    second = first + answer + _prompt(42, 10)
+    d.add_request("b", second, max_tokens=1,
+                  kv_transfer_params={"local_prefill": True, "do_remote_prefill": False})
+    steps = d.run_until(lambda r: "b" in r.finished, max_steps=100)
+    assert scheduled_tokens(steps, "b") == (48, len(second) - 48)
+    assert pools.counters()["p_pool_hit_tokens"] == 48
+    assert_prompt_kv(d, "b", second)  # the pooled answer's KV is what D computed for it
+
+
+def test_d_pools_nothing_of_an_aborted_request_and_frees_its_blocks_at_once(pd):
+    p, d = _d_pool_pair(pd)
+    prompt = _prompt(43, 40)
+    d.add_request("a-d", prompt, max_tokens=30, kv_transfer_params=p.prefill("a", prompt))
+    d.run_until(lambda r: "a-d" in r.new_tokens, max_steps=400, min_s=30.0)
+    d.abort("a-d")
+    d.run_until(lambda: not d.scheduler.has_requests(), max_steps=5)
+    assert d.connector._scheduler.prefill.pools.entries() == 0
+    assert not d.connector.has_pending_push_work()
+
+
 def test_a_pool_of_less_than_one_slot_is_refused_at_start_by_name(engines, model_dir):
     with pytest.raises(InvalidInputError, match=f"host_pool_bytes {POOL_SLOT - 1} is less than "
                                                 f"one staging slot of {POOL_SLOT} bytes"):

@@ -25,10 +25,11 @@ class ConnectorConfig:
     - `precompile`: at start-up, compile every program a save (P) or load (D) of any
       size runs on the XLA backend (`kvxfer.device.gather.precompile`), so that none compiles
       on the transfer path; nothing compiles on the numpy backend.
-    - `host_pool_bytes`: P's host pool in this process's staging, in bytes: full prompt
-      blocks a request leaves there once D has read it, by block hash, for later prompts
-      to load instead of prefilling (`kvxfer.plan.pool`); at most the staging itself.
-      0 (the default): no pool.
+    - `host_pool_bytes`: the host pool in this process's staging, in bytes: full blocks
+      kept there by block hash for later prompts to load instead of prefilling
+      (`kvxfer.plan.pool`): on P the prompt blocks a request leaves once D has read them,
+      on D (and any instance) the blocks of a finished request, its generated tokens
+      included; at most the staging itself. 0 (the default): no pool.
     - `stage_units`: deprecated, ignored. Every instance stages each block unit-major, as
       the pieces an instance across hosts stages (`kvxfer.device.pieces`), so any instance
       pairs with any other; True still passes, with a `DeprecationWarning`.

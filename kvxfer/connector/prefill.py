@@ -26,7 +26,7 @@ from kvxfer.device.layout import CacheLayout, advertised
 from kvxfer.device.staging import Staging, tags_of
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.prefill import PrefillTransport
-from kvxfer.nixl.wire import Source
+from kvxfer.nixl.wire import Source, new_instance
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
 from kvxfer.stats import Recorder, Stats, Trace
@@ -46,11 +46,14 @@ class PrefillWorker:
         instance: the scheduler side's P instance (`new_instance()` when None).
         model: what the caches hold, which D must describe alike
             (`kvxfer.device.layout.advertised`); None: nothing said.
+        serve: start the NIXL agent D reads from; False keeps the host pool alone (a D's:
+            its saves are only `SaveMeta.keeps`, which no peer reads).
     """
 
     def __init__(self, config: ConnectorConfig,
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
-                 instance: str | None = None, model: Mapping[str, Any] | None = None):
+                 instance: str | None = None, model: Mapping[str, Any] | None = None,
+                 serve: bool = True):
         available = available_memory()
         if available is not None and config.host_pool_bytes > available:
             raise InvalidInputError(f"host_pool_bytes {config.host_pool_bytes} is more than this "
@@ -60,18 +63,26 @@ class PrefillWorker:
         self.recorder = Recorder(config.stats)
         self.slot_bytes = [s.block_bytes * s.num_layers for s in self.stagings]  # per group
         self.pool_slots = _pool_slots(config, sum(self.slot_bytes))  # before the agent starts
-        logger.info("P's host pool: %d bytes (host_pool_bytes; 0, the default, keeps none): "
+        logger.info("host pool: %d bytes (host_pool_bytes; 0, the default, keeps none): "
                     "%d staging slots of %d bytes", config.host_pool_bytes, self.pool_slots,
                     sum(self.slot_bytes))
         self.processes.precompile(caches, saves=True)  # before the agent: nothing to close if it fails
         if self.pool_slots:
             self.processes.precompile(caches, saves=False)  # loads from the pool
-        self.transport = PrefillTransport(self.processes.transport_config, self.stagings,
-                                          advertised(self.layouts, model, self.processes.unit_axes),
-                                          instance=self.processes.instance(instance),
-                                          piece=self.processes.piece, recorder=self.recorder)
-        self.transport.answer_in_background()  # D's acks do not wait for the engine's next step
+        self.name = self.processes.transport_config.name
+        given = self.processes.instance(instance)
+        if given is not None and (not isinstance(given, str) or not given):
+            raise InvalidInputError(f"instance must be a non-empty str, got {given!r:.80}")
+        self.instance = given or new_instance()
+        self.transport: PrefillTransport | None = None
+        if serve:
+            self.transport = PrefillTransport(
+                self.processes.transport_config, self.stagings,
+                advertised(self.layouts, model, self.processes.unit_axes),
+                instance=self.instance, piece=self.processes.piece, recorder=self.recorder)
+            self.transport.answer_in_background()  # D's acks do not wait for the engine's step
         self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
+        self._kept: list[str] = []  # gathered into the pool since the last poll
 
     @property
     def address(self) -> PeerAddress:
@@ -95,12 +106,16 @@ class PrefillWorker:
 
         One gather per group for every request of the step, straight into the
         regions NIXL reads; a block copied again by a later chunk goes back to
-        its slot. Requests completing this step are then held for D.
+        its slot. Requests completing this step are then held for D; those the step keeps
+        in the pool (`meta.keeps`) are freed, as `poll` says next.
         """
-        if meta.instance != self.transport.instance:
+        if meta.instance != self.instance:
             raise InvalidInputError(
                 f"metadata is for P instance {meta.instance!r}, this worker is "
-                f"{self.transport.instance!r}")
+                f"{self.instance!r}")
+        if self.transport is None and (meta.cancels or meta.holds or meta.streams):
+            raise InvalidInputError("this worker keeps a host pool only (serve=False): it holds "
+                                    "nothing for D")
         groups, _ = per_group(caches, len(self.layouts))
         for req_id in meta.cancels:
             self.transport.cancel_stream(req_id)
@@ -116,6 +131,9 @@ class PrefillWorker:
                     for req_id, placed in meta.blocks.items() if placed[g]])
         if meta.blocks:
             self._trace_gathers(meta, start)
+        for req_id in meta.keeps:  # no D reads them: no trace waits to be finished
+            self._traces.pop(req_id, None)
+        self._kept.extend(meta.keeps)
         for req_id, generation in meta.holds.items():
             self.transport.lease(req_id, generation, meta.secrets[req_id],
                                  trace=self._traces.pop(req_id, None))
@@ -144,7 +162,7 @@ class PrefillWorker:
                                        bad)
         self.processes.agree_bad(loads, bad)
         for req_id, why in bad.items():
-            logger.warning("P's pooled blocks of %s did not check out (%s): it is computed",
+            logger.warning("the pooled blocks of %s did not check out (%s): it is computed",
                            req_id, why)
         self.recorder.count("p_pool_load_blocks", sum(len(ids) for load in loads.values()
                                                       for ids, _ in load))
@@ -159,8 +177,7 @@ class PrefillWorker:
         for req_id, placed in meta.blocks.items():
             trace = self._traces.get(req_id)
             if trace is None:
-                trace = self._traces[req_id] = Trace(req_id, "P", req_id,
-                                                     p=self.transport.config.name)
+                trace = self._traces[req_id] = Trace(req_id, "P", req_id, p=self.name)
                 while len(self._traces) > self.config.staging_blocks:  # aborted ones
                     del self._traces[next(iter(self._traces))]
             trace.extend("gather", start, end)
@@ -178,11 +195,14 @@ class PrefillWorker:
         return self.recorder.traces()
 
     def poll(self) -> list[str]:
-        """Requests D has read, or whose lease expired: their slots may be reused."""
-        return self.transport.poll()
+        """Requests D has read, or whose lease expired, and those gathered into the pool
+        (`SaveMeta.keeps`): their slots may be reused."""
+        kept, self._kept = self._kept, []
+        return (self.transport.poll() if self.transport is not None else []) + kept
 
     def close(self) -> None:
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 class PrefillConnector:
@@ -213,7 +233,7 @@ class PrefillConnector:
         try:
             self.scheduler = PrefillScheduler(
                 groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
-                address=self.worker.address, instance=self.worker.transport.instance,
+                address=self.worker.address, instance=self.worker.instance,
                 sources=self.worker.sources,
                 units=self.worker.processes.units, secret_key=self.worker.processes.secret_key(),
                 pool_slots=self.worker.pool_slots)
@@ -289,6 +309,13 @@ class PrefillConnector:
     def request_finished(self, req_id: str) -> dict[str, Any] | None:
         """See `PrefillScheduler.request_finished`."""
         return self.scheduler.request_finished(req_id)
+
+    def keep_finished(self, req_id: str, tables: Sequence[Sequence[int]],
+                      block_hashes: Sequence[Sequence[Hashable]],
+                      token_ids: Sequence[int] | None = None) -> bool:
+        """See `PrefillScheduler.keep_finished`: the next `wait_for_save` gathers the blocks,
+        and `get_finished` then reports the request (its device blocks may be freed)."""
+        return self.scheduler.keep_finished(req_id, tables, block_hashes, token_ids)
 
     def abort(self, req_id: str) -> None:
         """See `PrefillScheduler.abort`."""

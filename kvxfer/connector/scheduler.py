@@ -33,12 +33,12 @@ from kvxfer.nixl.wire import (
     parse_sources,
     prompt_digest,
 )
-from kvxfer.plan.blocks import is_int, kernel_placement
+from kvxfer.plan.blocks import is_int, kernel_placement, table_entries
 from kvxfer.plan.pool import Pools
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
 
-__all__ = ["LoadRequest", "PeerAddress", "Placed", "PrefillScheduler", "SaveMeta"]
+__all__ = ["Keeper", "LoadRequest", "PeerAddress", "Placed", "PrefillScheduler", "SaveMeta"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class SaveMeta:
       among this step's, that no later step copies again (the worker names them to
       D now); `cancels`: streamed requests P gave up on (aborted, or preempted)
       whose slots the worker frees once their D let go of them.
+    - `keeps`: finished requests whose blocks this step gathers straight into the host pool
+      (`PrefillScheduler.keep_finished`): no D reads them, so the worker frees them once
+      gathered, and the engine may then free their device blocks.
 
     Plain data (ints, strs, lists): it crosses vLLM's scheduler -> worker
     boundary as `KVConnectorMetadata`.
@@ -81,6 +84,7 @@ class SaveMeta:
     streams: dict[str, list[str | None]] = field(default_factory=dict)
     final: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     cancels: list[str] = field(default_factory=list)
+    keeps: list[str] = field(default_factory=list)
 
     @property
     def completed(self) -> set[str]:
@@ -205,6 +209,7 @@ class PrefillScheduler:
                                            and all(c in "0123456789abcdef" for c in secret_key)):
             raise InvalidInputError("secret_key must be None or 64 lowercase hex digits")
         self._key = secret_key or secrets.token_hex(32)
+        self.keeper = Keeper(self.slot_maps, self.pools, kernel_ratio, self._key)
         self._added = itertools.count()
         self._prompts: dict[str, str] = {}  # the prompt digest of those given their prompt
         self._streams: dict[str, tuple[str, int]] = {}  # streamed: (stream id, prompt tokens)
@@ -272,6 +277,13 @@ class PrefillScheduler:
         if stream is not None:
             self._streams[req_id] = (stream, num_prompt_tokens)
 
+    def keep_finished(self, req_id: str, tables: Sequence[Sequence[int]],
+                      block_hashes: Sequence[Sequence[Hashable]],
+                      token_ids: Sequence[int] | None = None) -> bool:
+        """See `Keeper.keep`; never a request P still holds for D."""
+        return not self.holds(req_id) and self.keeper.keep(req_id, tables, block_hashes,
+                                                            token_ids)
+
     def holds(self, req_id: str) -> bool:
         """Whether P still holds a request of this id (being prefilled, staged, or waiting
         for D): `add_request` refuses the id until then."""
@@ -315,6 +327,7 @@ class PrefillScheduler:
             if req_id not in self.tracker:  # its prefill completes this step
                 self._complete(req_id, meta)
         meta.cancels, self._cancels = self._cancels, []
+        self.keeper.add_to(meta)
         return meta
 
     def _stream_step(self, req_id: str, placed: tuple[Placed, ...], end: int,
@@ -381,7 +394,7 @@ class PrefillScheduler:
         will name them. A streamed request freed while still being prefilled is one its
         D gave up on: none of it is staged from then on, and it has no params.
         """
-        for req_id in freed:
+        for req_id in self.keeper.release(freed):
             if req_id not in self._held:
                 logger.debug("P ignores the release of %s, which it does not hold for D", req_id)
                 continue
@@ -394,8 +407,9 @@ class PrefillScheduler:
             self._free_slots(req_id)
 
     def held(self) -> list[str]:
-        """Requests handed to D whose slots the worker has not yet freed."""
-        return sorted(self._held)
+        """Requests handed to D, and finished ones kept in the pool (`keep_finished`), whose
+        slots the worker has not yet freed."""
+        return sorted(self._held | self.keeper.held)
 
     def gauges(self, slot_bytes: Sequence[int] = ()) -> dict[str, float]:
         """`p_staging_slots_in_use` (every group's) and `p_requests_held_for_d` now; with a
@@ -419,3 +433,88 @@ class PrefillScheduler:
             if req_id in m:
                 m.free(req_id)
 
+
+class Keeper:
+    """Finished requests whose full blocks enter the host pool (`PrefillScheduler.keep_finished`):
+    a D's (or any instance's) own blocks, prompt and generated tokens alike, which no peer
+    reads. The pooled run of a request's blocks is named, not copied (`Pools.lend`); the rest
+    go into the next `SaveMeta` (`keeps`), whose worker frees them once gathered; `release`
+    then makes them pool entries, tagged from their entry secrets as P's are.
+
+    **Arguments:** each group's `SlotMap`, the `Pools` over them, the kernel ratio, and the
+    key (64 hex digits) entry and request secrets derive from.
+    """
+
+    def __init__(self, slot_maps: Sequence[SlotMap], pools: Pools, kernel_ratio: int,
+                 key: str) -> None:
+        self.slot_maps, self.pools, self.kernel_ratio, self._key = slot_maps, pools, kernel_ratio, key
+        self.held: set[str] = set()  # kept, not yet freed by the worker
+        self._keeps: dict[str, SaveMeta] = {}  # for the next meta: one request's blocks each
+        self._count = itertools.count()
+
+    def keep(self, req_id: str, tables: Sequence[Sequence[int]],
+             block_hashes: Sequence[Sequence[Hashable]],
+             token_ids: Sequence[int] | None = None) -> bool:
+        """`tables[g]`: group `g`'s block table (logical ids in token order);
+        `block_hashes[g]`: the hashes of the group's full blocks whose KV is computed, in
+        order (no more); `token_ids`, their tokens, for KV events. Returns whether the engine
+        must keep the request's device blocks until the next save gathered them (vLLM:
+        `delay_free_blocks`): False where nothing is left to copy, where there is no pool,
+        or where the staging has no room (the request is then not pooled)."""
+        if not self.pools.pools or req_id in self.held or not any(block_hashes):
+            return False
+        hashes = self.pools.check(block_hashes)
+        if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
+                or len(tables) != len(hashes)):
+            raise InvalidInputError(f"request {req_id!r}: tables must hold one block table per "
+                                    f"KV cache group ({len(hashes)}), got {tables!r:.80}")
+        self.pools.remember(req_id, hashes, token_ids)
+        lent, r = self.pools.lend(req_id), self.kernel_ratio
+        try:
+            placed = tuple(kernel_placement(table_entries(range(n, len(h)), table), r)
+                           for n, h, table in zip(lent, hashes, tables))
+            slots = tuple(m.assign(req_id, [pos for pos, _ in p])
+                          for m, p in zip(self.slot_maps, placed))
+        except (InvalidInputError, StagingFullError) as e:
+            logger.warning("request %s is not pooled: %s", req_id, e)
+            self._free(req_id)
+            return False
+        self.held.add(req_id)
+        if not any(placed):  # all of it pooled already: a hit that refreshes its entries
+            self.release([req_id])
+            return False
+        meta = self._keeps[req_id] = SaveMeta(keeps=[req_id])
+        meta.blocks[req_id], meta.slots[req_id] = placed, slots
+        meta.secrets[req_id] = new_secret(self._key, f"keep\0{req_id}", next(self._count))
+        meta.entries[req_id] = tuple({pos: entry_secret(self._key, g, h[pos // r]) for pos, _ in p}
+                                     for g, (p, h) in enumerate(zip(placed, hashes)))
+        return True
+
+    def add_to(self, meta: SaveMeta) -> None:
+        """Put the requests kept since the last call into this step's `meta`."""
+        for kept in self._keeps.values():
+            for name in ("blocks", "slots", "secrets", "entries"):
+                getattr(meta, name).update(getattr(kept, name))
+            meta.keeps += kept.keeps
+        self._keeps = {}
+
+    def release(self, freed: Iterable[str]) -> list[str]:
+        """The worker freed these requests: those kept enter the pool and free their slots;
+        returns the others."""
+        others = []
+        for req_id in freed:
+            if req_id not in self.held:
+                others.append(req_id)
+                continue
+            self.held.discard(req_id)
+            self.pools.keep(req_id)
+            self._free(req_id)
+        return others
+
+    def _free(self, req_id: str) -> None:
+        self._keeps.pop(req_id, None)
+        self.pools.unlend(req_id)
+        self.pools.forget(req_id)
+        for m in self.slot_maps:
+            if req_id in m:
+                m.free(req_id)

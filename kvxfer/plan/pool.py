@@ -199,7 +199,7 @@ class Pool:
 
 
 class Pools:
-    """P's pools, one per full-attention group over its slot map, with each request's block
+    """An instance's pools, one per full-attention group over its slot map, with each request's block
     hashes: what `PrefillScheduler` keeps when a request it held for D is released, and the
     runs a later prompt finds there (`match`, `acquire`).
 
@@ -427,10 +427,14 @@ class Pools:
         return sum(len(p) for p in self.pools)
 
     def gauges(self, slot_bytes: Sequence[int] = ()) -> dict[str, float]:
-        """`p_pool_blocks` (entries, every group's) and `p_pool_slots` (their staging slots);
-        with each group's bytes of a slot, `p_pool_bytes`."""
+        """`p_pool_blocks` (entries, every group's), `p_pool_slots` (their staging slots) and
+        `p_pool_capacity_tokens` (the tokens of a prompt the pools can hold at most); with
+        each group's bytes of a slot, `p_pool_bytes`."""
         out = {"p_pool_blocks": self.entries(),
-               "p_pool_slots": sum(p.pooled_slots for p in self.pools)}
+               "p_pool_slots": sum(p.pooled_slots for p in self.pools),
+               "p_pool_capacity_tokens": min((p.max_slots // p.slots_per_block * g.tokens_per_block
+                                              for p, g in zip(self.pools, self.groups)),
+                                             default=0)}
         if len(slot_bytes) == len(self.pools):
             out["p_pool_bytes"] = sum(p.pooled_slots * b for p, b in zip(self.pools, slot_bytes))
         return out

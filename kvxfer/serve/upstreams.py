@@ -405,7 +405,7 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
         upstreams.router.mark(url, reason is None)
         if reason is not None:  # it may come back restarted, its KV cache another size
             upstreams.sized.discard(url)
-        # D's device cache bounds what it holds; P's host pool may hold more than its cache.
+        # D's device cache and host pool bound what it holds; P's pool may hold more than both.
         if role == "decode" and reason is None and url not in upstreams.sized:
             upstreams.sized.add(url)
             tokens = await _cache_tokens(upstreams.session, url, config.health_timeout_s)
@@ -417,7 +417,8 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
 
 async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: float) -> int | None:
     """The tokens `url`'s KV cache holds, from its `/metrics`' `vllm:cache_config_info`
-    (`num_gpu_blocks` times `block_size`); None when it does not say."""
+    (`num_gpu_blocks` times `block_size`), and its kvxfer host pool, which keeps what the
+    device cache drops (`vllm:kvxfer_pool_capacity_tokens`); None when it does not say."""
     try:
         async with session.get(url + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -430,7 +431,9 @@ async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: flo
     digits = re.compile(r"[0-9]{1,15}")  # not str.isdigit: "²" is a digit int() refuses
     if not (digits.fullmatch(blocks) and digits.fullmatch(size)) or not int(blocks) * int(size):
         return None
-    return int(blocks) * int(size)
+    pool = re.search(r'^vllm:kvxfer_pool_capacity_tokens\{[^}]*role="D"[^}]*\} ([0-9]{1,15})(\.0)?$',
+                     text, re.MULTILINE)
+    return int(blocks) * int(size) + (int(pool.group(1)) if pool else 0)
 
 
 async def watch(upstreams: Upstreams) -> None:

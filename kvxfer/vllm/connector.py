@@ -187,8 +187,8 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        received, failed = self._worker.poll()
-        return KVConnectorTransferResults(finished_recving=received | failed,
+        sent, received, failed = self._worker.poll()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received | failed,
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -216,7 +216,7 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[Any, int]:
-        """vLLM 0.33's split of a request's loaded tokens by tier: P's pool is host memory
+        """vLLM 0.33's split of a request's loaded tokens by tier: the own pool is host memory
         (`HOST`), D's loads from P a peer's (`P2P`)."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -240,18 +240,18 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request,
                          block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler.finished(request)
+        return self._scheduler.finished(request, None if block_ids is None else (block_ids,))
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler.finished(request)
+        return self._scheduler.finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler.holding()
 
     def take_events(self) -> list[Any]:
-        """P's host pool's stores and removals, as vLLM KV events of medium `CPU`, which vLLM
+        """The host pool's stores and removals, as vLLM KV events of medium `CPU`, which vLLM
         publishes beside its own (`--kv-events-config`)."""
         return self._scheduler.take_events() if self._scheduler is not None else []
 

@@ -165,8 +165,11 @@ _GAUGES = {
     "requests_held": ("p_requests_held", None, "P: requests held for D (staged, lease live)"),
     "requests_waiting": (None, "d_requests_waiting", "D: requests waiting for their KV "
                          "(accepted, or being read)"),
-    "pool_blocks": ("p_pool_blocks", None, "Blocks the host pool holds (every group's)"),
-    "pool_bytes": ("p_pool_bytes", None, "Host staging bytes the pool's blocks hold"),
+    "pool_blocks": ("p_pool_blocks", "d_pool_blocks", "Blocks the host pool holds (every "
+                    "group's)"),
+    "pool_bytes": ("p_pool_bytes", "d_pool_bytes", "Host staging bytes the pool's blocks hold"),
+    "pool_capacity_tokens": ("p_pool_capacity_tokens", "d_pool_capacity_tokens",
+                             "Tokens of a prompt the host pool can hold at most (its budget)"),
 }
 
 
@@ -247,8 +250,10 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             for reason in OUTCOMES:
                 _inc(self.failed, [*labels, r, reason], counters.get(f"{role}_failed_{reason}", 0))
         _inc(self.recomputed, labels, counters.get("d_recompute_blocks", 0))
-        _inc(self.pool_hits, [*labels, "P", "own_pool"], counters.get("p_pool_hit_tokens", 0))
-        _inc(self.evictions, [*labels, "P"], counters.get("p_pool_evicted_blocks", 0))
+        for role in ("p", "d"):  # each instance's own pool (a D's: what it decoded)
+            r = role.upper()
+            _inc(self.pool_hits, [*labels, r, "own_pool"], counters.get(f"{role}_pool_hit_tokens", 0))
+            _inc(self.evictions, [*labels, r], counters.get(f"{role}_pool_evicted_blocks", 0))
         _inc(self.handshakes, labels, counters.get("d_handshake_failures", 0))
         _inc(self.local_prefills, labels, counters.get(LOCAL, 0))
         for key, n in counters.items():
@@ -304,8 +309,10 @@ def _sources(connector: Any) -> list[tuple[str, Stats]]:
     `_SchedulerSide`), series taken."""
     worker = getattr(connector, "_worker", None)
     if worker is not None:
-        return [(side.transport.config.name, side.stats(take=True))
-                for side in (worker._prefill, worker._decode) if side is not None]
+        return [(name, side.stats(take=True)) for name, side in (
+            (worker._prefill and worker._prefill.name, worker._prefill),
+            (worker._decode and worker._decode.transport.config.name, worker._decode))
+            if side is not None]
     scheduler = getattr(connector, "_scheduler", None)
     if scheduler is None:
         return []
@@ -318,4 +325,8 @@ def _sources(connector: Any) -> list[tuple[str, Stats]]:
         counters.update(prefill.pools.counters())
         gauges = prefill.gauges(scheduler.pool_slot_bytes)
         gauges.pop("p_pool_slots", None)  # as p_pool_bytes
+        if not scheduler.producer:  # a D's host pool alone: its series are D's
+            counters = {k.replace("p_pool_", "d_pool_"): v for k, v in counters.items()}
+            gauges = {k.replace("p_pool_", "d_pool_"): v for k, v in gauges.items()
+                      if k.startswith("p_pool_")}
     return [("scheduler", Stats(counters=counters, gauges=gauges))]

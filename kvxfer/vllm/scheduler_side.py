@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KvxferMetadata", "SchedulerSide", "scheduled_requests"]
+__all__ = ["KvxferMetadata", "SchedulerSide", "group_hashes", "scheduled_requests", "vllm_events"]
 
 
 def scheduled_requests(so: SchedulerOutput) -> list[ScheduledRequest]:
@@ -77,21 +77,22 @@ class SchedulerSide:
                  consumer: bool, instance: str | None = None, recompute: bool = True,
                  hash_block_size: int | None = None):
         self.groups = list(groups)
-        self.consumer = consumer
+        self.consumer, self.producer = consumer, producer
         self.threshold = settings.kv_recompute_threshold  # D: fewer tokens to load: computed
         # D (not kv_both): requests it computes itself instead of loading, counted and warned of
         self.fallbacks = Fallbacks(recompute) if consumer and not producer else None
-        config = settings.connector_config(True)
+        config = settings.connector_config(producer)
+        # P's staging and params; on a D with a host pool, the pool alone (what it decoded)
         self.prefill = PrefillScheduler(
             groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
-            address=PeerAddress(settings.p_name, settings.host, settings.p_port),
+            address=PeerAddress(config.transport.name, settings.host, settings.p_port),
             instance=instance,
             # the workers say how many slots host_pool_bytes is (WorkerReport.pool_slots)
             pool_slots=config.staging_blocks if config.host_pool_bytes else 0,
-        ) if producer else None
+        ) if producer or config.host_pool_bytes else None
         self._hash_block = hash_block_size or self.groups[0].tokens_per_block
         if self.prefill is not None and self.prefill.pools.pools and not recompute:
-            logger.warning("P's host pool is on under kv_load_failure_policy 'fail': a pooled "
+            logger.warning("the host pool is on under kv_load_failure_policy 'fail': a pooled "
                            "block that fails its check fails its request instead of being "
                            "recomputed; 'recompute' computes it")
         self._pooled: dict[str, tuple[int, int]] = {}  # P: request -> (computed, pooled run)
@@ -162,16 +163,8 @@ class SchedulerSide:
         self._pooled[req_id] = (num_computed, count)
         return count, True
 
-    def _block_hashes(self, request: Request) -> list[list[Any]]:
-        """Per group, the hashes of the prompt's full blocks at the group's block size: vLLM
-        hashes at `hash_block_size`, and a chain's hash at a block's last piece stands for
-        every token up to it."""
-        hashes, out = request.block_hashes, []
-        for g in self.groups:
-            k = g.tokens_per_block // self._hash_block
-            full = min(request.num_prompt_tokens // g.tokens_per_block, len(hashes) // k)
-            out.append([hashes[(i + 1) * k - 1] for i in range(full)])
-        return out
+    def _block_hashes(self, request: Request, num_tokens: int | None = None) -> list[list[Any]]:
+        return group_hashes(request, self.groups, self._hash_block, num_tokens)
 
     def _acquire_pooled(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         req_id = request.request_id
@@ -194,7 +187,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params:
             return
-        if self.prefill is not None and _asks(params, "do_remote_decode", request.request_id):
+        if self.producer and _asks(params, "do_remote_decode", request.request_id):
             req_id = request.request_id
             if req_id not in self._transfers and not params.get("_kvxfer_planned"):
                 transfer = req_id
@@ -290,11 +283,15 @@ class SchedulerSide:
             self._refused_sources = (sources, units)  # logged once, not at every step
             logger.error("P's workers reported sources the params cannot name: %s", e)
             return
-        if len(sources) > 1:
+        if len(sources) > 1 and self.producer:  # a D's pool: counted, never named
             logger.info("P spans %d processes: params name %s", len(sources),
                         [s.peer for s in sources])
 
-    def finished(self, request: Request) -> dict[str, Any] | None:
+    def finished(self, request: Request, block_ids: Sequence[Sequence[int]] | None = None
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's `request_finished`: whether the engine keeps the request's device blocks
+        until the workers report it sent (its blocks are being gathered into the host
+        pool), and the params P hands D."""
         if self.fallbacks is not None:
             self.fallbacks.finished(request.request_id)
         self._local.pop(request.request_id, None)
@@ -305,47 +302,53 @@ class SchedulerSide:
         if waited is not None:  # aborted in D's queue: P frees its blocks now
             self._cancels.append(waited)
         if self.prefill is None:
-            return None
-        params = self.prefill.request_finished(
-            self._transfers.pop(request.request_id, request.request_id))
+            return False, None
+        transfer = self._transfers.pop(request.request_id, None)
+        if transfer is None:  # not one P stages for D: what it computed may enter the pool
+            return self._keep(request, block_ids), None
+        params = self.prefill.request_finished(transfer)
         if params is None:
-            return None
-        return {**params, "do_remote_prefill": True, "do_remote_decode": False,
-                "num_prompt_tokens": request.num_prompt_tokens}
+            return False, None
+        return False, {**params, "do_remote_prefill": True, "do_remote_decode": False,
+                       "num_prompt_tokens": request.num_prompt_tokens}
+
+    def _keep(self, request: Request, block_ids: Sequence[Sequence[int]] | None) -> bool:
+        """A request that finished as asked (stopped, or at its length): its full blocks
+        whose KV the engine computed, prompt and generated tokens alike, enter the host pool
+        (`PrefillScheduler.keep_finished`). An aborted one is not kept."""
+        status = getattr(getattr(request, "status", None), "name", "")
+        if (not self.prefill.pools.pools or block_ids is None
+                or status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")):
+            return False
+        # the last token's KV is computed only by a step that never runs (async scheduling may
+        # have started it): blocks up to it, not past
+        computed = min(request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0),
+                       request.num_tokens - 1)
+        tables = [list(ids) for ids in block_ids]
+        try:
+            return self.prefill.keep_finished(
+                request.request_id, tables, self._block_hashes(request, computed),
+                list(request.all_token_ids[:computed]))
+        except KvxferError as e:  # the request is not pooled; the engine goes on
+            logger.warning("request %s is not kept in the host pool: %s", request.request_id, e)
+            return False
 
     def take_events(self) -> list[Any]:
-        """P's pool's stores and removals since the last call, as vLLM's KV events with
-        medium `CPU` (`BlockStored`, `BlockRemoved`), block hashes as vLLM's own events
-        give them; none elsewhere."""
+        """The host pool's stores and removals since the last call, as vLLM's KV events
+        (`vllm_events`); none without a pool."""
         if self.prefill is None or not self.prefill.pools.pools:
             return []
-        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-        out: list[Any] = []
-        for e in self.prefill.pools.take_events():
-            if "removed" in e:
-                out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h)
-                                                      for h in e["removed"]],
-                                        medium=MEDIUM_CPU, group_idx=e["group"]))
-                continue
-            parent = e["parent"]
-            out.append(BlockStored(
-                block_hashes=[maybe_convert_block_hash(h) for h in e["stored"]],
-                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-                token_ids=e["token_ids"] or [], block_size=e["block_size"], lora_id=None,
-                medium=MEDIUM_CPU, lora_name=None, group_idx=e["group"]))
-        return out
+        return vllm_events(self.prefill.pools.take_events())
 
     def reset_cache(self) -> bool:
-        """vLLM's cache reset (new weights): P's pool lets go of every entry."""
+        """vLLM's cache reset (new weights): the host pool lets go of every entry."""
         if self.prefill is not None:
             self.prefill.pools.clear()
         return True
 
     def hit_source(self, req_id: str) -> str | None:
         """Where the tokens a request loads come from (vLLM 0.33's `CacheHitSource` values):
-        `host` (P's pool), `p2p` (D's load from P); None before its allocation."""
+        `host` (this instance's pool), `p2p` (D's load from P); None before its allocation."""
         return self._sources.get(req_id)
 
     def holding(self) -> bool:
@@ -389,3 +392,38 @@ def _asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:
         logger.warning("request %s: kv_transfer_params %r must be true or false, got %r; "
                        "taken as false", req_id, key, value)
     return value is True
+
+
+def vllm_events(events: list[dict]) -> list[Any]:
+    """A host pool's events (`kvxfer.plan.pool.Pools.take_events`) as vLLM's KV events with
+    medium `CPU` (`BlockStored`, `BlockRemoved`), block hashes as vLLM's own events give them."""
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    out: list[Any] = []
+    for e in events:
+        if "removed" in e:
+            out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in e["removed"]],
+                                    medium=MEDIUM_CPU, group_idx=e["group"]))
+            continue
+        parent = e["parent"]
+        out.append(BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in e["stored"]],
+            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+            token_ids=e["token_ids"] or [], block_size=e["block_size"], lora_id=None,
+            medium=MEDIUM_CPU, lora_name=None, group_idx=e["group"]))
+    return out
+
+
+def group_hashes(request: Request, groups: Sequence[GroupSpec], hash_block: int,
+                 num_tokens: int | None = None) -> list[list[Any]]:
+    """Per group, the hashes of the full blocks of the prompt (or of the first `num_tokens`
+    tokens) at the group's block size: vLLM hashes at `hash_block` tokens, and a chain's
+    hash at a block's last piece stands for every token up to it."""
+    hashes, out = request.block_hashes, []
+    tokens = request.num_prompt_tokens if num_tokens is None else num_tokens
+    for g in groups:
+        k = g.tokens_per_block // hash_block
+        full = min(tokens // g.tokens_per_block, len(hashes) // k)
+        out.append([hashes[(i + 1) * k - 1] for i in range(full)])
+    return out

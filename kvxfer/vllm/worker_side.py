@@ -43,6 +43,7 @@ class WorkerSide:
         self._prefill: Any = None  # PrefillWorker, started with the runner
         self._decode: Any = None  # DecodeConnector
         self._freed: set[str] = set()
+        self._kept: set[str] = set()  # gathered into the pool, the engine not yet told
         self._pool_loads: dict[str, Any] = {}  # P: this step's loads from the pool
         self._verified: set[str] = set()  # D: P agents named in a report already
 
@@ -56,17 +57,16 @@ class WorkerSide:
                                         f"runner's layer_name_to_kvcache_index")
             self._indices.append(list(dict.fromkeys(index[n] for n in group.layer_names)))
         self.runner = runner
-        if self.producer:  # at start-up: a bad setting fails the engine's start, not a step
-            from kvxfer.connector.prefill import PrefillWorker
+        config = self.settings.connector_config(self.producer)
+        if self.producer or config.host_pool_bytes:  # at start-up: a bad setting fails the
+            from kvxfer.connector.prefill import PrefillWorker  # engine's start, not a step
 
-            self._prefill = PrefillWorker(self.settings.connector_config(True), self._caches(),
-                                          self.instance, model=self.model)
+            # P's staging, served to D; a D's host pool alone (what it decoded), served to none
+            self._prefill = PrefillWorker(config, self._caches(), self.instance,
+                                          model=self.model, serve=self.producer)
         if self.consumer:
             from kvxfer.connector.decode import DecodeConnector
 
-            if not self.producer and self.settings.connector_config(False).host_pool_bytes:
-                logger.warning("host_pool_bytes is P's: this D keeps no host pool (a D "
-                               "reads from P's, and its device prefix cache keeps its own)")
             self._decode = DecodeConnector(self.settings.connector_config(False), self._caches(),
                                            model=self.model)
 
@@ -98,20 +98,25 @@ class WorkerSide:
             return
         if save.blocks or save.holds or save.cancels:  # a cancel alone frees a stream's slots
             self._prefill.save(self._caches(), save)
+            self._kept.update(save.keeps)
 
-    def poll(self) -> tuple[set[str], set[str]]:
-        """The requests whose loads finished this step, and those of them that failed: P's
-        from its pool (loaded here, after the forward: those requests wait, the engine does
-        not), D's from P."""
-        received, failed = set(), set()
+    def poll(self) -> tuple[set[str], set[str], set[str]]:
+        """This step's finished transfers: the finished requests whose blocks went into the
+        host pool (`SaveMeta.keeps`: the engine may free their device blocks), the requests
+        whose loads finished, and those of them that failed: from the pool (loaded here,
+        after the forward: those requests wait, the engine does not), D's from P."""
+        sent, received, failed = set(), set(), set()
         if self._prefill is not None:
-            self._freed.update(self._prefill.poll())
+            freed = self._prefill.poll()
+            self._freed.update(freed)
+            sent = self._kept & set(freed)
+            self._kept -= sent
             received, failed = self._load_pooled()
         if self._decode is None:
-            return received, failed
+            return sent, received, failed
         caches, finished, bad = self._decode.get_finished(self._caches())
         self._store(caches)  # the old arrays are donated once anything was scattered
-        return received | set(finished), failed | set(bad)
+        return sent, received | set(finished), failed | set(bad)
 
     def _load_pooled(self) -> tuple[set[str], set[str]]:
         loads, self._pool_loads = self._pool_loads, {}
