@@ -75,6 +75,7 @@ def test_d_pools_the_conversation_it_decoded_and_the_next_turn_loads_it_on_d_alo
         # 300 prompt and 8 answer tokens, 307 of them computed: four whole 64-token blocks.
         assert _until(lambda: _metric(d, "vllm:kvxfer_pool_blocks", role="D"), pooled + 4) \
             == pooled + 4
+        assert _metric(d, "vllm:kvxfer_pool_capacity_tokens", role="D") > 0  # the proxy reads it
         turn2 = turn1 + got1["choices"][0]["token_ids"] + random_prompt(60, seed=8001)
         hits = _metric(d, "vllm:kvxfer_pool_hit_tokens_total", role="D", source="own_pool")
         got2, how2, route2 = _complete_with_transfer(fail_stack, proxy, turn2)

@@ -21,8 +21,9 @@ the pressure regime's blocks, and at least what `MAX_NUM_SEQS` (3) whole convers
 running at once, with 4 blocks spare. Each regime has its own
 system prompt and messages, so nothing of one is a prefix of the other.
 
-kvxfer's P gets a host pool (`PD_HOST_POOL_BYTES`: half its staging's bytes), where the
-blocks of a prompt stay once D has read them, for a later prompt that starts the same. While
+kvxfer's P and D each get a host pool (`PD_HOST_POOL_BYTES`: half the staging's bytes), where
+the blocks of a prompt stay once D has read them (P's), and those of a finished conversation,
+answers included (D's), for a later prompt that starts the same. While
 kvxfer refuses that setting under vLLM, P does not start with it: the run says so and runs
 kvxfer without (`"pool": false`).
 
@@ -39,7 +40,7 @@ from their `/metrics` between waves:
 - `computed_tokens`: the tokens prefilled, by P and D: each one's prompt tokens
   (`vllm:prompt_tokens_total`) less its device prefix-cache hits
   (`vllm:prefix_cache_hits_total`) less its connector's hits
-  (`vllm:external_prefix_cache_hits_total`: P's pool, what D loaded from P);
+  (`vllm:external_prefix_cache_hits_total`: each one's pool, what D loaded from P);
   `computed_on_d`, D's share (the prompts `kvxfer proxy` sent D alone, its local choice).
 - `recomputed_tokens`: of those, the ones that were held: the prefilled tokens beyond the
   ones never held (`prompt - held`), at most `held`; `recompute_fraction` is that over
@@ -129,7 +130,7 @@ def run() -> dict[str, Any]:
         "cache_blocks": blocks, "block_size": block, "pd_memory": settings["PD_MEMORY"],
         "host_pool_bytes": pool_bytes, "stacks": {}}
     _say(f"device caches of {blocks} blocks of {block} tokens (PD_MEMORY "
-         f"{settings['PD_MEMORY']}); kvxfer's P with a host pool of {pool_bytes} bytes "
+         f"{settings['PD_MEMORY']}); kvxfer's P and D each with a host pool of {pool_bytes} bytes "
          f"(PD_HOST_POOL_BYTES, half of {STAGING_BLOCKS} staging blocks)")
     for name, how in STACKS.items():
         if name == "tpu_inference":  # every request through P, as tpu-inference's proxy sends it
