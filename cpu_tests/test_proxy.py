@@ -1023,31 +1023,38 @@ def test_with_local_prefill_on_a_p_that_cannot_be_reached_has_d_prefill_alone_an
     assert f'kvxfer_proxy_up{{role="prefill",url="{gone}"}} 0' in metrics
 
 
-def _vllm_metrics(blocks: int, block_size: int, pool_tokens: int = 0) -> web.Application:
+def _vllm_metrics(blocks: int, block_size: int, pool_tokens: str = "",
+                  pool_once_stepped: bool = False) -> web.Application:
     """A D whose /metrics says its KV cache is `blocks` blocks of `block_size` tokens, and
-    with `pool_tokens`, that its kvxfer host pool holds that many more."""
+    with `pool_tokens` (the gauge's value as prometheus_client writes it: `384.0`, and from
+    a million on `1.048576e+06`), that its kvxfer host pool holds that many more; with
+    `pool_once_stepped`, only once D has answered a request (vLLM's engine steps, and
+    kvxfer's gauges exist, only once it has one)."""
     d = FakeVllm("D")
     app = d.app()
     pool = (f'vllm:kvxfer_pool_capacity_tokens{{engine="0",model_name="m",role="D"}} '
-            f'{pool_tokens}.0\n') if pool_tokens else ""
+            f'{pool_tokens}\n') if pool_tokens else ""
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(text=(
             '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
             f'vllm:cache_config_info{{block_size="{block_size}",engine="0",'
-            f'num_gpu_blocks="{blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n' + pool))
+            f'num_gpu_blocks="{blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n'
+            + (pool if d.seen or not pool_once_stepped else "")))
 
     app.router.add_get("/metrics", metrics)
     return app
 
 
-@pytest.mark.parametrize("pool_tokens, second", [(0, "pd"), (384, "local")])
+@pytest.mark.parametrize("pool_tokens, second", [("", "pd"), ("384.0", "local"),
+                                                  ("1.048576e+06", "local")])
 def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_and_pool_from_its_metrics(
         pool_tokens, second):
     """D's cache holds 8 blocks of 16 tokens (128 tokens, 8 spans): of a 512-token prompt D
     answered, only the last 8 spans are remembered, so the prompt's next turn finds no run
     from its start and goes through P. A D whose host pool holds 384 tokens more keeps all
-    of it: the next turn is D's alone."""
+    of it: the next turn is D's alone; as does one whose pool holds a million tokens, a gauge
+    that /metrics writes as 1.048576e+06."""
     p = FakeVllm("P")
 
     async def go():
@@ -1065,10 +1072,36 @@ def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_and_pool_from_its
     assert [r.split(";")[0] for r in routes] == ["choice=pd", f"choice={second}"], routes
 
 
-async def _proxy_over(stack, p: FakeVllm, d_url: str):
-    """A proxy over fake P `p` and the D at `d_url`, once its first health check has run."""
+def test_a_d_pool_its_metrics_name_only_once_d_has_stepped_is_counted_from_then_on():
+    """A freshly started D has no kvxfer gauges until its engine has stepped (its first
+    request): the pool its /metrics names after that first answer still counts, so a
+    conversation D answered later is D's alone on its next turn."""
+    p = FakeVllm("P")
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            d_url = await stack.enter_async_context(
+                serving(_vllm_metrics(8, 16, "384.0", pool_once_stepped=True)))
+            proxy, session = await _proxy_over(stack, p, d_url, health_interval_s=0.05)
+            async with session.post(proxy + "/v1/completions", json=BODY) as r:
+                assert r.status == 200  # D has stepped: its pool's gauge is there
+            await asyncio.sleep(0.3)  # the health checks since
+            routes = []
+            for prompt in (list(range(512)), list(range(512)) + [7] * 40):
+                async with session.post(proxy + "/v1/completions",
+                                        json={**BODY, "prompt": prompt}) as r:
+                    routes.append(r.headers["X-Kvxfer-Route"])
+            return routes
+
+    routes = run(go())
+    assert [r.split(";")[0] for r in routes] == ["choice=pd", "choice=local"], routes
+
+
+async def _proxy_over(stack, p: FakeVllm, d_url: str, **options: Any):
+    """A proxy over fake P `p` and the D at `d_url` (`options`: more `ProxyConfig` fields),
+    once its first health check has run."""
     p_url = await stack.enter_async_context(serving(p.app()))
-    config = ProxyConfig(prefill=(p_url,), decode=(d_url,))
+    config = ProxyConfig(prefill=(p_url,), decode=(d_url,), **options)
     app = build_app(config)
     proxy = await stack.enter_async_context(serving(app))
     session = await stack.enter_async_context(aiohttp.ClientSession())

@@ -407,18 +407,24 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
             upstreams.sized.discard(url)
         # D's device cache and host pool bound what it holds; P's pool may hold more than both.
         if role == "decode" and reason is None and url not in upstreams.sized:
-            upstreams.sized.add(url)
-            tokens = await _cache_tokens(upstreams.session, url, config.health_timeout_s)
-            if tokens is not None:
-                upstreams.router.holds(url, tokens)
+            # kvxfer's gauges exist once D's engine has stepped (its first request): until D
+            # has answered one, a pool its /metrics does not name yet may still come
+            stepped = bool(upstreams.router.decode.sent.get(url))
+            size = await _cache_tokens(upstreams.session, url, config.health_timeout_s)
+            if size is None or size[1] or stepped:
+                upstreams.sized.add(url)
+            if size is not None:
+                upstreams.router.holds(url, size[0])
     return [{"role": role, "url": url, "reason": reason}
             for (role, url), reason in zip(roles, reasons) if reason is not None]
 
 
-async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: float) -> int | None:
+async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: float
+                       ) -> tuple[int, bool] | None:
     """The tokens `url`'s KV cache holds, from its `/metrics`' `vllm:cache_config_info`
     (`num_gpu_blocks` times `block_size`), and its kvxfer host pool, which keeps what the
-    device cache drops (`vllm:kvxfer_pool_capacity_tokens`); None when it does not say."""
+    device cache drops (`vllm:kvxfer_pool_capacity_tokens`), with whether it named a pool;
+    None when it does not say."""
     try:
         async with session.get(url + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -431,9 +437,10 @@ async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: flo
     digits = re.compile(r"[0-9]{1,15}")  # not str.isdigit: "²" is a digit int() refuses
     if not (digits.fullmatch(blocks) and digits.fullmatch(size)) or not int(blocks) * int(size):
         return None
-    pool = re.search(r'^vllm:kvxfer_pool_capacity_tokens\{[^}]*role="D"[^}]*\} ([0-9]{1,15})(\.0)?$',
-                     text, re.MULTILINE)
-    return int(blocks) * int(size) + (int(pool.group(1)) if pool else 0)
+    # prometheus_client writes a gauge of a million or more as 1.048576e+06
+    pool = re.search(r'^vllm:kvxfer_pool_capacity_tokens\{[^}]*role="D"[^}]*\} '
+                     r'([0-9]{1,15}(\.[0-9]{1,15})?(e\+[0-9]{2})?)$', text, re.MULTILINE)
+    return int(blocks) * int(size) + (int(float(pool.group(1))) if pool else 0), pool is not None
 
 
 async def watch(upstreams: Upstreams) -> None:
