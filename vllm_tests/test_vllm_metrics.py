@@ -218,3 +218,19 @@ def test_through_vllm_the_pool_reports_its_blocks_bytes_hits_and_evictions(pd):
     assert registry.get_sample_value("vllm:kvxfer_pool_evicted_blocks_total", labels) == 4
     assert registry.get_sample_value("vllm:kvxfer_pool_blocks", labels) == 2
     assert registry.get_sample_value("vllm:kvxfer_pool_bytes", labels) == 2 * POOL_SLOT
+
+
+def test_a_d_with_a_pool_that_names_its_agent_counts_each_workers_counters_once(model_dir, engines):
+    """A D with a host pool runs two connectors in its worker (its pool's, its loads'), both
+    named after the agent `name` it was given: each one's counters reach vLLM once, not again
+    at every step."""
+    engine = engines(model_dir, kv_role="kv_consumer", extra_config={
+        "name": "kvxfer-D-named", "staging_blocks": 8, "host_pool_bytes": 4 * POOL_SLOT,
+        "precompile": False})
+    worker = engine.worker._worker
+    worker._prefill.recorder.count("p_pool_load_blocks", 4)
+    worker._decode.recorder.count("d_recompute_blocks", 2)
+    first = engine.worker.get_kv_connector_stats()
+    assert first.data["counters"] == {"p_pool_load_blocks": 4, "d_recompute_blocks": 2}
+    later = engine.worker.get_kv_connector_stats()  # nothing counted since
+    assert later is None or not later.data["counters"], later.data

@@ -308,10 +308,10 @@ def _sources(connector: Any) -> list[tuple[str, Stats]]:
     """`(source, stats)` of a `TPUConnector`'s side (`kvxfer.vllm`'s `_WorkerSide` or
     `_SchedulerSide`), series taken."""
     worker = getattr(connector, "_worker", None)
-    if worker is not None:
-        return [(name, side.stats(take=True)) for name, side in (
-            (worker._prefill and worker._prefill.name, worker._prefill),
-            (worker._decode and worker._decode.transport.config.name, worker._decode))
+    if worker is not None:  # a D with a pool (or kv_both) runs both, maybe under one agent name
+        return [(f"{name}/{role}", side.stats(take=True)) for role, name, side in (
+            ("prefill", worker._prefill and worker._prefill.name, worker._prefill),
+            ("decode", worker._decode and worker._decode.transport.config.name, worker._decode))
             if side is not None]
     scheduler = getattr(connector, "_scheduler", None)
     if scheduler is None:
