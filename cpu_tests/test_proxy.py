@@ -1046,15 +1046,16 @@ def _vllm_metrics(blocks: int, block_size: int, pool_tokens: str = "",
     return app
 
 
-@pytest.mark.parametrize("pool_tokens, second", [("", "pd"), ("384.0", "local"),
+@pytest.mark.parametrize("pool_tokens, second", [("", "pd"), ("384.0", "pd"), ("640.0", "local"),
                                                   ("1.048576e+06", "local")])
 def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_and_pool_from_its_metrics(
         pool_tokens, second):
     """D's cache holds 8 blocks of 16 tokens (128 tokens, 8 spans): of a 512-token prompt D
     answered, only the last 8 spans are remembered, so the prompt's next turn finds no run
-    from its start and goes through P. A D whose host pool holds 384 tokens more keeps all
-    of it: the next turn is D's alone; as does one whose pool holds a million tokens, a gauge
-    that /metrics writes as 1.048576e+06."""
+    from its start and goes through P. D's host pool keeps what its cache drops, much of it
+    also still in the cache: D holds the larger of the two, not their sum. A pool of 384
+    tokens still drops the prompt's start; one of 640 keeps all of it, and the next turn is
+    D's alone; as does one of a million tokens, a gauge /metrics writes as 1.048576e+06."""
     p = FakeVllm("P")
 
     async def go():
@@ -1081,7 +1082,7 @@ def test_a_d_pool_its_metrics_name_only_once_d_has_stepped_is_counted_from_then_
     async def go():
         async with contextlib.AsyncExitStack() as stack:
             d_url = await stack.enter_async_context(
-                serving(_vllm_metrics(8, 16, "384.0", pool_once_stepped=True)))
+                serving(_vllm_metrics(8, 16, "640.0", pool_once_stepped=True)))
             proxy, session = await _proxy_over(stack, p, d_url, health_interval_s=0.05)
             async with session.post(proxy + "/v1/completions", json=BODY) as r:
                 assert r.status == 200  # D has stepped: its pool's gauge is there

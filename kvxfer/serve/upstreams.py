@@ -405,7 +405,7 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
         upstreams.router.mark(url, reason is None)
         if reason is not None:  # it may come back restarted, its KV cache another size
             upstreams.sized.discard(url)
-        # D's device cache and host pool bound what it holds; P's pool may hold more than both.
+        # D's device cache or host pool bounds what it holds; P's pool may hold more than both.
         if role == "decode" and reason is None and url not in upstreams.sized:
             # kvxfer's gauges exist once D's engine has stepped (its first request): until D
             # has answered one, a pool its /metrics does not name yet may still come
@@ -422,8 +422,9 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
 async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: float
                        ) -> tuple[int, bool] | None:
     """The tokens `url`'s KV cache holds, from its `/metrics`' `vllm:cache_config_info`
-    (`num_gpu_blocks` times `block_size`), and its kvxfer host pool, which keeps what the
-    device cache drops (`vllm:kvxfer_pool_capacity_tokens`), with whether it named a pool;
+    (`num_gpu_blocks` times `block_size`), or its kvxfer host pool where that holds more (it
+    keeps what the device cache drops: `vllm:kvxfer_pool_capacity_tokens`), with whether it
+    named a pool;
     None when it does not say."""
     try:
         async with session.get(url + "/metrics",
@@ -440,7 +441,9 @@ async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: flo
     # prometheus_client writes a gauge of a million or more as 1.048576e+06
     pool = re.search(r'^vllm:kvxfer_pool_capacity_tokens\{[^}]*role="D"[^}]*\} '
                      r'([0-9]{1,15}(\.[0-9]{1,15})?(e\+[0-9]{2})?)$', text, re.MULTILINE)
-    return int(blocks) * int(size) + (int(float(pool.group(1))) if pool else 0), pool is not None
+    # the pool holds what D finished, much of it also in the device cache: the larger of the
+    # two, not their sum, which would credit D with tokens it may not hold
+    return max(int(blocks) * int(size), int(float(pool.group(1))) if pool else 0), pool is not None
 
 
 async def watch(upstreams: Upstreams) -> None:
