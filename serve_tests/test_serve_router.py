@@ -1,5 +1,6 @@
 """Behind vllm-router (0.1.17, its vLLM P/D mode) instead of `kvxfer proxy`: D decodes from
-P's KV, and what D computes itself is counted.
+P's KV, and what D computes itself is counted; then vllm-router's `cache_aware` policy over
+two P and two D (this stack's pair and a second one).
 
 vllm-router asks P, then sends the client's request to D with the params P returned; it
 sends D the request without params when P returns none, and the client cannot tell. D's
@@ -11,8 +12,11 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from serve_stack import TIMEOUT_S, post, random_prompt
+import pytest
+from serve_stack import TIMEOUT_S, post, random_prompt, start
 from test_serve import _metric, _same_answer, _until
+
+from kvxfer.bench.load import front
 
 
 def _transfers(stack) -> float:
@@ -60,3 +64,67 @@ def test_a_request_reaching_d_without_params_is_counted_as_a_fallback(router_sta
     assert _until(lambda: _fallbacks(stack, **labels), before + 1) == before + 1
     assert _transfers(stack) == transfers
     assert "no kv_transfer_params from P" in (stack.dir / "D.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def fleet(router_stack):
+    """A second kvxfer pair beside `router_stack`'s, and vllm-router in its vLLM P/D mode with
+    `cache_aware` over both P and both D: its URL and the two pairs."""
+    second = start("router1", PD_FRONT="vllm-router", PD_P_PORT="8141", PD_D_PORT="8241",
+                   PD_PROXY_PORT="8041", PD_KV_PORT="5615")
+    pairs = [router_stack, next(second)]
+    try:
+        argv = ["vllm-router", "--vllm-pd-disaggregation",
+                *(a for s in pairs for a in ("--prefill", s.p_url)),
+                *(a for s in pairs for a in ("--decode", s.d_url)),
+                "--policy", "cache_aware", "--host", "127.0.0.1", "--port", "8042",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", "28042"]
+        with front(router_stack.dir, "vllm-router-fleet", 8042, argv) as url:
+            yield url, pairs
+    finally:
+        second.close()  # its pd-down
+
+
+def _words(n: int, seed: int) -> str:
+    """A text prompt of `n` words, about 5 tokens each (vllm-router's `cache_aware` matches
+    prompts by their text)."""
+    return " ".join(f"w{i}" for i in random_prompt(n, seed))
+
+
+def test_cache_aware_over_two_p_and_two_d_moves_every_turns_kv_and_answers_as_one_instance(
+        fleet):
+    """Four conversations of two turns through vllm-router's `cache_aware` over two kvxfer
+    pairs: each turn's KV moves from P to D (no fallback), turn 2 (turn 1's prompt, its
+    answer and 12 new words) goes to the P that prefilled turn 1 and finds turn 1's whole
+    blocks in its prefix cache, and every answer is one instance's. (vllm-router 0.1.17
+    picks P in its P/D mode by load, not prefix: one request at a time, every prompt goes
+    to the first P, which this test records and does not require.)"""
+    url, pairs = fleet
+    ps, ds = [s.p_url for s in pairs], [s.d_url for s in pairs]
+
+    def on(urls, name, **labels):
+        return [_metric(u, name, **labels) for u in urls]
+
+    def prefilled_by(prompt):  # the P whose prompt tokens grew by this request's
+        before = on(ps, "vllm:prompt_tokens_total")
+        got = pairs[0].complete(url, prompt)
+        grown = [a - b for a, b in zip(on(ps, "vllm:prompt_tokens_total"), before)]
+        assert sorted(grown)[0] == 0 and sorted(grown)[1] >= 256, grown
+        return got, grown.index(max(grown))
+
+    transfers = sum(on(ds, "vllm:kvxfer_num_transfers_total", role="D"))
+    fallbacks = sum(on(ds, "vllm:kvxfer_num_fallbacks_total"))
+    turns = {}
+    for i in range(4):
+        turn1 = _words(64, seed=4100 + i)
+        got, p = prefilled_by(turn1)
+        turns[i] = (turn1 + got["choices"][0]["text"] + " " + _words(12, seed=4200 + i), p)
+    for turn2, p in turns.values():
+        hits = _metric(ps[p], "vllm:prefix_cache_hits_total")
+        got, again = prefilled_by(turn2)
+        assert again == p
+        assert _metric(ps[p], "vllm:prefix_cache_hits_total") - hits >= 256
+        _same_answer(got, pairs[0].complete(ps[0], turn2))
+    assert _until(lambda: sum(on(ds, "vllm:kvxfer_num_transfers_total", role="D")),
+                  transfers + 8) == transfers + 8
+    assert sum(on(ds, "vllm:kvxfer_num_fallbacks_total")) == fallbacks
