@@ -2,7 +2,7 @@
 D, routed three ways by `kvxfer proxy`, against two colocated instances behind vllm-router's
 `cache_aware` policy.
 
-Two kvxfer P/D pairs (`scripts/pd-up` twice, each P with a host pool as in `--multi-turn`)
+Two kvxfer P/D pairs (`scripts/pd-up` twice, each P and D with a host pool as in `--multi-turn`)
 and, in front of all four instances, three `kvxfer proxy`s run one after another:
 `round_robin` (`--route round_robin`: each turn's P and D in turn), `prefix` (by prefix, load
 and session, every prompt through P: `--local-prefill-tokens 0`) and `prefix_local` (the
