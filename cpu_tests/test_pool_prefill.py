@@ -233,3 +233,21 @@ def test_keeping_needs_a_pool_and_refuses_bad_tables_by_name(pair):
     # A table shorter than the hashes it is kept under: not pooled, nothing held.
     assert not pr.p.keep_finished("a", [[5]], [["g0", "g1"]])
     assert pr.p.scheduler.held() == [] and pr.p.slot_map.num_free_slots == pr.p.slot_map.num_slots
+
+
+def test_a_cache_reset_keeps_out_of_the_pool_what_was_computed_before_it(pair):
+    """vLLM's cache reset (new weights) clears the pool; a finished request whose blocks are
+    still being gathered, and a request P still holds for D, were computed before it: neither
+    enters the pool once freed."""
+    pr = pair(pool_bytes=8 * SLOT)
+    assert pr.p.keep_finished("a", [[5, 9, 12]], [["g0", "g1"]])
+    pr.p.add_request("b", 40, block_hashes=[["b0", "b1"]])
+    pr.save(ScheduledRequest("b", 0, 40, ([6, 10, 13],), full_table=True))  # a's gather too
+    assert pr.p.request_finished("b") is not None
+    pr.p.scheduler.pools.clear()  # the reset, while a is gathered and b is held for D
+    pr.serve()
+    assert "a" in pr.wait_freed(1)
+    pr.p.scheduler.release(["b"])  # as if D had read it
+    assert pr.p.scheduler.pools.entries() == 0
+    assert pr.p.pooled_tokens([["g0", "g1"]]) == 0 and pr.p.pooled_tokens([["b0", "b1"]]) == 0
+    assert pr.p.slot_map.num_free_slots == pr.p.slot_map.num_slots  # nothing stays

@@ -414,9 +414,14 @@ class Pools:
             pool.drop(owner)
 
     def clear(self) -> None:
-        """See `Pool.clear` (the hashes go to `take_events`)."""
+        """See `Pool.clear` (the hashes go to `take_events`). Requests remembered now (staged
+        or being gathered, their KV computed before the reset) are forgotten too: their blocks
+        never enter the pool."""
         for pool in self.pools:
             pool.clear()
+        self._hashes.clear()
+        self._tokens.clear()
+
     def resize(self, max_slots: int) -> None:
         """Each group's budget from now on, in slots (a scheduler that learns it from its
         workers: `kvxfer.vllm`)."""
