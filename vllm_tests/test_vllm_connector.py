@@ -341,15 +341,36 @@ def test_d_pools_what_it_decoded_and_the_next_turn_loads_it_instead_of_prefillin
     assert_prompt_kv(d, "b", second)  # the pooled answer's KV is what D computed for it
 
 
-def test_d_pools_nothing_of_an_aborted_request_and_frees_its_blocks_at_once(pd):
+def test_d_pools_what_an_aborted_request_computed_and_then_frees_its_blocks(pd):
+    """A request aborted mid-decode (a stop string, a client gone: vLLM aborts both) keeps
+    the whole blocks it computed, as one that stopped does."""
     p, d = _d_pool_pair(pd)
     prompt = _prompt(43, 40)
     d.add_request("a-d", prompt, max_tokens=30, kv_transfer_params=p.prefill("a", prompt))
-    d.run_until(lambda r: "a-d" in r.new_tokens, max_steps=400, min_s=30.0)
+    d.run_until(lambda r: len(r.new_tokens.get("a-d", ())) > 0, max_steps=400, min_s=30.0)
+    d.run_until(lambda: d.scheduler.requests["a-d"].num_computed_tokens >= 50, max_steps=20)
     d.abort("a-d")
     d.run_until(lambda: not d.scheduler.has_requests(), max_steps=5)
+    assert d.connector._scheduler.prefill.pools.entries() == 3  # 48 of its 50 computed
+    assert not d.connector.has_pending_push_work()
+    pool = d.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == d.kv_cache_config.num_blocks - 1
+
+
+def test_a_request_aborted_while_its_kv_is_loading_is_not_pooled_and_freed_once(pd):
+    """Aborted while D waits for P's KV (here a P that never answers), a request holds blocks
+    whose KV never came: none enters D's pool, and its blocks are freed once."""
+    p, d = _d_pool_pair(pd)
+    prompt = _prompt(44, 40)
+    params = dict(p.prefill("a", prompt), port=free_port())  # nobody listens there
+    d.add_request("a-d", prompt, max_tokens=2, kv_transfer_params=params)
+    d.run_until(lambda: d.connector._scheduler._receiving, max_steps=20)
+    d.abort("a-d")
+    d.run_until(lambda: not d.scheduler.has_requests(), max_steps=400, min_s=5.0)
     assert d.connector._scheduler.prefill.pools.entries() == 0
     assert not d.connector.has_pending_push_work()
+    pool = d.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == d.kv_cache_config.num_blocks - 1
 
 
 def test_a_pool_of_less_than_one_slot_is_refused_at_start_by_name(engines, model_dir):

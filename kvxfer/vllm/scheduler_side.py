@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KvxferMetadata", "SchedulerSide", "group_hashes", "scheduled_requests", "vllm_events"]
+__all__ = ["KvxferMetadata", "SchedulerSide", "group_hashes", "keep", "scheduled_requests", "vllm_events"]
 
 
 def scheduled_requests(so: SchedulerOutput) -> list[ScheduledRequest]:
@@ -98,6 +98,7 @@ class SchedulerSide:
         self._pooled: dict[str, tuple[int, int]] = {}  # P: request -> (computed, pooled run)
         self._pool_loads: dict[str, list[tuple[list[int], list[int]]] | None] = {}
         self._pool_loading: set[str] = set()  # P: handed to the worker, not yet reported
+        self._receiving: set[str] = set()  # loading (from P or a pool), not yet reported
         self._sources: dict[str, str] = {}  # request -> where its loaded tokens come from
         self.pool_slot_bytes: tuple[int, ...] = ()  # P: each group's bytes of a slot (workers')
         if self.prefill is not None:
@@ -182,6 +183,8 @@ class SchedulerSide:
             self._pool_loads[req_id] = None
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if num_external > 0:
+            self._receiving.add(request.request_id)
         if request.request_id in self._pooled and num_external > 0:
             self._acquire_pooled(request, blocks, num_external)
         params = request.kv_transfer_params
@@ -239,6 +242,7 @@ class SchedulerSide:
         D's received and failed loads and verified P agents; P's freed requests and sources."""
         meta = output.kv_connector_worker_meta
         failed = set(getattr(output, "failed_recving", None) or ())
+        self._receiving -= {*(output.finished_recving or ()), *failed}
         for req_id in self._pool_loading & {*(output.finished_recving or ()), *failed}:
             self._pool_loading.discard(req_id)
             self.prefill.pools.loaded(req_id, failed=req_id in failed)
@@ -304,34 +308,17 @@ class SchedulerSide:
         if self.prefill is None:
             return False, None
         transfer = self._transfers.pop(request.request_id, None)
-        if transfer is None:  # not one P stages for D: what it computed may enter the pool
-            return self._keep(request, block_ids), None
+        receiving = request.request_id in self._receiving
+        self._receiving.discard(request.request_id)
+        if transfer is None and not receiving:  # what it computed may enter the pool
+            return keep(self.prefill, request, block_ids, self.groups, self._hash_block), None
+        if transfer is None:
+            return False, None
         params = self.prefill.request_finished(transfer)
         if params is None:
             return False, None
         return False, {**params, "do_remote_prefill": True, "do_remote_decode": False,
                        "num_prompt_tokens": request.num_prompt_tokens}
-
-    def _keep(self, request: Request, block_ids: Sequence[Sequence[int]] | None) -> bool:
-        """A request that finished as asked (stopped, or at its length): its full blocks
-        whose KV the engine computed, prompt and generated tokens alike, enter the host pool
-        (`PrefillScheduler.keep_finished`). An aborted one is not kept."""
-        status = getattr(getattr(request, "status", None), "name", "")
-        if (not self.prefill.pools.pools or block_ids is None
-                or status not in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")):
-            return False
-        # the last token's KV is computed only by a step that never runs (async scheduling may
-        # have started it): blocks up to it, not past
-        computed = min(request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0),
-                       request.num_tokens - 1)
-        tables = [list(ids) for ids in block_ids]
-        try:
-            return self.prefill.keep_finished(
-                request.request_id, tables, self._block_hashes(request, computed),
-                list(request.all_token_ids[:computed]))
-        except KvxferError as e:  # the request is not pooled; the engine goes on
-            logger.warning("request %s is not kept in the host pool: %s", request.request_id, e)
-            return False
 
     def take_events(self) -> list[Any]:
         """The host pool's stores and removals since the last call, as vLLM's KV events
@@ -427,3 +414,27 @@ def group_hashes(request: Request, groups: Sequence[GroupSpec], hash_block: int,
         full = min(tokens // g.tokens_per_block, len(hashes) // k)
         out.append([hashes[(i + 1) * k - 1] for i in range(full)])
     return out
+
+
+def keep(prefill: PrefillScheduler, request: Request, block_ids: Sequence[Sequence[int]] | None,
+         groups: Sequence[GroupSpec], hash_block: int) -> bool:
+    """A request that finished (stopped, at its length, or aborted: a stop string, a client
+    gone), not while waiting for its KV: its full blocks whose KV the engine computed, prompt
+    and generated tokens alike, enter `prefill`'s host pool (`PrefillScheduler.keep_finished`).
+    Returns whether vLLM must keep its device blocks until the workers gathered them."""
+    status = getattr(getattr(request, "status", None), "name", "")
+    if (not prefill.pools.pools or block_ids is None or status not in (
+            "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED")):
+        return False
+    # the last token's KV is computed only by a step that never runs (async scheduling may
+    # have started it): blocks up to it, not past
+    computed = min(request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0),
+                   request.num_tokens - 1)
+    try:
+        return prefill.keep_finished(
+            request.request_id, [list(ids) for ids in block_ids],
+            group_hashes(request, groups, hash_block, computed),
+            list(request.all_token_ids[:computed]))
+    except KvxferError as e:  # the request is not pooled; the engine goes on
+        logger.warning("request %s is not kept in the host pool: %s", request.request_id, e)
+        return False
