@@ -174,7 +174,11 @@ def test_through_vllm_a_p_gone_counts_as_a_failure_with_its_reason(pd):
     p.engine.close()
     steps = decode(d, "r-d", prompt, params)
     got = _stats_of(steps).data["counters"]
-    assert got["d_requests_failed"] == 1 and got["d_failed_peer_gone"] == 1
+    # NIXL (UCX) reports a READ from a closed agent as failed, or, on a loaded machine, not
+    # before transfer_timeout_s, when D gives up on it (seen once in CI): either is this reason
+    reasons = {k: n for k, n in got.items() if k.startswith("d_failed_") and n}
+    assert got["d_requests_failed"] == 1
+    assert reasons in ({"d_failed_peer_gone": 1}, {"d_failed_deadline": 1}), reasons
     assert got["d_recompute_blocks"] == -(-len(prompt) // d.block_size)
     # A fallback; D never completed a handshake with that P (it was gone), so the P engine
     # its params name is not a label: clients may name anything.
