@@ -1,7 +1,9 @@
-"""The host pool (`host_pool_bytes`) in `PrefillConnector`: a request added with its block hashes leaves its full
-prompt blocks in P's staging once D has read it, and a later prompt whose hash chain starts
-the same loads them into its own device blocks instead of prefilling them: byte for byte,
-checked against the sums P took when it staged them, on both backends."""
+"""The host pool (`host_pool_bytes`) in `PrefillConnector`: a request added with its block
+hashes leaves its full prompt blocks in P's staging once D has read it, and a later prompt
+whose hash chain starts the same loads them into its own device blocks instead of
+prefilling them: byte for byte, checked against the sums P took when it staged them, on
+both backends. A finished request given to `keep_finished` (a D's) leaves its full blocks
+there too."""
 
 import os
 import sys

@@ -1062,15 +1062,9 @@ def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_and_pool_from_its
         async with contextlib.AsyncExitStack() as stack:
             d_url = await stack.enter_async_context(serving(_vllm_metrics(8, 16, pool_tokens)))
             proxy, session = await _proxy_over(stack, p, d_url)
-            routes = []
-            for prompt in (list(range(512)), list(range(512)) + [7] * 40):
-                async with session.post(proxy + "/v1/completions",
-                                        json={**BODY, "prompt": prompt}) as r:
-                    routes.append(r.headers["X-Kvxfer-Route"])
-            return routes
+            return await _two_turn_choices(session, proxy)
 
-    routes = run(go())
-    assert [r.split(";")[0] for r in routes] == ["choice=pd", f"choice={second}"], routes
+    assert run(go()) == ["choice=pd", f"choice={second}"]
 
 
 def test_a_d_pool_its_metrics_name_only_once_d_has_stepped_is_counted_from_then_on():
@@ -1087,15 +1081,18 @@ def test_a_d_pool_its_metrics_name_only_once_d_has_stepped_is_counted_from_then_
             async with session.post(proxy + "/v1/completions", json=BODY) as r:
                 assert r.status == 200  # D has stepped: its pool's gauge is there
             await asyncio.sleep(0.3)  # the health checks since
-            routes = []
-            for prompt in (list(range(512)), list(range(512)) + [7] * 40):
-                async with session.post(proxy + "/v1/completions",
-                                        json={**BODY, "prompt": prompt}) as r:
-                    routes.append(r.headers["X-Kvxfer-Route"])
-            return routes
+            return await _two_turn_choices(session, proxy)
 
-    routes = run(go())
-    assert [r.split(";")[0] for r in routes] == ["choice=pd", "choice=local"], routes
+    assert run(go()) == ["choice=pd", "choice=local"]
+
+
+async def _two_turn_choices(session: aiohttp.ClientSession, proxy: str) -> list[str]:
+    """The route choices of a 512-token prompt and its next turn (40 tokens more)."""
+    choices = []
+    for prompt in (list(range(512)), list(range(512)) + [7] * 40):
+        async with session.post(proxy + "/v1/completions", json={**BODY, "prompt": prompt}) as r:
+            choices.append(r.headers["X-Kvxfer-Route"].split(";")[0])
+    return choices
 
 
 async def _proxy_over(stack, p: FakeVllm, d_url: str, **options: Any):
