@@ -148,3 +148,43 @@ def test_rejects_layers_of_mixed_sharding_naming_the_layer():
 def test_rejects_an_inner_axis_that_does_not_split_evenly():
     with pytest.raises(InvalidInputError, match="does not split evenly"):
         CacheLayout(1, (16, 6, 16), "int8", (("model", 4),), ((), ("model",), ()))
+
+
+def _hashing(algo="sha256_cbor", block_size=16, seed="default", canary="c0ffee", pool=True):
+    return {"algo": algo, "block_size": block_size, "seed": seed, "canary": canary, "pool": pool}
+
+
+def _with_hashing(hashing):
+    layout = CacheLayout(1, (16, 8, 16), "int8", (("model", 8),), ((), (), ("model",)))
+    return advertised([layout], {"model": "m"} if hashing is None else {"model": "m", "hashing": hashing})
+
+
+@pytest.mark.parametrize("theirs, named", [
+    (_hashing(algo="xxhash_cbor"), "algo: peer='xxhash_cbor' local='sha256_cbor'"),
+    (_hashing(block_size=64), "block_size: peer=64 local=16"),
+    (_hashing(seed="PYTHONHASHSEED", canary="beef"), "canary: peer='beef' local='c0ffee'"),
+    (_hashing(pool=False, seed="random", canary=None), "the peer's 'sha256_cbor' seed is drawn at random"),
+    (None, "algo: peer=None local='sha256_cbor'"),  # a peer that says nothing (an older kvxfer)
+    ("junk", "algo: peer=None"),
+])
+def test_a_pool_refuses_a_peer_that_hashes_blocks_otherwise_naming_what_differs(theirs, named):
+    with pytest.raises(LayoutMismatchError, match="a host pool is on") as e:
+        check_block_compatible(_with_hashing(_hashing()), _with_hashing(theirs))
+    assert named in str(e.value)
+    assert "--prefix-caching-hash-algo" in str(e.value)
+
+
+def test_a_peer_pool_is_refused_by_a_side_whose_seed_is_random_and_equal_hashing_pairs():
+    with pytest.raises(LayoutMismatchError, match="the local side's 'xxhash' seed is drawn at random"):
+        check_block_compatible(_with_hashing(_hashing(algo="xxhash", seed="random", canary=None, pool=False)),
+                               _with_hashing(_hashing(algo="xxhash", seed="random", canary=None)))
+    check_block_compatible(_with_hashing(_hashing()), _with_hashing(_hashing(pool=False)))
+    # PYTHONHASHSEED set to what vLLM's default is hashes alike: the canaries decide
+    check_block_compatible(_with_hashing(_hashing()), _with_hashing(_hashing(seed="PYTHONHASHSEED")))
+
+
+def test_without_a_pool_block_hashes_never_leave_an_instance_and_any_hashing_pairs():
+    ours = _hashing(algo="xxhash", seed="random", canary=None, pool=False)
+    for theirs in (_hashing(pool=False), _hashing(algo="sha256", block_size=64, pool=False), None):
+        check_block_compatible(_with_hashing(ours), _with_hashing(theirs))
+    check_block_compatible(_with_hashing(None), _with_hashing(None))

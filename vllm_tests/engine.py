@@ -258,6 +258,7 @@ class Engine:
         max_num_batched_tokens: int = 64,
         max_num_seqs: int = 8,
         enable_prefix_caching: bool = True,
+        prefix_caching_hash_algo: str = "sha256",
         hybrid: bool = False,
         kv_load_failure_policy: str = "recompute",
         num_speculative_lookahead: int = 0,
@@ -286,7 +287,8 @@ class Engine:
             # on) when the KV cache really has several groups.
             disable_hybrid_kv_cache_manager=None if hybrid else True,
         )
-        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+        cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                                   prefix_caching_hash_algo=prefix_caching_hash_algo)
         kv_transfer_config = None
         if kv_role is not None:
             kv_transfer_config = KVTransferConfig(

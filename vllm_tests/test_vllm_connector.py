@@ -10,8 +10,14 @@ byte for byte at D's own block ids.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +31,7 @@ from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import free_port
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.wire import new_stream_id
+from kvxfer.vllm.connector import block_hashing
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -371,6 +378,71 @@ def test_a_request_aborted_while_its_kv_is_loading_is_not_pooled_and_freed_once(
     assert not d.connector.has_pending_push_work()
     pool = d.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == d.kv_cache_config.num_blocks - 1
+
+
+def test_a_pool_and_a_peer_that_hashes_blocks_otherwise_are_refused_at_handshake_by_name(
+        pd, caplog):
+    """D keeps a host pool; P hashes with another --prefix-caching-hash-algo, so the two
+    would key one block differently. D refuses P at handshake, naming both algorithms, and
+    computes the request itself; a P hashing alike is read as before."""
+    p, d = pd(prefix_caching_hash_algo="sha256_cbor",
+              d=dict(extra={"host_pool_bytes": 8 * POOL_SLOT}))
+    prompt = _prompt(46, 40)
+    with caplog.at_level(logging.WARNING):
+        steps = decode(d, "a-d", prompt, p.prefill("a", prompt))
+    assert "algo: peer='sha256_cbor' local='sha256'" in caplog.text
+    outs = [r.connector_output for r in steps if r.connector_output]
+    assert any("a-d" in o.failed_recving for o in outs)
+    assert scheduled_tokens(steps, "a-d")[1] >= len(prompt)  # recomputed on D
+    assert_prompt_kv(d, "a-d", prompt)
+
+    p2, d2 = pd(d=dict(extra={"host_pool_bytes": 8 * POOL_SLOT}))  # both sha256
+    steps = decode(d2, "b-d", prompt, p2.prefill("b", prompt))
+    assert scheduled_tokens(steps, "b-d")[0] == len(prompt) - 1  # read from P
+    assert_prompt_kv(d2, "b-d", prompt)
+
+
+_CANARIES = """
+import json, os, sys, types
+from kvxfer.vllm.connector import block_hashing
+out = {}
+for algo in sys.argv[1:]:
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(prefix_caching_hash_algo=algo))
+    for seed in (None, "7", "8"):
+        os.environ.pop("PYTHONHASHSEED", None) if seed is None else os.environ.update(PYTHONHASHSEED=seed)
+        out[f"{algo}/{seed}"] = block_hashing(config, 16, True)["canary"]
+print(json.dumps(out))
+"""
+
+
+def test_block_hashing_canaries_agree_across_processes_exactly_when_vllms_hashes_do(monkeypatch):
+    """A canary is vLLM's hash of one fixed block under this process's seed: the same in
+    another process for the algorithms vLLM seeds alike (and under PYTHONHASHSEED set
+    alike), different under another seed, None where vLLM draws the seed at random."""
+    algos = ["sha256", "sha256_cbor"]
+    try:
+        import xxhash  # noqa: F401  (vLLM needs it for the xxhash algorithms)
+        algos += ["xxhash", "xxhash_cbor"]
+    except ImportError:
+        pass
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    theirs = json.loads(subprocess.run([sys.executable, "-c", _CANARIES, *algos], env=env,
+                                       capture_output=True, text=True, check=True).stdout)
+    for algo in algos + ["xxhash", "xxhash_cbor"]:
+        config = SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+        ours = block_hashing(config, 16, True)
+        if algo.startswith("xxhash"):
+            assert ours["seed"] == "random" and ours["canary"] is None
+        else:
+            assert ours == {"algo": algo, "block_size": 16, "seed": "default", "pool": True,
+                            "canary": theirs[f"{algo}/None"]}
+        if algo not in algos:
+            continue
+        monkeypatch.setenv("PYTHONHASHSEED", "7")
+        seeded = block_hashing(config, 16, True)["canary"]
+        assert seeded == theirs[f"{algo}/7"] != theirs[f"{algo}/8"]
+        assert seeded != ours["canary"]
 
 
 def test_a_pool_of_less_than_one_slot_is_refused_at_start_by_name(engines, model_dir):

@@ -369,10 +369,37 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
     ours, theirs = local.get("model") or {}, remote.get("model")
     theirs = theirs if isinstance(theirs, Mapping) else {"(malformed)": theirs}
     diffs = [f"{key}: peer={theirs.get(key)!r:.120} local={ours.get(key)!r:.120}"
-             for key in sorted({*ours, *theirs}) if ours.get(key) != theirs.get(key)]
+             for key in sorted({*ours, *theirs} - {"hashing"}) if ours.get(key) != theirs.get(key)]
     if diffs:
         raise LayoutMismatchError("peer holds the KV of another model (or another KV cache of it): "
                                   + "; ".join(diffs))
+    _check_hashing(ours.get("hashing"), theirs.get("hashing"))
+
+
+def _check_hashing(ours: Any, theirs: Any) -> None:
+    """Where either side keeps a host pool, its keys (block hashes) must mean the same on
+    both: the same algorithm, hash block size and seed, shown by equal canaries (the hash of
+    one fixed block), and no side whose seed is drawn at random per process (canary None).
+    Without a pool, block hashes never leave an instance and any pair."""
+    if ours is None and theirs is None:
+        return  # neither describes its hashing (a tool, not vLLM)
+    ours = ours if isinstance(ours, Mapping) else {}
+    theirs = theirs if isinstance(theirs, Mapping) else {"(malformed)": theirs}
+    if ours.get("pool") is not True and theirs.get("pool") is not True:
+        return
+    diffs = [f"{key}: peer={theirs.get(key)!r:.80} local={ours.get(key)!r:.80}"
+             for key in ("algo", "block_size", "canary")
+             if not _same(ours.get(key), theirs.get(key))]
+    unseeded = [f"the {side}'s {h.get('algo')!r:.40} seed is drawn at random per process"
+                for side, h in (("peer", theirs), ("local side", ours))
+                if h.get("seed") == "random"]
+    if diffs or unseeded:
+        raise LayoutMismatchError(
+            "a host pool is on and the peer hashes blocks otherwise, so pooled blocks would "
+            "not be found by their hashes: " + "; ".join(diffs + unseeded) + ". Start every "
+            "instance with the same --prefix-caching-hash-algo (sha256 or sha256_cbor pair "
+            "across processes) and PYTHONHASHSEED set alike everywhere or nowhere (xxhash and "
+            "xxhash_cbor need it set)")
 
 
 def _same(ours: Any, theirs: Any) -> bool:

@@ -60,6 +60,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
+import os
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -88,7 +90,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-__all__ = ["Settings", "TPUConnector", "group_specs", "model_description"]
+__all__ = ["Settings", "TPUConnector", "block_hashing", "group_specs", "model_description"]
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -133,6 +137,30 @@ def model_description(vllm_config: VllmConfig, groups: Sequence[GroupSpec]) -> d
     }
 
 
+_RANDOM_SEEDS = ("xxhash", "xxhash_cbor")  # vLLM seeds these at random per process, unless
+# PYTHONHASHSEED is set; the others (sha256, sha256_cbor) from a fixed default
+
+
+def block_hashing(vllm_config: VllmConfig, hash_block_size: int, pool: bool) -> dict[str, Any]:
+    """How this instance's vLLM hashes prefix blocks, the host pool's keys (checked at
+    handshake where either side keeps a pool): `--prefix-caching-hash-algo`, the hash block
+    size, where the seed comes from (`PYTHONHASHSEED`, vLLM's `default`, or `random` per
+    process) and a canary, vLLM's hash of one fixed block under that seed (None for a random
+    seed: no other process computes the same hashes)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED, hash_block_tokens
+
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    seed = os.environ.get("PYTHONHASHSEED")
+    source = "PYTHONHASHSEED" if seed is not None else "random" if algo in _RANDOM_SEEDS else "default"
+    canary = None
+    if source != "random":
+        hash_fn = get_hash_fn_by_name(algo)
+        root = hash_fn(DEFAULT_NONE_HASH_SEED if seed is None else seed)  # vLLM's NONE_HASH
+        canary = bytes(hash_block_tokens(hash_fn, root, tuple(range(hash_block_size)))).hex()[:32]
+    return {"algo": algo, "block_size": int(hash_block_size), "seed": source, "canary": canary,
+            "pool": bool(pool)}
+
 
 class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
     """kvxfer's P/D transfer for vLLM-TPU (stats: `kvxfer.vllm.metrics`); see the module docstring.
@@ -159,8 +187,17 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
                                             self.consumer, instance, recompute,
                                             getattr(kv_cache_config, "hash_block_size", None))
         else:
+            hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.groups[0].tokens_per_block
+            pool = self.settings.connector_config(self.producer).host_pool_bytes > 0
+            hashing = block_hashing(vllm_config, hash_block, pool)
+            if pool and hashing["seed"] == "random":
+                logger.warning("the host pool's keys are %s block hashes, which vLLM seeds at "
+                               "random per process without PYTHONHASHSEED: every peer refuses "
+                               "this instance at handshake; set PYTHONHASHSEED alike on every "
+                               "instance, or use sha256_cbor", hashing["algo"])
             self._worker = WorkerSide(self.settings, kv_cache_config,
-                                      model_description(vllm_config, self.groups),
+                                      dict(model_description(vllm_config, self.groups),
+                                           hashing=hashing),
                                       self.producer, self.consumer, instance)
 
     # -- worker side
