@@ -348,6 +348,54 @@ def test_d_pools_what_it_decoded_and_the_next_turn_loads_it_instead_of_prefillin
     assert_prompt_kv(d, "b", second)  # the pooled answer's KV is what D computed for it
 
 
+def test_d_loads_what_its_pool_holds_and_reads_only_the_rest_from_p(pd, monkeypatch):
+    """The next turn goes through P: D loads the conversation so far (its answer included)
+    from its own pool and reads from P only the blocks past it."""
+    p, d = _d_pool_pair(pd)
+    first = _prompt(47, 40)
+    steps = decode(d, "a-d", first, p.prefill("a", first), max_tokens=20)
+    answer = [t for r in steps for t in r.new_tokens.get("a-d", [])]
+    d.run_until(lambda: not d.connector.has_pending_push_work(), max_steps=5)
+    pools = d.connector._scheduler.prefill.pools
+    assert pools.entries() == 3
+    read = {}
+    real = DecodeTransport.start_read
+
+    def spy(self, req_id, params, logical_ids, *rest):
+        read[req_id] = [list(k) for k in params.keys]
+        return real(self, req_id, params, logical_ids, *rest)
+
+    monkeypatch.setattr(DecodeTransport, "start_read", spy)
+    second = first + answer + _prompt(48, 10)  # 70 tokens: 3 blocks pooled, 2 more from P
+    steps = decode(d, "b-d", second, p.prefill("b", second))
+    assert read["b-d"] == [[3, 4]]
+    assert pools.counters()["p_pool_hit_tokens"] == 48
+    assert scheduled_tokens(steps, "b-d")[0] == len(second) - 1  # all of it loaded
+    assert_prompt_kv(d, "b-d", second)
+    outs = [r.connector_output for r in steps if r.connector_output]
+    assert [r for o in outs for r in o.finished_recving or ()] == ["b-d"]  # reported once
+
+
+def test_a_failed_read_from_p_after_a_load_from_ds_pool_fails_the_request_once_and_is_recomputed(pd):
+    """D loaded half a request from its pool and reads the rest from a P that is gone: the
+    request is reported failed once, naming P's blocks alone, and vLLM recomputes it."""
+    p, d = _d_pool_pair(pd)
+    first = _prompt(49, 40)
+    steps = decode(d, "a-d", first, p.prefill("a", first), max_tokens=20)
+    answer = [t for r in steps for t in r.new_tokens.get("a-d", [])]
+    d.run_until(lambda: not d.connector.has_pending_push_work(), max_steps=5)
+    second = first + answer + _prompt(50, 10)
+    params = p.prefill("b", second)
+    p.stop()
+    p.engine.close()  # P is gone before D reads
+    steps = decode(d, "b-d", second, params)
+    outs = [r.connector_output for r in steps if r.connector_output]
+    assert [r for o in outs for r in o.failed_recving or ()] == ["b-d"]
+    assert len(set().union(*(o.invalid_block_ids for o in outs))) == 2  # P's two blocks
+    assert scheduled_tokens(steps, "b-d")[1] >= len(second) - 48  # vLLM recomputes (here all)
+    assert_prompt_kv(d, "b-d", second)
+
+
 def test_d_pools_what_an_aborted_request_computed_and_then_frees_its_blocks(pd):
     """A request aborted mid-decode (a stop string, a client gone: vLLM aborts both) keeps
     the whole blocks it computed, as one that stopped does."""

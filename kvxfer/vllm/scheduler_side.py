@@ -141,7 +141,10 @@ class SchedulerSide:
             self._fall_back("below_threshold", request, f"{count} tokens to load, below "
                             f"kv_recompute_threshold {self.threshold}")
             return 0, False
-        self._local[request.request_id] = num_computed
+        # D's own pool first: the run past its device hit that it holds is loaded from host,
+        # and only the rest read from P
+        pooled = self._pool_match(request, num_computed)[0]
+        self._local[request.request_id] = num_computed + pooled
         self._prompts[request.request_id] = digest
         if request.request_id not in self._waiting and not streamed:  # P's lease kept alive
             self._waiting[request.request_id] = dict(params)
@@ -170,6 +173,8 @@ class SchedulerSide:
     def _acquire_pooled(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         req_id = request.request_id
         computed, count = self._pooled.pop(req_id)
+        if req_id in self._local:  # D: the rest of the prompt is read from P
+            num_external -= request.num_prompt_tokens - computed - count
         try:
             if num_external != count:
                 raise InvalidInputError(f"vLLM allocated {num_external} external tokens for "

@@ -45,6 +45,8 @@ class WorkerSide:
         self._freed: set[str] = set()
         self._kept: set[str] = set()  # gathered into the pool, the engine not yet told
         self._pool_loads: dict[str, Any] = {}  # P: this step's loads from the pool
+        # D: requests loaded from its pool and read from P at once -> halves done (failed?)
+        self._halves: dict[str, list[bool]] = {}
         self._verified: set[str] = set()  # D: P agents named in a report already
 
     def register_runner(self, runner: Any) -> None:
@@ -83,6 +85,7 @@ class WorkerSide:
 
     def start_load(self, meta: KvxferMetadata) -> None:
         self._pool_loads.update(meta.pool_loads)  # loaded after the forward, in poll
+        self._halves.update((r, []) for r in meta.pool_loads if r in meta.loads)
         for what, params in [*(("expect", p) for p in meta.expects),
                              *(("cancel", p) for p in meta.cancels)]:
             try:
@@ -116,7 +119,25 @@ class WorkerSide:
             return sent, received, failed
         caches, finished, bad = self._decode.get_finished(self._caches())
         self._store(caches)  # the old arrays are donated once anything was scattered
-        return sent, received | set(finished), failed | set(bad)
+        received, failed = self._whole(received, failed, set(finished), set(bad))
+        return sent, received, failed
+
+    def _whole(self, pooled: set[str], pool_failed: set[str], read: set[str],
+               read_failed: set[str]) -> tuple[set[str], set[str]]:
+        """D: the requests whose loads finished, and those that failed, once both halves of a
+        request loaded from D's pool and read from P are done (failed if either failed)."""
+        pooled, read = pooled | pool_failed, read | read_failed
+        received = (pooled | read) - self._halves.keys()
+        failed = (pool_failed | read_failed) - self._halves.keys()
+        for r in (pooled | read) & self._halves.keys():
+            halves = self._halves[r]
+            halves += [r in pool_failed] * (r in pooled) + [r in read_failed] * (r in read)
+            if len(halves) == 2:
+                del self._halves[r]
+                received.add(r)
+                if any(halves):
+                    failed.add(r)
+        return received, failed
 
     def _load_pooled(self) -> tuple[set[str], set[str]]:
         loads, self._pool_loads = self._pool_loads, {}
