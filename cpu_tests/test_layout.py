@@ -183,6 +183,13 @@ def test_a_peer_pool_is_refused_by_a_side_whose_seed_is_random_and_equal_hashing
     check_block_compatible(_with_hashing(_hashing()), _with_hashing(_hashing(seed="PYTHONHASHSEED")))
 
 
+def test_hashing_is_advertised_beside_the_model_so_a_peer_that_knows_none_compares_models_alike():
+    ours = _with_hashing(_hashing(pool=False))
+    assert ours["model"] == {"model": "m"} and ours["hashing"] == _hashing(pool=False)
+    older = {k: v for k, v in ours.items() if k != "hashing"}  # what a peer before it sends
+    check_block_compatible(ours, older)
+
+
 def test_without_a_pool_block_hashes_never_leave_an_instance_and_any_hashing_pairs():
     ours = _hashing(algo="xxhash", seed="random", canary=None, pool=False)
     for theirs in (_hashing(pool=False), _hashing(algo="sha256", block_size=64, pool=False), None):

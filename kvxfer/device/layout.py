@@ -324,7 +324,12 @@ def advertised(layouts: Sequence[CacheLayout], model: Mapping[str, Any] | None =
     `unit_axes`: per group, the block axis a side's pieces cut blocks along
     (`kvxfer.device.pieces.split_axis`); None: not said. Two sides that cut the same
     number of units along different axes stage the same bytes laid out differently: the
-    axis is part of what fixes a staged block's bytes."""
+    axis is part of what fixes a staged block's bytes.
+
+    A `hashing` key of `model` (`kvxfer.vllm.connector.block_hashing`: how block hashes,
+    the host pool's keys, are made) is advertised beside it, under its own key, which a
+    peer that knows none ignores; `check_block_compatible` compares it where either side
+    keeps a pool."""
     if model is not None and not isinstance(model, Mapping):
         raise InvalidInputError(f"model must be None or a dict describing the model, got "
                                 f"{model!r:.80}")
@@ -335,7 +340,9 @@ def advertised(layouts: Sequence[CacheLayout], model: Mapping[str, Any] | None =
     groups = [layout.block_fields() for layout in layouts]
     for fields, axis in zip(groups, unit_axes or ()):
         fields["unit_axis"] = int(axis)
-    return {"groups": groups, "model": dict(model or {})}
+    model = dict(model or {})
+    hashing = model.pop("hashing", None)  # its own key: a peer that knows none ignores it
+    return {"groups": groups, "model": model, **({"hashing": hashing} if hashing else {})}
 
 
 def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
@@ -369,11 +376,11 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
     ours, theirs = local.get("model") or {}, remote.get("model")
     theirs = theirs if isinstance(theirs, Mapping) else {"(malformed)": theirs}
     diffs = [f"{key}: peer={theirs.get(key)!r:.120} local={ours.get(key)!r:.120}"
-             for key in sorted({*ours, *theirs} - {"hashing"}) if ours.get(key) != theirs.get(key)]
+             for key in sorted({*ours, *theirs}) if ours.get(key) != theirs.get(key)]
     if diffs:
         raise LayoutMismatchError("peer holds the KV of another model (or another KV cache of it): "
                                   + "; ".join(diffs))
-    _check_hashing(ours.get("hashing"), theirs.get("hashing"))
+    _check_hashing(local.get("hashing"), remote.get("hashing"))
 
 
 def _check_hashing(ours: Any, theirs: Any) -> None:

@@ -188,7 +188,9 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
                                             getattr(kv_cache_config, "hash_block_size", None))
         else:
             hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.groups[0].tokens_per_block
-            pool = self.settings.connector_config(self.producer).host_pool_bytes > 0
+            # models with a sliding-window or SSM group pool nothing (`Pools`)
+            pool = (self.settings.connector_config(self.producer).host_pool_bytes > 0
+                    and all(g.kind == "attention" for g in self.groups))
             hashing = block_hashing(vllm_config, hash_block, pool)
             if pool and hashing["seed"] == "random":
                 logger.warning("the host pool's keys are %s block hashes, which vLLM seeds at "
@@ -257,10 +259,10 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         (`HOST`), D's loads from P a peer's (`P2P`)."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        source = self._scheduler.hit_source(request.request_id)
-        if not num_external_tokens or source is None:
+        sources = self._scheduler.hit_sources(request.request_id)
+        if not num_external_tokens or not sources or sum(sources.values()) != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return {CacheHitSource(source): num_external_tokens}
+        return {CacheHitSource(source): n for source, n in sources.items() if n}
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return tuple(range(len(self.groups)))  # P sends every group of the request

@@ -99,7 +99,10 @@ class SchedulerSide:
         self._pool_loads: dict[str, list[tuple[list[int], list[int]]] | None] = {}
         self._pool_loading: set[str] = set()  # P: handed to the worker, not yet reported
         self._receiving: set[str] = set()  # loading (from P or a pool), not yet reported
-        self._sources: dict[str, str] = {}  # request -> where its loaded tokens come from
+        self._sources: dict[str, dict[str, int]] = {}  # request -> its loaded tokens by source
+        # D: requests loaded from its pool and read from P at once; those whose pool half failed
+        self._split: set[str] = set()
+        self._pool_failed: set[str] = set()
         self.pool_slot_bytes: tuple[int, ...] = ()  # P: each group's bytes of a slot (workers')
         if self.prefill is not None:
             self.prefill.pools.resize(0)  # keeps nothing until the workers say how much
@@ -120,6 +123,8 @@ class SchedulerSide:
     # D
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         params, req_id = request.kv_transfer_params, request.request_id
+        self._local.pop(req_id, None)  # a call before (vLLM retries) planned another load
+        self._prompts.pop(req_id, None)
         if self.fallbacks is not None:
             self.fallbacks.arrived(req_id, params)
         if not self.consumer or not _asks(params, "do_remote_prefill", req_id):
@@ -175,6 +180,7 @@ class SchedulerSide:
         computed, count = self._pooled.pop(req_id)
         if req_id in self._local:  # D: the rest of the prompt is read from P
             num_external -= request.num_prompt_tokens - computed - count
+            self._split.add(req_id)
         try:
             if num_external != count:
                 raise InvalidInputError(f"vLLM allocated {num_external} external tokens for "
@@ -182,7 +188,7 @@ class SchedulerSide:
             self._pool_loads[req_id] = self.prefill.pools.load(
                 req_id, self._block_hashes(request), computed, count,
                 [list(ids) for ids in blocks.get_block_ids()])
-            self._sources[req_id] = "host"
+            self._sources[req_id] = {"host": count}
         except KvxferError as e:  # the worker fails it: vLLM computes it (or fails it)
             logger.warning("P request %s cannot load from its pool: %s", req_id, e)
             self._pool_loads[req_id] = None
@@ -223,7 +229,8 @@ class SchedulerSide:
                     self.fallbacks.loading(request.request_id, params)
                 have = [0 if g.kind == "mamba" else local // g.tokens_per_block
                         for g in self.groups]
-                self._sources[request.request_id] = "p2p"
+                pooled = self._sources.get(request.request_id, {}).get("host", 0)
+                self._sources[request.request_id] = {"host": pooled, "p2p": num_external - pooled}
                 self._loads[request.request_id] = LoadRequest(
                     dict(params), [list(ids) for ids in blocks.get_block_ids()], have,
                     digest or _prompt_digest(request))
@@ -248,9 +255,15 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         failed = set(getattr(output, "failed_recving", None) or ())
         self._receiving -= {*(output.finished_recving or ()), *failed}
+        if isinstance(meta, WorkerReport):
+            self._pool_failed.update(meta.pool_failed)
         for req_id in self._pool_loading & {*(output.finished_recving or ()), *failed}:
             self._pool_loading.discard(req_id)
-            self.prefill.pools.loaded(req_id, failed=req_id in failed)
+            # a request also read from P failed where either half did: the pool's is told apart
+            bad = req_id in self._pool_failed if req_id in self._split else req_id in failed
+            self._split.discard(req_id)
+            self._pool_failed.discard(req_id)
+            self.prefill.pools.loaded(req_id, failed=bad)
         if self.fallbacks is not None:  # P agents verified first: this step's loads
             self.fallbacks.verified(meta.verified if isinstance(meta, WorkerReport) else ())
             self.fallbacks.loaded(output.finished_recving or (),
@@ -338,9 +351,10 @@ class SchedulerSide:
             self.prefill.pools.clear()
         return True
 
-    def hit_source(self, req_id: str) -> str | None:
-        """Where the tokens a request loads come from (vLLM 0.33's `CacheHitSource` values):
-        `host` (this instance's pool), `p2p` (D's load from P); None before its allocation."""
+    def hit_sources(self, req_id: str) -> dict[str, int] | None:
+        """How many of the tokens a request loads come from where (vLLM 0.33's
+        `CacheHitSource` values): `host` (this instance's pool), `p2p` (D's read from P);
+        None before its allocation."""
         return self._sources.get(req_id)
 
     def holding(self) -> bool:

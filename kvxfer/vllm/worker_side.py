@@ -46,7 +46,8 @@ class WorkerSide:
         self._kept: set[str] = set()  # gathered into the pool, the engine not yet told
         self._pool_loads: dict[str, Any] = {}  # P: this step's loads from the pool
         # D: requests loaded from its pool and read from P at once -> halves done (failed?)
-        self._halves: dict[str, list[bool]] = {}
+        self._halves: dict[str, dict[str, bool]] = {}
+        self._pool_failed: set[str] = set()  # of those, reported, their pool half failed
         self._verified: set[str] = set()  # D: P agents named in a report already
 
     def register_runner(self, runner: Any) -> None:
@@ -85,7 +86,7 @@ class WorkerSide:
 
     def start_load(self, meta: KvxferMetadata) -> None:
         self._pool_loads.update(meta.pool_loads)  # loaded after the forward, in poll
-        self._halves.update((r, []) for r in meta.pool_loads if r in meta.loads)
+        self._halves.update((r, {}) for r in meta.pool_loads if r in meta.loads)
         for what, params in [*(("expect", p) for p in meta.expects),
                              *(("cancel", p) for p in meta.cancels)]:
             try:
@@ -131,11 +132,16 @@ class WorkerSide:
         failed = (pool_failed | read_failed) - self._halves.keys()
         for r in (pooled | read) & self._halves.keys():
             halves = self._halves[r]
-            halves += [r in pool_failed] * (r in pooled) + [r in read_failed] * (r in read)
+            if r in pooled:
+                halves["pool"] = r in pool_failed
+            if r in read:
+                halves["read"] = r in read_failed
             if len(halves) == 2:
                 del self._halves[r]
                 received.add(r)
-                if any(halves):
+                if halves["pool"]:
+                    self._pool_failed.add(r)  # the scheduler side drops its entries
+                if any(halves.values()):
                     failed.add(r)
         return received, failed
 
@@ -157,6 +163,7 @@ class WorkerSide:
         on a P across hosts, every step, every P process's agent and units; on D, the P
         agents it completed a handshake with since (what labels fallbacks)."""
         freed, self._freed = self._freed, set()
+        pool_failed, self._pool_failed = tuple(sorted(self._pool_failed)), set()
         prefill = self._prefill
         counts = dict.fromkeys(freed, 1)  # this worker's: the aggregate adds every worker's
         names = self._decode.transport.peers.verified_names() if self._decode else ()
@@ -164,7 +171,8 @@ class WorkerSide:
         self._verified.update(verified)  # the rest: in the next reports
         pool = (prefill.pool_slots, tuple(prefill.slot_bytes)) if prefill is not None else (0, ())
         if prefill is not None and (prefill.sources or prefill.pool_slots):
-            return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified, *pool)
+            return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified, *pool,
+                                pool_failed=pool_failed)
         return WorkerReport(counts, verified=verified) if counts or verified else None
 
     def close(self) -> None:
