@@ -65,7 +65,8 @@ def test_p_publishes_its_pools_stores_as_vllm_kv_events_a_zmq_subscriber_decodes
 def test_d_pools_the_conversation_it_decoded_and_the_next_turn_loads_it_on_d_alone(fail_stack):
     """D keeps a host pool too (no device prefix cache here): turn 1 through P leaves D's
     whole blocks of prompt and answer in D's pool, and the routing proxy's turn 2 (a local
-    prefill on D) loads them from there, answering as P alone."""
+    prefill on D) loads them from there, answering as P alone; turn 3, through P, is loaded
+    from D's pool as far as it holds and read from P past it."""
     d = fail_stack.d_url
     with _proxy(fail_stack, 8032) as proxy:
         turn1 = random_prompt(300, seed=8000)
@@ -83,6 +84,14 @@ def test_d_pools_the_conversation_it_decoded_and_the_next_turn_loads_it_on_d_alo
     assert _until(lambda: _metric(d, "vllm:kvxfer_pool_hit_tokens_total", role="D",
                                   source="own_pool") - hits, 256) == 256
     _same_answer(got2, fail_stack.complete(fail_stack.p_url, turn2))
+    # Turn 3 goes through P (the plain proxy): D loads the conversation so far from its pool
+    # (turn 2's 375 computed tokens: five whole blocks) and reads only the rest from P.
+    turn3 = turn2 + got2["choices"][0]["token_ids"] + random_prompt(60, seed=8002)
+    hits = _metric(d, "vllm:kvxfer_pool_hit_tokens_total", role="D", source="own_pool")
+    got3 = fail_stack.complete(fail_stack.proxy_url, turn3)
+    assert _until(lambda: _metric(d, "vllm:kvxfer_pool_hit_tokens_total", role="D",
+                                  source="own_pool") - hits, 320) == 320
+    _same_answer(got3, fail_stack.complete(fail_stack.p_url, turn3))
 
 
 def test_a_load_from_a_killed_p_is_an_error_and_d_keeps_serving(fail_stack):
