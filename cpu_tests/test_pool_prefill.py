@@ -100,6 +100,8 @@ def test_a_bad_pool_setting_is_refused_by_name(pair, monkeypatch):
     with pytest.raises(InvalidInputError, match=f"host_pool_bytes {8 * SLOT} is more than "
                                                 f"this host's available memory"):
         pair(pool_bytes=8 * SLOT)
+    with pytest.raises(InvalidInputError, match="serve must be a bool, got 'no'"):
+        prefill.PrefillWorker(ConnectorConfig(TransportConfig("P-pool")), [], serve="no")
 
 
 def test_bad_hashes_and_token_counts_are_refused_by_name_before_any_change(pair):

@@ -54,6 +54,8 @@ class PrefillWorker:
                  caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
                  instance: str | None = None, model: Mapping[str, Any] | None = None,
                  serve: bool = True):
+        if not isinstance(serve, bool):  # a truthy string would start an agent nobody asked for
+            raise InvalidInputError(f"serve must be a bool, got {serve!r:.80}")
         available = available_memory()
         if available is not None and config.host_pool_bytes > available:
             raise InvalidInputError(f"host_pool_bytes {config.host_pool_bytes} is more than this "
