@@ -25,6 +25,8 @@ import msgspec
 import numpy as np
 import pytest
 from engine import Engine, kv_slot_shape
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvxfer.errors import InvalidInputError
@@ -32,6 +34,8 @@ from kvxfer.nixl.agent import free_port
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.wire import new_stream_id
 from kvxfer.vllm.connector import block_hashing
+from kvxfer.vllm.settings import Settings
+from kvxfer.vllm.worker_side import WorkerSide
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -398,6 +402,40 @@ def test_a_failed_read_from_p_after_a_load_from_ds_pool_fails_the_request_once_a
     assert d.connector._scheduler.prefill.pools.counters()["p_pool_hit_tokens"] == 2 * 48
     assert scheduled_tokens(steps, "b-d")[1] == len(second) - 48 + 1
     assert_prompt_kv(d, "b-d", second)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.booleans(), st.integers(0, 3),
+                          st.booleans()), min_size=1, max_size=6))
+@settings(max_examples=200, deadline=None)
+def test_a_request_loaded_from_the_pool_and_read_from_p_is_reported_once_when_both_are_in(plans):
+    """Over any order of the two halves' results (each request: split or not, the poll its
+    pool half and its read end at, whether each failed): every request is reported once,
+    a split one at the poll its second half ends, failed if either half failed, and its
+    pool half's failure alone named in the report (`pool_failed`)."""
+    side = WorkerSide(Settings.from_extra({}, "e"), None, {}, False, True)
+    side._decode = SimpleNamespace(start_load_kv=lambda loads: None, expect=None, cancel=None)
+    ids = [f"r{i}" for i in range(len(plans))]
+    side.start_load(SimpleNamespace(
+        pool_loads={r: () for r, (split, *_) in zip(ids, plans) if split},
+        loads={r: () for r in ids}, expects=[], cancels=[]))
+    side._pool_loads = {}
+    reported: dict[str, tuple[int, bool]] = {}
+    for poll in range(4):
+        ends = list(zip(ids, plans))
+        pooled = {r for r, (split, at, _, _, _) in ends if split and at == poll}
+        pool_failed = {r for r, (split, at, bad, _, _) in ends if split and at == poll and bad}
+        read = {r for r, (_, _, _, at, _) in ends if at == poll}
+        read_failed = {r for r, (_, _, _, at, bad) in ends if at == poll and bad}
+        received, failed = side._whole(pooled - pool_failed, pool_failed, read - read_failed,
+                                       read_failed)
+        assert failed <= received and not received & reported.keys()
+        reported.update((r, (poll, r in failed)) for r in received)
+    pool_failed = side._pool_failed  # what the next report names
+    for r, (split, pool_at, pool_bad, read_at, read_bad) in zip(ids, plans):
+        ends = max(pool_at, read_at) if split else read_at
+        assert reported[r] == (ends, read_bad or (split and pool_bad))
+        assert (r in pool_failed) == (split and pool_bad)
+    assert not side._halves
 
 
 def test_d_pools_what_an_aborted_request_computed_and_then_frees_its_blocks(pd):
