@@ -132,7 +132,7 @@ def test_a_d_worker_reports_each_p_agent_it_connected_to_once_a_few_a_step():
     names = [f"p{i}" for i in range(2 * VERIFIED_PER_REPORT + 3)]
     peers = SimpleNamespace(verified_names=lambda: list(names))
     worker = _WorkerSide.__new__(_WorkerSide)  # only what report() reads
-    worker._freed, worker._verified, worker._prefill = set(), set(), None
+    worker._freed, worker._verified, worker._prefill, worker._pool_failed = set(), set(), None, set()
     worker._decode = SimpleNamespace(transport=SimpleNamespace(peers=peers))
     reports = [worker.report() for _ in range(4)]
     assert [r.verified for r in reports[:3]] == [
