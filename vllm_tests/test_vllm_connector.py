@@ -34,6 +34,7 @@ from kvxfer.nixl.agent import free_port
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.wire import new_stream_id
 from kvxfer.vllm.connector import block_hashing
+from kvxfer.vllm.fallbacks import counter_name
 from kvxfer.vllm.settings import Settings
 from kvxfer.vllm.worker_side import WorkerSide
 
@@ -378,6 +379,23 @@ def test_d_loads_what_its_pool_holds_and_reads_only_the_rest_from_p(pd, monkeypa
     assert_prompt_kv(d, "b-d", second)
     outs = [r.connector_output for r in steps if r.connector_output]
     assert [r for o in outs for r in o.finished_recving or ()] == ["b-d"]  # reported once
+
+
+def test_params_for_another_prompt_leave_d_its_own_pool(pd):
+    """D computes a request whose params P made for another prompt itself (a fallback), but
+    still loads what its own pool holds of the prompt it has."""
+    p, d = _d_pool_pair(pd)
+    first = _prompt(51, 40)
+    steps = decode(d, "a-d", first, p.prefill("a", first), max_tokens=20)
+    answer = [t for r in steps for t in r.new_tokens.get("a-d", [])]
+    d.run_until(lambda: not d.connector.has_pending_push_work(), max_steps=5)
+    second = first + answer + _prompt(52, 10)
+    others = p.prefill("o", _prompt(53, len(second)))  # the same length, another prompt
+    steps = decode(d, "b-d", second, others)
+    assert d.connector._scheduler.fallbacks.counters[counter_name("other_prompt", others["peer"])] == 1
+    assert d.connector._scheduler.prefill.pools.counters()["p_pool_hit_tokens"] == 48
+    assert scheduled_tokens(steps, "b-d") == (48, len(second) - 48 + 1)
+    assert_prompt_kv(d, "b-d", second)
 
 
 def test_a_failed_read_from_p_after_a_load_from_ds_pool_fails_the_request_once_and_is_recomputed(pd):

@@ -135,7 +135,7 @@ class SchedulerSide:
         if sent != request.num_prompt_tokens or (not streamed and params.get("prompt") != digest):
             self._fall_back("other_prompt", request, f"its kv_transfer_params are for another "
                             f"prompt ({sent!r} tokens, D's has {request.num_prompt_tokens})")
-            return 0, False
+            return self._pool_match(request, num_computed)  # what D's own pool holds of it
         count = request.num_prompt_tokens - num_computed
         if count <= 0:
             return 0, False
@@ -145,7 +145,7 @@ class SchedulerSide:
             self._cancels.append(dict(params))
             self._fall_back("below_threshold", request, f"{count} tokens to load, below "
                             f"kv_recompute_threshold {self.threshold}")
-            return 0, False
+            return self._pool_match(request, num_computed)
         # D's own pool first: the run past its device hit that it holds is loaded from host,
         # and only the rest read from P
         pooled = self._pool_match(request, num_computed)[0]
