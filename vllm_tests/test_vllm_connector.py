@@ -330,6 +330,30 @@ def _d_pool_pair(pd, slots: int = 8):
                                                   extra={"host_pool_bytes": slots * POOL_SLOT}))
 
 
+def _pooled_turn(p, d, seed: int) -> list[int]:
+    """Turn 1 of a conversation through P, 20 tokens decoded on D; returns its prompt and
+    answer once D's pool holds their whole blocks (3 of them)."""
+    first = _prompt(seed, 40)
+    steps = decode(d, "a-d", first, p.prefill("a", first), max_tokens=20)
+    answer = [t for r in steps for t in r.new_tokens.get("a-d", [])]
+    d.run_until(lambda: not d.connector.has_pending_push_work(), max_steps=5)
+    assert len(answer) == 20 and d.connector._scheduler.prefill.pools.entries() == 3
+    return first + answer
+
+
+def _spy_reads(monkeypatch) -> dict[str, list[list[int]]]:
+    """From now on, each read D starts: its request -> the block keys it reads, per group."""
+    read = {}
+    real = DecodeTransport.start_read
+
+    def spy(self, req_id, params, logical_ids, *rest):
+        read[req_id] = [list(k) for k in params.keys]
+        return real(self, req_id, params, logical_ids, *rest)
+
+    monkeypatch.setattr(DecodeTransport, "start_read", spy)
+    return read
+
+
 def test_d_pools_what_it_decoded_and_the_next_turn_loads_it_instead_of_prefilling(pd):
     p, d = _d_pool_pair(pd)
     first = _prompt(41, 40)
@@ -357,21 +381,10 @@ def test_d_loads_what_its_pool_holds_and_reads_only_the_rest_from_p(pd, monkeypa
     """The next turn goes through P: D loads the conversation so far (its answer included)
     from its own pool and reads from P only the blocks past it."""
     p, d = _d_pool_pair(pd)
-    first = _prompt(47, 40)
-    steps = decode(d, "a-d", first, p.prefill("a", first), max_tokens=20)
-    answer = [t for r in steps for t in r.new_tokens.get("a-d", [])]
-    d.run_until(lambda: not d.connector.has_pending_push_work(), max_steps=5)
+    history = _pooled_turn(p, d, 47)
     pools = d.connector._scheduler.prefill.pools
-    assert pools.entries() == 3
-    read = {}
-    real = DecodeTransport.start_read
-
-    def spy(self, req_id, params, logical_ids, *rest):
-        read[req_id] = [list(k) for k in params.keys]
-        return real(self, req_id, params, logical_ids, *rest)
-
-    monkeypatch.setattr(DecodeTransport, "start_read", spy)
-    second = first + answer + _prompt(48, 10)  # 70 tokens: 3 blocks pooled, 2 more from P
+    read = _spy_reads(monkeypatch)
+    second = history + _prompt(48, 10)  # 70 tokens: 3 blocks pooled, 2 more from P
     steps = decode(d, "b-d", second, p.prefill("b", second))
     assert read["b-d"] == [[3, 4]]
     assert pools.counters()["p_pool_hit_tokens"] == 48
@@ -385,11 +398,8 @@ def test_params_for_another_prompt_leave_d_its_own_pool(pd):
     """D computes a request whose params P made for another prompt itself (a fallback), but
     still loads what its own pool holds of the prompt it has."""
     p, d = _d_pool_pair(pd)
-    first = _prompt(51, 40)
-    steps = decode(d, "a-d", first, p.prefill("a", first), max_tokens=20)
-    answer = [t for r in steps for t in r.new_tokens.get("a-d", [])]
-    d.run_until(lambda: not d.connector.has_pending_push_work(), max_steps=5)
-    second = first + answer + _prompt(52, 10)
+    history = _pooled_turn(p, d, 51)
+    second = history + _prompt(52, 10)
     others = p.prefill("o", _prompt(53, len(second)))  # the same length, another prompt
     steps = decode(d, "b-d", second, others)
     assert d.connector._scheduler.fallbacks.counters[counter_name("other_prompt", others["peer"])] == 1
@@ -403,11 +413,8 @@ def test_a_failed_read_from_p_after_a_load_from_ds_pool_fails_the_request_once_a
     request is reported failed once, naming P's blocks alone, and vLLM recomputes it; the
     entries D loaded stay in its pool."""
     p, d = _d_pool_pair(pd)
-    first = _prompt(49, 40)
-    steps = decode(d, "a-d", first, p.prefill("a", first), max_tokens=20)
-    answer = [t for r in steps for t in r.new_tokens.get("a-d", [])]
-    d.run_until(lambda: not d.connector.has_pending_push_work(), max_steps=5)
-    second = first + answer + _prompt(50, 10)
+    history = _pooled_turn(p, d, 49)
+    second = history + _prompt(50, 10)
     params = p.prefill("b", second)
     p.stop()
     p.engine.close()  # P is gone before D reads
@@ -610,14 +617,7 @@ def test_prefix_cache_hit_on_d_reads_only_what_d_lacks(pd, monkeypatch):
     shared = _prompt(7, 32)
     first, second = shared + _prompt(8, 10), shared + _prompt(9, 20)
     decode(d, "a-d", first, p.prefill("a", first))
-    read = {}
-    real = DecodeTransport.start_read
-
-    def spy(self, req_id, params, logical_ids, *rest):
-        read[req_id] = [list(k) for k in params.keys]
-        return real(self, req_id, params, logical_ids, *rest)
-
-    monkeypatch.setattr(DecodeTransport, "start_read", spy)
+    read = _spy_reads(monkeypatch)
     steps = decode(d, "b-d", second, p.prefill("b", second))
     assert read["b-d"] == [[2, 3]]  # entries 0 and 1 are D's local hit
     first_computed, _ = scheduled_tokens(steps, "b-d")

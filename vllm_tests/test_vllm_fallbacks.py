@@ -149,6 +149,11 @@ def test_worker_reports_add_up_their_verified_names_and_refuse_odd_ones():
     for bad in (["p"], ("",), (7,), "p"):
         with pytest.raises(InvalidInputError, match="WorkerReport verified"):
             WorkerReport({}, verified=bad)
+    with pytest.raises(InvalidInputError, match="WorkerReport pool_failed must be a tuple of "
+                                                "request ids, got \\['r'\\]"):
+        WorkerReport({}, pool_failed=["r"])
+    merged = WorkerReport({}, pool_failed=("r",)).aggregate(WorkerReport({}, pool_failed=("r", "s")))
+    assert merged.pool_failed == ("r", "s")
 
 
 def test_a_local_prefill_reuses_the_prompt_d_loaded_and_is_counted_as_one_not_as_a_fallback(pd):
