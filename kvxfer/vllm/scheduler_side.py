@@ -3,8 +3,8 @@
 On P, `PrefillScheduler` turns each `SchedulerOutput` into save plans and staging slots,
 and a request whose prefill completes into the params `request_finished` returns. On D it
 answers `get_num_new_matched_tokens`, counts what D computes itself (`Fallbacks`) and,
-after allocation, tells the worker side what to load. Its one message to the workers is
-`KvxferMetadata`; theirs back is `WorkerReport` (`kvxfer.vllm.reports`). The protocol is
+after allocation, tells the worker side what to load (`DecodeLoads`). Its one message to
+the workers is `KvxferMetadata`; theirs back is `WorkerReport` (`kvxfer.vllm.reports`). The protocol is
 narrated in `kvxfer.vllm.connector`.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KvxferMetadata", "SchedulerSide", "group_hashes", "keep", "scheduled_requests", "vllm_events"]
+__all__ = ["DecodeLoads", "KvxferMetadata", "SchedulerSide", "group_hashes", "keep", "scheduled_requests",
+           "vllm_events"]
 
 
 def scheduled_requests(so: SchedulerOutput) -> list[ScheduledRequest]:
@@ -70,17 +71,129 @@ class KvxferMetadata(KVConnectorMetadata):
     cancels: list[dict[str, Any]] = field(default_factory=list)  # D: expected, then dropped
 
 
+class DecodeLoads:
+    """D's reads from P, in vLLM's scheduler process: whether a request's params are taken
+    (the prompt they name, `kv_recompute_threshold`) and how much of its prompt D holds
+    already, the loads handed to the workers, the P leases D keeps alive (`expects`) or lets
+    go of (`cancels`), and what D computes itself instead (`fallbacks`)."""
+
+    def __init__(self, groups: Sequence[GroupSpec], threshold: int, fallbacks: Fallbacks | None):
+        self.groups = list(groups)
+        self.threshold = threshold  # fewer tokens to load: computed
+        self.fallbacks = fallbacks  # None on kv_both
+        self._local: dict[str, int] = {}  # tokens D holds (device and pool), from matched
+        self._prompts: dict[str, str | None] = {}  # the prompt digest, from matched
+        self._waiting: dict[str, dict[str, Any]] = {}  # params accepted, load not started
+        self._expects: list[dict[str, Any]] = []
+        self._cancels: list[dict[str, Any]] = []
+        self._loads: dict[str, LoadRequest] = {}
+
+    def matched(self, request: Request, num_computed: int,
+                pool_match: Callable[[Request, int], tuple[int, bool]]) -> tuple[int, bool]:
+        """The prompt tokens D reads from P (all past its device hit), or, where it takes no
+        params, what `pool_match` (D's own host pool) holds of it."""
+        params, req_id = request.kv_transfer_params, request.request_id
+        self._local.pop(req_id, None)  # a call before (vLLM retries) planned another load
+        self._prompts.pop(req_id, None)
+        if self.fallbacks is not None:
+            self.fallbacks.arrived(req_id, params)
+        if not _asks(params, "do_remote_prefill", req_id):
+            return pool_match(request, num_computed)
+        streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
+        sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
+        digest = _prompt_digest(request)
+        if sent != request.num_prompt_tokens or (not streamed and params.get("prompt") != digest):
+            self._fall_back("other_prompt", request, f"its kv_transfer_params are for another "
+                            f"prompt ({sent!r} tokens, D's has {request.num_prompt_tokens})")
+            return pool_match(request, num_computed)  # what D's own pool holds of it
+        count = request.num_prompt_tokens - num_computed
+        if count <= 0:
+            return 0, False
+        if count < self.threshold and not streamed:  # P's lease let go of at once (below)
+            self._waiting.pop(req_id, None)
+            self._expects.append(dict(params))
+            self._cancels.append(dict(params))
+            self._fall_back("below_threshold", request, f"{count} tokens to load, below "
+                            f"kv_recompute_threshold {self.threshold}")
+            return pool_match(request, num_computed)
+        # D's own pool first: the run past its device hit that it holds is loaded from host,
+        # and only the rest read from P
+        self._local[req_id] = num_computed + pool_match(request, num_computed)[0]
+        self._prompts[req_id] = digest
+        if req_id not in self._waiting and not streamed:  # P's lease kept alive
+            self._waiting[req_id] = dict(params)
+            self._expects.append(dict(params))
+        return count, True
+
+    def splits(self, req_id: str) -> bool:
+        """Whether the request's prompt is read from P past what D's pool holds of it."""
+        return req_id in self._local
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int,
+                    pooled: int) -> dict[str, int] | None:
+        """The load of a request whose params D took, once vLLM allocated its blocks (none
+        where vLLM gave it no external tokens: P's lease is let go of); returns its loaded
+        tokens by source (`pooled` from D's pool, the rest from P), None where it loads none."""
+        params, req_id = request.kv_transfer_params, request.request_id
+        if not _asks(params, "do_remote_prefill", req_id):
+            return None
+        local = self._local.pop(req_id, 0)
+        digest = self._prompts.pop(req_id, None)
+        waited = self._waiting.pop(req_id, None)
+        sources = None
+        if num_external <= 0 and waited is not None:
+            self._cancels.append(waited)  # D computes it all itself
+        if num_external > 0:
+            if self.fallbacks is not None:
+                self.fallbacks.loading(req_id, params)
+            have = [0 if g.kind == "mamba" else local // g.tokens_per_block for g in self.groups]
+            self._loads[req_id] = LoadRequest(
+                dict(params), [list(ids) for ids in blocks.get_block_ids()], have,
+                digest or _prompt_digest(request))
+            sources = {"host": pooled, "p2p": num_external - pooled}
+        params["do_remote_prefill"] = False  # one transfer per request
+        return sources
+
+    def take(self, meta: KvxferMetadata) -> None:
+        """This step's loads and lease news, into the workers' metadata."""
+        meta.loads, self._loads = self._loads, {}
+        meta.expects, self._expects = self._expects, []
+        meta.cancels, self._cancels = self._cancels, []
+
+    def finished(self, req_id: str) -> None:
+        """vLLM's `request_finished`: a request aborted in D's queue lets P's lease go now."""
+        if self.fallbacks is not None:
+            self.fallbacks.finished(req_id)
+        self._local.pop(req_id, None)
+        self._prompts.pop(req_id, None)
+        waited = self._waiting.pop(req_id, None)
+        if waited is not None:
+            self._cancels.append(waited)
+
+    def _fall_back(self, reason: str, request: Request, why: str) -> None:
+        """D computes this request's prompt itself (once: its params stop asking)."""
+        params = request.kv_transfer_params
+        if self.fallbacks is not None:
+            self.fallbacks.count(reason, p_engine(params), request.request_id, why)
+        else:
+            logger.warning("D request %s: %s; D computes its prompt itself",
+                           request.request_id, why)
+        params["do_remote_prefill"] = False
+
+
 class SchedulerSide:
-    """vLLM's scheduler-side calls on P (`prefill`) and D (`fallbacks`, the loads)."""
+    """vLLM's scheduler-side calls: P's save plans, slots and params (`prefill`), the host
+    pool's matches and loads on any instance with one, and on D its reads from P (`reads`)."""
 
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
                  consumer: bool, instance: str | None = None, recompute: bool = True,
                  hash_block_size: int | None = None):
         self.groups = list(groups)
         self.consumer, self.producer = consumer, producer
-        self.threshold = settings.kv_recompute_threshold  # D: fewer tokens to load: computed
         # D (not kv_both): requests it computes itself instead of loading, counted and warned of
         self.fallbacks = Fallbacks(recompute) if consumer and not producer else None
+        self.reads = (DecodeLoads(groups, settings.kv_recompute_threshold, self.fallbacks)
+                      if consumer else None)
         config = settings.connector_config(producer)
         # P's staging and params; on a D with a host pool, the pool alone (what it decoded)
         self.prefill = PrefillScheduler(
@@ -106,12 +219,6 @@ class SchedulerSide:
         self.pool_slot_bytes: tuple[int, ...] = ()  # P: each group's bytes of a slot (workers')
         if self.prefill is not None:
             self.prefill.pools.resize(0)  # keeps nothing until the workers say how much
-        self._local: dict[str, int] = {}  # D: tokens D holds locally, from matched_tokens
-        self._prompts: dict[str, str | None] = {}  # D: the prompt digest, from matched_tokens
-        self._waiting: dict[str, dict[str, Any]] = {}  # D: params accepted, load not started
-        self._expects: list[dict[str, Any]] = []
-        self._cancels: list[dict[str, Any]] = []
-        self._loads: dict[str, LoadRequest] = {}
         # P: vLLM's request id -> the transfer id P plans, stages and names in params. A
         # request id P still holds for D (a proxy that reuses X-Request-Id, a retry) gets a
         # transfer id of its own, so the two prefills never share slots or params.
@@ -120,46 +227,17 @@ class SchedulerSide:
         self._refused_sources: tuple[tuple[Source, ...], int] = ((), 0)  # P: logged already
         self._frees: dict[str, int] = {}  # P: request -> P processes that freed it so far
 
-    # D
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        params, req_id = request.kv_transfer_params, request.request_id
-        self._local.pop(req_id, None)  # a call before (vLLM retries) planned another load
-        self._prompts.pop(req_id, None)
-        if self.fallbacks is not None:
-            self.fallbacks.arrived(req_id, params)
-        if not self.consumer or not _asks(params, "do_remote_prefill", req_id):
+        """vLLM's `get_num_new_matched_tokens`: on D, the prompt P names in the params (less
+        what D's device and pool hold); otherwise, and where D takes no params, the run this
+        instance's host pool holds."""
+        if self.reads is None:
             return self._pool_match(request, num_computed)
-        streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
-        sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
-        digest = _prompt_digest(request)
-        if sent != request.num_prompt_tokens or (not streamed and params.get("prompt") != digest):
-            self._fall_back("other_prompt", request, f"its kv_transfer_params are for another "
-                            f"prompt ({sent!r} tokens, D's has {request.num_prompt_tokens})")
-            return self._pool_match(request, num_computed)  # what D's own pool holds of it
-        count = request.num_prompt_tokens - num_computed
-        if count <= 0:
-            return 0, False
-        if count < self.threshold and not streamed:  # P's lease let go of at once (below)
-            self._waiting.pop(req_id, None)
-            self._expects.append(dict(params))
-            self._cancels.append(dict(params))
-            self._fall_back("below_threshold", request, f"{count} tokens to load, below "
-                            f"kv_recompute_threshold {self.threshold}")
-            return self._pool_match(request, num_computed)
-        # D's own pool first: the run past its device hit that it holds is loaded from host,
-        # and only the rest read from P
-        pooled = self._pool_match(request, num_computed)[0]
-        self._local[request.request_id] = num_computed + pooled
-        self._prompts[request.request_id] = digest
-        if request.request_id not in self._waiting and not streamed:  # P's lease kept alive
-            self._waiting[request.request_id] = dict(params)
-            self._expects.append(dict(params))
-        return count, True
+        return self.reads.matched(request, num_computed, self._pool_match)
 
-    # P
     def _pool_match(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        """P: the prompt tokens past its device hit that its host pool holds (a hash-chain
-        match), loaded asynchronously; the prompt's last token is always computed."""
+        """The prompt tokens past the device hit that this instance's host pool holds (a
+        hash-chain match), loaded asynchronously; the prompt's last token is always computed."""
         req_id = request.request_id
         self._pooled.pop(req_id, None)
         if self.prefill is None or not self.prefill.pools.pools:
@@ -178,7 +256,7 @@ class SchedulerSide:
     def _acquire_pooled(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         req_id = request.request_id
         computed, count = self._pooled.pop(req_id)
-        if req_id in self._local:  # D: the rest of the prompt is read from P
+        if self.reads is not None and self.reads.splits(req_id):  # D: the rest read from P
             num_external -= request.num_prompt_tokens - computed - count
             self._split.add(req_id)
         try:
@@ -218,23 +296,11 @@ class SchedulerSide:
                                              request.prompt_token_ids, block_hashes=hashes)
                 self._transfers[req_id] = transfer
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
-        if self.consumer and _asks(params, "do_remote_prefill", request.request_id):
-            local = self._local.pop(request.request_id, 0)
-            digest = self._prompts.pop(request.request_id, None)
-            waited = self._waiting.pop(request.request_id, None)
-            if num_external <= 0 and waited is not None:
-                self._cancels.append(waited)  # D computes it all itself
-            if num_external > 0:
-                if self.fallbacks is not None:
-                    self.fallbacks.loading(request.request_id, params)
-                have = [0 if g.kind == "mamba" else local // g.tokens_per_block
-                        for g in self.groups]
-                pooled = self._sources.get(request.request_id, {}).get("host", 0)
-                self._sources[request.request_id] = {"host": pooled, "p2p": num_external - pooled}
-                self._loads[request.request_id] = LoadRequest(
-                    dict(params), [list(ids) for ids in blocks.get_block_ids()], have,
-                    digest or _prompt_digest(request))
-            params["do_remote_prefill"] = False  # one transfer per request
+        if self.reads is not None:
+            pooled = self._sources.get(request.request_id, {}).get("host", 0)
+            sources = self.reads.after_alloc(request, blocks, num_external, pooled)
+            if sources is not None:
+                self._sources[request.request_id] = sources
 
     def build(self, so: SchedulerOutput) -> KvxferMetadata:
         meta = KvxferMetadata()
@@ -242,11 +308,10 @@ class SchedulerSide:
             meta.save = self.prefill.build_connector_meta(
                 [replace(s, req_id=self._transfers[s.req_id]) if s.req_id in self._transfers else s
                  for s in scheduled_requests(so)])
-        meta.loads, self._loads = self._loads, {}
+        if self.reads is not None:
+            self.reads.take(meta)
         meta.pool_loads, self._pool_loads = self._pool_loads, {}
         self._pool_loading.update(meta.pool_loads)
-        meta.expects, self._expects = self._expects, []
-        meta.cancels, self._cancels = self._cancels, []
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -314,15 +379,10 @@ class SchedulerSide:
         """vLLM's `request_finished`: whether the engine keeps the request's device blocks
         until the workers report it sent (its blocks are being gathered into the host
         pool), and the params P hands D."""
-        if self.fallbacks is not None:
-            self.fallbacks.finished(request.request_id)
-        self._local.pop(request.request_id, None)
-        self._prompts.pop(request.request_id, None)
+        if self.reads is not None:
+            self.reads.finished(request.request_id)
         self._pooled.pop(request.request_id, None)
         self._sources.pop(request.request_id, None)
-        waited = self._waiting.pop(request.request_id, None)
-        if waited is not None:  # aborted in D's queue: P frees its blocks now
-            self._cancels.append(waited)
         if self.prefill is None:
             return False, None
         transfer = self._transfers.pop(request.request_id, None)
@@ -359,16 +419,6 @@ class SchedulerSide:
 
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
-
-    def _fall_back(self, reason: str, request: Request, why: str) -> None:
-        """D computes this request's prompt itself (once: its params stop asking)."""
-        params = request.kv_transfer_params
-        if self.fallbacks is not None:
-            self.fallbacks.count(reason, p_engine(params), request.request_id, why)
-        else:
-            logger.warning("D request %s: %s; D computes its prompt itself",
-                           request.request_id, why)
-        params["do_remote_prefill"] = False
 
 
 def _prompt_digest(request: Request) -> str | None:
