@@ -82,6 +82,26 @@ def test_a_wave_d_prefilled_alone_counts_what_d_computed_not_what_d_loaded():
     assert t["recomputed_tokens"] == 452 - (964 - 896)
 
 
+def test_a_wave_gives_each_instances_mean_queue_and_prefill_time():
+    """vLLM's histograms between the two scrapes: two requests queued 3 s in all on D and
+    prefilled 0.5 s; the colocated instance (P alone) gives no D figures; a progress line
+    names what was measured."""
+    h = {("D", "vllm:request_queue_time_seconds_sum"): 3.0,
+         ("D", "vllm:request_queue_time_seconds_count"): 2,
+         ("D", "vllm:request_prefill_time_seconds_sum"): 0.5,
+         ("D", "vllm:request_prefill_time_seconds_count"): 2}
+    answers = [{"ttft_s": 2.0, "tpot_s": 0.1}] * 2
+    t = multiturn.wave_figures(answers, 0, {}, h, prompt_tokens=100)
+    assert t["breakdown_ms"]["d_queue"] == 1500.0 and t["breakdown_ms"]["d_first_step"] == 250.0
+    assert t["breakdown_ms"]["p_queue"] is None
+    assert multiturn._where_time_went(t["breakdown_ms"]) == "d_queue 1500.0 d_first_step 250.0"
+    colocated = multiturn.wave_figures(answers, 0, {}, {
+        ("P", "vllm:request_queue_time_seconds_sum"): 1.0,
+        ("P", "vllm:request_queue_time_seconds_count"): 2}, prompt_tokens=100)
+    assert colocated["breakdown_ms"]["p_queue"] == 500.0
+    assert multiturn._where_time_went(None) == "-"
+
+
 def _turns(ttfts, held, recomputed):
     return [{"ttft_ms": list(t), "requests": len(t), "failed": 0, "p50_ttft_ms": t[0],
              "p90_ttft_ms": t[-1], "p50_tpot_ms": 50.0, "prompt_tokens": 1000, "held_tokens": h,

@@ -48,6 +48,10 @@ from their `/metrics` between waves:
   was never sent (the colocated one caches its own answers, so held tokens it recomputed
   can hide behind answer tokens it did not).
 - `kv_moved`: D's `vllm:kvxfer_num_transfers_total` over the requests (kvxfer only).
+- `breakdown_ms`: mean milliseconds per request of the wave from vLLM's and kvxfer's
+  histograms, as `bench serve --load` gives them: `p_queue` and `p_prefill` (the colocated
+  instance's are P's), `d_queue` (waiting for a slot, and on a P/D stack for the KV) and
+  `d_first_step`, and kvxfer's own steps. Where TTFT goes while prefill is cheap: the queue.
 
 Per stack and regime: `pool`, the deltas of every `/metrics` line of P and D whose name starts
 `vllm:kvxfer_pool` (histogram buckets left out; empty while kvxfer exports none; hits by
@@ -230,7 +234,8 @@ def wave_figures(answers: list[dict], held: int, before: dict, after: dict,
             "device_hits": device, "connector_hits": connector,
             "computed_tokens": computed("P") + on_d, "computed_on_d": on_d,
             "recomputed_tokens": again, "recompute_fraction": fraction,
-            "kv_moved": deltas(before, after, len(done), d_workers)["kv_moved"]}
+            **{k: v for k, v in deltas(before, after, len(done), d_workers).items()
+               if k in ("kv_moved", "breakdown_ms")}}
 
 
 def summary(stacks: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -324,6 +329,7 @@ def _regime(name: str, regime: str, n: int, seed: int, front: str, who: dict, ho
              f"ms, p50 TPOT {t['p50_tpot_ms']} ms, prefilled {t['computed_tokens']} of "
              f"{t['prompt_tokens']} tokens ({t['held_tokens']} held, recompute "
              f"{t['recompute_fraction']}), KV moved {t['kv_moved']}, routes {t['routes']}, "
+             f"mean ms {_where_time_went(t.get('breakdown_ms'))}, "
              f"{t['failed']} failed, "
              f"{wall:.1f} s")
     moved = [(t["kv_moved"], t["requests"] - t["failed"]) for t in turns]
@@ -331,6 +337,12 @@ def _regime(name: str, regime: str, n: int, seed: int, front: str, who: dict, ho
             "kv_moved": (round(sum(m * c for m, c in moved) / max(1, sum(c for _, c in moved)), 3)
                          if all(m is not None for m, _ in moved) else None),
             **labelled_deltas(labelled, _labelled(who))}
+
+
+def _where_time_went(breakdown: dict[str, float | None] | None) -> str:
+    """A wave's mean queue and prefill (D: first step) times per request, where measured."""
+    keys = ("p_queue", "p_prefill", "d_queue", "d_first_step")
+    return " ".join(f"{k} {breakdown[k]}" for k in keys if (breakdown or {}).get(k) is not None) or "-"
 
 
 def labelled_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, dict]:
