@@ -426,6 +426,27 @@ def test_a_failed_read_from_p_after_a_load_from_ds_pool_fails_the_request_once_a
     # and vLLM's recompute of the request loads them again: D computes only P's part.
     assert d.connector._scheduler.prefill.pools.counters()["p_pool_hit_tokens"] == 2 * 48
     assert scheduled_tokens(steps, "b-d")[1] == len(second) - 48 + 1
+    assert d.connector._scheduler.fallbacks.counters == {counter_name("load_failed", params["peer"]): 1}
+    assert_prompt_kv(d, "b-d", second)
+
+
+def test_a_failed_load_from_ds_own_pool_is_not_counted_against_p(pd):
+    """D loads half a request from its pool, whose entry was corrupted in host memory, and
+    reads the rest from P, which goes well: the request is recomputed, and the fallback is
+    counted as D's pool's (`pool_failed`, no P engine), not as a failed load from P."""
+    p, d = _d_pool_pair(pd)
+    history = _pooled_turn(p, d, 55)
+    pool = d.connector._scheduler.prefill.pools.pools[0]
+    staging = d.worker._worker._prefill.stagings[0]
+    slot = next(iter(pool._entries.values())).slots[0]
+    staging.regions[1][slot].view(np.uint8).reshape(-1)[5] ^= 0x10
+    second = history + _prompt(56, 10)
+    params = p.prefill("b", second)
+    steps = decode(d, "b-d", second, params)
+    outs = [r.connector_output for r in steps if r.connector_output]
+    assert [r for o in outs for r in o.failed_recving or ()] == ["b-d"]
+    counters = d.connector._scheduler.fallbacks.counters
+    assert counters == {counter_name("pool_failed", "none"): 1}, counters
     assert_prompt_kv(d, "b-d", second)
 
 
@@ -455,11 +476,12 @@ def test_a_request_loaded_from_the_pool_and_read_from_p_is_reported_once_when_bo
                                        read_failed)
         assert failed <= received and not received & reported.keys()
         reported.update((r, (poll, r in failed)) for r in received)
-    pool_failed = side._pool_failed  # what the next report names
+    pool_failed, read_failed = side._pool_failed, side._read_failed  # the next report's
     for r, (split, pool_at, pool_bad, read_at, read_bad) in zip(ids, plans):
         ends = max(pool_at, read_at) if split else read_at
         assert reported[r] == (ends, read_bad or (split and pool_bad))
         assert (r in pool_failed) == (split and pool_bad)
+        assert (r in read_failed) == (split and read_bad)
     assert not side._halves
 
 

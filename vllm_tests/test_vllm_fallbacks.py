@@ -132,7 +132,8 @@ def test_a_d_worker_reports_each_p_agent_it_connected_to_once_a_few_a_step():
     names = [f"p{i}" for i in range(2 * VERIFIED_PER_REPORT + 3)]
     peers = SimpleNamespace(verified_names=lambda: list(names))
     worker = _WorkerSide.__new__(_WorkerSide)  # only what report() reads
-    worker._freed, worker._verified, worker._prefill, worker._pool_failed = set(), set(), None, set()
+    worker._freed, worker._verified, worker._prefill = set(), set(), None
+    worker._pool_failed, worker._read_failed = set(), set()
     worker._decode = SimpleNamespace(transport=SimpleNamespace(peers=peers))
     reports = [worker.report() for _ in range(4)]
     assert [r.verified for r in reports[:3]] == [
@@ -152,8 +153,12 @@ def test_worker_reports_add_up_their_verified_names_and_refuse_odd_ones():
     with pytest.raises(InvalidInputError, match="WorkerReport pool_failed must be a tuple of "
                                                 "request ids, got \\['r'\\]"):
         WorkerReport({}, pool_failed=["r"])
-    merged = WorkerReport({}, pool_failed=("r",)).aggregate(WorkerReport({}, pool_failed=("r", "s")))
-    assert merged.pool_failed == ("r", "s")
+    with pytest.raises(InvalidInputError, match="WorkerReport read_failed must be a tuple of "
+                                                "request ids, got \\{'r'\\}"):
+        WorkerReport({}, read_failed={"r"})
+    merged = WorkerReport({}, pool_failed=("r",), read_failed=("s",)).aggregate(
+        WorkerReport({}, pool_failed=("r", "s"), read_failed=("t",)))
+    assert merged.pool_failed == ("r", "s") and merged.read_failed == ("s", "t")
 
 
 def test_a_local_prefill_reuses_the_prompt_d_loaded_and_is_counted_as_one_not_as_a_fallback(pd):

@@ -11,7 +11,10 @@ the P engine that prefilled it, and logs a warning at most once per reason per m
 - `below_threshold`: fewer tokens to load than `kv_recompute_threshold`;
 - `other_prompt`: params made for another prompt (P's prompt length or digest differ);
 - `load_failed`: the load failed and vLLM recomputes the prompt
-  (`kv_load_failure_policy="recompute"`).
+  (`kv_load_failure_policy="recompute"`);
+- `pool_failed`: the same, where D loaded part of the prompt from its own host pool and
+  read the rest from P, and only the pool's part failed its check: not P's doing (P engine
+  `none`).
 
 A request whose params say `local_prefill` (`kvxfer proxy` sent it to D alone on purpose:
 D holds all but a short suffix of its prompt) is no fallback: it is counted as
@@ -44,7 +47,7 @@ __all__ = ["MAX_ENGINES", "MAX_VERIFIED", "REASONS", "Fallbacks", "counter_name"
 
 logger = logging.getLogger(__name__)
 
-REASONS = ("no_params", "below_threshold", "other_prompt", "load_failed")
+REASONS = ("no_params", "below_threshold", "other_prompt", "load_failed", "pool_failed")
 PREFIX = "d_fallback_"
 NO_ENGINE = "none"  # no params: no P named
 UNNAMED = "unknown"  # params that name no P
@@ -113,12 +116,19 @@ class Fallbacks:
         """D starts loading a request's KV from the P its params name."""
         self._loading[req_id] = p_engine(params)
 
-    def loaded(self, finished: Iterable[str], failed: Iterable[str]) -> None:
-        """The worker reported these loads over (`finished_recving`), these among them failed."""
-        failed = set(failed)
+    def loaded(self, finished: Iterable[str], failed: Iterable[str],
+               pool_only: Iterable[str] = ()) -> None:
+        """The worker reported these loads over (`finished_recving`), these among them failed
+        (`pool_only`: in the part D loaded from its own pool alone; P's read went well)."""
+        failed, pool_only = set(failed), set(pool_only)
         for req_id in finished:
             engine = self._loading.pop(req_id, None)
-            if engine is not None and req_id in failed and self.recompute:
+            if engine is None or req_id not in failed or not self.recompute:
+                continue
+            if req_id in pool_only:
+                self.count("pool_failed", NO_ENGINE, req_id, "its load from D's own host "
+                           "pool failed its check (the read from P went well)")
+            else:
                 self.count("load_failed", engine, req_id, "its KV load failed")
 
     def verified(self, names: Iterable[str]) -> None:

@@ -155,8 +155,9 @@ HISTOGRAMS = {
     "bytes_staged": ("p_request_bytes", _BYTES, "P: KV bytes staged per request (re-copied "
                      "blocks included)"),
     "num_descriptors": ("d_read_descriptors", _COUNTS, "D: NIXL descriptors per request"),
-    "pool_load_time_seconds": ("p_pool_load_s", _TIMES, "P: time a step's loads from the host "
-                               "pool into the device caches took, fingerprints checked"),
+    "pool_load_time_seconds": ("p_pool_load_s", _TIMES, "P, or a D with a host pool: time a "
+                               "step's loads from the pool into the device caches took, "
+                               "fingerprints checked"),
 }
 
 _GAUGES = {
@@ -224,8 +225,9 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             name="vllm:kvxfer_num_fallbacks", labelnames=[*labelnames, "reason", "p_engine"],
             documentation="D: requests whose prompt D computed itself instead of loading P's "
                           "KV, by reason (no_params, below_threshold, other_prompt, "
-                          "load_failed) and P engine (P's agent name once D completed a "
-                          "handshake with it, else unverified; none without params)")
+                          "load_failed, pool_failed) and P engine (P's agent name once D "
+                          "completed a handshake with it, else unverified; none without "
+                          "params or for D's own pool)")
         self.gauges = {
             name: self._gauge_cls(name=f"vllm:kvxfer_{name}", documentation=doc,
                                   multiprocess_mode="mostrecent", labelnames=role)

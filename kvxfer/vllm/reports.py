@@ -45,7 +45,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
     `host_pool_bytes` buys, and `slot_bytes`, each group's bytes of one slot; the
     aggregate takes the smallest budget, so an entry fits every worker's piece of it; and
     `pool_failed`: requests loaded from the pool and read from P at once, reported failed,
-    whose pool half failed (its entries are dropped; a failed read from P alone keeps them)."""
+    whose pool half failed (its entries are dropped; a failed read from P alone keeps them),
+    and `read_failed`, those whose read from P failed (a failure of the pool half alone is
+    not P's: D's fallbacks count it apart). Their aggregates are unions."""
 
     freed: dict[str, int] = field(default_factory=dict)
     sources: tuple[Source, ...] = ()
@@ -54,6 +56,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     pool_slots: int = 0
     slot_bytes: tuple[int, ...] = ()
     pool_failed: tuple[str, ...] = ()
+    read_failed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # The scheduler adds the counts up to the number of P processes: a count of 0 or
@@ -75,10 +78,11 @@ class WorkerReport(KVConnectorWorkerMetadata):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise InvalidInputError(f"WorkerReport {name} must be an int >= 0, got "
                                         f"{getattr(self, name)!r}")
-        if not isinstance(self.pool_failed, tuple) or not all(
-                isinstance(r, str) for r in self.pool_failed):
-            raise InvalidInputError(f"WorkerReport pool_failed must be a tuple of request ids, "
-                                    f"got {self.pool_failed!r:.120}")
+        for name in ("pool_failed", "read_failed"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(isinstance(r, str) for r in ids):
+                raise InvalidInputError(f"WorkerReport {name} must be a tuple of request ids, "
+                                        f"got {ids!r:.120}")
         if not isinstance(self.verified, tuple) or not all(
                 isinstance(n, str) and n for n in self.verified):
             raise InvalidInputError(f"WorkerReport verified must be a tuple of P agent names "
@@ -96,7 +100,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
         pool = min((r.pool_slots, r.slot_bytes) for r in (self, other) if r.pool_slots) if (
             self.pool_slots or other.pool_slots) else (0, ())
         pool_failed = tuple(dict.fromkeys(self.pool_failed + other.pool_failed))
-        return WorkerReport(freed, sources, units, verified, *pool, pool_failed=pool_failed)
+        read_failed = tuple(dict.fromkeys(self.read_failed + other.read_failed))
+        return WorkerReport(freed, sources, units, verified, *pool, pool_failed=pool_failed,
+                            read_failed=read_failed)
 
 
 def worker_processes(vllm_config: Any) -> int | None:

@@ -104,7 +104,7 @@ class DecodeLoads:
         digest = _prompt_digest(request)
         if sent != request.num_prompt_tokens or (not streamed and params.get("prompt") != digest):
             self._fall_back("other_prompt", request, f"its kv_transfer_params are for another "
-                            f"prompt ({sent!r} tokens, D's has {request.num_prompt_tokens})")
+                            f"prompt ({sent!r:.40} tokens, D's has {request.num_prompt_tokens})")
             return pool_match(request, num_computed)  # what D's own pool holds of it
         count = request.num_prompt_tokens - num_computed
         if count <= 0:
@@ -320,19 +320,24 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         failed = set(getattr(output, "failed_recving", None) or ())
         self._receiving -= {*(output.finished_recving or ()), *failed}
+        read_failed: set[str] = set()
         if isinstance(meta, WorkerReport):
             self._pool_failed.update(meta.pool_failed)
+            read_failed.update(meta.read_failed)
+        pool_only = set()  # split requests that failed in their pool half alone: not P's
         for req_id in self._pool_loading & {*(output.finished_recving or ()), *failed}:
             self._pool_loading.discard(req_id)
             # a request also read from P failed where either half did: the pool's is told apart
             bad = req_id in self._pool_failed if req_id in self._split else req_id in failed
+            if req_id in self._split and bad and req_id not in read_failed:
+                pool_only.add(req_id)
             self._split.discard(req_id)
             self._pool_failed.discard(req_id)
             self.prefill.pools.loaded(req_id, failed=bad)
         if self.fallbacks is not None:  # P agents verified first: this step's loads
             self.fallbacks.verified(meta.verified if isinstance(meta, WorkerReport) else ())
             self.fallbacks.loaded(output.finished_recving or (),
-                                  getattr(output, "failed_recving", ()))
+                                  getattr(output, "failed_recving", ()), pool_only)
         if isinstance(meta, WorkerReport):
             self.learn_sources(meta.sources, meta.units)
             if meta.pool_slots and self.prefill is not None:  # before freed requests pool

@@ -48,6 +48,7 @@ class WorkerSide:
         # D: requests loaded from its pool and read from P at once -> halves done (failed?)
         self._halves: dict[str, dict[str, bool]] = {}
         self._pool_failed: set[str] = set()  # of those, reported, their pool half failed
+        self._read_failed: set[str] = set()  # of those, reported, their read from P failed
         self._verified: set[str] = set()  # D: P agents named in a report already
 
     def register_runner(self, runner: Any) -> None:
@@ -141,6 +142,8 @@ class WorkerSide:
                 received.add(r)
                 if halves["pool"]:
                     self._pool_failed.add(r)  # the scheduler side drops its entries
+                if halves["read"]:
+                    self._read_failed.add(r)  # what the failure is counted against: P
                 if any(halves.values()):
                     failed.add(r)
         return received, failed
@@ -164,6 +167,7 @@ class WorkerSide:
         agents it completed a handshake with since (what labels fallbacks)."""
         freed, self._freed = self._freed, set()
         pool_failed, self._pool_failed = tuple(sorted(self._pool_failed)), set()
+        read_failed, self._read_failed = tuple(sorted(self._read_failed)), set()
         prefill = self._prefill
         counts = dict.fromkeys(freed, 1)  # this worker's: the aggregate adds every worker's
         names = self._decode.transport.peers.verified_names() if self._decode else ()
@@ -172,7 +176,7 @@ class WorkerSide:
         pool = (prefill.pool_slots, tuple(prefill.slot_bytes)) if prefill is not None else (0, ())
         if prefill is not None and (prefill.sources or prefill.pool_slots):
             return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified, *pool,
-                                pool_failed=pool_failed)
+                                pool_failed=pool_failed, read_failed=read_failed)
         return WorkerReport(counts, verified=verified) if counts or verified else None
 
     def close(self) -> None:
