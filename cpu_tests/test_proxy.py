@@ -415,6 +415,59 @@ def test_health_is_503_naming_the_upstreams_down():
     assert "500" in answer["down"][0]["reason"]
 
 
+class _SilentModels(FakeVllm):
+    async def _models(self, _request: web.Request) -> web.Response:
+        await asyncio.sleep(WAIT_S)
+        return web.json_response({})
+
+
+def test_models_from_a_d_that_never_answers_is_a_502_within_the_health_timeout():
+    app = _SilentModels("D").app()
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            p_url = await stack.enter_async_context(serving(FakeVllm("P").app()))
+            d_url = await stack.enter_async_context(serving(app))
+            config = ProxyConfig(prefill=(p_url,), decode=(d_url,), health_interval_s=3600,
+                                 health_timeout_s=0.3)
+            url = await stack.enter_async_context(serving(build_app(config)))
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            async with session.get(url + "/v1/models",
+                                   timeout=aiohttp.ClientTimeout(total=WAIT_S / 2)) as resp:
+                return resp.status, await resp.json(), d_url
+
+    status, answer, d_url = run(go())
+    assert status == 502 and d_url in answer["error"]["message"]
+
+
+def test_p_s_answer_nested_too_deeply_to_read_is_a_502_naming_p():
+    p, d = FakeVllm("P", fail=(200, "[" * 100_000 + "]" * 100_000)), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                return resp.status, await resp.json(), resp.headers
+
+    status, answer, headers = run(go())
+    assert status == 502 and "not a JSON object" in answer["error"]["message"]
+    assert d.seen == []
+    assert headers["X-Kvxfer-Route"].startswith("choice=pd; prefill=http")
+
+
+def test_an_error_answer_names_its_route_and_request_id_as_d_s_answers_do():
+    p, d = FakeVllm("P", fail=(400, '{"error": "bad"}')), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d]) as (session, url):
+            async with session.post(url + "/v1/completions", json=BODY,
+                                    headers={"X-Request-Id": "mine-1"}) as resp:
+                return resp.status, resp.headers
+
+    status, headers = run(go())
+    assert status == 400 and headers["X-Request-Id"] == "mine-1"
+    assert headers["X-Kvxfer-Route"].startswith("choice=pd; prefill=http")
+
+
 def test_models_is_answered_by_a_d_instance():
     async def go():
         async with pd([FakeVllm("P")], [FakeVllm("D")]) as (session, url):
@@ -1024,23 +1077,38 @@ def test_with_local_prefill_on_a_p_that_cannot_be_reached_has_d_prefill_alone_an
 
 
 def _vllm_metrics(blocks: int, block_size: int, pool_tokens: str = "",
-                  pool_once_stepped: bool = False) -> web.Application:
+                  pool_once_stepped: bool = False, padding: int = 0, before: str = "",
+                  first_late_s: float = 0.0) -> web.Application:
     """A D whose /metrics says its KV cache is `blocks` blocks of `block_size` tokens, and
     with `pool_tokens` (the gauge's value as prometheus_client writes it: `384.0`, and from
     a million on `1.048576e+06`), that its kvxfer host pool holds that many more; with
     `pool_once_stepped`, only once D has answered a request (vLLM's engine steps, and
-    kvxfer's gauges exist, only once it has one)."""
+    kvxfer's gauges exist, only once it has one). `padding`: bytes of histogram lines first,
+    sent in 16 KiB chunks as a busy vLLM's are (it writes its cache config late); `before`:
+    lines before the cache config; `first_late_s`: its first answer comes that late."""
     d = FakeVllm("D")
     app = d.app()
     pool = (f'vllm:kvxfer_pool_capacity_tokens{{engine="0",model_name="m",role="D"}} '
             f'{pool_tokens}\n') if pool_tokens else ""
+    line = 'vllm:request_queue_time_seconds_bucket{engine="0",le="0.5",model_name="m"} 3.0\n'
+    asked = []
 
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(text=(
-            '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
-            f'vllm:cache_config_info{{block_size="{block_size}",engine="0",'
-            f'num_gpu_blocks="{blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n'
-            + (pool if d.seen or not pool_once_stepped else "")))
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        asked.append(1)
+        if len(asked) == 1 and first_late_s:
+            await asyncio.sleep(first_late_s)
+        text = (line * (padding // len(line)) + before
+                + '# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
+                f'vllm:cache_config_info{{block_size="{block_size}",engine="0",'
+                f'num_gpu_blocks="{blocks}",prefix_caching_hash_algo="sha256"}} 1.0\n'
+                + (pool if d.seen or not pool_once_stepped else "")).encode()
+        out = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await out.prepare(request)
+        for i in range(0, len(text), 16 << 10):
+            await out.write(text[i:i + (16 << 10)])
+            await asyncio.sleep(0.001)
+        await out.write_eof()
+        return out
 
     app.router.add_get("/metrics", metrics)
     return app
@@ -1065,6 +1133,42 @@ def test_what_d_is_believed_to_hold_is_bounded_by_its_kv_cache_and_pool_from_its
             return await _two_turn_choices(session, proxy)
 
     assert run(go()) == ["choice=pd", f"choice={second}"]
+
+
+@pytest.mark.parametrize("options", [{"padding": 300_000}, {"first_late_s": 1.0}])
+def test_d_s_kv_cache_size_is_read_from_the_whole_of_its_metrics_and_asked_again_if_unread(
+        options):
+    """vLLM writes its cache config after its histograms, and a busy D's /metrics arrives in
+    pieces: the proxy reads it whole (a first piece lacks the size, and D would be believed
+    to hold every prompt it answered). A /metrics that does not come within the health
+    timeout is asked again at the next check. Either way, D's 128 tokens are learned: a
+    512-token prompt's next turn goes through P."""
+    p = FakeVllm("P")
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            d_url = await stack.enter_async_context(serving(_vllm_metrics(8, 16, **options)))
+            proxy, session = await _proxy_over(stack, p, d_url, health_interval_s=0.05,
+                                               health_timeout_s=0.5)
+            return await _two_turn_choices(session, proxy)
+
+    assert run(go()) == ["choice=pd", "choice=pd"]
+
+
+def test_a_pool_gauge_cut_off_in_d_s_metrics_is_not_read_across_lines():
+    """A line that opens the pool gauge's labels and never closes them, then a line that
+    ends as the gauge would: no pool is credited (the match stays on one line)."""
+    p = FakeVllm("P")
+    broken = ('vllm:kvxfer_pool_capacity_tokens{engine="0"\n'
+              'x{role="D"} 1.048576e+06\n')
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            d_url = await stack.enter_async_context(serving(_vllm_metrics(8, 16, before=broken)))
+            proxy, session = await _proxy_over(stack, p, d_url)
+            return await _two_turn_choices(session, proxy)
+
+    assert run(go()) == ["choice=pd", "choice=pd"]
 
 
 def test_a_d_pool_its_metrics_name_only_once_d_has_stepped_is_counted_from_then_on():
@@ -1162,6 +1266,38 @@ async def _d2_gone(stack: contextlib.AsyncExitStack, p: FakeVllm, d1: FakeVllm,
     await _until_checked(session, url, d2_url)
     await d2.aclose()
     return url, session, p_url, d1_url, d2_url
+
+
+def test_a_local_prefill_whose_d_is_gone_goes_through_p_to_a_d_that_holds_none_of_it():
+    """Turn 1 goes through P to D2; its next turn would be D2's alone, but D2 is gone: D1,
+    which holds none of it, gets P's params instead of prefilling the whole prompt alone."""
+    p, d1 = FakeVllm("P"), FakeVllm("D1")
+    first = list(range(1000, 1512))
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            p_url = await stack.enter_async_context(serving(p.app()))
+            d1_url = await stack.enter_async_context(serving(d1.app()))
+            d2 = contextlib.AsyncExitStack()
+            d2_url = await d2.enter_async_context(serving(_vllm_metrics(64, 16)))
+            app = build_app(ProxyConfig(prefill=(p_url,), decode=(d2_url, d1_url),
+                                        local_prefill_tokens=256, health_interval_s=3600))
+            url = await stack.enter_async_context(serving(app))
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            await _until_checked(session, url, d2_url)
+            async with session.post(url + "/v1/completions", json={**BODY, "prompt": first}) as r:
+                assert f"decode={d2_url}" in r.headers["X-Kvxfer-Route"]
+            await d2.aclose()
+            async with session.post(url + "/v1/completions",
+                                    json={**BODY, "prompt": first + [7] * 100}) as r:
+                return r.status, r.headers["X-Kvxfer-Route"], await r.json(), p_url, d1_url
+
+    status, route, answer, p_url, d1_url = run(go())
+    assert (status, answer) == (200, {"choices": [{"text": "decoded by D1"}]})
+    assert route == (f"choice=pd; prefill={p_url}; decode={d1_url}; expected_hit=512; "
+                     f"reason=d_unreachable")
+    assert d1.seen[-1][1]["kv_transfer_params"]["peer"] == "kv-P"  # P's params, not local
+    assert len(p.seen) == 2
 
 
 async def _until_checked(session, url: str, d_url: str) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from kvxfer.errors import InvalidInputError
 from kvxfer.serve import routing
-from kvxfer.serve.routing import Prompt, Router
+from kvxfer.serve.routing import Prompt, Route, Router
 
 PS, DS = ("http://p0", "http://p1"), ("http://d0", "http://d1")
 
@@ -264,3 +264,25 @@ def test_an_empty_session_header_is_no_session():
     first = router.choose(completion(ids(64, 1)), session="")
     assert router.choose(completion(ids(64, 500)), session="").decode != first.decode
     assert router.sessions == {} and router.counts[("pd", "session")] == 0
+
+
+def test_a_local_prefill_whose_d_is_gone_goes_through_p_unless_the_next_d_holds_the_prompt():
+    """D0 answered a 512-token prompt, so its next turn is D0's alone. D0 cannot be
+    reached: D1, which holds none of it, would prefill it all alone, so the request goes
+    through P (whose hit it names); had D1 held it too, it stays local there, naming D1's
+    hit, not D0's."""
+    router = Router(PS, DS, local_prefill_tokens=64)
+    first, second = ids(512), ids(512) + ids(32, start=9)
+    route = answered(router, first)
+    local = router.choose(completion(second))
+    assert local.prefill is None and local.decode == route.decode and local.expected_hit == 512
+    other = router.other_decode(local, completion(second))
+    assert other.decode != route.decode and other.prefill == route.prefill
+    assert (other.expected_hit, other.reason) == (512, "d_unreachable")  # P's hit
+    router.answered(Route(None, other.decode, 0, "turn"), completion(first))  # D1 holds it too
+    again = router.other_decode(local, completion(second))
+    assert (again.prefill, again.decode, again.expected_hit) == (None, other.decode, 512)
+    router.mark(route.prefill, up=False)
+    router.mark([u for u in PS if u != route.prefill][0], up=False)
+    nowhere = router.other_decode(local, completion(ids(1024, start=5000)))
+    assert nowhere.prefill is None, "no P up: D prefills it alone"

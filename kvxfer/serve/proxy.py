@@ -70,6 +70,7 @@ from kvxfer.serve.upstreams import (
     LOCAL_PARAMS,
     PREFILL_PARAMS,
     REQUEST_ID,
+    ROUTE,
     ProxyConfig,
     Unreached,
     Upstreams,
@@ -81,6 +82,7 @@ from kvxfer.serve.upstreams import (
     parse_urls,
     passed_through,
     prefill_part,
+    read_at_most,
     unreachable,
     watch,
 )
@@ -184,6 +186,9 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     answer, used = None, route
     try:
         answer, used = await _routed(request, upstreams, route, body, headers)
+        if not answer.prepared:  # an error answer (P's, or the proxy's): named as D's are
+            answer.headers.setdefault(ROUTE, used.header())
+            answer.headers.setdefault(REQUEST_ID, headers[REQUEST_ID])
         return answer
     finally:
         upstreams.router.finished(route)
@@ -259,11 +264,16 @@ async def _to_d(request: web.Request, upstreams: Upstreams, route: Route, d_body
         return await decode_part(request, upstreams, route, sent, headers, transfer), route
     except Unreached as e:
         upstreams.router.mark(route.decode, up=False)
-        other = upstreams.router.other_decode(route)
+        other = upstreams.router.other_decode(route, Prompt.of(request.path, d_body))
         if other is None:  # each D tried is marked down: this ends
             return e.answer, route
-    log.warning("request %s: decode instance %s cannot be reached; asking %s",
-                headers[REQUEST_ID], route.decode, other.decode)
+    log.warning("request %s: decode instance %s cannot be reached; asking %s%s",
+                headers[REQUEST_ID], route.decode, other.decode,
+                f" through {other.prefill}" if route.prefill is None and other.prefill else "")
+    if route.prefill is None and other.prefill is not None:  # it holds too little to go alone
+        body = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
+        return await _instead(upstreams, route, other,
+                              _routed(request, upstreams, other, body, headers))
     return await _instead(upstreams, route, other,
                           _to_d(request, upstreams, other, d_body, headers, transfer))
 
@@ -292,9 +302,17 @@ async def _models(request: web.Request) -> web.Response:
     upstreams = request.app[_UPSTREAMS]
     url = upstreams.router.any_decode()
     headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
-    try:
-        async with upstreams.session.get(url + "/v1/models", headers=headers) as resp:
-            return passed_through(resp.status, await resp.read(), resp.headers.get("Content-Type"))
+    config = upstreams.config
+    try:  # D's answer within the health timeout, at most --prefill-max-bytes of it
+        async with upstreams.session.get(
+                url + "/v1/models", headers=headers,
+                timeout=aiohttp.ClientTimeout(total=config.health_timeout_s)) as resp:
+            data = await read_at_most(resp, config.prefill_max_bytes)
+            if data is None:
+                return error(502, f"decode instance {url} answered /v1/models with more than "
+                              f"--prefill-max-bytes {config.prefill_max_bytes} bytes",
+                              "bad_upstream_response", upstream=url)
+            return passed_through(resp.status, data, resp.headers.get("Content-Type"))
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         return unreachable("decode", url, e)
 

@@ -306,15 +306,24 @@ class Router:
                 role.capacity[url] = tokens
                 role.trim(url)
 
-    def other_decode(self, route: Route) -> Route | None:
-        """`route` with the next D that is up instead of its own, which could not be reached
-        (reason `d_unreachable`); None when no other D is up."""
+    def other_decode(self, route: Route, prompt: Prompt | None = None) -> Route | None:
+        """`route` with another D that is up instead of its own, which could not be reached
+        (reason `d_unreachable`): the one expected to hold most of `prompt`, in turn on a tie;
+        None when no other D is up. A local prefill goes through a P that is up instead where
+        that D is expected to hold less than all but `local_prefill_tokens` of the prompt."""
         others = [u for u in self.decode.candidates(1 << 62)
                   if u != route.decode and u not in self.decode.down]
         if not others:
             return None
-        return Route(route.prefill, self.decode.take(others[0]), route.expected_hit,
-                     "d_unreachable")
+        hits = [self.decode.hit(u, prompt) for u in others]
+        d_url = self.decode.take(others[hits.index(max(hits))])
+        if route.prefill is not None:  # P's params name P, whom any D reads from
+            return Route(route.prefill, d_url, route.expected_hit, "d_unreachable")
+        if (prompt is not None and prompt.tokens - max(hits) > self.local_prefill_tokens
+                and any(u not in self.prefill.down for u in self.prefill.urls)):
+            p_url, p_hit, _ = self._pick(self.prefill, prompt, None)
+            return Route(p_url, d_url, p_hit, "d_unreachable")
+        return Route(None, d_url, max(hits), "d_unreachable")
 
     def mark(self, url: str, up: bool) -> None:
         """Route to `url` again (`up`) or not until it is marked up. An instance marked down

@@ -22,10 +22,10 @@ from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.plan.blocks import is_int
 from kvxfer.serve.routing import Route, Router
 
-__all__ = ["LOCAL_PARAMS", "PREFILL_PARAMS", "REQUEST_ID", "ROUTE", "TRANSFER", "ProxyConfig",
-           "Unreached", "Upstreams", "check", "check_url", "connected", "decode_part", "drop",
-           "error", "parse_urls", "passed_through", "prefill_part", "timed_out", "unreachable",
-           "watch"]
+__all__ = ["LOCAL_PARAMS", "METRICS_MAX_BYTES", "PREFILL_PARAMS", "REQUEST_ID", "ROUTE", "TRANSFER",
+           "ProxyConfig", "Unread", "Unreached", "Upstreams", "check", "check_url", "connected",
+           "decode_part", "drop", "error", "parse_urls", "passed_through", "prefill_part",
+           "read_at_most", "timed_out", "unreachable", "watch"]
 
 log = logging.getLogger("kvxfer.serve.proxy")
 
@@ -85,8 +85,8 @@ class ProxyConfig:
     """Where the proxy listens and which P and D instances it routes to.
 
     `prefill` and `decode` are base URLs (`parse_urls`); `health_timeout_s`
-    bounds each upstream's `/health` answer, `connect_timeout_s` each
-    connection to an upstream.
+    bounds each upstream's `/health` and `/metrics` answer and D's to `/v1/models`,
+    `connect_timeout_s` each connection to an upstream.
     `prefill_timeout_s` (`--prefill-timeout`) bounds P's whole answer: its queue, the
     prompt's prefill and the transfer's start. The default, 600 s, leaves a busy P many
     minutes for a prompt of hundreds of thousands of tokens, yet frees a hung one.
@@ -246,7 +246,7 @@ def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return sent
 
 
-async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+async def read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
     """`resp`'s body, or None (not reading on) once it is over `limit` bytes."""
     if resp.content_length is not None and resp.content_length > limit:
         return None
@@ -266,7 +266,7 @@ async def _ask_prefill(session: aiohttp.ClientSession, url: str, path: str, body
     `Unreached` (with that 502) when no connection to P could be made."""
     try:
         async with session.post(url + path, json=body, headers=headers) as resp:
-            data = await _read_at_most(resp, limit)
+            data = await read_at_most(resp, limit)
             if data is None:
                 resp.close()
                 log.warning("prefill instance %s answered over --prefill-max-bytes %d for %s", url,
@@ -302,7 +302,7 @@ async def prefill_part(upstreams: Upstreams, url: str, path: str, body: dict[str
         return passed_through(status, data, content_type)
     try:
         params = json.loads(data).get("kv_transfer_params")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # nested too deep: no params either
         return error(502, f"prefill instance {url} answered {status} with a body that is not a "
                       f"JSON object", "bad_upstream_response", upstream=url)
     if not isinstance(params, dict) or not params:
@@ -410,7 +410,10 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
             # kvxfer's gauges exist once D's engine has stepped (its first request): until D
             # has answered one, a pool its /metrics does not name yet may still come
             stepped = bool(upstreams.router.decode.sent.get(url))
-            size = await _cache_tokens(upstreams.session, url, config.health_timeout_s)
+            try:
+                size = await _cache_tokens(upstreams.session, url, config.health_timeout_s)
+            except Unread:  # asked again at the next check
+                continue
             if size is None or size[1] or stepped:
                 upstreams.sized.add(url)
             if size is not None:
@@ -419,27 +422,39 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
             for (role, url), reason in zip(roles, reasons) if reason is not None]
 
 
+METRICS_MAX_BYTES = 1 << 22
+"""The most of a decode instance's `/metrics` the health check reads for its cache size."""
+
+
+class Unread(Exception):
+    """A decode instance's `/metrics` could not be read whole."""
+
+
 async def _cache_tokens(session: aiohttp.ClientSession, url: str, timeout_s: float
                        ) -> tuple[int, bool] | None:
     """The tokens `url`'s KV cache holds, from its `/metrics`' `vllm:cache_config_info`
     (`num_gpu_blocks` times `block_size`), or its kvxfer host pool where that holds more (it
     keeps what the device cache drops: `vllm:kvxfer_pool_capacity_tokens`), with whether it
-    named a pool;
-    None when it does not say."""
+    named a pool; None when it does not say. Raises `Unread` when its `/metrics` could not be
+    read whole (no answer in time, or over `METRICS_MAX_BYTES`): a part of it may lack
+    `vllm:cache_config_info`, which vLLM writes late."""
     try:
         async with session.get(url + "/metrics",
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            text = (await resp.content.read(1 << 22)).decode(errors="replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
-    info = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.MULTILINE)
+            data = await read_at_most(resp, METRICS_MAX_BYTES)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise Unread(f"{url}/metrics: {e!r:.200}") from None
+    if data is None:
+        raise Unread(f"{url}/metrics is over {METRICS_MAX_BYTES} bytes")
+    text = data.decode(errors="replace")
+    info = re.search(r"^vllm:cache_config_info\{([^}\n]*)\}", text, re.MULTILINE)
     labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
     blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
     digits = re.compile(r"[0-9]{1,15}")  # not str.isdigit: "²" is a digit int() refuses
     if not (digits.fullmatch(blocks) and digits.fullmatch(size)) or not int(blocks) * int(size):
         return None
     # prometheus_client writes a gauge of a million or more as 1.048576e+06
-    pool = re.search(r'^vllm:kvxfer_pool_capacity_tokens\{[^}]*role="D"[^}]*\} '
+    pool = re.search(r'^vllm:kvxfer_pool_capacity_tokens\{[^}\n]*role="D"[^}\n]*\} '
                      r'([0-9]{1,15}(\.[0-9]{1,15})?(e\+[0-9]{2})?)$', text, re.MULTILINE)
     # the pool holds what D finished, much of it also in the device cache: the larger of the
     # two, not their sum, which would credit D with tokens it may not hold
