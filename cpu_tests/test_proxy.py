@@ -1012,6 +1012,36 @@ def test_a_session_header_keeps_a_client_on_one_d():
     assert run(go()) == ["decoded by D0"] * 4
 
 
+def test_another_tenant_sending_the_same_session_id_has_a_session_of_its_own():
+    """Tenant A's session goes to D0, which is then busy (A's request held there): tenant B
+    sends the same `X-Session-Id` under another `Authorization` and goes to D1, the least
+    loaded; A's next turn still goes to D0 (B did not move A's session). The same id under
+    A's key but another `cache_salt` is another session too."""
+    ps, ds = [FakeVllm("P0")], [FakeVllm("D0"), FakeVllm("D1")]
+
+    async def ask(session, url, key, salt="s1"):
+        headers = {"X-Session-Id": "1", "Authorization": f"Bearer {key}"}
+        async with session.post(url + "/v1/completions", headers=headers,
+                                json={**BODY, "prompt": "q", "cache_salt": salt}) as r:
+            return r.headers["X-Kvxfer-Route"].split("decode=")[1].split(";")[0]
+
+    async def go():
+        async with pd(ps, ds, route_imbalance=0) as (session, url):
+            a = await ask(session, url, "A")
+            ds[0].hold = True
+            held = asyncio.ensure_future(ask(session, url, "A"))
+            await asyncio.wait_for(ds[0].holding.wait(), WAIT_S)
+            b = await ask(session, url, "B")
+            other_salt = await ask(session, url, "A", salt="s2")
+            ds[0].hold = False
+            ds[0].release.set()
+            await held
+            return a, b, other_salt, await ask(session, url, "A")
+
+    a, b, other_salt, again = run(go())
+    assert a == again and b != a and other_salt != a
+
+
 def test_an_instance_failing_its_health_check_is_not_routed_to_within_one_interval():
     ps, ds = [FakeVllm("P0")], [FakeVllm("D0", health=503), FakeVllm("D1")]
 

@@ -180,7 +180,7 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     `_streamed`), or D's alone when it prefills the prompt itself."""
     upstreams = request.app[_UPSTREAMS]
     prompt = Prompt.of(request.path, body)
-    route = upstreams.router.choose(prompt, request.headers.get(_SESSION))
+    route = upstreams.router.choose(prompt, _session(request, body))
     log.debug("request %s: %s", headers[REQUEST_ID], route.header())
     upstreams.router.started(route)  # moved to another route's instances by _instead
     answer, used = None, route
@@ -195,6 +195,17 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
         upstreams.router.settled(used)
         if answer is not None and 200 <= answer.status < 300:
             upstreams.router.answered(used, prompt)
+
+
+def _session(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The client's `X-Session-Id` (None without one), scoped to its `Authorization` and
+    `cache_salt`: another tenant sending the same id neither steers nor moves its session."""
+    session = request.headers.get(_SESSION)
+    if not session:
+        return None
+    salt = body.get("cache_salt")
+    return "\x1f".join((request.headers.get("Authorization", ""),
+                         salt if isinstance(salt, str) else repr(type(salt)), session))
 
 
 async def _routed(request: web.Request, upstreams: Upstreams, route: Route, body: dict[str, Any],
@@ -212,6 +223,7 @@ async def _routed(request: web.Request, upstreams: Upstreams, route: Route, body
         if e.role != "prefill" or not upstreams.config.local_prefill_tokens:
             return e.answer, route
     upstreams.router.mark(route.prefill, up=False)
+    upstreams.kv.pop(route.prefill, None)  # it may come back restarted, at another address
     local = upstreams.router.instead_of_p(route)
     log.warning("request %s: prefill instance %s cannot be reached; decode instance %s "
                 "prefills it alone", headers[REQUEST_ID], route.prefill, route.decode)

@@ -405,6 +405,7 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
         upstreams.router.mark(url, reason is None)
         if reason is not None:  # it may come back restarted, its KV cache another size
             upstreams.sized.discard(url)
+            upstreams.kv.pop(url, None)  # and its kvxfer address another (learned again)
         # D's device cache or host pool bounds what it holds; P's pool may hold more than both.
         if role == "decode" and reason is None and url not in upstreams.sized:
             # kvxfer's gauges exist once D's engine has stepped (its first request): until D
