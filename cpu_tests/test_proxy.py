@@ -400,6 +400,34 @@ def test_health_is_200_when_every_upstream_answers():
     assert status == 200 and answer["status"] == "ok" and answer["down"] == []
 
 
+class _CountedHealth(FakeVllm):
+    asked = 0
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.asked += 1
+        await asyncio.sleep(0.05)
+        return await super()._health(request)
+
+
+def test_clients_polling_health_at_once_share_one_check_of_the_instances():
+    """Fifty clients ask the proxy's /health at once: P and D are asked once for them all
+    (beside the check at start), not fifty times."""
+    p, d = _CountedHealth("P"), _CountedHealth("D")
+
+    async def go():
+        async with pd([p], [d], health_interval_s=3600) as (session, url):
+            await _until(lambda: p.asked and d.asked, "the check at start")
+
+            async def one():
+                async with session.get(url + "/health") as resp:
+                    return resp.status
+
+            return await asyncio.gather(*(one() for _ in range(50)))
+
+    assert run(go()) == [200] * 50
+    assert p.asked <= 3 and d.asked <= 3, (p.asked, d.asked)
+
+
 def test_health_is_503_naming_the_upstreams_down():
     gone = closed_port_url()
 

@@ -74,7 +74,6 @@ from kvxfer.serve.upstreams import (
     ProxyConfig,
     Unreached,
     Upstreams,
-    check,
     connected,
     decode_part,
     drop,
@@ -332,7 +331,7 @@ async def _models(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     """200 when every P and D instance answers its `/health`, else 503 naming those down."""
     upstreams = request.app[_UPSTREAMS]
-    down = await check(upstreams)
+    down = await upstreams.checked()
     answer = {"status": "unhealthy" if down else "ok", "prefill": list(upstreams.config.prefill),
               "decode": list(upstreams.config.decode), "down": down}
     return web.json_response(answer, status=503 if down else 200)

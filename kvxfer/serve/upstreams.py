@@ -22,10 +22,10 @@ from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.plan.blocks import is_int
 from kvxfer.serve.routing import Route, Router
 
-__all__ = ["LOCAL_PARAMS", "METRICS_MAX_BYTES", "PREFILL_PARAMS", "REQUEST_ID", "ROUTE", "TRANSFER",
-           "ProxyConfig", "Unread", "Unreached", "Upstreams", "check", "check_url", "connected",
-           "decode_part", "drop", "error", "parse_urls", "passed_through", "prefill_part",
-           "read_at_most", "timed_out", "unreachable", "watch"]
+__all__ = ["HEALTH_REUSE_S", "LOCAL_PARAMS", "METRICS_MAX_BYTES", "PREFILL_PARAMS", "REQUEST_ID",
+           "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached", "Upstreams", "check",
+           "check_url", "connected", "decode_part", "drop", "error", "parse_urls",
+           "passed_through", "prefill_part", "read_at_most", "timed_out", "unreachable", "watch"]
 
 log = logging.getLogger("kvxfer.serve.proxy")
 
@@ -159,6 +159,10 @@ class ProxyConfig:
                       self.route_imbalance)
 
 
+HEALTH_REUSE_S = 1.0
+"""How long `GET /health` answers from the last check (`Upstreams.checked`)."""
+
+
 class Upstreams:
     """The session to the upstreams and the router that picks among them."""
 
@@ -168,6 +172,20 @@ class Upstreams:
         self.sized: set[str] = set()  # upstreams whose KV cache size was asked for
         self._session: aiohttp.ClientSession | None = None
         self.kv: dict[str, dict[str, Any]] = {}  # P url -> its kvxfer address, once known
+        self._check: asyncio.Future | None = None  # GET /health's check, under way or done
+        self._checked_at = -math.inf
+
+    async def checked(self) -> list[dict[str, str]]:
+        """`check`'s answer for `GET /health`: one under way is shared and one younger than
+        `HEALTH_REUSE_S` reused, so clients polling `/health` do not multiply the proxy's
+        requests to its instances (nor does one that leaves cut a check short)."""
+        task = self._check
+        if task is None or (task.done() and asyncio.get_running_loop().time() - self._checked_at
+                            > HEALTH_REUSE_S):
+            self._check = task = asyncio.ensure_future(check(self))
+            task.add_done_callback(lambda _: setattr(
+                self, "_checked_at", asyncio.get_running_loop().time()))
+        return await asyncio.shield(task)
 
     def learn(self, url: str, params: dict[str, Any]) -> None:
         """Keep P's kvxfer address from its `kv_transfer_params` (a P restarted elsewhere is
