@@ -430,6 +430,52 @@ def test_a_failed_read_from_p_after_a_load_from_ds_pool_fails_the_request_once_a
     assert_prompt_kv(d, "b-d", second)
 
 
+def _reallocated(engine) -> None:
+    """What tpu-inference's `reinitialize_kv_cache` does (after a weight sync): fresh, empty
+    caches, then the connector's `register_runner` again."""
+    engine.runner.kv_caches = [jnp.zeros_like(c) for c in engine.runner.kv_caches]
+    engine.worker.register_runner(engine.runner)
+
+
+def test_caches_reallocated_on_d_drop_its_pool_and_its_next_turn_is_computed_right(pd):
+    """D's caches are reallocated (a weight sync): the blocks its pool held may not come back
+    (their KV is of the old weights, and its slots would pass an all-zero block's check).
+    The next turn computes its prompt right, and the pool's index is cleared."""
+    p, d = _d_pool_pair(pd)
+    history = _pooled_turn(p, d, 57)
+    pools = d.connector._scheduler.prefill.pools
+    prefill, decode_ = d.worker._worker._prefill, d.worker._worker._decode
+    _reallocated(d)
+    assert d.worker._worker._prefill is prefill and d.worker._worker._decode is decode_  # kept
+    second = history + _prompt(58, 10)
+    d.add_request("b", second, max_tokens=1,
+                  kv_transfer_params={"local_prefill": True, "do_remote_prefill": False})
+    d.run_until(lambda r: "b" in r.finished, max_steps=100)
+    assert_prompt_kv(d, "b", second)
+    assert pools.counters()["p_pool_hit_tokens"] == 0  # nothing loaded as a hit
+
+
+def test_caches_reallocated_on_p_keep_its_agent_and_p_still_serves_d(pd):
+    """P's runner registered again (its caches reallocated) keeps its NIXL agent, and the
+    next request through P reaches D with the right KV."""
+    p, d = _pool_pair(pd)
+    first = _prompt(59, 40)
+    decode(d, "a-d", first, p.prefill("a", first))
+    _released(p)
+    p.call(lambda: _reallocated(p.engine))
+    params = p.prefill("b", first + [5])
+    decode(d, "b-d", first + [5], params)
+    assert_prompt_kv(d, "b-d", first + [5])
+    assert p.call(p.engine.connector._scheduler.prefill.pools.counters)["p_pool_hit_tokens"] == 0
+
+
+def test_caches_registered_again_laid_out_otherwise_are_refused_by_name(pd):
+    p, d = _d_pool_pair(pd)
+    d.runner.kv_caches = [c[:-1] for c in d.runner.kv_caches]  # a block fewer
+    with pytest.raises(InvalidInputError, match="registered again with caches laid out otherwise"):
+        d.worker.register_runner(d.runner)
+
+
 def test_a_failed_load_from_ds_own_pool_is_not_counted_against_p(pd):
     """D loads half a request from its pool, whose entry was corrupted in host memory, and
     reads the rest from P, which goes well: the request is recomputed, and the fallback is

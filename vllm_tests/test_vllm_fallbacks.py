@@ -133,7 +133,7 @@ def test_a_d_worker_reports_each_p_agent_it_connected_to_once_a_few_a_step():
     peers = SimpleNamespace(verified_names=lambda: list(names))
     worker = _WorkerSide.__new__(_WorkerSide)  # only what report() reads
     worker._freed, worker._verified, worker._prefill = set(), set(), None
-    worker._pool_failed, worker._read_failed = set(), set()
+    worker._pool_failed, worker._read_failed, worker._pool_reset = set(), set(), False
     worker._decode = SimpleNamespace(transport=SimpleNamespace(peers=peers))
     reports = [worker.report() for _ in range(4)]
     assert [r.verified for r in reports[:3]] == [
@@ -159,6 +159,10 @@ def test_worker_reports_add_up_their_verified_names_and_refuse_odd_ones():
     merged = WorkerReport({}, pool_failed=("r",), read_failed=("s",)).aggregate(
         WorkerReport({}, pool_failed=("r", "s"), read_failed=("t",)))
     assert merged.pool_failed == ("r", "s") and merged.read_failed == ("s", "t")
+    assert not merged.pool_reset
+    assert WorkerReport({}).aggregate(WorkerReport({}, pool_reset=True)).pool_reset
+    with pytest.raises(InvalidInputError, match="WorkerReport pool_reset must be a bool, got 1"):
+        WorkerReport({}, pool_reset=1)
 
 
 def test_a_local_prefill_reuses_the_prompt_d_loaded_and_is_counted_as_one_not_as_a_fallback(pd):

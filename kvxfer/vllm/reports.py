@@ -47,7 +47,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
     `pool_failed`: requests loaded from the pool and read from P at once, reported failed,
     whose pool half failed (its entries are dropped; a failed read from P alone keeps them),
     and `read_failed`, those whose read from P failed (a failure of the pool half alone is
-    not P's: D's fallbacks count it apart). Their aggregates are unions."""
+    not P's: D's fallbacks count it apart). Their aggregates are unions. `pool_reset`: the
+    worker's caches were reallocated (tpu-inference's `reinitialize_kv_cache`) and its host
+    pool's slots dropped: the scheduler side clears the pool's index (any worker's says so)."""
 
     freed: dict[str, int] = field(default_factory=dict)
     sources: tuple[Source, ...] = ()
@@ -57,6 +59,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     slot_bytes: tuple[int, ...] = ()
     pool_failed: tuple[str, ...] = ()
     read_failed: tuple[str, ...] = ()
+    pool_reset: bool = False
 
     def __post_init__(self) -> None:
         # The scheduler adds the counts up to the number of P processes: a count of 0 or
@@ -78,6 +81,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise InvalidInputError(f"WorkerReport {name} must be an int >= 0, got "
                                         f"{getattr(self, name)!r}")
+        if not isinstance(self.pool_reset, bool):
+            raise InvalidInputError(f"WorkerReport pool_reset must be a bool, got "
+                                    f"{self.pool_reset!r:.80}")
         for name in ("pool_failed", "read_failed"):
             ids = getattr(self, name)
             if not isinstance(ids, tuple) or not all(isinstance(r, str) for r in ids):
@@ -102,7 +108,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
         pool_failed = tuple(dict.fromkeys(self.pool_failed + other.pool_failed))
         read_failed = tuple(dict.fromkeys(self.read_failed + other.read_failed))
         return WorkerReport(freed, sources, units, verified, *pool, pool_failed=pool_failed,
-                            read_failed=read_failed)
+                            read_failed=read_failed,
+                            pool_reset=self.pool_reset or other.pool_reset)
 
 
 def worker_processes(vllm_config: Any) -> int | None:

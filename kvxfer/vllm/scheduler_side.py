@@ -324,6 +324,10 @@ class SchedulerSide:
         if isinstance(meta, WorkerReport):
             self._pool_failed.update(meta.pool_failed)
             read_failed.update(meta.read_failed)
+            if meta.pool_reset and self.prefill is not None:  # its slots' bytes are gone
+                logger.warning("the workers reallocated their KV caches: the host pool's %d "
+                               "entries are dropped", self.prefill.pools.entries())
+                self.prefill.pools.clear()
         pool_only = set()  # split requests that failed in their pool half alone: not P's
         for req_id in self._pool_loading & {*(output.finished_recving or ()), *failed}:
             self._pool_loading.discard(req_id)

@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WorkerSide"]
+__all__ = ["SPOILED", "WorkerSide"]
+
+SPOILED = 0xA5A5A5A5
+"""What a staging slot's fingerprints are set to when the caches are reallocated: no block's
+(an all-zero block's are 0), so whatever the slot held fails its check."""
 
 
 class WorkerSide:
@@ -50,17 +54,33 @@ class WorkerSide:
         self._pool_failed: set[str] = set()  # of those, reported, their pool half failed
         self._read_failed: set[str] = set()  # of those, reported, their read from P failed
         self._verified: set[str] = set()  # D: P agents named in a report already
+        self._pool_reset = False  # the caches were reallocated since the last report
+        self._registered: list[Any] = []  # the caches' layouts at the first register_runner
 
     def register_runner(self, runner: Any) -> None:
+        """Start P's and D's worker parts on the runner's caches. Called again when
+        tpu-inference reallocates the caches (`reinitialize_kv_cache`, after a weight sync):
+        the parts stay (their agents, staging and peers), the new caches must be laid out as
+        the first were, and what the host pool held is dropped (`_drop_pool`)."""
         index = runner.layer_name_to_kvcache_index
-        self._indices = []
+        indices = []
         for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
             missing = [n for n in group.layer_names if n not in index]
             if missing:
                 raise InvalidInputError(f"KV cache group {g} layers {missing[:4]} are not in the "
                                         f"runner's layer_name_to_kvcache_index")
-            self._indices.append(list(dict.fromkeys(index[n] for n in group.layer_names)))
-        self.runner = runner
+            indices.append(list(dict.fromkeys(index[n] for n in group.layer_names)))
+        again = self.runner is not None
+        self.runner, self._indices = runner, indices
+        if again:
+            now = self._layouts()
+            if now != self._registered:
+                raise InvalidInputError(f"the runner was registered again with caches laid out "
+                                        f"otherwise: {now!r:.300}, were {self._registered!r:.300}; "
+                                        f"restart the engine to change the KV cache layout")
+            self._drop_pool()
+            return
+        self._registered = self._layouts()
         config = self.settings.connector_config(self.producer)
         if self.producer or config.host_pool_bytes:  # at start-up: a bad setting fails the
             from kvxfer.connector.prefill import PrefillWorker  # engine's start, not a step
@@ -73,6 +93,25 @@ class WorkerSide:
 
             self._decode = DecodeConnector(self.settings.connector_config(False), self._caches(),
                                            model=self.model)
+
+    def _layouts(self) -> list[Any]:
+        from kvxfer.device.layout import CacheLayout
+
+        ratio = self.settings.connector_config(self.producer).kernel_ratio
+        return [CacheLayout.from_caches(group, ratio) for group in self._caches()]
+
+    def _drop_pool(self) -> None:
+        """The caches were reallocated (a weight sync, as a rule): no block staged before may
+        reach a cache again. Every staging slot's fingerprints are spoiled, so a load or read
+        of one fails its check (the request is computed), and the next report has the
+        scheduler side clear the pool's index (`WorkerReport.pool_reset`)."""
+        for side in (self._prefill, self._decode):
+            for staging in getattr(side, "stagings", None) or ():
+                staging.prints[...] = SPOILED
+        if self._prefill is not None and self._prefill.pool_slots:
+            self._pool_reset = True
+            logger.warning("the KV caches were reallocated: the host pool's %d slots are "
+                           "dropped", self._prefill.pool_slots)
 
     def _caches(self) -> list[list[Any]]:
         caches = self.runner.kv_caches  # donated by every forward: read afresh at each use
@@ -168,6 +207,7 @@ class WorkerSide:
         freed, self._freed = self._freed, set()
         pool_failed, self._pool_failed = tuple(sorted(self._pool_failed)), set()
         read_failed, self._read_failed = tuple(sorted(self._read_failed)), set()
+        reset, self._pool_reset = self._pool_reset, False
         prefill = self._prefill
         counts = dict.fromkeys(freed, 1)  # this worker's: the aggregate adds every worker's
         names = self._decode.transport.peers.verified_names() if self._decode else ()
@@ -176,7 +216,8 @@ class WorkerSide:
         pool = (prefill.pool_slots, tuple(prefill.slot_bytes)) if prefill is not None else (0, ())
         if prefill is not None and (prefill.sources or prefill.pool_slots):
             return WorkerReport(counts, tuple(prefill.sources), prefill.units, verified, *pool,
-                                pool_failed=pool_failed, read_failed=read_failed)
+                                pool_failed=pool_failed, read_failed=read_failed,
+                                pool_reset=reset)
         return WorkerReport(counts, verified=verified) if counts or verified else None
 
     def close(self) -> None:
