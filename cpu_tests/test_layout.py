@@ -165,13 +165,37 @@ def _with_hashing(hashing):
     (_hashing(seed="PYTHONHASHSEED", canary="beef"), "canary: peer='beef' local='c0ffee'"),
     (_hashing(pool=False, seed="random", canary=None), "the peer's 'sha256_cbor' seed is drawn at random"),
     (None, "algo: peer=None local='sha256_cbor'"),  # a peer that says nothing (an older kvxfer)
-    ("junk", "algo: peer=None"),
 ])
 def test_a_pool_refuses_a_peer_that_hashes_blocks_otherwise_naming_what_differs(theirs, named):
     with pytest.raises(LayoutMismatchError, match="a host pool is on") as e:
         check_block_compatible(_with_hashing(_hashing()), _with_hashing(theirs))
     assert named in str(e.value)
     assert "--prefix-caching-hash-algo" in str(e.value)
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_a_peer_whose_hashing_is_malformed_is_refused_naming_it_pool_or_not(pool):
+    """A peer's `hashing` that is no mapping may hide a pool: refused by name either way."""
+    with pytest.raises(LayoutMismatchError, match="the peer's hashing is not a description "
+                                                  "of how it hashes blocks: 'totally-bogus'"):
+        check_block_compatible(_with_hashing(_hashing(pool=pool)), _with_hashing("totally-bogus"))
+
+
+def test_values_nested_deeper_than_a_repr_can_go_are_refused_by_name_not_by_a_recursion_error():
+    deep = 0
+    for _ in range(5000):
+        deep = [deep]
+    for field, theirs in (("hashing", {**_hashing(), "canary": deep}), ("hashing", deep),
+                          ("model", {"model": deep})):
+        peer = _with_hashing(_hashing())
+        peer[field] = theirs
+        with pytest.raises(LayoutMismatchError) as e:
+            check_block_compatible(_with_hashing(_hashing()), peer)
+        assert len(str(e.value)) < 2000 and "[[[" in str(e.value)
+    peer = _with_hashing(_hashing())
+    peer["groups"][0]["block_shape"] = deep
+    with pytest.raises(LayoutMismatchError, match="block_shape: peer=\\[\\[\\["):
+        check_block_compatible(_with_hashing(_hashing()), peer)
 
 
 def test_a_peer_pool_is_refused_by_a_side_whose_seed_is_random_and_equal_hashing_pairs():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -361,7 +362,7 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
             f"peer has {len(theirs) if isinstance(theirs, list) else theirs!r:.120} KV cache "
             f"groups, local has {len(ours)}")
     diffs = [  # a peer's values are cut: it may advertise a block shape of a million ints
-        f"group {g} {key}: peer={(t.get(key) if isinstance(t, Mapping) else t)!r:.120} "
+        f"group {g} {key}: peer={_shown(t.get(key) if isinstance(t, Mapping) else t)} "
         f"local={o.get(key)!r:.120}"
         for g, (o, t) in enumerate(zip(ours, theirs))
         for key in (*BLOCK_FIELDS, "unit_axis")
@@ -375,8 +376,8 @@ def check_block_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) 
         raise LayoutMismatchError("peer cache layout differs: " + "; ".join(diffs))
     ours, theirs = local.get("model") or {}, remote.get("model")
     theirs = theirs if isinstance(theirs, Mapping) else {"(malformed)": theirs}
-    diffs = [f"{key}: peer={theirs.get(key)!r:.120} local={ours.get(key)!r:.120}"
-             for key in sorted({*ours, *theirs}) if ours.get(key) != theirs.get(key)]
+    diffs = [f"{_shown(key)}: peer={_shown(theirs.get(key))} local={ours.get(key)!r:.120}"
+             for key in sorted({*ours, *theirs}, key=str) if ours.get(key) != theirs.get(key)]
     if diffs:
         raise LayoutMismatchError("peer holds the KV of another model (or another KV cache of it): "
                                   + "; ".join(diffs))
@@ -390,14 +391,16 @@ def _check_hashing(ours: Any, theirs: Any) -> None:
     Without a pool, block hashes never leave an instance and any pair."""
     if ours is None and theirs is None:
         return  # neither describes its hashing (a tool, not vLLM)
-    ours = ours if isinstance(ours, Mapping) else {}
-    theirs = theirs if isinstance(theirs, Mapping) else {"(malformed)": theirs}
+    if theirs is not None and not isinstance(theirs, Mapping):  # it may pool: not knowable
+        raise LayoutMismatchError(f"the peer's hashing is not a description of how it hashes "
+                                  f"blocks: {_shown(theirs)}")
+    ours, theirs = ours if isinstance(ours, Mapping) else {}, theirs or {}
     if ours.get("pool") is not True and theirs.get("pool") is not True:
         return
-    diffs = [f"{key}: peer={theirs.get(key)!r:.80} local={ours.get(key)!r:.80}"
+    diffs = [f"{key}: peer={_shown(theirs.get(key), 80)} local={ours.get(key)!r:.80}"
              for key in ("algo", "block_size", "canary")
              if not _same(ours.get(key), theirs.get(key))]
-    unseeded = [f"the {side}'s {h.get('algo')!r:.40} seed is drawn at random per process"
+    unseeded = [f"the {side}'s {_shown(h.get('algo'), 40)} seed is drawn at random per process"
                 for side, h in (("peer", theirs), ("local side", ours))
                 if h.get("seed") == "random"]
     if diffs or unseeded:
@@ -407,6 +410,15 @@ def _check_hashing(ours: Any, theirs: Any) -> None:
             "instance with the same --prefix-caching-hash-algo (sha256 or sha256_cbor pair "
             "across processes) and PYTHONHASHSEED set alike everywhere or nowhere (xxhash and "
             "xxhash_cbor need it set)")
+
+
+_REPR = reprlib.Repr()  # Python 3.11's takes no arguments
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 80, 80
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    """A peer's value in a message, cut short however long or deeply nested it is."""
+    return _REPR.repr(value)[:limit]
 
 
 def _same(ours: Any, theirs: Any) -> bool:
