@@ -236,3 +236,28 @@ def test_groups_of_different_block_sizes_match_only_whole_blocks_of_every_group(
     assert "h0" in s.pools.pools[0] and "h1" not in s.pools.pools[0]
     assert s.pools.match([["h0", "h1", "h2", "h3"], ["H0", "H1"]], 0) == 0  # 16: not whole
     assert s.pools.match([["h0", "x1", "x2", "x3"], ["Y0", "Y1"]], 0) == 64
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_a_pools_events_are_kept_only_for_a_taker(events):
+    """vLLM's scheduler takes the pool's events every step (and turns them on); a pool used
+    without vLLM keeps none, however many requests pass through it."""
+    s = PrefillScheduler([GroupSpec(16)], staging_blocks=8, kernel_ratio=1,
+                         address=PeerAddress("p", "127.0.0.1", 0), pool_slots=4)
+    s.pools.events = events
+    for i in range(50):  # a pool of 4 slots: each request's two blocks evict two others
+        req_id = f"r{i}"
+        s.add_request(req_id, 32, list(range(i, i + 32)), block_hashes=[[f"{i}a", f"{i}b"]])
+        s.build_connector_meta([ScheduledRequest(req_id, 0, 32, ([2 * i % 8, 2 * i % 8 + 1],),
+                                                 full_table=True)])
+        assert s.request_finished(req_id) is not None
+        s.release([req_id])
+    taken = s.pools.take_events()
+    assert s.pools.entries() == 4 and not s.pools._tokens
+    if not events:
+        assert taken == [] and s.pools._events == []
+        return
+    stored = [h for e in taken if "stored" in e for h in e["stored"]]
+    removed = [h for e in taken if "removed" in e for h in e["removed"]]
+    assert len(stored) > 50 and len(stored) - len(removed) == s.pools.entries()
+    assert all(len(e["token_ids"]) == 16 * len(e["stored"]) for e in taken if "stored" in e)

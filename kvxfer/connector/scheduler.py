@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,7 +228,9 @@ class PrefillScheduler:
     def add_request(self, req_id: str, num_prompt_tokens: int,
                     prompt_token_ids: Sequence[int] | None = None,
                     stream: str | None = None,
-                    block_hashes: Sequence[Sequence[Hashable]] | None = None) -> None:
+                    block_hashes: Sequence[Sequence[Hashable]] | None = None,
+                    event_token_ids: Sequence[int] | None = None,
+                    labels: Mapping[str, Any] | None = None) -> None:
         """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
 
         With `block_hashes` (per group, the hashes of its full prompt blocks: vLLM's
@@ -236,7 +238,10 @@ class PrefillScheduler:
         stay in staging once D has read them, for later prompts (`pools`: `Pools.match`).
 
         With `prompt_token_ids`, its params carry their `prompt_digest`, and a D
-        that knows its own prompt refuses params computed for another one.
+        that knows its own prompt refuses params computed for another one. The pool's events
+        name the blocks' tokens as `event_token_ids` gives them (vLLM's `all_token_ids`: 0
+        where a prompt embedding stands), else as `prompt_token_ids`, labelled with `labels`
+        (`Pools.remember`).
         With `stream` (a `kvxfer.nixl.wire.new_stream_id` the router also gave D), D
         may read each block as soon as it is final, while P still prefills the
         rest (`kvxfer.nixl.wire.StreamParams`); its params are made as usual, for a D
@@ -266,7 +271,8 @@ class PrefillScheduler:
                   else self.pools.check(block_hashes, num_prompt_tokens))  # before any change
         self.tracker.add(req_id, num_prompt_tokens)
         if hashes is not None and stream is None and self.pools.pools:  # streams: not pooled
-            self.pools.remember(req_id, hashes, prompt_token_ids)
+            self.pools.remember(req_id, hashes, prompt_token_ids if event_token_ids is None
+                                else event_token_ids, labels)
             r = self.kernel_ratio
             self._entries[req_id] = tuple(
                 {i * r + j: entry_secret(self._key, g, h) for i, h in enumerate(group)
@@ -279,10 +285,11 @@ class PrefillScheduler:
 
     def keep_finished(self, req_id: str, tables: Sequence[Sequence[int]],
                       block_hashes: Sequence[Sequence[Hashable]],
-                      token_ids: Sequence[int] | None = None) -> bool:
+                      token_ids: Sequence[int] | None = None,
+                      labels: Mapping[str, Any] | None = None) -> bool:
         """See `Keeper.keep`; never a request P still holds for D."""
         return not self.holds(req_id) and self.keeper.keep(req_id, tables, block_hashes,
-                                                            token_ids)
+                                                            token_ids, labels)
 
     def holds(self, req_id: str) -> bool:
         """Whether P still holds a request of this id (being prefilled, staged, or waiting
@@ -454,10 +461,12 @@ class Keeper:
 
     def keep(self, req_id: str, tables: Sequence[Sequence[int]],
              block_hashes: Sequence[Sequence[Hashable]],
-             token_ids: Sequence[int] | None = None) -> bool:
+             token_ids: Sequence[int] | None = None,
+             labels: Mapping[str, Any] | None = None) -> bool:
         """`tables[g]`: group `g`'s block table (logical ids in token order);
         `block_hashes[g]`: the hashes of the group's full blocks whose KV is computed, in
-        order (no more); `token_ids`, their tokens, for KV events. Returns whether the engine
+        order (no more); `token_ids`, their tokens, and `labels`, for KV events
+        (`Pools.remember`). Returns whether the engine
         must keep the request's device blocks until the next save gathered them (vLLM:
         `delay_free_blocks`): False where nothing is left to copy, where there is no pool,
         or where the staging has no room (the request is then not pooled)."""
@@ -468,7 +477,7 @@ class Keeper:
                 or len(tables) != len(hashes)):
             raise InvalidInputError(f"request {req_id!r}: tables must hold one block table per "
                                     f"KV cache group ({len(hashes)}), got {tables!r:.80}")
-        self.pools.remember(req_id, hashes, token_ids)
+        self.pools.remember(req_id, hashes, token_ids, labels)
         lent, r = self.pools.lend(req_id), self.kernel_ratio
         try:
             placed = tuple(kernel_placement(table_entries(range(n, len(h)), table), r)

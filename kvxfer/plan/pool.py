@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvxfer.errors import InvalidInputError, UnknownRequestError
 from kvxfer.plan.blocks import is_int, kernel_placement, table_entries
@@ -221,9 +222,11 @@ class Pools:
                       if max_slots and all(g.kind == "attention" for g in groups) else [])
         self._hashes: dict[Hashable, list[list[Hashable]]] = {}
         self._tokens: dict[Hashable, list[int]] = {}  # request -> its prompt (for events)
+        self._labels: dict[Hashable, dict[str, Any]] = {}  # request -> its events' labels
         self._lent: dict[Hashable, list[int]] = {}  # request -> blocks lent, per group
         self._loading: dict[Hashable, int] = {}  # request -> tokens it loads
-        self._events: list[dict] = []  # since the last `take_events`
+        self._events: list[dict] = []  # since the last `take_events`, while `events` is on
+        self.events = False  # keep events for `take_events` (vLLM's scheduler takes them)
         self.hit_tokens = 0  # prompt tokens loaded (and checked) since start
 
     def check(self, block_hashes: object, num_prompt_tokens: int | None = None
@@ -246,17 +249,23 @@ class Pools:
         return [list(h) for h in block_hashes]
 
     def remember(self, req_id: Hashable, block_hashes: list[list[Hashable]],
-                 prompt_token_ids: Sequence[int] | None = None) -> None:
+                 prompt_token_ids: Sequence[int] | None = None,
+                 labels: Mapping[str, Any] | None = None) -> None:
         """`block_hashes[g]` (checked: `check`): the hashes of group `g`'s full prompt blocks,
-        in order; with the prompt's tokens, its `take_events` name them."""
+        in order; with the prompt's tokens, its `take_events` name them, and with `labels`
+        (`lora_id`, `lora_name`, and `extra_keys[g]`: one value per block of group `g`,
+        opaque here) label them."""
         if self.pools:
             self._hashes[req_id] = block_hashes
-            if prompt_token_ids is not None:
+            if prompt_token_ids is not None and self.events:
                 self._tokens[req_id] = list(prompt_token_ids)
+            if labels is not None and self.events:
+                self._labels[req_id] = dict(labels)
 
     def forget(self, req_id: Hashable) -> None:
         self._hashes.pop(req_id, None)
         self._tokens.pop(req_id, None)
+        self._labels.pop(req_id, None)
 
     def lend(self, req_id: Hashable) -> list[int]:
         """Name the leading run of `req_id`'s prompt blocks each group's pool holds as the
@@ -289,6 +298,7 @@ class Pools:
         every group enter the pools (the rest is freed with the request). Returns, per
         group, the indices (in the prompt) of the blocks that entered."""
         hashes, tokens = self._hashes.pop(req_id, None), self._tokens.pop(req_id, None)
+        labels = self._labels.pop(req_id, None)
         if hashes is None:
             return []
         self._take_evicted()  # before what enters: events in order
@@ -304,9 +314,9 @@ class Pools:
                                          if own.issuperset(keys)]))
             entered.append([i for i, h in enumerate(group_hashes) if h in new])
         self.unlend(req_id)
-        for g, indices in enumerate(entered):
+        for g, indices in enumerate(entered if self.events else ()):
             self._events.extend(_stored(g, self.groups[g].tokens_per_block, hashes[g], indices,
-                                        tokens))
+                                        tokens, labels))
         return entered
 
     def match(self, block_hashes: Sequence[Sequence[Hashable]], num_computed_tokens: int) -> int:
@@ -377,14 +387,15 @@ class Pools:
         self._loading[req_id] = num_tokens
         return loads
 
-    def loaded(self, req_id: Hashable, failed: bool = False) -> None:
+    def loaded(self, req_id: Hashable, failed: bool = False, hit: bool = True) -> None:
         """The worker loaded `req_id`'s pooled blocks: let go of them; where they did not
-        check out (`failed`), out of the pool with them."""
+        check out (`failed`), out of the pool with them. Counted as a hit unless `hit` is
+        False (the request failed for another reason, and is computed whole)."""
         tokens = self._loading.pop(req_id, 0)
         if failed:
             self.drop(("load", req_id))
         else:
-            self.hit_tokens += tokens  # loaded, checked: a hit
+            self.hit_tokens += tokens if hit else 0  # loaded, checked: a hit
             self.release(("load", req_id))
 
     def counters(self) -> dict[str, int]:
@@ -395,18 +406,21 @@ class Pools:
         return {"p_pool_hit_tokens": self.hit_tokens, "p_pool_evicted_blocks": self.evictions()}
 
     def take_events(self) -> list[dict]:
-        """What entered and left the pools since the last call, in order (for vLLM's KV
-        events): `{"group", "stored", "parent", "token_ids", "block_size"}` for a run of
-        blocks of one prompt that entered (`stored` their hashes, `parent` the hash before
-        them or None, `token_ids` their tokens when the request was remembered with them,
-        else None), `{"group", "removed"}` for hashes evicted, dropped or cleared."""
+        """What entered and left the pools since the last call, in order, once `events` is on
+        (for vLLM's KV events; off, none are kept): `{"group", "stored", "parent",
+        "token_ids", "block_size"}` for a run of blocks of one prompt that entered
+        (`stored` their hashes, `parent` the hash before them or None, `token_ids` their
+        tokens when the request was remembered with them, else None), `{"group",
+        "removed"}` for hashes evicted, dropped or cleared."""
         self._take_evicted()
         events, self._events = self._events, []
         return events
 
     def _take_evicted(self) -> None:
-        self._events.extend({"group": g, "removed": removed} for g, pool in enumerate(self.pools)
-                            if (removed := pool.take_evicted()))
+        removed = [{"group": g, "removed": r} for g, pool in enumerate(self.pools)
+                   if (r := pool.take_evicted())]
+        if self.events:  # else dropped: nobody takes them
+            self._events.extend(removed)
 
     def drop(self, owner: Hashable) -> None:
         """See `Pool.drop`."""
@@ -450,19 +464,23 @@ class Pools:
 
 
 def _stored(group: int, block_size: int, hashes: list[Hashable], indices: list[int],
-            tokens: list[int] | None) -> list[dict]:
+            tokens: list[int] | None, labels: Mapping[str, Any] | None = None) -> list[dict]:
     """`take_events`' entries for blocks `indices` of a prompt that entered a pool: one per
-    run of consecutive blocks."""
+    run of consecutive blocks, with the request's `labels` (`remember`)."""
     runs: list[list[int]] = []
     for i in indices:
         if runs and runs[-1][-1] == i - 1:
             runs[-1].append(i)
         else:
             runs.append([i])
+    labels = labels or {}
+    keys = (labels.get("extra_keys") or [None] * (group + 1))[group]
     return [{"group": group, "stored": [hashes[i] for i in run],
              "parent": hashes[run[0] - 1] if run[0] else None, "block_size": block_size,
              "token_ids": None if tokens is None
-             else tokens[run[0] * block_size:(run[-1] + 1) * block_size]} for run in runs]
+             else tokens[run[0] * block_size:(run[-1] + 1) * block_size],
+             "lora_id": labels.get("lora_id"), "lora_name": labels.get("lora_name"),
+             "extra_keys": None if keys is None else [keys[i] for i in run]} for run in runs]
 
 
 def _check_tokens(**counts: object) -> None:

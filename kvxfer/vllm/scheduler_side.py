@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeLoads", "KvxferMetadata", "SchedulerSide", "group_hashes", "keep", "scheduled_requests",
-           "vllm_events"]
+__all__ = ["DecodeLoads", "KvxferMetadata", "SchedulerSide", "event_labels", "group_hashes", "keep",
+           "scheduled_requests", "vllm_events"]
 
 
 def scheduled_requests(so: SchedulerOutput) -> list[ScheduledRequest]:
@@ -219,6 +219,7 @@ class SchedulerSide:
         self.pool_slot_bytes: tuple[int, ...] = ()  # P: each group's bytes of a slot (workers')
         if self.prefill is not None:
             self.prefill.pools.resize(0)  # keeps nothing until the workers say how much
+            self.prefill.pools.events = True  # vLLM's scheduler takes them every step
         # P: vLLM's request id -> the transfer id P plans, stages and names in params. A
         # request id P still holds for D (a proxy that reuses X-Request-Id, a retry) gets a
         # transfer id of its own, so the two prefills never share slots or params.
@@ -285,15 +286,20 @@ class SchedulerSide:
                 transfer = req_id
                 while self.prefill.holds(transfer):
                     transfer = f"{req_id}~{next(self._reuses)}"
-                hashes = self._block_hashes(request) if self.prefill.pools.pools else None
+                hashes, tokens, labels = None, None, None
+                if self.prefill.pools.pools:  # the events name tokens as vLLM's own do
+                    hashes = self._block_hashes(request)
+                    tokens = list(request.all_token_ids[:request.num_prompt_tokens])
+                    labels = event_labels(request, self.groups, request.num_prompt_tokens)
                 try:
                     self.prefill.add_request(transfer, request.num_prompt_tokens,
                                              request.prompt_token_ids, _stream(params, req_id),
-                                             hashes)
+                                             hashes, tokens, labels)
                 except InvalidInputError as e:  # a stream id another request holds (a retry)
                     logger.warning("P request %s is not streamed: %s", req_id, e)
                     self.prefill.add_request(transfer, request.num_prompt_tokens,
-                                             request.prompt_token_ids, block_hashes=hashes)
+                                             request.prompt_token_ids, block_hashes=hashes,
+                                             event_token_ids=tokens, labels=labels)
                 self._transfers[req_id] = transfer
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
         if self.reads is not None:
@@ -337,7 +343,8 @@ class SchedulerSide:
                 pool_only.add(req_id)
             self._split.discard(req_id)
             self._pool_failed.discard(req_id)
-            self.prefill.pools.loaded(req_id, failed=bad)
+            # a failed request is computed whole (vLLM): its pooled part was no hit either
+            self.prefill.pools.loaded(req_id, failed=bad, hit=req_id not in failed)
         if self.fallbacks is not None:  # P agents verified first: this step's loads
             self.fallbacks.verified(meta.verified if isinstance(meta, WorkerReport) else ())
             self.fallbacks.loaded(output.finished_recving or (),
@@ -463,7 +470,7 @@ def vllm_events(events: list[dict]) -> list[Any]:
     """A host pool's events (`kvxfer.plan.pool.Pools.take_events`) as vLLM's KV events with
     medium `CPU` (`BlockStored`, `BlockRemoved`), block hashes as vLLM's own events give them."""
     from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, to_event_extra_keys
 
     out: list[Any] = []
     for e in events:
@@ -475,9 +482,34 @@ def vllm_events(events: list[dict]) -> list[Any]:
         out.append(BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in e["stored"]],
             parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-            token_ids=e["token_ids"] or [], block_size=e["block_size"], lora_id=None,
-            medium=MEDIUM_CPU, lora_name=None, group_idx=e["group"]))
+            token_ids=e["token_ids"] or [], block_size=e["block_size"],
+            lora_id=e.get("lora_id"), medium=MEDIUM_CPU, lora_name=e.get("lora_name"),
+            group_idx=e["group"],
+            extra_keys=to_event_extra_keys(e.get("extra_keys") or [None] * len(e["stored"]))))
     return out
+
+
+def event_labels(request: Request, groups: Sequence[GroupSpec], num_tokens: int
+                 ) -> dict[str, Any] | None:
+    """What vLLM's own `BlockStored` events say of a request's blocks beside their hashes and
+    tokens: its LoRA adapter, and per group, each full block's extra keys (LoRA name, cache
+    salt, multimodal and prompt-embeds keys: vLLM's `generate_block_hash_extra_keys`), up to
+    `num_tokens`; None when there is nothing to say (the usual case)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    lora = getattr(request, "lora_request", None)
+    extra: list[list[Any]] = []
+    for g in groups:
+        keys, mm = [], 0
+        for i in range(num_tokens // g.tokens_per_block):
+            key, mm = generate_block_hash_extra_keys(request, i * g.tokens_per_block,
+                                                     (i + 1) * g.tokens_per_block, mm)
+            keys.append(key)
+        extra.append(keys)
+    if lora is None and all(k is None for keys in extra for k in keys):
+        return None
+    return {"lora_id": lora.adapter_id if lora else None, "lora_name": lora.name if lora else None,
+            "extra_keys": extra}
 
 
 def group_hashes(request: Request, groups: Sequence[GroupSpec], hash_block: int,
@@ -512,7 +544,7 @@ def keep(prefill: PrefillScheduler, request: Request, block_ids: Sequence[Sequen
         return prefill.keep_finished(
             request.request_id, [list(ids) for ids in block_ids],
             group_hashes(request, groups, hash_block, computed),
-            list(request.all_token_ids[:computed]))
+            list(request.all_token_ids[:computed]), event_labels(request, groups, computed))
     except KvxferError as e:  # the request is not pooled; the engine goes on
         logger.warning("request %s is not kept in the host pool: %s", request.request_id, e)
         return False
