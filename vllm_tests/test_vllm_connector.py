@@ -753,11 +753,16 @@ def test_p_gone_is_recomputed_by_vllm(pd, monkeypatch, when):
     assert_prompt_kv(d, "r-d", prompt)
 
 
-def test_hybrid_full_and_sliding_window_groups(pd, hybrid_model_dir):
+def test_hybrid_full_and_sliding_window_groups(pd, hybrid_model_dir, caplog):
+    """A model with a sliding-window group; D is given a host pool, which such a model
+    cannot keep: D says so at start and allocates none."""
     from engine import SLIDING_WINDOW
 
-    p, d = pd(model=hybrid_model_dir, hybrid=True, max_num_batched_tokens=32,
-              d=dict(hybrid=True))
+    with caplog.at_level(logging.WARNING, logger="kvxfer.vllm.connector"):
+        p, d = pd(model=hybrid_model_dir, hybrid=True, max_num_batched_tokens=32,
+                  d=dict(hybrid=True, extra={"host_pool_bytes": 8 * POOL_SLOT}))
+    assert d.worker._worker._prefill is None
+    assert any("host_pool_bytes is ignored" in r.getMessage() for r in caplog.records)
     prompt = _prompt(15, 100)
     params = p.prefill("h", prompt)
     assert len(params["groups"]) == 2

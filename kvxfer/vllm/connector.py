@@ -194,9 +194,13 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
             hashing = block_hashing(vllm_config, hash_block, pool)
             if pool and hashing["seed"] == "random":
                 logger.warning("the host pool's keys are %s block hashes, which vLLM seeds at "
-                               "random per process without PYTHONHASHSEED: every peer refuses "
-                               "this instance at handshake; set PYTHONHASHSEED alike on every "
-                               "instance, or use sha256_cbor", hashing["algo"])
+                               "random per process without PYTHONHASHSEED: this instance and "
+                               "every peer refuse each other at handshake; set PYTHONHASHSEED "
+                               "alike on every instance, or use sha256_cbor", hashing["algo"])
+            if not pool and self.settings.connector_config(self.producer).host_pool_bytes > 0:
+                logger.warning("host_pool_bytes is ignored: a model with a sliding-window or "
+                               "SSM KV cache group keeps no host pool (%s)",
+                               [g.kind for g in self.groups])
             self._worker = WorkerSide(self.settings, kv_cache_config,
                                       dict(model_description(vllm_config, self.groups),
                                            hashing=hashing),

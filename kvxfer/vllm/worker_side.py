@@ -82,7 +82,8 @@ class WorkerSide:
             return
         self._registered = self._layouts()
         config = self.settings.connector_config(self.producer)
-        if self.producer or config.host_pool_bytes:  # at start-up: a bad setting fails the
+        pool = bool((self.model.get("hashing") or {}).get("pool"))  # what kinds of group allow
+        if self.producer or (config.host_pool_bytes and pool):  # at start-up: a bad setting fails the
             from kvxfer.connector.prefill import PrefillWorker  # engine's start, not a step
 
             # P's staging, served to D; a D's host pool alone (what it decoded), served to none
