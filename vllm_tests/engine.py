@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -660,3 +662,18 @@ class Engine:
             self.worker.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
+
+
+def listen_port() -> int:
+    """A port for a P to listen on, free now and below Linux's ephemeral range (32768-60999):
+    `kvxfer.nixl.agent.free_port`'s is in that range, where an outgoing connection's source
+    port may take it before the agent binds it (a test's P then fails to start)."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")

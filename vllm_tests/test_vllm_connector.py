@@ -24,13 +24,12 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 import pytest
-from engine import Engine, kv_slot_shape
+from engine import Engine, kv_slot_shape, listen_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvxfer.errors import InvalidInputError
-from kvxfer.nixl.agent import free_port
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.wire import new_stream_id
 from kvxfer.vllm.connector import block_hashing
@@ -88,7 +87,7 @@ def pd(model_dir, engines):
 
     def make(p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), d=None, model=None, **p_kw):
         devices = jax.devices()
-        p_extra = {"port": free_port(), "staging_blocks": 64, "lease_s": 30.0}
+        p_extra = {"port": listen_port(), "staging_blocks": 64, "lease_s": 30.0}
         p_extra.update(p_kw.pop("extra", {}))
         p = engines(model or model_dir, kv_role="kv_producer", extra_config=p_extra,
                     devices=[devices[i] for i in p_devices], **p_kw)
@@ -553,7 +552,7 @@ def test_a_request_aborted_while_its_kv_is_loading_is_not_pooled_and_freed_once(
     whose KV never came: none enters D's pool, and its blocks are freed once."""
     p, d = _d_pool_pair(pd)
     prompt = _prompt(44, 40)
-    params = dict(p.prefill("a", prompt), port=free_port())  # nobody listens there
+    params = dict(p.prefill("a", prompt), port=listen_port())  # nobody listens there
     d.add_request("a-d", prompt, max_tokens=2, kv_transfer_params=params)
     d.run_until(lambda: d.connector._scheduler._receiving, max_steps=20)
     d.abort("a-d")
@@ -628,7 +627,7 @@ def test_a_pool_of_less_than_one_slot_is_refused_at_start_by_name(engines, model
     with pytest.raises(InvalidInputError, match=f"host_pool_bytes {POOL_SLOT - 1} is less than "
                                                 f"one staging slot of {POOL_SLOT} bytes"):
         engines(model_dir, kv_role="kv_producer", devices=jax.devices()[:1],
-                extra_config={"port": free_port(), "host_pool_bytes": POOL_SLOT - 1})
+                extra_config={"port": listen_port(), "host_pool_bytes": POOL_SLOT - 1})
 
 
 def _published(p: ServedP) -> list:
@@ -1001,7 +1000,7 @@ def test_p_fails_at_start_up_naming_a_setting_it_cannot_serve_with(engines, mode
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         extra = {"port": taken.getsockname()[1], "staging_blocks": 64} if bad == "port" else {
-            "port": free_port(), "staging_blocks": 10**9}
+            "port": listen_port(), "staging_blocks": 10**9}
         with pytest.raises(InvalidInputError, match=str(extra[bad]) if bad == "port"
                            else "lower staging_blocks"):
             engines(model_dir, kv_role="kv_producer", extra_config=extra,
@@ -1037,7 +1036,7 @@ def test_p_scheduler_names_the_p_processes_its_workers_report_and_logs_bad_ones(
     from vllm.v1.outputs import KVConnectorOutput
 
     engine = engines(model_dir, kv_role="kv_producer",
-                     extra_config={"port": free_port(), "staging_blocks": 8})
+                     extra_config={"port": listen_port(), "staging_blocks": 8})
     engine.connector.update_connector_output(
         KVConnectorOutput(kv_connector_worker_meta=WorkerReport({}, halves, 4)))
     prefill = engine.connector._scheduler.prefill

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import jax
 import pytest
 import test_vllm_connector
+from engine import listen_port
 from test_vllm_connector import _prompt, assert_prompt_kv, decode, scheduled_tokens
 from test_vllm_metrics import LABELS, _registry_metric_types, _stats_of
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvxfer.errors import InvalidInputError
-from kvxfer.nixl.agent import free_port
 from kvxfer.vllm import TPUConnector
 from kvxfer.vllm.connector import _WorkerSide
 from kvxfer.vllm.fallbacks import Fallbacks, counter_name
@@ -117,7 +117,7 @@ def test_made_up_p_names_in_clients_params_count_as_unverified_not_as_labels(mod
 def test_a_load_failed_on_the_step_its_handshake_completed_names_its_p(model_dir, engines):
     """The worker's report of a step comes with that step's failed loads: the P agents it
     names are learned first."""
-    d = engines(model_dir, kv_role="kv_consumer", extra_config={"port": free_port()})
+    d = engines(model_dir, kv_role="kv_consumer", extra_config={"port": listen_port()})
     fallbacks = d.connector._scheduler.fallbacks
     for req_id, peer in (("r", "real-p"), ("s", "made-up")):
         fallbacks.loading(req_id, {"peer": peer})

@@ -5,11 +5,11 @@ before the scheduler sees it: kvxfer never acts on one worker's report alone."""
 from types import SimpleNamespace
 
 import pytest
+from engine import listen_port
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from kvxfer.errors import InvalidInputError
-from kvxfer.nixl.agent import free_port
 from kvxfer.nixl.wire import Source
 from kvxfer.vllm.reports import WorkerReport, worker_processes
 
@@ -40,7 +40,7 @@ def test_d_reports_a_load_finished_once_every_ray_worker_has_it(engines, model_d
     """Two hosts of TP 2 each (world size 4, two workers): vLLM's aggregator counts the
     workers kvxfer names, not the world size, so a load both workers finished is finished,
     and one worker's report alone is not."""
-    engine = engines(model_dir, kv_role="kv_consumer", extra_config={"port": free_port()})
+    engine = engines(model_dir, kv_role="kv_consumer", extra_config={"port": listen_port()})
     engine.vllm_config.parallel_config.placement_group = SimpleNamespace(
         bundle_specs=[{"TPU": 2, "node:10.0.0.1": 0.001}, {"TPU": 2}, {"CPU": 1}])
     assert engine.connector.get_finished_count() == 2
@@ -65,7 +65,7 @@ def test_p_reuses_a_requests_slots_only_once_every_p_worker_has_freed_it(engines
     worker's piece is still being read (tpu-inference freed staging on the first host's
     report and corrupted data)."""
     engine = engines(model_dir, kv_role="kv_producer",
-                     extra_config={"port": free_port(), "staging_blocks": 8})
+                     extra_config={"port": listen_port(), "staging_blocks": 8})
     prefill = engine.connector._scheduler.prefill
     # The engine's one worker speaks for a P over two hosts: its reports name both halves.
     engine.worker._worker._prefill.processes.sources = list(HALVES)
@@ -110,7 +110,7 @@ def test_a_p_pools_within_the_smallest_budget_any_of_its_workers_reports(engines
     """Each worker of a P over several hosts turns host_pool_bytes into slots of its own piece;
     the scheduler keeps one index over them all, so its budget is the smallest reported."""
     engine = engines(model_dir, kv_role="kv_producer",
-                     extra_config={"port": free_port(), "staging_blocks": 16,
+                     extra_config={"port": listen_port(), "staging_blocks": 16,
                                    "host_pool_bytes": 8 * 16384})  # 8 slots of this engine's
     prefill = engine.connector._scheduler.prefill
     aggregator = KVOutputAggregator(2)
