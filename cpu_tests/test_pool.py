@@ -261,3 +261,17 @@ def test_a_pools_events_are_kept_only_for_a_taker(events):
     removed = [h for e in taken if "removed" in e for h in e["removed"]]
     assert len(stored) > 50 and len(stored) - len(removed) == s.pools.entries()
     assert all(len(e["token_ids"]) == 16 * len(e["stored"]) for e in taken if "stored" in e)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"event_token_ids": [1, 2, 3]}, "event_token_ids must be the prompt's 32 token ids"),
+    ({"event_token_ids": "x" * 32}, "event_token_ids must be the prompt's 32 token ids"),
+    ({"labels": ["lora"]}, "labels must be None or a mapping"),
+])
+def test_event_tokens_and_labels_that_cannot_be_the_prompts_are_refused_by_name(kwargs, named):
+    s = PrefillScheduler([GroupSpec(16)], staging_blocks=8, kernel_ratio=1,
+                         address=PeerAddress("p", "127.0.0.1", 0), pool_slots=4)
+    with pytest.raises(InvalidInputError, match=named):
+        s.add_request("r", 32, list(range(32)), block_hashes=[["a", "b"]], **kwargs)
+    with pytest.raises(InvalidInputError, match="labels must be None or a mapping"):
+        s.keep_finished("k", [[0, 1]], [["a", "b"]], list(range(32)), labels="lora")

@@ -267,6 +267,13 @@ class PrefillScheduler:
                     f"request {req_id!r}: {len(prompt_token_ids)} prompt token ids for "
                     f"{num_prompt_tokens!r} prompt tokens")
             digest = prompt_digest(prompt_token_ids)
+        if event_token_ids is not None and (isinstance(event_token_ids, (str, bytes)) or not (
+                isinstance(event_token_ids, Sequence) and len(event_token_ids) == num_prompt_tokens)):
+            raise InvalidInputError(f"request {req_id!r}: event_token_ids must be the prompt's "
+                                    f"{num_prompt_tokens!r} token ids, got {event_token_ids!r:.80}")
+        if labels is not None and not isinstance(labels, Mapping):
+            raise InvalidInputError(f"request {req_id!r}: labels must be None or a mapping, "
+                                    f"got {labels!r:.80}")
         hashes = (None if block_hashes is None
                   else self.pools.check(block_hashes, num_prompt_tokens))  # before any change
         self.tracker.add(req_id, num_prompt_tokens)
@@ -473,6 +480,9 @@ class Keeper:
         if not self.pools.pools or req_id in self.held or not any(block_hashes):
             return False
         hashes = self.pools.check(block_hashes)
+        if labels is not None and not isinstance(labels, Mapping):
+            raise InvalidInputError(f"request {req_id!r}: labels must be None or a mapping, "
+                                    f"got {labels!r:.80}")
         if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
                 or len(tables) != len(hashes)):
             raise InvalidInputError(f"request {req_id!r}: tables must hold one block table per "

@@ -474,7 +474,7 @@ def _stored(group: int, block_size: int, hashes: list[Hashable], indices: list[i
         else:
             runs.append([i])
     labels = labels or {}
-    keys = (labels.get("extra_keys") or [None] * (group + 1))[group]
+    keys = labels["extra_keys"][group] if labels.get("extra_keys") else None
     return [{"group": group, "stored": [hashes[i] for i in run],
              "parent": hashes[run[0] - 1] if run[0] else None, "block_size": block_size,
              "token_ids": None if tokens is None

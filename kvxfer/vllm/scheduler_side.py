@@ -498,6 +498,9 @@ def event_labels(request: Request, groups: Sequence[GroupSpec], num_tokens: int
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
     lora = getattr(request, "lora_request", None)
+    if lora is None and not request.cache_salt and not request.mm_features and (
+            request.prompt_embeds is None):  # nothing for any block: no walk over them
+        return None
     extra: list[list[Any]] = []
     for g in groups:
         keys, mm = [], 0
