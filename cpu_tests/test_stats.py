@@ -127,9 +127,14 @@ def test_stats_off_collects_nothing_but_logs_traces(pair, caplog):
     pr.serve()
     with caplog.at_level(logging.DEBUG, logger="kvxfer.stats"):
         assert pr.load("r", params, [2]) == (["r"], [])
+        deadline = time.monotonic() + 10  # P logs its trace on its own thread, once acked
+        while True:
+            logged = [json.loads(r.getMessage().split(" ", 2)[2]) for r in caplog.records
+                      if r.getMessage().startswith("kvxfer trace ")]
+            if len(logged) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
     assert pr.d.stats().counters == {} and pr.d.traces() == []
-    logged = [json.loads(r.getMessage().split(" ", 2)[2]) for r in caplog.records
-              if r.getMessage().startswith("kvxfer trace ")]
     assert sorted((t["req_id"], t["role"], t["outcome"]) for t in logged) == [
         ("r", "D", "ok"), ("r", "P", "ok")]
 
