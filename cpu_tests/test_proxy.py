@@ -57,7 +57,9 @@ class FakeVllm:
         return app
 
     async def _health(self, _request: web.Request) -> web.Response:
-        return web.Response(status=self.health)
+        if self.health is None:  # hung: stopped, or its host gone, no connection breaks
+            await asyncio.sleep(WAIT_S)
+        return web.Response(status=self.health or 200)
 
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": f"model-on-{self.name}"}]})
@@ -1533,3 +1535,83 @@ def test_a_request_is_in_flight_on_p_only_until_p_has_answered(stream):
             if line.startswith("kvxfer_proxy_in_flight{")] == ["0", "1"]
     assert [line.rsplit(" ", 1)[1] for line in after.splitlines()
             if line.startswith("kvxfer_proxy_in_flight{")] == ["0", "0"]
+
+
+def test_a_p_that_hangs_mid_prefill_is_given_up_on_once_its_health_check_fails_and_d_prefills():
+    """P takes the request, then hangs (its /health with it): the proxy gives P's request up at
+    the next health check, not at --prefill-timeout, and D prefills the prompt alone."""
+    p, d = FakeVllm("P", hold=True), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], health_interval_s=0.05, health_timeout_s=0.2) as (session, url):
+            ask = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+            await asyncio.wait_for(p.holding.wait(), WAIT_S)
+            p.health = None
+            async with await ask as r:
+                answer = (r.status, r.headers["X-Kvxfer-Route"], await r.json())
+            await asyncio.wait_for(p.aborted.wait(), WAIT_S)  # P's request was closed
+            return answer, p.release.is_set()
+
+    (status, route, body), released = run(go())
+    assert (status, body) == (200, {"choices": [{"text": "decoded by D"}]}) and not released
+    assert route.startswith("choice=local; prefill=-;") and "reason=p_unreachable" in route
+    assert d.seen[0][1]["kv_transfer_params"] == {
+        "do_remote_decode": False, "do_remote_prefill": False, "local_prefill": True}
+
+
+def test_without_local_prefill_a_p_that_hangs_is_a_502_naming_it_once_its_health_check_fails():
+    p, d = FakeVllm("P", hold=True), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], health_interval_s=0.05, local_prefill_tokens=0) as (session, url):
+            ask = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+            await asyncio.wait_for(p.holding.wait(), WAIT_S)
+            p.health = 503
+            async with await ask as r:
+                return r.status, await r.json()
+
+    status, body = run(go())
+    assert status == 502 and not d.seen
+    assert body["error"]["type"] == "upstream_unreachable"
+    assert "went down before it answered: /health answered 503" in body["error"]["message"]
+
+
+def test_a_d_that_hangs_before_answering_is_given_up_on_and_the_next_d_gets_the_request():
+    p, d1, d2 = FakeVllm("P"), FakeVllm("D1", hold=True), FakeVllm("D2")
+
+    async def go():
+        async with pd([p], [d1, d2], health_interval_s=0.05, health_timeout_s=0.2,
+                      route="round_robin") as (session, url):
+            ask = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+            await asyncio.wait_for(d1.holding.wait(), WAIT_S)
+            d1.health = None
+            async with await ask as r:
+                answer = (r.status, r.headers["X-Kvxfer-Route"], await r.json())
+            await asyncio.wait_for(d1.aborted.wait(), WAIT_S)
+            return answer
+
+    status, route, body = run(go())
+    assert (status, body) == (200, {"choices": [{"text": "decoded by D2"}]})
+    assert "reason=d_unreachable" in route
+    # P's params, as D1 had them: D2 reads the KV P holds
+    assert d2.seen[0][1]["kv_transfer_params"] == d1.seen[0][1]["kv_transfer_params"]
+
+
+def test_a_d_that_goes_down_mid_stream_ends_the_stream_not_cleanly_and_its_request_is_closed():
+    p, d = FakeVllm("P"), FakeVllm("D")  # D sends one chunk, then waits for the client's word
+
+    async def go():
+        async with pd([p], [d], health_interval_s=0.05) as (session, url):
+            async def down_once_streaming():
+                while not d.events:
+                    await asyncio.sleep(0.01)
+                d.health = 503
+
+            turn = asyncio.ensure_future(down_once_streaming())
+            received = await _stream_broken_off(session, url)
+            await turn
+            await asyncio.wait_for(d.aborted.wait(), WAIT_S)
+            return received
+
+    assert run(go()).startswith(b"data: ")
+    assert d.events == ["D sent 0"]

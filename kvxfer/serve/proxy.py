@@ -28,7 +28,10 @@ a P that returns no `kv_transfer_params` (one not started as `kv_producer`)
 is a 502 that names the URL. An upstream that cannot be connected to (nothing
 reached it) is marked down: for a D, the next D that is up gets the request;
 for a P, with local prefill on, D prefills the prompt alone; with neither,
-it is a 502 that names the URL. A P that does not answer within `--prefill-timeout`, or a D within
+it is a 502 that names the URL. So is one that hangs (stopped, or its host gone, where no
+connection breaks): once a health check finds it down (its `/health` unanswered, or a 5xx)
+the requests in flight to it are given up, as if it could not be reached, except that a D
+which has begun its answer ends the stream. A P that does not answer within `--prefill-timeout`, or a D within
 `--decode-timeout`, is a 504 naming the URL and the flag (after P's, D is not
 asked); a D that runs over once its answer has begun ends the stream. Of P's
 answer the proxy reads at most `--prefill-max-bytes` (it needs only the
@@ -74,6 +77,7 @@ from kvxfer.serve.upstreams import (
     ProxyConfig,
     Unreached,
     Upstreams,
+    cancel,
     connected,
     decode_part,
     drop,
@@ -113,14 +117,6 @@ async def _disconnected(request: web.Request) -> None:
         await asyncio.sleep(_CLIENT_CHECK_S)
 
 
-async def _cancel(task: asyncio.Future) -> None:
-    """Cancel `task` and wait until it has ended, its `async with`s having closed what it opened
-    (again, should a `wait_for` in it have swallowed the cancellation, as on Python < 3.12)."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait((task,), timeout=_CLIENT_CHECK_S)
-
-
 async def _for_client(request: web.Request, request_id: str,
                       work: Coroutine[Any, Any, web.StreamResponse]) -> web.StreamResponse:
     """`work`'s answer while the client is connected. Once it has gone away, `work` is cancelled:
@@ -131,14 +127,14 @@ async def _for_client(request: web.Request, request_id: str,
     try:
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # aiohttp's handler_cancellation, or the proxy stopping
-        await _cancel(task)
+        await cancel(task)
         log.info("request %s: cancelled (%s); its requests to P and D are closed", request_id,
                  "the proxy is stopping" if connected(request) else "the client went away")
         raise
     finally:
         gone.cancel()
     if not task.done():
-        await _cancel(task)
+        await cancel(task)
     if task.cancelled() or (task.exception() is not None and not connected(request)):
         log.info("request %s: the client went away; its requests to P and D are closed", request_id)
         return error(_CLIENT_GONE, "the client closed the request", "client_closed_request")

@@ -11,8 +11,9 @@ import json
 import logging
 import math
 import re
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -23,9 +24,10 @@ from kvxfer.plan.blocks import is_int
 from kvxfer.serve.routing import Route, Router
 
 __all__ = ["HEALTH_REUSE_S", "LOCAL_PARAMS", "METRICS_MAX_BYTES", "PREFILL_PARAMS", "REQUEST_ID",
-           "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached", "Upstreams", "check",
+           "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached", "Upstreams", "cancel", "check",
            "check_url", "connected", "decode_part", "drop", "error", "parse_urls",
-           "passed_through", "prefill_part", "read_at_most", "timed_out", "unreachable", "watch"]
+           "passed_through", "prefill_part", "read_at_most", "timed_out", "unless_down",
+           "unreachable", "watch"]
 
 log = logging.getLogger("kvxfer.serve.proxy")
 
@@ -174,6 +176,21 @@ class Upstreams:
         self.kv: dict[str, dict[str, Any]] = {}  # P url -> its kvxfer address, once known
         self._check: asyncio.Future | None = None  # GET /health's check, under way or done
         self._checked_at = -math.inf
+        self._down: dict[str, asyncio.Future] = {}  # url -> resolved once a check finds it down
+
+    def down(self, url: str) -> asyncio.Future:
+        """A future resolved, with why, once a health check finds `url` down: what a request in
+        flight to it waits on beside its answer (`unless_down`)."""
+        future = self._down.get(url)
+        if future is None or future.done():
+            future = self._down[url] = asyncio.get_running_loop().create_future()
+        return future
+
+    def went_down(self, url: str, reason: str) -> None:
+        """A health check found `url` down: the requests in flight to it stop waiting."""
+        future = self._down.pop(url, None)
+        if future is not None and not future.done():
+            future.set_result(reason)
 
     async def checked(self) -> list[dict[str, str]]:
         """`check`'s answer for `GET /health`: one under way is shared and one younger than
@@ -227,8 +244,9 @@ def unreachable(role: str, url: str, exc: BaseException) -> web.Response:
 
 
 class Unreached(Exception):
-    """An upstream (`role` prefill or decode) could not be connected to: the request never
-    reached it. `answer` is its 502."""
+    """An upstream (`role` prefill or decode) could not be connected to (the request never
+    reached it), or a health check found it down before it answered (`unless_down`): another
+    instance may take the request. `answer` is its 502."""
 
     def __init__(self, answer: web.Response, role: str) -> None:
         super().__init__(answer.text)
@@ -298,6 +316,42 @@ async def _ask_prefill(session: aiohttp.ClientSession, url: str, path: str, body
         return unreachable("prefill", url, e)
 
 
+async def cancel(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it has ended, its `async with`s having closed what it opened
+    (again, should a `wait_for` in it have swallowed the cancellation, as on Python < 3.12)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait((task,), timeout=_CANCEL_CHECK_S)
+
+
+_CANCEL_CHECK_S = 0.5
+_T = TypeVar("_T")
+
+
+async def unless_down(upstreams: Upstreams, role: str, url: str, work: Awaitable[_T],
+                      timeout_s: float) -> _T:
+    """`work`'s result within `timeout_s` (else `asyncio.TimeoutError`), unless a health check
+    finds `url` down first: an instance that hangs (stopped, or its host gone, where no
+    connection breaks) is then given up on within a health interval, not a timeout of many
+    minutes. `work` is cancelled (its request closed) and `Unreached` raised, whose 502 says
+    why. Cancelled itself, it cancels `work` too."""
+    task = asyncio.ensure_future(work)
+    down = upstreams.down(url)
+    try:
+        await asyncio.wait((task, down), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+    finally:
+        await cancel(task)
+    if not down.done():
+        raise asyncio.TimeoutError
+    reason = down.result()
+    log.warning("%s instance %s went down (%s) with a request in flight; it is given up on",
+                role, url, reason)
+    raise Unreached(error(502, f"{role} instance {url} went down before it answered: {reason}",
+                          "upstream_unreachable", upstream=url), role)
+
+
 async def prefill_part(upstreams: Upstreams, url: str, path: str, body: dict[str, Any],
                    headers: dict[str, str], stream: str | None = None
                    ) -> dict[str, Any] | web.Response:
@@ -308,8 +362,8 @@ async def prefill_part(upstreams: Upstreams, url: str, path: str, body: dict[str
         sent["kv_transfer_params"]["stream"] = stream
     timeout_s, limit = upstreams.config.prefill_timeout_s, upstreams.config.prefill_max_bytes
     try:  # a timeout inside _ask_prefill is its 502: one that comes out is this one
-        answer = await asyncio.wait_for(
-            _ask_prefill(upstreams.session, url, path, sent, headers, limit), timeout_s)
+        answer = await unless_down(upstreams, "prefill", url, _ask_prefill(
+            upstreams.session, url, path, sent, headers, limit), timeout_s)
     except asyncio.TimeoutError:
         return timed_out("prefill", url, "--prefill-timeout", timeout_s, headers[REQUEST_ID])
     if isinstance(answer, web.Response):
@@ -367,7 +421,15 @@ async def decode_part(request: web.Request, upstreams: Upstreams, route: Route, 
     url, timeout_s = route.decode, upstreams.config.decode_timeout_s
     out = web.StreamResponse(headers={ROUTE: route.header()})
     try:  # errors inside _relayed are its own: a timeout that comes out is this one
-        return await asyncio.wait_for(_relayed(request, url, sent, out, headers, transfer), timeout_s)
+        return await unless_down(upstreams, "decode", url,
+                                 _relayed(request, url, sent, out, headers, transfer), timeout_s)
+    except Unreached as e:
+        if not out.prepared:  # another D may take the request
+            raise
+        # As when D breaks off: dropping the client's connection says the answer is incomplete.
+        log.warning("request %s: decode instance %s went down while answering; ending the "
+                    "stream", headers[REQUEST_ID], url)
+        raise ConnectionResetError(e.answer.text) from None
     except asyncio.TimeoutError:
         if not out.prepared:
             return timed_out("decode", url, "--decode-timeout", timeout_s, headers[REQUEST_ID])
@@ -401,6 +463,12 @@ async def _relayed(request: web.Request, url: str, sent: asyncio.Future, out: we
             raise
 
 
+_ANSWERED_4XX = "/health answered 4"
+"""An instance whose `/health` answers a 4xx (none there, or behind something that refuses it)
+is not routed to while others are up, but what is in flight to it is not given up: it may be
+answering."""
+
+
 async def _down_reason(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
     """Why `url`'s `/health` does not answer 2xx, or None when it does."""
     try:
@@ -421,6 +489,8 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
                                      for _, url in roles))
     for (role, url), reason in zip(roles, reasons):
         upstreams.router.mark(url, reason is None)
+        if reason is not None and not reason.startswith(_ANSWERED_4XX):  # hung or dead
+            upstreams.went_down(url, reason)
         if reason is not None:  # it may come back restarted, its KV cache another size
             upstreams.sized.discard(url)
             upstreams.kv.pop(url, None)  # and its kvxfer address another (learned again)
