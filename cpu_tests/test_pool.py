@@ -35,6 +35,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.owners: dict[str, list[tuple[str, int]]] = {}  # owner -> (hash, epoch) it holds
         self.epoch: dict[str, int] = {}  # a hash's entries cleared so far
         self.ghosts: dict[tuple[str, int], int] = {}  # cleared entries' references left
+        self.evictions = 0  # entries evicted or dropped; a cache reset's are neither
         self.next = 0
 
     @rule(blocks=st.integers(1, 6))
@@ -111,6 +112,7 @@ class PoolMachine(RuleBasedStateMachine):
                                      and h in self.lru))
         evicted = self.pool.take_evicted()
         assert evicted[:len(dropped)] == dropped
+        self.evictions += len(evicted)
         for h, epoch in held:
             if epoch != self.epoch.get(h, 0):
                 self.ghosts[h, epoch] -= 1
@@ -156,6 +158,7 @@ class PoolMachine(RuleBasedStateMachine):
             unreferenced = [x for x in self.lru if self.refs.get(x, 0) == 0]
             assert unreferenced and h == unreferenced[0], (h, self.lru, self.refs)
             self.lru.remove(h)
+            self.evictions += 1
 
     @invariant()
     def one_owner_per_slot(self):
@@ -166,6 +169,10 @@ class PoolMachine(RuleBasedStateMachine):
         pooled = [s for e in [*self.pool._entries.values(), *gone.values()] for s in e.slots]
         assert len(free) + len(requests) + len(pooled) == SLOTS
         assert free | set(requests) | set(pooled) == set(range(SLOTS))
+
+    @invariant()
+    def evictions_count_what_was_evicted_or_dropped_never_a_reset(self):
+        assert self.pool.evictions == self.evictions
 
     @invariant()
     def referenced_entries_stay_and_unreferenced_fit_the_budget(self):

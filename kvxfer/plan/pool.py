@@ -150,18 +150,18 @@ class Pool:
     def clear(self) -> list[Hashable]:
         """Take every entry out of the pool (vLLM's cache reset: after new weights, none may
         be loaded again): free the unreferenced ones now, the others once released. Returns
-        their hashes (`take_evicted` names them too)."""
+        their hashes (`take_evicted` names them too; `evictions` does not count them)."""
         cleared = list(self._entries)
         for h, entry in list(self._entries.items()):
-            self._forget(h, entry)
+            self._forget(h, entry, evicted=False)
         return cleared
 
-    def _forget(self, h: Hashable, entry: _Entry) -> None:
+    def _forget(self, h: Hashable, entry: _Entry, evicted: bool = True) -> None:
         if self._entries.get(h) is not entry:
             return  # gone already
         del self._entries[h]
         self._evicted.append(h)
-        self.evictions += 1
+        self.evictions += evicted
         if entry.refs == 0:
             self.slot_map.release_slots(entry.slots)
         else:
