@@ -62,6 +62,7 @@ from vllm import ModelRegistry, SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -271,6 +272,7 @@ class Engine:
         engine_id: str | None = None,
         instance_id: str | None = None,
         log_stats: bool = False,
+        kv_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.dtype = jnp.dtype(dtype)
@@ -312,6 +314,9 @@ class Engine:
             model_config=model_config, scheduler_config=scheduler_config,
             cache_config=cache_config, device_config=DeviceConfig("cpu"),
             kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
+            # `--kv-events-config '{"enable_kv_cache_events": true}'`, published nowhere
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            if kv_events else None,
         )
         if instance_id is not None:  # the hosts of one instance share it (sent with the config)
             self.vllm_config.instance_id = instance_id

@@ -643,7 +643,7 @@ def _published(p: ServedP) -> list:
 
 
 def test_the_pool_publishes_its_stores_and_removals_as_vllm_kv_events_of_medium_cpu(pd):
-    p, d = _pool_pair(pd, slots=3)
+    p, d = _pool_pair(pd, slots=3, kv_events=True)
     events = _published(p)
     prompt = _prompt(51, 50)  # three whole blocks
     decode(d, "a-d", prompt, p.prefill("a", prompt))
@@ -673,6 +673,24 @@ def test_the_pool_publishes_its_stores_and_removals_as_vllm_kv_events_of_medium_
          .block_hashes])
     decode(d, "c-d", prompt, params)
     assert_prompt_kv(d, "c-d", prompt)
+
+
+def test_without_kv_cache_events_enabled_the_pool_makes_none(pd):
+    """vLLM publishes nothing unless `--kv-events-config` enables KV cache events: the pool
+    then builds no event (nor copies a prompt's token ids for one), and still pools."""
+    p, d = _pool_pair(pd, slots=3)
+    events = _published(p)
+    prompt = _prompt(51, 50)
+    decode(d, "a-d", prompt, p.prefill("a", prompt))
+    _released(p)
+    time.sleep(0.05)
+    pools = p.call(lambda: p.engine.connector._scheduler.prefill.pools)
+    assert p.call(pools.entries) == 3 and not pools.events
+    assert events == [] and p.call(pools.take_events) == [] and pools._tokens == {}
+    params = p.prefill("b", prompt)
+    assert scheduled_tokens(p.steps, "b") == (48, 2)  # its three blocks loaded from the pool
+    decode(d, "b-d", prompt, params)
+    assert_prompt_kv(d, "b-d", prompt)
 
 
 def test_prefix_cache_hit_on_d_reads_only_what_d_lacks(pd, monkeypatch):

@@ -77,6 +77,11 @@ def test_below_the_threshold_d_computes_the_prompt_at_it_d_loads_it(pd):
     steps = decode(d, "other-d", other, p.prefill("other", _prompt(44, 40)))
     assert scheduled_tokens(steps, "other-d")[0] == 0
     assert _stats_of(steps).data["counters"][counter_name("other_prompt", engine)] == 1
+    # D will never read them: P lets go of that staging at once too, not at its lease's end
+    deadline = time.monotonic() + 10
+    while p.call(p.engine.connector.has_pending_push_work):
+        assert time.monotonic() < deadline, "P still holds what D refused as another prompt's"
+        time.sleep(0.01)
 
 
 def test_warnings_are_rate_limited_per_reason_and_p_engines_bounded(caplog):

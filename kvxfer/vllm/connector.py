@@ -183,9 +183,11 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             recompute = getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute"
+            events = getattr(vllm_config, "kv_events_config", None)
             self._scheduler = SchedulerSide(self.settings, self.groups, self.producer,
                                             self.consumer, instance, recompute,
-                                            getattr(kv_cache_config, "hash_block_size", None))
+                                            getattr(kv_cache_config, "hash_block_size", None),
+                                            bool(getattr(events, "enable_kv_cache_events", False)))
         else:
             hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.groups[0].tokens_per_block
             # models with a sliding-window or SSM group pool nothing (`Pools`)
@@ -295,7 +297,7 @@ class TPUConnector(StatsReporting, KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> list[Any]:
         """The host pool's stores and removals, as vLLM KV events of medium `CPU`, which vLLM
-        publishes beside its own (`--kv-events-config`)."""
+        publishes beside its own; none unless `--kv-events-config` enables KV cache events."""
         return self._scheduler.take_events() if self._scheduler is not None else []
 
     def reset_cache(self) -> bool:

@@ -103,16 +103,16 @@ class DecodeLoads:
         sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
         digest = _prompt_digest(request)
         if sent != request.num_prompt_tokens or (not streamed and params.get("prompt") != digest):
+            if not streamed:  # P's lease let go of at once: D never reads it
+                self._let_go(req_id, params)
             self._fall_back("other_prompt", request, f"its kv_transfer_params are for another "
                             f"prompt ({sent!r:.40} tokens, D's has {request.num_prompt_tokens})")
             return pool_match(request, num_computed)  # what D's own pool holds of it
         count = request.num_prompt_tokens - num_computed
         if count <= 0:
             return 0, False
-        if count < self.threshold and not streamed:  # P's lease let go of at once (below)
-            self._waiting.pop(req_id, None)
-            self._expects.append(dict(params))
-            self._cancels.append(dict(params))
+        if count < self.threshold and not streamed:
+            self._let_go(req_id, params)
             self._fall_back("below_threshold", request, f"{count} tokens to load, below "
                             f"kv_recompute_threshold {self.threshold}")
             return pool_match(request, num_computed)
@@ -124,6 +124,13 @@ class DecodeLoads:
             self._waiting[req_id] = dict(params)
             self._expects.append(dict(params))
         return count, True
+
+    def _let_go(self, req_id: str, params: Mapping[str, Any]) -> None:
+        """D will not read the request P staged for these params: P may free it now (D
+        connects to P, to say so, where it has not yet)."""
+        self._waiting.pop(req_id, None)
+        self._expects.append(dict(params))
+        self._cancels.append(dict(params))
 
     def splits(self, req_id: str) -> bool:
         """Whether the request's prompt is read from P past what D's pool holds of it."""
@@ -187,7 +194,7 @@ class SchedulerSide:
 
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
                  consumer: bool, instance: str | None = None, recompute: bool = True,
-                 hash_block_size: int | None = None):
+                 hash_block_size: int | None = None, events: bool = True):
         self.groups = list(groups)
         self.consumer, self.producer = consumer, producer
         # D (not kv_both): requests it computes itself instead of loading, counted and warned of
@@ -219,7 +226,9 @@ class SchedulerSide:
         self.pool_slot_bytes: tuple[int, ...] = ()  # P: each group's bytes of a slot (workers')
         if self.prefill is not None:
             self.prefill.pools.resize(0)  # keeps nothing until the workers say how much
-            self.prefill.pools.events = True  # vLLM's scheduler takes them every step
+            # vLLM's scheduler takes them every step, and publishes them where its
+            # --kv-events-config enables KV cache events (off: none are made)
+            self.prefill.pools.events = events
         # P: vLLM's request id -> the transfer id P plans, stages and names in params. A
         # request id P still holds for D (a proxy that reuses X-Request-Id, a retry) gets a
         # transfer id of its own, so the two prefills never share slots or params.
@@ -287,8 +296,9 @@ class SchedulerSide:
                 while self.prefill.holds(transfer):
                     transfer = f"{req_id}~{next(self._reuses)}"
                 hashes, tokens, labels = None, None, None
-                if self.prefill.pools.pools:  # the events name tokens as vLLM's own do
+                if self.prefill.pools.pools:
                     hashes = self._block_hashes(request)
+                if self.prefill.pools.events:  # the events name tokens as vLLM's own do
                     tokens = list(request.all_token_ids[:request.num_prompt_tokens])
                     labels = event_labels(request, self.groups, request.num_prompt_tokens)
                 try:
@@ -405,7 +415,8 @@ class SchedulerSide:
         receiving = request.request_id in self._receiving
         self._receiving.discard(request.request_id)
         if transfer is None and not receiving:  # what it computed may enter the pool
-            return keep(self.prefill, request, block_ids, self.groups, self._hash_block), None
+            return keep(self.prefill, request, block_ids, self.groups, self._hash_block,
+                        self.prefill.pools.events), None
         if transfer is None:
             return False, None
         params = self.prefill.request_finished(transfer)
@@ -530,10 +541,11 @@ def group_hashes(request: Request, groups: Sequence[GroupSpec], hash_block: int,
 
 
 def keep(prefill: PrefillScheduler, request: Request, block_ids: Sequence[Sequence[int]] | None,
-         groups: Sequence[GroupSpec], hash_block: int) -> bool:
+         groups: Sequence[GroupSpec], hash_block: int, events: bool = True) -> bool:
     """A request that finished (stopped, at its length, or aborted: a stop string, a client
     gone), not while waiting for its KV: its full blocks whose KV the engine computed, prompt
     and generated tokens alike, enter `prefill`'s host pool (`PrefillScheduler.keep_finished`).
+    With `events`, the pool's KV events name their tokens and labels (`event_labels`).
     Returns whether vLLM must keep its device blocks until the workers gathered them."""
     status = getattr(getattr(request, "status", None), "name", "")
     if (not prefill.pools.pools or block_ids is None or status not in (
@@ -547,7 +559,8 @@ def keep(prefill: PrefillScheduler, request: Request, block_ids: Sequence[Sequen
         return prefill.keep_finished(
             request.request_id, [list(ids) for ids in block_ids],
             group_hashes(request, groups, hash_block, computed),
-            list(request.all_token_ids[:computed]), event_labels(request, groups, computed))
+            *((list(request.all_token_ids[:computed]), event_labels(request, groups, computed))
+              if events else ()))
     except KvxferError as e:  # the request is not pooled; the engine goes on
         logger.warning("request %s is not kept in the host pool: %s", request.request_id, e)
         return False
