@@ -218,6 +218,23 @@ def test_a_conversations_next_turn_is_prefilled_on_d_alone_and_answers_as_p_alon
     _same_answer(got2, tp_stack.complete(tp_stack.p_url, turn2))
 
 
+def test_a_p_that_hangs_with_the_request_is_given_up_at_a_health_check_and_d_prefills_alone(
+        tp_stack):
+    """P is stopped (SIGSTOP: its host gone, as the proxy sees it; no connection breaks) and
+    takes the request into its socket's backlog: the proxy gives P's request up when a health
+    check finds P's /health unanswered, well before --prefill-timeout, and D prefills the
+    prompt alone, answering as P does once it runs again."""
+    prompt = random_prompt(200, seed=9100)
+    with _proxy(tp_stack, 8033, "--health-interval", "1") as proxy:
+        os.killpg(tp_stack.pid("P"), signal.SIGSTOP)
+        try:  # the client's own timeout, TIMEOUT_S, is well under --prefill-timeout's 600 s
+            got, how, route = _complete_with_transfer(tp_stack, proxy, prompt)
+        finally:
+            os.killpg(tp_stack.pid("P"), signal.SIGCONT)
+    assert how == "local" and "reason=p_unreachable" in route, route
+    _same_answer(got, tp_stack.complete(tp_stack.p_url, prompt))
+
+
 def test_p_killed_between_prefill_and_decode_is_recomputed_on_d(tp_stack):
     """Last: P stays dead. D's load fails and, under `kv_load_failure_policy=recompute`,
     D computes the prompt itself and answers as P did."""
