@@ -47,6 +47,7 @@ class FakeVllm:
         self.chunk_seen: list[asyncio.Event] = []
         self.hold = hold
         self.release, self.holding, self.aborted = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.health_checks = 0
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)  # vLLM's server sets no limit
@@ -57,6 +58,7 @@ class FakeVllm:
         return app
 
     async def _health(self, _request: web.Request) -> web.Response:
+        self.health_checks += 1
         if self.health is None:  # hung: stopped, or its host gone, no connection breaks
             await asyncio.sleep(WAIT_S)
         return web.Response(status=self.health or 200)
@@ -1563,20 +1565,61 @@ def test_without_local_prefill_a_p_that_hangs_is_a_502_naming_it_once_its_health
     p, d = FakeVllm("P", hold=True), FakeVllm("D")
 
     async def go():
-        async with pd([p], [d], health_interval_s=0.05, local_prefill_tokens=0) as (session, url):
+        async with pd([p], [d], health_interval_s=0.05, health_timeout_s=0.2,
+                      local_prefill_tokens=0) as (session, url):
             ask = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
             await asyncio.wait_for(p.holding.wait(), WAIT_S)
-            p.health = 503
+            p.health = None
             async with await ask as r:
                 return r.status, await r.json()
 
     status, body = run(go())
     assert status == 502 and not d.seen
     assert body["error"]["type"] == "upstream_unreachable"
-    assert "went down before it answered: /health answered 503" in body["error"]["message"]
+    assert ("stopped answering before it answered the request: /health did not answer within "
+            "0.2 s, 2 health checks in a row") in body["error"]["message"]
 
 
-def test_a_d_that_hangs_before_answering_is_given_up_on_and_the_next_d_gets_the_request():
+def test_a_p_whose_health_answers_503_while_draining_keeps_its_requests_in_flight():
+    """vLLM answers 503 to /health while it drains (SIGTERM, scaling) yet finishes what it
+    has: an answer is no hang. P is taken out of routing, its request is not given up."""
+    p, d = FakeVllm("P", hold=True), FakeVllm("D")
+
+    async def go():
+        async with pd([p], [d], health_interval_s=0.05) as (session, url):
+            ask = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+            await asyncio.wait_for(p.holding.wait(), WAIT_S)
+            p.health, checks = 503, p.health_checks
+            while p.health_checks < checks + 4:
+                await asyncio.sleep(0.01)
+            p.release.set()
+            async with await ask as r:
+                return r.status, r.headers["X-Kvxfer-Route"], await r.json()
+
+    status, route, body = run(go())
+    assert (status, body) == (200, {"choices": [{"text": "decoded by D"}]})
+    assert route.startswith("choice=pd;") and not p.aborted.is_set()
+
+
+def test_an_instance_is_given_up_on_after_hung_checks_unanswered_in_a_row_and_back_once_it_answers():
+    from kvxfer.serve.upstreams import HUNG_CHECKS, Upstreams
+
+    async def go():
+        upstreams = Upstreams(ProxyConfig(prefill=("http://p:1",), decode=("http://d:2",)))
+        signal, seen = upstreams.hung_signal("http://p:1"), []
+        for answered in [False] * (HUNG_CHECKS - 1) + [True] + [False] * HUNG_CHECKS:
+            seen.append(signal.done())
+            upstreams.heard("http://p:1", "/health did not answer", answered)
+        return seen, signal.result(), set(upstreams.hung)
+
+    seen, reason, hung = run(go())
+    assert HUNG_CHECKS == 2 and not any(seen)  # one answer in between starts the count again
+    assert reason == "/health did not answer, 2 health checks in a row" and hung == {"http://p:1"}
+
+
+def test_a_d_that_hangs_before_answering_is_given_up_on_and_the_request_goes_through_p_to_the_next():
+    """D1 may have read P's KV (P then freed it) before it hung: the next D gets the request
+    through P again, with P's fresh params, not with the ones D1 had."""
     p, d1, d2 = FakeVllm("P"), FakeVllm("D1", hold=True), FakeVllm("D2")
 
     async def go():
@@ -1592,20 +1635,20 @@ def test_a_d_that_hangs_before_answering_is_given_up_on_and_the_next_d_gets_the_
 
     status, route, body = run(go())
     assert (status, body) == (200, {"choices": [{"text": "decoded by D2"}]})
-    assert "reason=d_unreachable" in route
-    # P's params, as D1 had them: D2 reads the KV P holds
-    assert d2.seen[0][1]["kv_transfer_params"] == d1.seen[0][1]["kv_transfer_params"]
+    assert "reason=d_unreachable" in route and route.startswith("choice=pd;")
+    assert len(p.seen) == 2  # P prefilled it again for D2
+    assert d2.seen[0][1]["kv_transfer_params"]["remote_host"] == "P"
 
 
 def test_a_d_that_goes_down_mid_stream_ends_the_stream_not_cleanly_and_its_request_is_closed():
     p, d = FakeVllm("P"), FakeVllm("D")  # D sends one chunk, then waits for the client's word
 
     async def go():
-        async with pd([p], [d], health_interval_s=0.05) as (session, url):
+        async with pd([p], [d], health_interval_s=0.05, health_timeout_s=0.2) as (session, url):
             async def down_once_streaming():
                 while not d.events:
                     await asyncio.sleep(0.01)
-                d.health = 503
+                d.health = None
 
             turn = asyncio.ensure_future(down_once_streaming())
             received = await _stream_broken_off(session, url)
@@ -1615,3 +1658,18 @@ def test_a_d_that_goes_down_mid_stream_ends_the_stream_not_cleanly_and_its_reque
 
     assert run(go()).startswith(b"data: ")
     assert d.events == ["D sent 0"]
+
+
+def test_a_d_given_up_on_already_is_not_sent_the_request_when_no_other_d_is_up():
+    p, d = FakeVllm("P"), FakeVllm("D", health=None)  # D's /health never answers
+
+    async def go():
+        async with pd([p], [d], health_interval_s=0.05, health_timeout_s=0.1) as (session, url):
+            while d.health_checks < 3:  # two unanswered in a row, and the third under way
+                await asyncio.sleep(0.01)
+            async with session.post(url + "/v1/completions", json=BODY) as r:
+                return r.status, await r.json()
+
+    status, body = run(go())
+    assert status == 502 and d.seen == []
+    assert "is not answering its health checks" in body["error"]["message"]

@@ -29,9 +29,11 @@ is a 502 that names the URL. An upstream that cannot be connected to (nothing
 reached it) is marked down: for a D, the next D that is up gets the request;
 for a P, with local prefill on, D prefills the prompt alone; with neither,
 it is a 502 that names the URL. So is one that hangs (stopped, or its host gone, where no
-connection breaks): once a health check finds it down (its `/health` unanswered, or a 5xx)
-the requests in flight to it are given up, as if it could not be reached, except that a D
-which has begun its answer ends the stream. A P that does not answer within `--prefill-timeout`, or a D within
+connection breaks): once its `/health` is left unanswered at two health checks in a row
+(`HUNG_CHECKS`; a server that answers, even 503 while it drains, is alive) the requests in
+flight to it are given up, as if it could not be reached, except that a D which has begun
+its answer ends the stream, and the next D gets P's part again (the D given up on may have
+read P's KV, which P then freed). A P that does not answer within `--prefill-timeout`, or a D within
 `--decode-timeout`, is a 504 naming the URL and the flag (after P's, D is not
 asked); a D that runs over once its answer has begun ends the stream. Of P's
 answer the proxy reads at most `--prefill-max-bytes` (it needs only the
@@ -217,11 +219,12 @@ async def _routed(request: web.Request, upstreams: Upstreams, route: Route, body
             upstreams.router.mark(route.decode, up=False)
         if e.role != "prefill" or not upstreams.config.local_prefill_tokens:
             return e.answer, route
+        how = "stopped answering" if e.reached else "cannot be reached"
     upstreams.router.mark(route.prefill, up=False)
     upstreams.kv.pop(route.prefill, None)  # it may come back restarted, at another address
     local = upstreams.router.instead_of_p(route)
-    log.warning("request %s: prefill instance %s cannot be reached; decode instance %s "
-                "prefills it alone", headers[REQUEST_ID], route.prefill, route.decode)
+    log.warning("request %s: prefill instance %s %s; decode instance %s prefills it alone",
+                headers[REQUEST_ID], route.prefill, how, route.decode)
     return await _instead(upstreams, route, local, _to_d(
         request, upstreams, local, {**body, "kv_transfer_params": LOCAL_PARAMS}, headers, "local"))
 
@@ -274,10 +277,13 @@ async def _to_d(request: web.Request, upstreams: Upstreams, route: Route, d_body
         other = upstreams.router.other_decode(route, Prompt.of(request.path, d_body))
         if other is None:  # each D tried is marked down: this ends
             return e.answer, route
-    log.warning("request %s: decode instance %s cannot be reached; asking %s%s",
-                headers[REQUEST_ID], route.decode, other.decode,
-                f" through {other.prefill}" if route.prefill is None and other.prefill else "")
-    if route.prefill is None and other.prefill is not None:  # it holds too little to go alone
+        # Through P again where the next D holds too little to go alone, or where the D given
+        # up on may have read P's KV already (P then freed it): P's params may name nothing.
+        again = other.prefill is not None and (route.prefill is None or e.reached)
+        how = "stopped answering" if e.reached else "cannot be reached"
+    log.warning("request %s: decode instance %s %s; asking %s%s", headers[REQUEST_ID],
+                route.decode, how, other.decode, f" through {other.prefill}" if again else "")
+    if again:
         body = {k: v for k, v in d_body.items() if k != "kv_transfer_params"}
         return await _instead(upstreams, route, other,
                               _routed(request, upstreams, other, body, headers))

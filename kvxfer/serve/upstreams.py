@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -23,11 +23,11 @@ from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.plan.blocks import is_int
 from kvxfer.serve.routing import Route, Router
 
-__all__ = ["HEALTH_REUSE_S", "LOCAL_PARAMS", "METRICS_MAX_BYTES", "PREFILL_PARAMS", "REQUEST_ID",
-           "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached", "Upstreams", "cancel", "check",
-           "check_url", "connected", "decode_part", "drop", "error", "parse_urls",
-           "passed_through", "prefill_part", "read_at_most", "timed_out", "unless_down",
-           "unreachable", "watch"]
+__all__ = ["HEALTH_REUSE_S", "HUNG_CHECKS", "LOCAL_PARAMS", "METRICS_MAX_BYTES", "PREFILL_PARAMS",
+           "REQUEST_ID", "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached", "Upstreams",
+           "cancel", "check", "check_url", "connected", "decode_part", "drop", "error",
+           "parse_urls", "passed_through", "prefill_part", "read_at_most", "timed_out",
+           "unless_down", "unreachable", "watch"]
 
 log = logging.getLogger("kvxfer.serve.proxy")
 
@@ -163,6 +163,9 @@ class ProxyConfig:
 
 HEALTH_REUSE_S = 1.0
 """How long `GET /health` answers from the last check (`Upstreams.checked`)."""
+HUNG_CHECKS = 2
+"""Health checks in a row an instance leaves its `/health` unanswered before the requests in
+flight to it are given up (one slow answer under load is not a hang)."""
 
 
 class Upstreams:
@@ -176,21 +179,34 @@ class Upstreams:
         self.kv: dict[str, dict[str, Any]] = {}  # P url -> its kvxfer address, once known
         self._check: asyncio.Future | None = None  # GET /health's check, under way or done
         self._checked_at = -math.inf
-        self._down: dict[str, asyncio.Future] = {}  # url -> resolved once a check finds it down
+        self._hung: dict[str, asyncio.Future] = {}  # url -> resolved once it is given up on
+        self._unanswered: dict[str, int] = {}  # url -> health checks in a row it left unanswered
+        self.hung: set[str] = set()  # given up on until its /health answers again
 
-    def down(self, url: str) -> asyncio.Future:
-        """A future resolved, with why, once a health check finds `url` down: what a request in
-        flight to it waits on beside its answer (`unless_down`)."""
-        future = self._down.get(url)
+    def hung_signal(self, url: str) -> asyncio.Future:
+        """A future resolved, with why, once `url` is given up on as hung (`heard`): what a
+        request in flight to it waits on beside its answer (`unless_down`)."""
+        future = self._hung.get(url)
         if future is None or future.done():
-            future = self._down[url] = asyncio.get_running_loop().create_future()
+            future = self._hung[url] = asyncio.get_running_loop().create_future()
         return future
 
-    def went_down(self, url: str, reason: str) -> None:
-        """A health check found `url` down: the requests in flight to it stop waiting."""
-        future = self._down.pop(url, None)
+    def heard(self, url: str, reason: str | None, answered: bool) -> None:
+        """What a health check heard from `url`: whether its `/health` answered (any status:
+        a server that answers is alive, as one draining its requests on a 503 is). Left
+        unanswered at `HUNG_CHECKS` checks in a row, it is given up on: the requests in
+        flight to it stop waiting (`unless_down`), and new ones are not sent to it."""
+        if answered:
+            self._unanswered.pop(url, None)
+            self.hung.discard(url)
+            return
+        self._unanswered[url] = self._unanswered.get(url, 0) + 1
+        if self._unanswered[url] < HUNG_CHECKS:
+            return
+        self.hung.add(url)
+        future = self._hung.pop(url, None)
         if future is not None and not future.done():
-            future.set_result(reason)
+            future.set_result(f"{reason}, {self._unanswered[url]} health checks in a row")
 
     async def checked(self) -> list[dict[str, str]]:
         """`check`'s answer for `GET /health`: one under way is shared and one younger than
@@ -245,12 +261,13 @@ def unreachable(role: str, url: str, exc: BaseException) -> web.Response:
 
 class Unreached(Exception):
     """An upstream (`role` prefill or decode) could not be connected to (the request never
-    reached it), or a health check found it down before it answered (`unless_down`): another
-    instance may take the request. `answer` is its 502."""
+    reached it), or was given up on as hung before it answered (`unless_down`; `reached`:
+    the request had reached it, which may have done part of it, as a D that read P's KV
+    and let P free it): another instance may take the request. `answer` is its 502."""
 
-    def __init__(self, answer: web.Response, role: str) -> None:
+    def __init__(self, answer: web.Response, role: str, reached: bool = False) -> None:
         super().__init__(answer.text)
-        self.answer, self.role = answer, role
+        self.answer, self.role, self.reached = answer, role, reached
 
 
 def timed_out(role: str, url: str, flag: str, timeout_s: float, request_id: str) -> web.Response:
@@ -328,28 +345,32 @@ _CANCEL_CHECK_S = 0.5
 _T = TypeVar("_T")
 
 
-async def unless_down(upstreams: Upstreams, role: str, url: str, work: Awaitable[_T],
+async def unless_down(upstreams: Upstreams, role: str, url: str, work: Coroutine[Any, Any, _T],
                       timeout_s: float) -> _T:
-    """`work`'s result within `timeout_s` (else `asyncio.TimeoutError`), unless a health check
-    finds `url` down first: an instance that hangs (stopped, or its host gone, where no
-    connection breaks) is then given up on within a health interval, not a timeout of many
-    minutes. `work` is cancelled (its request closed) and `Unreached` raised, whose 502 says
-    why. Cancelled itself, it cancels `work` too."""
+    """`work`'s result within `timeout_s` (else `asyncio.TimeoutError`), unless `url` is given
+    up on as hung first (`Upstreams.heard`: an instance stopped, or its host gone, where no
+    connection breaks), within a few health intervals rather than a timeout of many minutes:
+    `work` is cancelled (its request closed) and `Unreached` raised, whose 502 says why; at
+    once for an instance given up on already. Cancelled itself, it cancels `work` too."""
+    if url in upstreams.hung:
+        work.close()
+        raise Unreached(error(502, f"{role} instance {url} is not answering its health checks",
+                              "upstream_unreachable", upstream=url), role)
     task = asyncio.ensure_future(work)
-    down = upstreams.down(url)
+    hung = upstreams.hung_signal(url)
     try:
-        await asyncio.wait((task, down), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, hung), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
     finally:
         await cancel(task)
-    if not down.done():
+    if not hung.done():
         raise asyncio.TimeoutError
-    reason = down.result()
-    log.warning("%s instance %s went down (%s) with a request in flight; it is given up on",
-                role, url, reason)
-    raise Unreached(error(502, f"{role} instance {url} went down before it answered: {reason}",
-                          "upstream_unreachable", upstream=url), role)
+    reason = hung.result()
+    log.warning("%s instance %s is given up on with a request in flight: %s", role, url, reason)
+    raise Unreached(error(502, f"{role} instance {url} stopped answering before it answered "
+                               f"the request: {reason}", "upstream_unreachable", upstream=url),
+                    role, reached=True)
 
 
 async def prefill_part(upstreams: Upstreams, url: str, path: str, body: dict[str, Any],
@@ -427,9 +448,9 @@ async def decode_part(request: web.Request, upstreams: Upstreams, route: Route, 
         if not out.prepared:  # another D may take the request
             raise
         # As when D breaks off: dropping the client's connection says the answer is incomplete.
-        log.warning("request %s: decode instance %s went down while answering; ending the "
+        log.warning("request %s: decode instance %s stopped answering mid-answer; ending the "
                     "stream", headers[REQUEST_ID], url)
-        raise ConnectionResetError(e.answer.text) from None
+        raise ConnectionResetError(f"decode instance {url} stopped answering mid-answer") from e
     except asyncio.TimeoutError:
         if not out.prepared:
             return timed_out("decode", url, "--decode-timeout", timeout_s, headers[REQUEST_ID])
@@ -463,21 +484,17 @@ async def _relayed(request: web.Request, url: str, sent: asyncio.Future, out: we
             raise
 
 
-_ANSWERED_4XX = "/health answered 4"
-"""An instance whose `/health` answers a 4xx (none there, or behind something that refuses it)
-is not routed to while others are up, but what is in flight to it is not given up: it may be
-answering."""
-
-
-async def _down_reason(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
-    """Why `url`'s `/health` does not answer 2xx, or None when it does."""
+async def _down_reason(session: aiohttp.ClientSession, url: str, timeout_s: float
+                       ) -> tuple[str | None, bool]:
+    """Why `url`'s `/health` does not answer 2xx (None when it does), and whether it answered
+    at all."""
     try:
         async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return None if 200 <= resp.status < 300 else f"/health answered {resp.status}"
+            return (None if 200 <= resp.status < 300 else f"/health answered {resp.status}"), True
     except asyncio.TimeoutError:
-        return f"/health did not answer within {timeout_s} s"
+        return f"/health did not answer within {timeout_s} s", False
     except aiohttp.ClientError as e:
-        return str(e) or type(e).__name__
+        return str(e) or type(e).__name__, False
 
 
 async def check(upstreams: Upstreams) -> list[dict[str, str]]:
@@ -485,15 +502,16 @@ async def check(upstreams: Upstreams) -> list[dict[str, str]]:
     down (role, url, reason)."""
     config = upstreams.config
     roles = [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
-    reasons = await asyncio.gather(*(_down_reason(upstreams.session, url, config.health_timeout_s)
-                                     for _, url in roles))
-    for (role, url), reason in zip(roles, reasons):
+    heard = await asyncio.gather(*(_down_reason(upstreams.session, url, config.health_timeout_s)
+                                   for _, url in roles))
+    reasons = [reason for reason, _ in heard]
+    for (_, url), (reason, answered) in zip(roles, heard):  # all of them before any /metrics
         upstreams.router.mark(url, reason is None)
-        if reason is not None and not reason.startswith(_ANSWERED_4XX):  # hung or dead
-            upstreams.went_down(url, reason)
+        upstreams.heard(url, reason, answered)
         if reason is not None:  # it may come back restarted, its KV cache another size
             upstreams.sized.discard(url)
             upstreams.kv.pop(url, None)  # and its kvxfer address another (learned again)
+    for (role, url), reason in zip(roles, reasons):
         # D's device cache or host pool bounds what it holds; P's pool may hold more than both.
         if role == "decode" and reason is None and url not in upstreams.sized:
             # kvxfer's gauges exist once D's engine has stepped (its first request): until D
