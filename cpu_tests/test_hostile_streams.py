@@ -16,8 +16,13 @@ from kvxfer.plan.save_plan import ScheduledRequest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("field,bad", [("keys", 2**64), ("slots", 2**64), ("keys", 2**63)])
-def test_a_chunk_naming_a_block_key_or_slot_past_int64_fails_its_request_alone(pair, field, bad):
+@pytest.mark.parametrize("field,bad", [
+    ("keys", [[2**64]]), ("slots", [[2**64]]), ("keys", [[2**63]]),
+    # pool entries' secrets: not hex, for a key the chunk does not name, twice, not per group
+    ("entries", [[[1, "z" * 32]]]), ("entries", [[[2, "0" * 32]]]),
+    ("entries", [[[1, "0" * 32], [1, "1" * 32]]]), ("entries", "x"), ("entries", [[], []])])
+def test_a_chunk_naming_a_block_key_or_slot_past_int64_or_bad_entries_fails_its_request_alone(
+        pair, field, bad):
     pr = pair()
     a = pr.p.worker.address
     stream, other = new_stream_id(), new_stream_id()
@@ -38,7 +43,7 @@ def test_a_chunk_naming_a_block_key_or_slot_past_int64_fails_its_request_alone(p
     chunk = {"stream": stream, "keys": [[1]], "slots": [[0]], "req_id": read.p_req_id,
              "instance": read.instance, "secret": read.secret, "prompt": None,
              "last": False, "generation": None}
-    chunk[field] = [[bad]]
+    chunk[field] = bad
     send(pr.p.worker.transport.agent, pr.d.transport.config.name, "chunk", **chunk)
     failed, deadline = [], time.monotonic() + 10
     while "r" not in failed and time.monotonic() < deadline:

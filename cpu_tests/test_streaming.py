@@ -335,3 +335,31 @@ def test_a_stream_between_instances_at_different_tp_delivers_every_byte(pair, ba
     finished, failed = _drive(pr, lambda f, x: f or x)
     assert (finished, failed) == (["r"], [])
     assert _same(pr, [20, 21, 22], [5, 9, 12])
+
+
+def test_a_streamed_prompt_is_pooled_once_d_read_it_its_blocks_checked_by_their_entry_secrets(pair):
+    """With a host pool, a streamed request's whole prompt blocks are tagged from their pool
+    entries' secrets, which the chunks name (to a D subscribing late too), and enter P's pool
+    once D has read them, as a request that goes by params does."""
+    slot = 2 * 16 * 4 * 2 * 32 * 2  # bytes of one staging slot: 2 layers of [16, 4, 2, 32] bf16
+    pr = pair(pool_bytes=8 * slot)
+    stream = new_stream_id()
+    pr.p.add_request("s", 40, stream=stream, block_hashes=[["h0", "h1"]])
+    pr.save(ScheduledRequest("s", 0, 24, ([5, 9],), full_table=True))  # block 0 final
+    pr.d.start_load_kv({"s": LoadRequest(_stream(pr, stream), [20, 21, 22])})  # late
+    _drive(pr, lambda f, x: f or x or _same(pr, [20], [5]), timeout=10)
+    pr.save(ScheduledRequest("s", 24, 16, ([12],)))
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["s"], []) and _same(pr, [20, 21, 22], [5, 9, 12])
+    assert pr.d.get_block_ids_with_load_errors() == set()
+    _drive(pr, lambda f, x: "s" in pr.freed, timeout=5)  # D's done: P lets it go
+    assert pr.p.pooled_tokens([["h0", "h1", "h2"]]) == 32  # its two whole blocks
+    # A stream of a prompt that starts the same copies its blocks again (a stream's chunks
+    # name the blocks it copies) and D checks them by the same entries.
+    other = new_stream_id()
+    pr.p.add_request("t", 40, stream=other, block_hashes=[["h0", "h1"]])
+    pr.d.start_load_kv({"t": LoadRequest(_stream(pr, other), [24, 25, 26])})
+    meta = pr.save(ScheduledRequest("t", 0, 40, ([6, 10, 13],), full_table=True))
+    assert [pos for pos, _ in meta.blocks["t"][0]] == [0, 1, 2]
+    finished, failed = _drive(pr, lambda f, x: f or x)
+    assert (finished, failed) == (["t"], []) and _same(pr, [24, 25, 26], [6, 10, 13])

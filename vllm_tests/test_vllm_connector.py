@@ -851,6 +851,31 @@ def test_streamed_request_is_read_while_p_prefills_and_lands_byte_exact(pd, monk
     assert streams == [("s-d", stream)]
 
 
+def test_a_streamed_prompt_enters_ps_pool_once_d_read_it_and_a_later_request_loads_it(pd):
+    """P with a host pool streams a prompt to D; once D has read it its four whole blocks
+    are P's pool entries (their tags from entry secrets, which the stream's chunks named),
+    and the same prompt again is loaded from the pool instead of prefilled."""
+    p, d = _pool_pair(pd, slots=8, max_num_batched_tokens=24)
+    warm = _prompt(30, 20)
+    learned = p.prefill("warm", warm)  # as the proxy learns P's kvxfer address
+    decode(d, "warm-d", warm, learned)
+    address = {key: learned[key] for key in ("peer", "host", "port")}
+    prompt, stream = _prompt(34, 70), new_stream_id()
+    d.add_request("s-d", prompt, max_tokens=2, kv_transfer_params={
+        "do_remote_prefill": True, "do_remote_decode": False, "stream": stream, **address})
+    d.step()
+    p.call(p.engine.add_request, "s", prompt, max_tokens=1,
+           kv_transfer_params={"do_remote_decode": True, "stream": stream})
+    steps = d.run_until(lambda r: "s-d" in r.finished, max_steps=400, min_s=30.0)
+    assert scheduled_tokens(steps, "s-d")[0] == 69  # by the stream
+    assert_prompt_kv(d, "s-d", prompt)
+    _released(p)
+    params = p.prefill("t", prompt)
+    assert scheduled_tokens(p.steps, "t") == (64, 6)  # its four whole blocks from the pool
+    decode(d, "t-d", prompt, params)
+    assert_prompt_kv(d, "t-d", prompt)
+
+
 def test_a_stream_for_another_prompt_is_recomputed_on_d(pd):
     p, d = pd()
     learned = p.prefill("warm", _prompt(32, 20))

@@ -143,9 +143,12 @@ class PrefillWorker:
             final = meta.final[req_id]
             slot_of = [dict(zip([pos for pos, _ in placed], slots))
                        for placed, slots in zip(meta.blocks[req_id], meta.slots[req_id])]
+            entries = meta.entries.get(req_id) or ({},) * len(final)
             self.transport.publish(req_id, stream, meta.secrets[req_id], prompt, final,
                                    [[at[k] for k in keys] for at, keys in zip(slot_of, final)],
-                                   last=req_id in meta.holds)
+                                   last=req_id in meta.holds,
+                                   entries=[{k: e[k] for k in keys if k in e}
+                                            for e, keys in zip(entries, final)])
 
     def load(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
              loads: Mapping[str, tuple[Sequence[int], Sequence[int]] | Sequence]

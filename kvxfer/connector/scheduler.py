@@ -277,7 +277,7 @@ class PrefillScheduler:
         hashes = (None if block_hashes is None
                   else self.pools.check(block_hashes, num_prompt_tokens))  # before any change
         self.tracker.add(req_id, num_prompt_tokens)
-        if hashes is not None and stream is None and self.pools.pools:  # streams: not pooled
+        if hashes is not None and self.pools.pools:
             self.pools.remember(req_id, hashes, prompt_token_ids if event_token_ids is None
                                 else event_token_ids, labels)
             r = self.kernel_ratio
@@ -319,7 +319,8 @@ class PrefillScheduler:
         for req_id, groups in self.tracker.plan_placed(scheduled).items():
             if req_id in restarted:  # new, or resumed after preemption: staged afresh
                 self._free_slots(req_id, forget=False)
-                self.pools.lend(req_id)  # the pooled run of its prompt: named, not copied
+                if req_id not in self._streams:  # a stream's chunks name the blocks it copies
+                    self.pools.lend(req_id)  # the pooled run of its prompt: named, not copied
             lent = self.pools.lent(req_id) or [0] * len(groups)
             placed = tuple([(pos, k) for pos, k in kernel_placement(g, self.kernel_ratio)
                             if pos // self.kernel_ratio >= n] for g, n in zip(groups, lent))

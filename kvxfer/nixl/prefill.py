@@ -218,9 +218,10 @@ class PrefillTransport:
     @_locked
     def publish(self, req_id: str, stream: str, secret: str, prompt: str | None,
                 keys: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
-                last: bool = False) -> None:
+                last: bool = False, entries: Sequence[Mapping[int, str]] = ()) -> None:
         """Name blocks of streamed request `req_id` final: staged (with their tags) and
-        never copied again. Per group, their keys (kernel positions) and slots.
+        never copied again. Per group, their keys (kernel positions) and slots, and
+        `entries`: the keys whose tags come from a host pool entry's secret, with it.
 
         The first call holds the request for D under `stream` (its slots are freed
         only by D's `done`, a lease, or `cancel_stream`); `last` once its prefill is
@@ -230,7 +231,7 @@ class PrefillTransport:
         """
         lease = self._leases.get(req_id)
         first = self.streams.publish(req_id, stream, secret, prompt, keys, slots, last,
-                                     lease.generation if lease else None)
+                                     lease.generation if lease else None, entries)
         if first is None:
             logger.info("P %s stages no more of %s: its D gave up on stream %s",
                         self.config.name, req_id, stream)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,7 @@ from kvxfer.nixl.wire import (
     is_stream_id,
     is_wire_index,
     message_field,
+    parse_entries,
 )
 from kvxfer.plan.blocks import is_int
 from kvxfer.stats import Trace
@@ -68,6 +69,7 @@ class _Stream:
     prompt: str | None
     keys: list[list[int]]  # per group, named so far
     slots: list[list[int]]
+    entries: list[dict[int, str]]  # per group, the keys tagged from a pool entry's secret
     last: bool = False
     reader: str | None = None  # the D agent that subscribed
     cancelled: bool = False
@@ -103,7 +105,8 @@ class Published:
 
     def publish(self, req_id: str, stream: str, secret: str, prompt: str | None,
                 keys: Sequence[Sequence[int]], slots: Sequence[Sequence[int]], last: bool,
-                generation: int | None) -> bool | None:
+                generation: int | None, entries: Sequence[Mapping[int, str]] = ()
+                ) -> bool | None:
         """Name blocks of `req_id` final (see `PrefillTransport.publish`); whether this is
         the stream's first call (P holds the request for D from now); None for a stream
         its D gave up on, or one freed already: nobody will read it, so hold nothing."""
@@ -122,7 +125,8 @@ class Published:
                 raise InvalidInputError(f"request {req_id!r} is already streamed")
             st = self._streams[stream] = _Stream(req_id, secret, prompt,
                                                  [[] for _ in range(self.num_groups)],
-                                                 [[] for _ in range(self.num_groups)])
+                                                 [[] for _ in range(self.num_groups)],
+                                                 [{} for _ in range(self.num_groups)])
             self._stream_of[req_id], first = stream, True
             want = self._pop_want(stream)
             if want is not None:
@@ -133,6 +137,8 @@ class Published:
         for g in range(self.num_groups):
             st.keys[g] += list(keys[g])
             st.slots[g] += list(slots[g])
+            if entries:
+                st.entries[g].update((k, e) for k, e in entries[g].items() if k in keys[g])
         st.last = bool(last)
         if st.reader is not None:
             self._tell(st, keys, slots, generation)
@@ -141,11 +147,13 @@ class Published:
     def _tell(self, st: _Stream, keys: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
               generation: int | None) -> None:
         """Send the subscribed D blocks now final (and, with the last, the generation)."""
+        shared = [[[int(k), e[k]] for k in ks if k in e] for ks, e in zip(keys, st.entries)]
         try:
             send(self.agent, st.reader, "chunk", stream=self._stream_of[st.req_id],
                  req_id=st.req_id, instance=self.instance, secret=st.secret, prompt=st.prompt,
                  keys=[list(map(int, k)) for k in keys], slots=[list(map(int, s)) for s in slots],
-                 last=st.last, generation=generation if st.last else None)
+                 last=st.last, generation=generation if st.last else None,
+                 **({"entries": shared} if any(shared) else {}))
         except TransferError as e:
             logger.warning("P %s: stream of %s loses its reader: %s", self.name, st.req_id, e)
             st.reader = None
@@ -395,10 +403,13 @@ class StreamReads:
             return
         kept = [[(k, s) for k, s in zip(gk, gs) if k >= skip]
                 for gk, gs, skip in zip(keys, slots, read.skip)]
+        shared = tuple(tuple((k, e) for k, e in g if k >= skip)
+                       for g, skip in zip(fields["entries"], read.skip))
         read.chunks.append(ReadParams(
             sender, read.instance, read.stream.host, read.stream.port, read.p_req_id,
             generation or 1, tuple(tuple(k for k, _ in g) for g in kept),
-            tuple(tuple(s for _, s in g) for g in kept), read.secret, fields["prompt"]))
+            tuple(tuple(s for _, s in g) for g in kept), read.secret, fields["prompt"],
+            entries=shared if any(shared) else ()))
         if last:
             read.last, read.generation = True, generation
         now = time.monotonic()
@@ -422,8 +433,11 @@ class StreamReads:
         keys = tuple(tuple(k for c in chunks for k in c.keys[g]) for g in range(n))
         if not any(keys):
             return False
+        shared = tuple(tuple(e for c in chunks if c.entries for e in c.entries[g])
+                       for g in range(n))
         p = replace(chunks[0], keys=keys, slots=tuple(tuple(s for c in chunks for s in c.slots[g])
-                                                      for g in range(n)))
+                                                      for g in range(n)),
+                    entries=shared if any(shared) else ())
         if any(set(k) & set(s.blocks(read.req_id) if read.req_id in s else ())
                for k, s in zip(p.keys, self.stagings)):
             raise TransferError(f"P names a block of {read.req_id!r} twice")
@@ -478,4 +492,12 @@ def _chunk_fields(msg: dict[str, Any], n: int, sender: str, stream: str
     if any(len(k) != len(s) for k, s in zip(keys, slots)) or (fields["last"]
                                                                and generation is None):
         raise TransferError(f"chunk of stream {stream} from {sender!r} is malformed")
+    entries = msg.get("entries", [None] * n)  # absent: every key's tags from the secret
+    if not (isinstance(entries, list) and len(entries) == n):
+        raise TransferError(f"chunk of stream {stream} from {sender!r}: 'entries' must be "
+                            f"{n} lists, got {entries!r:.80}")
+    try:
+        fields["entries"] = [parse_entries(e, k, g) for g, (e, k) in enumerate(zip(entries, keys))]
+    except InvalidInputError as e:
+        raise TransferError(f"chunk of stream {stream} from {sender!r}: {e}") from None
     return keys, slots, fields, generation

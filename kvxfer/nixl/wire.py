@@ -29,9 +29,10 @@ __all__ = ["PROTOCOL_VERSION", "WHOLE", "WIRE_INT_LIMIT", "ReadParams", "Source"
            "check_piece",
            "decode_message", "done_token", "encode_message", "is_done_token", "is_generation",
            "is_stream_id", "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
+           "parse_entries",
            "parse_sources", "prompt_digest"]
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 _MAGIC = b"kvxfer:"
@@ -264,7 +265,7 @@ class ReadParams:
                 raise InvalidInputError(f"transfer params group {g} repeats a key or a slot")
             keys.append(tuple(k))
             slots.append(tuple(s))
-            entries.append(_entries(group.get("entries"), k, g))
+            entries.append(parse_entries(group.get("entries"), k, g))
         if not any(keys):
             raise InvalidInputError("transfer params name no block in any group")
         sources, units = parse_sources(params.get("sources"), params.get("units"))
@@ -341,9 +342,9 @@ class ReadParams:
         return [s.peer for s in self.sources] if self.sources else [self.peer]
 
 
-def _entries(entries: object, keys: Sequence[int], group: int) -> tuple[tuple[int, str], ...]:
-    """A params group's `entries` (absent: none), checked: `[key, entry secret]` pairs of
-    distinct keys the group names."""
+def parse_entries(entries: object, keys: Sequence[int], group: int) -> tuple[tuple[int, str], ...]:
+    """A params group's (or a stream chunk's) `entries` (absent: none), checked: `[key, entry
+    secret]` pairs of distinct keys the group names."""
     if entries is None:
         return ()
     named = set(keys)
