@@ -44,7 +44,8 @@ def test_params_naming_pool_entries_round_trip_and_bad_entries_are_refused_by_na
     assert back == shared and back.secrets_of(0) == ["a" * 32, "b" * 32, "0" * 32]
     group = shared.to_dict()["groups"][0]
     for bad in ([[3, "a" * 32]], [[0, "a" * 32], [0, "b" * 32]], [[0, "xyz"]], [0, "a" * 32],
-                "entries", [[0, "a" * 32]] * 4, [[True, "a" * 32]]):
+                "entries", [[0, "a" * 32]] * 4, [[True, "a" * 32]], [[[0], "a" * 32]],
+                [[{"k": 0}, "a" * 32]]):  # keys that cannot be hashed: named, never a TypeError
         with pytest.raises(InvalidInputError, match="group 0 'entries' must be distinct"):
             LoadRequest.parse_params(dict(shared.to_dict(), groups=[{**group, "entries": bad}]), 1)
 

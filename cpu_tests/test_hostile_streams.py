@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     ("keys", [[2**64]]), ("slots", [[2**64]]), ("keys", [[2**63]]),
     # pool entries' secrets: not hex, for a key the chunk does not name, twice, not per group
     ("entries", [[[1, "z" * 32]]]), ("entries", [[[2, "0" * 32]]]),
-    ("entries", [[[1, "0" * 32], [1, "1" * 32]]]), ("entries", "x"), ("entries", [[], []])])
+    ("entries", [[[1, "0" * 32], [1, "1" * 32]]]), ("entries", "x"), ("entries", [[], []]),
+    ("entries", [[[[1], "0" * 32]]])])
 def test_a_chunk_naming_a_block_key_or_slot_past_int64_or_bad_entries_fails_its_request_alone(
         pair, field, bad):
     pr = pair()

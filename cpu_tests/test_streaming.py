@@ -363,3 +363,23 @@ def test_a_streamed_prompt_is_pooled_once_d_read_it_its_blocks_checked_by_their_
     assert [pos for pos, _ in meta.blocks["t"][0]] == [0, 1, 2]
     finished, failed = _drive(pr, lambda f, x: f or x)
     assert (finished, failed) == (["t"], []) and _same(pr, [24, 25, 26], [6, 10, 13])
+
+
+@pytest.mark.parametrize("how", ["aborted", "preempted"])
+def test_a_stream_given_up_mid_prefill_leaves_nothing_in_the_pool(pair, how):
+    """A block a stream staged part of (its chunk ended inside it) is tagged from its entry
+    secret and sums as staged: were it pooled, a later prompt would load it as good. A
+    stream aborted (client gone) or preempted before its last chunk pools none of it."""
+    slot = 2 * 16 * 4 * 2 * 32 * 2
+    pr = pair(pool_bytes=8 * slot)
+    stream = new_stream_id()
+    pr.p.add_request("s", 40, stream=stream, block_hashes=[["h0", "h1"]])
+    pr.save(ScheduledRequest("s", 0, 24, ([5, 9],), full_table=True))  # block 1 half written
+    if how == "aborted":
+        assert pr.p.request_finished("s") is None
+        pr.save()
+    else:  # resumed from its first token: P gives the stream up
+        assert pr.save(ScheduledRequest("s", 0, 40, ([2, 3, 4],), full_table=True)).cancels == ["s"]
+    _drive(pr, lambda f, x: "s" in pr.freed, timeout=10)
+    assert "s" in pr.freed and pr.p.pooled_tokens([["h0", "h1"]]) == 0
+    assert pr.p.scheduler.pools.entries() == 0

@@ -396,7 +396,9 @@ class PrefillScheduler:
         self.tracker.abort(req_id)
         self._params.pop(req_id, None)
         self._streams.pop(req_id, None)
-        if streaming:
+        if streaming:  # a block it staged may be half written: none of it enters the pool
+            self.pools.forget(req_id)
+            self._entries.pop(req_id, None)
             self._cancels.append(req_id)
         elif req_id not in self._held:
             self._free_slots(req_id)

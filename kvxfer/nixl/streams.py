@@ -138,7 +138,8 @@ class Published:
             st.keys[g] += list(keys[g])
             st.slots[g] += list(slots[g])
             if entries:
-                st.entries[g].update((k, e) for k, e in entries[g].items() if k in keys[g])
+                named = set(keys[g])
+                st.entries[g].update((k, e) for k, e in entries[g].items() if k in named)
         st.last = bool(last)
         if st.reader is not None:
             self._tell(st, keys, slots, generation)

@@ -349,7 +349,7 @@ def parse_entries(entries: object, keys: Sequence[int], group: int) -> tuple[tup
         return ()
     named = set(keys)
     if not (isinstance(entries, list) and len(entries) <= len(keys) and all(
-            isinstance(e, list) and len(e) == 2 and e[0] in named and is_wire_index(e[0])
+            isinstance(e, list) and len(e) == 2 and is_wire_index(e[0]) and e[0] in named
             and _is_hex(e[1], 32) for e in entries)
             and len({e[0] for e in entries}) == len(entries)):
         raise InvalidInputError(f"transfer params group {group} 'entries' must be distinct "
