@@ -13,6 +13,7 @@ import pytest
 
 import kvxfer.connector.prefill as prefill
 from kvxfer.connector.config import ConnectorConfig
+from kvxfer.device.staging import tags_of
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.plan.save_plan import ScheduledRequest
@@ -255,3 +256,18 @@ def test_a_cache_reset_keeps_out_of_the_pool_what_was_computed_before_it(pair):
     assert pr.p.scheduler.pools.entries() == 0
     assert pr.p.pooled_tokens([["g0", "g1"]]) == 0 and pr.p.pooled_tokens([["b0", "b1"]]) == 0
     assert pr.p.slot_map.num_free_slots == pr.p.slot_map.num_slots  # nothing stays
+
+
+def test_a_hashed_block_staged_in_part_is_tagged_as_the_requests_until_it_is_whole(pair):
+    """A chunk that ends inside a hashed block stages it under the request's secret: only the
+    chunk that completes it tags it from its entry secret, so params naming that entry (stale
+    ones, after the entry was evicted and its slot taken by this request) fail on it."""
+    pr = pair(pool_bytes=8 * SLOT)
+    pr.p.add_request("a", 40, block_hashes=[["h0", "h1"]])
+    entries = pr.p.scheduler._entries["a"][0]
+    first = pr.save(ScheduledRequest("a", 0, 24, ([5, 9],), full_table=True))
+    assert first.entries["a"] == ({0: entries[0]},)  # block 1 holds 8 of its 16 tokens
+    second = pr.save(ScheduledRequest("a", 24, 16, ([12],)))
+    assert second.entries["a"] == ({1: entries[1]},)  # whole now, staged again: its entry's
+    slots = second.slots["a"][0]
+    assert (pr.p.stagings[0].tags[list(slots)][0] == tags_of([entries[1]], 0, [1])[0]).all()

@@ -333,9 +333,14 @@ class PrefillScheduler:
                 continue
             meta.blocks[req_id], meta.slots[req_id] = placed, slots
             meta.secrets[req_id] = self._secrets[req_id]
-            if req_id in self._entries:
-                meta.entries[req_id] = tuple({pos: e[pos] for pos, _ in p if pos in e}
-                                             for p, e in zip(placed, self._entries[req_id]))
+            if req_id in self._entries:  # a hashed block is tagged as its entry once whole:
+                # one staged in part (the step ends inside it) is the request's until then, so
+                # that stale params naming that entry's slot never read it as good
+                meta.entries[req_id] = tuple(
+                    {pos: e[pos] for pos, _ in p
+                     if pos in e and (pos // self.kernel_ratio + 1) * spec.tokens_per_block
+                     <= ends[req_id]}
+                    for p, e, spec in zip(placed, self._entries[req_id], self.tracker.groups))
             if req_id in self._streams and (any(placed) or (
                     req_id in self._held and req_id not in self.tracker)):
                 self._stream_step(req_id, placed, ends[req_id], meta)
