@@ -267,13 +267,7 @@ class PrefillScheduler:
                     f"request {req_id!r}: {len(prompt_token_ids)} prompt token ids for "
                     f"{num_prompt_tokens!r} prompt tokens")
             digest = prompt_digest(prompt_token_ids)
-        if event_token_ids is not None and (isinstance(event_token_ids, (str, bytes)) or not (
-                isinstance(event_token_ids, Sequence) and len(event_token_ids) == num_prompt_tokens)):
-            raise InvalidInputError(f"request {req_id!r}: event_token_ids must be the prompt's "
-                                    f"{num_prompt_tokens!r} token ids, got {event_token_ids!r:.80}")
-        if labels is not None and not isinstance(labels, Mapping):
-            raise InvalidInputError(f"request {req_id!r}: labels must be None or a mapping, "
-                                    f"got {labels!r:.80}")
+        _check_events(req_id, num_prompt_tokens, event_token_ids, labels)
         hashes = (None if block_hashes is None
                   else self.pools.check(block_hashes, num_prompt_tokens))  # before any change
         self.tracker.add(req_id, num_prompt_tokens)
@@ -333,14 +327,9 @@ class PrefillScheduler:
                 continue
             meta.blocks[req_id], meta.slots[req_id] = placed, slots
             meta.secrets[req_id] = self._secrets[req_id]
-            if req_id in self._entries:  # a hashed block is tagged as its entry once whole:
-                # one staged in part (the step ends inside it) is the request's until then, so
-                # that stale params naming that entry's slot never read it as good
-                meta.entries[req_id] = tuple(
-                    {pos: e[pos] for pos, _ in p
-                     if pos in e and (pos // self.kernel_ratio + 1) * spec.tokens_per_block
-                     <= ends[req_id]}
-                    for p, e, spec in zip(placed, self._entries[req_id], self.tracker.groups))
+            if req_id in self._entries:
+                meta.entries[req_id] = _whole(placed, self._entries[req_id], self.tracker.groups,
+                                              self.kernel_ratio, ends[req_id])
             if req_id in self._streams and (any(placed) or (
                     req_id in self._held and req_id not in self.tracker)):
                 self._stream_step(req_id, placed, ends[req_id], meta)
@@ -488,9 +477,7 @@ class Keeper:
         if not self.pools.pools or req_id in self.held or not any(block_hashes):
             return False
         hashes = self.pools.check(block_hashes)
-        if labels is not None and not isinstance(labels, Mapping):
-            raise InvalidInputError(f"request {req_id!r}: labels must be None or a mapping, "
-                                    f"got {labels!r:.80}")
+        _check_events(req_id, None, None, labels)
         if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
                 or len(tables) != len(hashes)):
             raise InvalidInputError(f"request {req_id!r}: tables must hold one block table per "
@@ -545,3 +532,27 @@ class Keeper:
         for m in self.slot_maps:
             if req_id in m:
                 m.free(req_id)
+
+
+def _check_events(req_id: str, num_prompt_tokens: int | None,
+                  event_token_ids: Sequence[int] | None, labels: Mapping[str, Any] | None) -> None:
+    """`InvalidInputError` unless `event_token_ids` (None, or the prompt's `num_prompt_tokens`
+    token ids) and `labels` (None or a mapping) can label the request's pool events."""
+    if event_token_ids is not None and (isinstance(event_token_ids, (str, bytes)) or not (
+            isinstance(event_token_ids, Sequence) and len(event_token_ids) == num_prompt_tokens)):
+        raise InvalidInputError(f"request {req_id!r}: event_token_ids must be the prompt's "
+                                f"{num_prompt_tokens!r} token ids, got {event_token_ids!r:.80}")
+    if labels is not None and not isinstance(labels, Mapping):
+        raise InvalidInputError(f"request {req_id!r}: labels must be None or a mapping, "
+                                f"got {labels!r:.80}")
+
+
+def _whole(placed: tuple[Placed, ...], entries: Sequence[Mapping[int, str]],
+           groups: Sequence[GroupSpec], ratio: int, end: int) -> tuple[dict[int, str], ...]:
+    """Per group, the entry secrets of the placed hashed blocks that are whole once the step
+    ends at token `end`: a block staged in part (the step ends inside it) is tagged as its
+    request's until the step that completes it, so that stale params naming that entry's
+    slot never read it as good."""
+    return tuple({pos: e[pos] for pos, _ in p
+                  if pos in e and (pos // ratio + 1) * spec.tokens_per_block <= end}
+                 for p, e, spec in zip(placed, entries, groups))
