@@ -1660,16 +1660,24 @@ def test_a_d_that_goes_down_mid_stream_ends_the_stream_not_cleanly_and_its_reque
     assert d.events == ["D sent 0"]
 
 
-def test_a_d_given_up_on_already_is_not_sent_the_request_when_no_other_d_is_up():
-    p, d = FakeVllm("P"), FakeVllm("D", health=None)  # D's /health never answers
+def test_an_instance_given_up_on_is_asked_again_once_back_not_left_out_until_the_next_check():
+    """P left its /health unanswered at two checks in a row, then came back (restarted): a
+    request before the next check still goes through P, as it did before P was given up."""
+    from kvxfer.serve.upstreams import HEALTH_REUSE_S
+
+    p, d = FakeVllm("P", health=None), FakeVllm("D")
 
     async def go():
-        async with pd([p], [d], health_interval_s=0.05, health_timeout_s=0.1) as (session, url):
-            while d.health_checks < 3:  # two unanswered in a row, and the third under way
+        async with pd([p], [d], health_interval_s=3600, health_timeout_s=0.1) as (session, url):
+            while p.health_checks < 1:  # the start-up check
                 await asyncio.sleep(0.01)
+            await asyncio.sleep(HEALTH_REUSE_S + 0.1)
+            async with session.get(url + "/health") as r:  # the second check: given up on
+                assert r.status == 503
+            p.health = 200
             async with session.post(url + "/v1/completions", json=BODY) as r:
-                return r.status, await r.json()
+                return r.status, r.headers["X-Kvxfer-Route"], await r.json()
 
-    status, body = run(go())
-    assert status == 502 and d.seen == []
-    assert "is not answering its health checks" in body["error"]["message"]
+    status, route, body = run(go())
+    assert (status, body) == (200, {"choices": [{"text": "decoded by D"}]})
+    assert route.startswith("choice=pd;") and len(p.seen) == 1

@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -345,17 +345,15 @@ _CANCEL_CHECK_S = 0.5
 _T = TypeVar("_T")
 
 
-async def unless_down(upstreams: Upstreams, role: str, url: str, work: Coroutine[Any, Any, _T],
+async def unless_down(upstreams: Upstreams, role: str, url: str, work: Awaitable[_T],
                       timeout_s: float) -> _T:
     """`work`'s result within `timeout_s` (else `asyncio.TimeoutError`), unless `url` is given
     up on as hung first (`Upstreams.heard`: an instance stopped, or its host gone, where no
     connection breaks), within a few health intervals rather than a timeout of many minutes:
-    `work` is cancelled (its request closed) and `Unreached` raised, whose 502 says why; at
-    once for an instance given up on already. Cancelled itself, it cancels `work` too."""
-    if url in upstreams.hung:
-        work.close()
-        raise Unreached(error(502, f"{role} instance {url} is not answering its health checks",
-                              "upstream_unreachable", upstream=url), role)
+    `work` is cancelled (its request closed) and `Unreached` raised, whose 502 says why. One
+    given up on already is asked all the same (it may be back since the last check), and
+    given up on again at the next check it leaves unanswered. Cancelled itself, it cancels
+    `work` too."""
     task = asyncio.ensure_future(work)
     hung = upstreams.hung_signal(url)
     try:
