@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvxfer.connector.scheduler import LoadRequest
+from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import send
 from kvxfer.nixl.streams import Published
 from kvxfer.nixl.wire import StreamParams, decode_message, new_stream_id
@@ -141,3 +142,11 @@ def test_waits_from_another_agent_or_a_past_p_move_no_deadline_and_none_passes_t
                                "req_id": "p-r", "instance": "live", "secret": read.secret,
                                "prompt": None, "last": False, "generation": None})
     assert failed == [] and read.deadline <= read.wait_until < time.monotonic() + 1.0
+
+
+@pytest.mark.parametrize("entries", ["x", [{9: "0" * 32}], [{1: "0" * 32}, {}], [[1]]])
+def test_publish_refuses_entries_that_are_not_the_named_keys_secrets_by_name(entries):
+    published = Published(_Agent(), "P", "i", num_groups=1, max_wants=64, wait_s=30.0)
+    with pytest.raises(InvalidInputError, match="entries must map keys named in each of 1"):
+        published.publish("r", new_stream_id(), "0" * 32, None, [[1]], [[4]], False, None, entries)
+    assert published._streams == {}  # nothing held

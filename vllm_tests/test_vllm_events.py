@@ -22,6 +22,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
+from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import prompt_digest
 from kvxfer.plan.save_plan import GroupSpec
 from kvxfer.vllm.reports import WorkerReport
@@ -148,3 +149,9 @@ def test_a_pooled_half_of_a_request_whose_read_from_p_failed_is_no_hit():
                                               read_failed=("r",))))
     assert side.prefill.pools.counters()["p_pool_hit_tokens"] == 0
     assert side.prefill.pools.entries() == 3
+
+
+def test_events_must_be_a_bool():
+    with pytest.raises(InvalidInputError, match="events must be a bool, got 'yes'"):
+        SchedulerSide(Settings.from_extra({}), [GroupSpec(16)], producer=True, consumer=False,
+                      events="yes")

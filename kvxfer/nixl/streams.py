@@ -117,6 +117,11 @@ class Published:
                 len(k) != len(s) for k, s in zip(keys, slots)):
             raise InvalidInputError(f"request {req_id!r}: equal-length keys and slots of "
                                     f"{self.num_groups} groups expected")
+        if entries and not (isinstance(entries, Sequence) and len(entries) == self.num_groups
+                            and all(isinstance(e, Mapping) and set(e) <= set(k)
+                                    for e, k in zip(entries, keys))):
+            raise InvalidInputError(f"request {req_id!r}: entries must map keys named in each "
+                                    f"of {self.num_groups} groups to secrets, got {entries!r:.80}")
         st, first = self._streams.get(stream), False
         if st is None and stream in self._gone:
             return None
@@ -138,8 +143,7 @@ class Published:
             st.keys[g] += list(keys[g])
             st.slots[g] += list(slots[g])
             if entries:
-                named = set(keys[g])
-                st.entries[g].update((k, e) for k, e in entries[g].items() if k in named)
+                st.entries[g].update(entries[g])
         st.last = bool(last)
         if st.reader is not None:
             self._tell(st, keys, slots, generation)

@@ -181,7 +181,6 @@ class Upstreams:
         self._checked_at = -math.inf
         self._hung: dict[str, asyncio.Future] = {}  # url -> resolved once it is given up on
         self._unanswered: dict[str, int] = {}  # url -> health checks in a row it left unanswered
-        self.hung: set[str] = set()  # given up on until its /health answers again
 
     def hung_signal(self, url: str) -> asyncio.Future:
         """A future resolved, with why, once `url` is given up on as hung (`heard`): what a
@@ -195,15 +194,14 @@ class Upstreams:
         """What a health check heard from `url`: whether its `/health` answered (any status:
         a server that answers is alive, as one draining its requests on a 503 is). Left
         unanswered at `HUNG_CHECKS` checks in a row, it is given up on: the requests in
-        flight to it stop waiting (`unless_down`), and new ones are not sent to it."""
+        flight to it stop waiting (`unless_down`); the router keeps new ones away from it as
+        from any instance down (`Router.mark`)."""
         if answered:
             self._unanswered.pop(url, None)
-            self.hung.discard(url)
             return
         self._unanswered[url] = self._unanswered.get(url, 0) + 1
         if self._unanswered[url] < HUNG_CHECKS:
             return
-        self.hung.add(url)
         future = self._hung.pop(url, None)
         if future is not None and not future.done():
             future.set_result(f"{reason}, {self._unanswered[url]} health checks in a row")

@@ -195,6 +195,8 @@ class SchedulerSide:
     def __init__(self, settings: Settings, groups: Sequence[GroupSpec], producer: bool,
                  consumer: bool, instance: str | None = None, recompute: bool = True,
                  hash_block_size: int | None = None, events: bool = True):
+        if not isinstance(events, bool):  # a truthy string would copy every prompt for nothing
+            raise InvalidInputError(f"events must be a bool, got {events!r:.80}")
         self.groups = list(groups)
         self.consumer, self.producer = consumer, producer
         # D (not kv_both): requests it computes itself instead of loading, counted and warned of
@@ -415,8 +417,7 @@ class SchedulerSide:
         receiving = request.request_id in self._receiving
         self._receiving.discard(request.request_id)
         if transfer is None and not receiving:  # what it computed may enter the pool
-            return keep(self.prefill, request, block_ids, self.groups, self._hash_block,
-                        self.prefill.pools.events), None
+            return keep(self.prefill, request, block_ids, self.groups, self._hash_block), None
         if transfer is None:
             return False, None
         params = self.prefill.request_finished(transfer)
@@ -541,11 +542,11 @@ def group_hashes(request: Request, groups: Sequence[GroupSpec], hash_block: int,
 
 
 def keep(prefill: PrefillScheduler, request: Request, block_ids: Sequence[Sequence[int]] | None,
-         groups: Sequence[GroupSpec], hash_block: int, events: bool = True) -> bool:
+         groups: Sequence[GroupSpec], hash_block: int) -> bool:
     """A request that finished (stopped, at its length, or aborted: a stop string, a client
     gone), not while waiting for its KV: its full blocks whose KV the engine computed, prompt
     and generated tokens alike, enter `prefill`'s host pool (`PrefillScheduler.keep_finished`).
-    With `events`, the pool's KV events name their tokens and labels (`event_labels`).
+    Where the pool makes KV events, they name the blocks' tokens and labels (`event_labels`).
     Returns whether vLLM must keep its device blocks until the workers gathered them."""
     status = getattr(getattr(request, "status", None), "name", "")
     if (not prefill.pools.pools or block_ids is None or status not in (
@@ -560,7 +561,7 @@ def keep(prefill: PrefillScheduler, request: Request, block_ids: Sequence[Sequen
             request.request_id, [list(ids) for ids in block_ids],
             group_hashes(request, groups, hash_block, computed),
             *((list(request.all_token_ids[:computed]), event_labels(request, groups, computed))
-              if events else ()))
+              if prefill.pools.events else ()))
     except KvxferError as e:  # the request is not pooled; the engine goes on
         logger.warning("request %s is not kept in the host pool: %s", request.request_id, e)
         return False
