@@ -433,14 +433,15 @@ class Engine:
 
     # --------------------------------------------------------------- requests
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int], *, max_tokens: int = 1,
-                    kv_transfer_params: dict | None = None) -> Request:
+                    kv_transfer_params: dict | None = None, cache_salt: str | None = None
+                    ) -> Request:
         """Adds a greedy request.  `kv_transfer_params` travel the way vLLM's
         API server sends them: in `SamplingParams.extra_args["kv_transfer_params"]`,
         from which `Request.__init__` copies them to `request.kv_transfer_params`."""
         extra_args = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra_args)
         req = Request(request_id=req_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-                      pooling_params=None, block_hasher=self._block_hasher)
+                      pooling_params=None, block_hasher=self._block_hasher, cache_salt=cache_salt)
         self.scheduler.add_request(req)
         return req
 

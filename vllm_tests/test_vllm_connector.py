@@ -65,15 +65,24 @@ class ServedP:
         with self._lock:
             return fn(*args, **kw)
 
-    def prefill(self, req_id: str, prompt: list[int], timeout: float = 60.0) -> dict | None:
-        """Adds a remote-decode request and waits for its params (None when P sends nothing)."""
-        self.call(self.engine.add_request, req_id, prompt, max_tokens=1,
-                  kv_transfer_params={"do_remote_decode": True})
-        deadline = time.monotonic() + timeout
-        while req_id not in self.finished:
-            assert time.monotonic() < deadline, f"P never finished {req_id}"
-            time.sleep(0.005)
+    def prefill(self, req_id: str, prompt: list[int], timeout: float = 60.0,
+                cache_salt: str | None = None, **params) -> dict | None:
+        """Adds a remote-decode request (its `kv_transfer_params` also `params`) and waits for
+        its params (None when P sends nothing)."""
+        self.call(self.engine.add_request, req_id, prompt, max_tokens=1, cache_salt=cache_salt,
+                  kv_transfer_params={"do_remote_decode": True, **params})
+        return self.wait(req_id, timeout)
+
+    def wait(self, req_id: str, timeout: float = 60.0) -> dict | None:
+        """Waits until the engine finished `req_id`; returns its params."""
+        self.until(lambda: req_id in self.finished, timeout, f"never finished {req_id}")
         return self.finished[req_id]
+
+    def until(self, predicate, timeout: float = 10.0, what: str = "never") -> None:
+        deadline = time.monotonic() + timeout
+        while not self.call(predicate):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
 
     def stop(self) -> None:
         self._stop.set()

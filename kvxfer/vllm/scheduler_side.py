@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.wire import Source, StreamParams, is_stream_id, prompt_digest
+from kvxfer.plan.blocks import is_int
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 from kvxfer.vllm.fallbacks import Fallbacks, p_engine
 from kvxfer.vllm.reports import WorkerReport
@@ -82,6 +83,7 @@ class DecodeLoads:
         self.threshold = threshold  # fewer tokens to load: computed
         self.fallbacks = fallbacks  # None on kv_both
         self._local: dict[str, int] = {}  # tokens D holds (device and pool), from matched
+        self._ends: dict[str, int] = {}  # where the read ends: the prompt's, or a source's prefix
         self._prompts: dict[str, str | None] = {}  # the prompt digest, from matched
         self._waiting: dict[str, dict[str, Any]] = {}  # params accepted, load not started
         self._expects: list[dict[str, Any]] = []
@@ -89,15 +91,22 @@ class DecodeLoads:
         self._loads: dict[str, LoadRequest] = {}
 
     def matched(self, request: Request, num_computed: int,
-                pool_match: Callable[[Request, int], tuple[int, bool]]) -> tuple[int, bool]:
-        """The prompt tokens D reads from P (all past its device hit), or, where it takes no
-        params, what `pool_match` (D's own host pool) holds of it."""
+                pool_match: Callable[[Request, int], tuple[int, bool]],
+                chain: Callable[[Request, int], list[str | None]] | None = None
+                ) -> tuple[int, bool]:
+        """The prompt tokens D reads from P (all past its device hit), or from the peer a
+        `kv_source` names (its prefix: `_prefix`), or, where it takes no params, what
+        `pool_match` (D's own host pool) holds of it. `chain` gives a request's block hash
+        chain at a token count, as P names it in params (`SchedulerSide.chain`)."""
         params, req_id = request.kv_transfer_params, request.request_id
         self._local.pop(req_id, None)  # a call before (vLLM retries) planned another load
         self._prompts.pop(req_id, None)
+        self._ends.pop(req_id, None)
         if self.fallbacks is not None:
             self.fallbacks.arrived(req_id, params)
         if not _asks(params, "do_remote_prefill", req_id):
+            if params and params.get("kv_source") is not None and chain is not None:
+                return self._prefix(request, num_computed, pool_match, chain)
             return pool_match(request, num_computed)
         streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
         sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
@@ -119,11 +128,55 @@ class DecodeLoads:
         # D's own pool first: the run past its device hit that it holds is loaded from host,
         # and only the rest read from P
         self._local[req_id] = num_computed + pool_match(request, num_computed)[0]
-        self._prompts[req_id] = digest
+        self._prompts[req_id], self._ends[req_id] = digest, request.num_prompt_tokens
         if req_id not in self._waiting and not streamed:  # P's lease kept alive
             self._waiting[req_id] = dict(params)
             self._expects.append(dict(params))
         return count, True
+
+    def _prefix(self, request: Request, num_computed: int,
+                pool_match: Callable[[Request, int], tuple[int, bool]],
+                chain: Callable[[Request, int], list[str | None]]) -> tuple[int, bool]:
+        """`kv_source`: the params a peer (any kvxfer instance that stages, P or a D of
+        `kv_role` `kv_both`) returned for a prefix of this prompt, found in its device cache
+        or host pool (`SchedulerSide.finished`). This instance reads that prefix past what its
+        own device and pool hold, and computes the rest. Taken only where the prefix's token
+        digest and block hash chain (so its cache salt, LoRA adapter and multimodal keys)
+        are this request's own; else refused by name, and computed here."""
+        params, req_id = request.kv_transfer_params, request.request_id
+        source, ids = params["kv_source"], request.prompt_token_ids
+        n = source.get("num_prompt_tokens") if isinstance(source, Mapping) else None
+        why = None
+        if not isinstance(source, Mapping):
+            why = f"kv_source must be a peer's kv_transfer_params, got {source!r:.60}"
+        elif not is_int(n) or not 0 < n <= request.num_prompt_tokens or ids is None:
+            why = (f"kv_source names a prefix of {n!r:.20} tokens of a "
+                   f"{request.num_prompt_tokens}-token prompt{'' if ids is not None else ' of embeddings'}")
+        elif (source.get("prompt") != prompt_digest(ids[:n])
+              or source.get("chain") != chain(request, n)):
+            why = f"kv_source is for another prefix than this prompt's first {n} tokens (its " \
+                  f"token digest or block hash chain differ)"
+        if why is not None:
+            params["kv_source"] = None  # once: a retry reads nothing
+            if isinstance(source, Mapping):
+                self._let_go(req_id, source)
+            if self.fallbacks is not None:
+                self.fallbacks.count("other_prompt", p_engine(source), req_id, why)
+            else:
+                logger.warning("request %s: %s; computed here", req_id, why)
+            return pool_match(request, num_computed)
+        pooled = pool_match(request, num_computed)
+        local = num_computed + pooled[0]
+        if n - local < max(self.threshold, 1):  # held here already, or not worth a read
+            self._let_go(req_id, source)
+            params["kv_source"] = None
+            return pooled
+        self._local[req_id], self._ends[req_id] = local, n
+        self._prompts[req_id] = prompt_digest(ids[:n])
+        if req_id not in self._waiting:  # the peer's lease kept alive
+            self._waiting[req_id] = dict(source)
+            self._expects.append(dict(source))
+        return n - num_computed, True
 
     def _let_go(self, req_id: str, params: Mapping[str, Any]) -> None:
         """D will not read the request P staged for these params: P may free it now (D
@@ -132,9 +185,10 @@ class DecodeLoads:
         self._expects.append(dict(params))
         self._cancels.append(dict(params))
 
-    def splits(self, req_id: str) -> bool:
-        """Whether the request's prompt is read from P past what D's pool holds of it."""
-        return req_id in self._local
+    def read_end(self, req_id: str) -> int | None:
+        """Where the request's read from P (or a `kv_source`) ends, in tokens, where it reads
+        past what D's pool holds of it; else None."""
+        return self._ends.get(req_id) if req_id in self._local else None
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int,
                     pooled: int) -> dict[str, int] | None:
@@ -142,8 +196,11 @@ class DecodeLoads:
         where vLLM gave it no external tokens: P's lease is let go of); returns its loaded
         tokens by source (`pooled` from D's pool, the rest from P), None where it loads none."""
         params, req_id = request.kv_transfer_params, request.request_id
-        if not _asks(params, "do_remote_prefill", req_id):
+        read = _asks(params, "do_remote_prefill", req_id)
+        prefix = self._ends.pop(req_id, None) is not None and not read
+        if not read and not prefix:
             return None
+        origin = params if read else params["kv_source"]  # the params read from
         local = self._local.pop(req_id, 0)
         digest = self._prompts.pop(req_id, None)
         waited = self._waiting.pop(req_id, None)
@@ -152,13 +209,16 @@ class DecodeLoads:
             self._cancels.append(waited)  # D computes it all itself
         if num_external > 0:
             if self.fallbacks is not None:
-                self.fallbacks.loading(req_id, params)
+                self.fallbacks.loading(req_id, origin)
             have = [0 if g.kind == "mamba" else local // g.tokens_per_block for g in self.groups]
             self._loads[req_id] = LoadRequest(
-                dict(params), [list(ids) for ids in blocks.get_block_ids()], have,
+                dict(origin), [list(ids) for ids in blocks.get_block_ids()], have,
                 digest or _prompt_digest(request))
             sources = {"host": pooled, "p2p": num_external - pooled}
-        params["do_remote_prefill"] = False  # one transfer per request
+        if read:
+            params["do_remote_prefill"] = False  # one transfer per request
+        else:
+            params["kv_source"] = None
         return sources
 
     def take(self, meta: KvxferMetadata) -> None:
@@ -173,6 +233,7 @@ class DecodeLoads:
             self.fallbacks.finished(req_id)
         self._local.pop(req_id, None)
         self._prompts.pop(req_id, None)
+        self._ends.pop(req_id, None)
         waited = self._waiting.pop(req_id, None)
         if waited is not None:
             self._cancels.append(waited)
@@ -245,7 +306,14 @@ class SchedulerSide:
         instance's host pool holds."""
         if self.reads is None:
             return self._pool_match(request, num_computed)
-        return self.reads.matched(request, num_computed, self._pool_match)
+        return self.reads.matched(request, num_computed, self._pool_match, self.chain)
+
+    def chain(self, request: Request, num_tokens: int) -> list[str | None]:
+        """Per group, the block hash (hex) of the last full block of the request's first
+        `num_tokens` tokens (None for none): what binds params to a prompt's hash chain, its
+        cache salt, LoRA adapter and multimodal inputs included, beside its token digest."""
+        return [None if not hashes else _hex(hashes[-1])
+                for hashes in self._block_hashes(request, num_tokens)]
 
     def _pool_match(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """The prompt tokens past the device hit that this instance's host pool holds (a
@@ -268,8 +336,9 @@ class SchedulerSide:
     def _acquire_pooled(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         req_id = request.request_id
         computed, count = self._pooled.pop(req_id)
-        if self.reads is not None and self.reads.splits(req_id):  # D: the rest read from P
-            num_external -= request.num_prompt_tokens - computed - count
+        end = self.reads.read_end(req_id) if self.reads is not None else None
+        if end is not None:  # the rest read from P (or a kv_source)
+            num_external -= end - computed - count
             self._split.add(req_id)
         try:
             if num_external != count:
@@ -424,7 +493,8 @@ class SchedulerSide:
         if params is None:
             return False, None
         return False, {**params, "do_remote_prefill": True, "do_remote_decode": False,
-                       "num_prompt_tokens": request.num_prompt_tokens}
+                       "num_prompt_tokens": request.num_prompt_tokens,
+                       "chain": self.chain(request, request.num_prompt_tokens)}
 
     def take_events(self) -> list[Any]:
         """The host pool's stores and removals since the last call, as vLLM's KV events
@@ -447,6 +517,11 @@ class SchedulerSide:
 
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
+
+
+def _hex(block_hash: Any) -> str:
+    """A vLLM block hash (bytes) as params name it."""
+    return block_hash.hex() if isinstance(block_hash, bytes) else repr(block_hash)
 
 
 def _prompt_digest(request: Request) -> str | None:
