@@ -12,7 +12,6 @@ every cache is checked byte for byte.
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 from engine import listen_port
 from test_vllm_connector import POOL_SLOT, ServedP, _prompt, assert_prompt_kv, scheduled_tokens

@@ -1,0 +1,65 @@
+"""Reads by prefix between instances on the real stack (`kv_source`): P and D both `kv_both`
+(`PD_PEER_READS=1`), each with a host pool and no device prefix cache, so that what D
+decoded is held in D's pool alone and P holds nothing of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from serve_stack import Stack, random_prompt, start
+from test_serve import _metric, _same_answer, _until
+
+
+@pytest.fixture(scope="module")
+def peer_stack() -> Iterator[Stack]:
+    yield from start("peers", PD_PEER_READS="1", PD_HOST_POOL_BYTES=str(16 << 20),
+                     PD_P_PORT="8160", PD_D_PORT="8260", PD_PROXY_PORT="8060", PD_KV_PORT="5617",
+                     PD_EXTRA_ARGS="--enable-prompt-tokens-details --no-enable-prefix-caching")
+
+
+def _turn(stack: Stack, prompt: list[int], max_tokens: int, salt: str | None = None,
+          **p_params) -> dict:
+    """A turn by hand as a router makes it: P prefills (reading `p_params`' source, if any),
+    D decodes from P's params; both under cache salt `salt`."""
+    salted = {} if salt is None else {"cache_salt": salt}
+    p = stack.complete(stack.p_url, prompt, max_tokens=1, **salted,
+                       kv_transfer_params={"do_remote_decode": True, **p_params})
+    return stack.complete(stack.d_url, prompt, max_tokens=max_tokens, ignore_eos=True, **salted,
+                          kv_transfer_params=p["kv_transfer_params"])
+
+
+def test_the_next_turns_p_reads_the_previous_answer_from_ds_pool(peer_stack):
+    """Turn 2 goes through P, which never saw turn 1's answer: D, asked for the conversation
+    so far (a one-token prefill of it, `do_remote_decode`), answers from its pool, and P
+    reads that prefix from D and computes only the new message. D's answer is P's alone."""
+    s = peer_stack
+    first = random_prompt(150, 81)
+    one = _turn(s, first, max_tokens=20)
+    history = first + one["choices"][0]["token_ids"]  # 170 tokens: 2 whole blocks and a part
+    lookup = s.complete(s.d_url, history, max_tokens=1,
+                        kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    assert lookup["num_prompt_tokens"] == 170
+    second = history + random_prompt(70, 82)
+    loaded = _metric(s.p_url, "vllm:external_prefix_cache_hits_total")
+    read = _metric(s.p_url, "vllm:kvxfer_num_transfers_total", role="D")  # P's reads
+    two = _turn(s, second, max_tokens=8, kv_source=lookup)
+    assert _until(lambda: _metric(s.p_url, "vllm:kvxfer_num_transfers_total", role="D") - read, 1) == 1
+    # 128 tokens from P's own pool (turn 1's prompt), the rest of the 170 read from D
+    assert _metric(s.p_url, "vllm:external_prefix_cache_hits_total") - loaded == 170
+    _same_answer(two, s.complete(s.p_url, second, max_tokens=8, ignore_eos=True))
+
+
+def test_a_source_for_another_tenant_is_refused_and_p_computes_the_prompt(peer_stack):
+    """The lookup was made under one cache salt; P's request under another hashes its blocks
+    otherwise: P reads nothing and computes the prompt, and the answer is still P's alone."""
+    s = peer_stack
+    first = random_prompt(150, 83)
+    history = first + _turn(s, first, max_tokens=20)["choices"][0]["token_ids"]
+    lookup = s.complete(s.d_url, history, max_tokens=1, cache_salt="tenant-a",
+                        kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    second = history + random_prompt(70, 84)
+    loaded = _metric(s.p_url, "vllm:external_prefix_cache_hits_total")
+    two = _turn(s, second, max_tokens=8, salt="tenant-b", kv_source=lookup)
+    assert _metric(s.p_url, "vllm:external_prefix_cache_hits_total") == loaded
+    _same_answer(two, s.complete(s.p_url, second, max_tokens=8, ignore_eos=True))
