@@ -176,7 +176,8 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
                                   route=args.route,
                                   local_prefill_tokens=args.local_prefill_tokens,
                                   route_imbalance=args.route_imbalance,
-                                  health_interval_s=args.health_interval))
+                                  health_interval_s=args.health_interval,
+                                  peer_reads=args.peer_reads))
     return 0
 
 
@@ -357,6 +358,9 @@ def _add_proxy(sub: Any) -> None:
     proxy.add_argument("--health-interval", type=float, default=5.0, metavar="S",
                        help="seconds between health checks; an instance that fails one is not "
                             "routed to until it passes one (default 5)")
+    proxy.add_argument("--peer-reads", action="store_true",
+                       help="a session's next turn through P reads the conversation so far from "
+                            "the D that answered the last one (P and D started as kv_both)")
     proxy.set_defaults(func=_cmd_proxy)
 
 

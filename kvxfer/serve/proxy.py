@@ -71,11 +71,13 @@ from aiohttp import web
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import new_stream_id
 from kvxfer.serve.routing import Prompt, Route
+from kvxfer.serve.sources import MIN_READ_TOKENS, completion_tokens, token_ids
 from kvxfer.serve.upstreams import (
     LOCAL_PARAMS,
     PREFILL_PARAMS,
     REQUEST_ID,
     ROUTE,
+    TAIL,
     ProxyConfig,
     Unreached,
     Upstreams,
@@ -109,6 +111,8 @@ _FORWARDED_HEADERS = ("Authorization",)
 _SESSION = "X-Session-Id"
 
 _UPSTREAMS = web.AppKey("upstreams", Upstreams)
+_IDS = web.RequestKey("ids", list) if hasattr(web, "RequestKey") else "kvxfer_ids"
+"""A request's prompt in token ids, under --peer-reads with a session."""
 _T = TypeVar("_T")
 
 
@@ -177,8 +181,12 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     `_streamed`), or D's alone when it prefills the prompt itself."""
     upstreams = request.app[_UPSTREAMS]
     prompt = Prompt.of(request.path, body)
-    route = upstreams.router.choose(prompt, _session(request, body))
+    session = _session(request, body)
+    route = upstreams.router.choose(prompt, session)
     log.debug("request %s: %s", headers[REQUEST_ID], route.header())
+    if upstreams.config.peer_reads and session is not None:  # what the next turn reads
+        request[_IDS] = await token_ids(upstreams.session, route.prefill or route.decode, body,
+                                        headers, upstreams.config.health_timeout_s)
     upstreams.router.started(route)  # moved to another route's instances by _instead
     answer, used = None, route
     try:
@@ -192,6 +200,9 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
         upstreams.router.settled(used)
         if answer is not None and 200 <= answer.status < 300:
             upstreams.router.answered(used, prompt)
+            if request.get(_IDS) is not None:
+                upstreams.held.remember(session, used.decode, request[_IDS],
+                                        completion_tokens(answer.get(TAIL)))
 
 
 def _session(request: web.Request, body: dict[str, Any]) -> str | None:
@@ -250,12 +261,43 @@ async def _through_p(request: web.Request, upstreams: Upstreams, route: Route,
     address = upstreams.kv.get(route.prefill) if upstreams.config.stream else None
     if address is not None:
         return await _streamed(request, upstreams, route, address, body, headers), route
-    params = await prefill_part(upstreams, route.prefill, request.path, body, headers)
+    source = await _source(request, upstreams, route, body, headers)
+    params = await prefill_part(upstreams, route.prefill, request.path, body, headers,
+                                source=source)
     if isinstance(params, web.Response):
         return params, route
     log.debug("request %s prefilled; params %s", headers[REQUEST_ID], params)
     return await _instead(upstreams, route, _past_p(route), _to_d(
         request, upstreams, route, {**body, "kv_transfer_params": params}, headers, "params"))
+
+
+async def _source(request: web.Request, upstreams: Upstreams, route: Route,
+                  body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
+    """`--peer-reads`: the `kv_transfer_params` of the D that answered the session's last turn
+    for the conversation so far (`kvxfer.serve.sources`), which P then reads; None where there
+    is nothing to read or the lookup failed (P computes the prompt). Counted by outcome."""
+    ids = request.get(_IDS)
+    turn = upstreams.held.get(_session(request, body)) if ids is not None else None
+    if turn is None or turn.url == route.prefill:
+        return None
+    tokens = turn.prefix(ids)
+    if tokens < MIN_READ_TOKENS or turn.url in upstreams.router.decode.down:
+        upstreams.reads["skipped"] += 1
+        return None
+    lookup = {"model": body.get("model"), "prompt": ids[:tokens],
+              **{k: body[k] for k in ("cache_salt",) if k in body}}
+    try:
+        params = await prefill_part(upstreams, turn.url, "/v1/completions", lookup,
+                                    {**headers, REQUEST_ID: headers[REQUEST_ID] + "-lookup"})
+    except Unreached:
+        params = None
+    if not isinstance(params, dict):
+        upstreams.reads["failed"] += 1
+        log.warning("request %s: the lookup of %d tokens on %s failed; P computes them",
+                    headers[REQUEST_ID], tokens, turn.url)
+        return None
+    upstreams.reads["looked_up"] += 1
+    return params
 
 
 def _past_p(route: Route) -> Route:
@@ -360,6 +402,11 @@ async def _metrics(request: web.Request) -> web.Response:
               "# TYPE kvxfer_proxy_cache_tokens gauge"]
     lines += [f'kvxfer_proxy_cache_tokens{{role="decode",url="{_label(url)}"}} {tokens}'
               for url, tokens in router.decode.capacity.items()]
+    lines += ["# HELP kvxfer_proxy_peer_reads_total --peer-reads' lookups of a session's "
+              "conversation on its last D, by outcome (looked_up: P reads it; skipped; failed).",
+              "# TYPE kvxfer_proxy_peer_reads_total counter"]
+    lines += [f'kvxfer_proxy_peer_reads_total{{outcome="{o}"}} {n}'
+              for o, n in sorted(request.app[_UPSTREAMS].reads.items())]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import re
+from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,6 +23,7 @@ from aiohttp import web
 from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.plan.blocks import is_int
 from kvxfer.serve.routing import Route, Router
+from kvxfer.serve.sources import TAIL_BYTES, Held
 
 __all__ = ["HEALTH_REUSE_S", "HUNG_CHECKS", "LOCAL_PARAMS", "METRICS_MAX_BYTES", "PREFILL_PARAMS",
            "REQUEST_ID", "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached", "Upstreams",
@@ -119,6 +121,7 @@ class ProxyConfig:
     local_prefill_tokens: int = 512
     route_imbalance: int = 4
     health_interval_s: float = 5.0
+    peer_reads: bool = False
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -129,8 +132,9 @@ class ProxyConfig:
             raise InvalidInputError(f"--port must be in 1-65535, got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
             raise InvalidInputError(f"--host must be a host name or address, got {self.host!r}")
-        if not isinstance(self.stream, bool):
-            raise InvalidInputError(f"stream must be a bool, got {self.stream!r}")
+        for name in ("stream", "peer_reads"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if (isinstance(self.max_body_mb, bool) or not isinstance(self.max_body_mb, (int, float))
                 or not 0 < self.max_body_mb <= 4096):
             raise InvalidInputError(f"--max-body-mb must be a number in (0, 4096], got "
@@ -161,6 +165,9 @@ class ProxyConfig:
                       self.route_imbalance)
 
 
+TAIL = web.ResponseKey("tail", bytes) if hasattr(web, "ResponseKey") else "tail"
+"""Where a relayed answer keeps its last `TAIL_BYTES` (aiohttp's keys since 3.12, a str before)."""
+
 HEALTH_REUSE_S = 1.0
 """How long `GET /health` answers from the last check (`Upstreams.checked`)."""
 HUNG_CHECKS = 2
@@ -177,6 +184,8 @@ class Upstreams:
         self.sized: set[str] = set()  # upstreams whose KV cache size was asked for
         self._session: aiohttp.ClientSession | None = None
         self.kv: dict[str, dict[str, Any]] = {}  # P url -> its kvxfer address, once known
+        self.held = Held()  # --peer-reads: what each session's D holds
+        self.reads: Counter[str] = Counter()  # --peer-reads: lookups by outcome
         self._check: asyncio.Future | None = None  # GET /health's check, under way or done
         self._checked_at = -math.inf
         self._hung: dict[str, asyncio.Future] = {}  # url -> resolved once it is given up on
@@ -370,13 +379,16 @@ async def unless_down(upstreams: Upstreams, role: str, url: str, work: Awaitable
 
 
 async def prefill_part(upstreams: Upstreams, url: str, path: str, body: dict[str, Any],
-                   headers: dict[str, str], stream: str | None = None
-                   ) -> dict[str, Any] | web.Response:
-    """Run P's part at `url` (streamed to D under `stream`, if given) within `--prefill-timeout`;
-    return P's `kv_transfer_params`, or the answer the client gets instead."""
+                   headers: dict[str, str], stream: str | None = None,
+                   source: dict[str, Any] | None = None) -> dict[str, Any] | web.Response:
+    """Run P's part at `url` (streamed to D under `stream`, if given; reading a prefix from the
+    peer `source` names, if given) within `--prefill-timeout`; return P's
+    `kv_transfer_params`, or the answer the client gets instead."""
     sent = _prefill_body(body)
     if stream is not None:
         sent["kv_transfer_params"]["stream"] = stream
+    if source is not None:
+        sent["kv_transfer_params"]["kv_source"] = source
     timeout_s, limit = upstreams.config.prefill_timeout_s, upstreams.config.prefill_max_bytes
     try:  # a timeout inside _ask_prefill is its 502: one that comes out is this one
         answer = await unless_down(upstreams, "prefill", url, _ask_prefill(
@@ -413,9 +425,12 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse, out: web.St
     if resp.content_length is not None and "Content-Encoding" not in resp.headers:
         out.content_length = resp.content_length
     await out.prepare(request)
+    tail = b""  # where its usage is (`kvxfer.serve.sources`)
     async for chunk in resp.content.iter_any():
         await out.write(chunk)
+        tail = (tail + chunk)[-TAIL_BYTES:]
     await out.write_eof()
+    out[TAIL] = tail
     return out
 
 

@@ -1,0 +1,167 @@
+"""`kvxfer proxy --peer-reads`: a session's next turn through P reads the conversation so far
+from the D that answered the last one (`kvxfer.serve.sources`), against stand-in instances."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp import web
+from test_proxy import FakeVllm, pd, run
+
+from kvxfer.serve.sources import Held, completion_tokens
+
+ANSWER = 20
+
+
+class Instance(FakeVllm):
+    """A stand-in that also tokenizes (a text prompt: one token per character) and answers
+    with its usage (`ANSWER` tokens); `lookup_fails` fails the one-token prefills of id
+    prompts (a D's lookups)."""
+
+    def __init__(self, name: str, lookup_fails: bool = False) -> None:
+        super().__init__(name)
+        self.lookup_fails, self.tokenized = lookup_fails, []
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_post("/tokenize", self._tokenize)
+        return app
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.tokenized.append(body)
+        text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
+        return web.json_response({"tokens": [ord(c) for c in text], "count": len(text)})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        answer = await super()._complete(request)
+        body = self.seen[-1][1]
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode") and isinstance(body["prompt"], list) and self.lookup_fails:
+            return web.Response(status=500, text='{"error": "lookup"}', content_type="application/json")
+        if not params.get("do_remote_decode") and not body.get("stream"):
+            return web.json_response({"choices": [{"text": f"decoded by {self.name}"}],
+                                      "usage": {"prompt_tokens": 1, "completion_tokens": ANSWER}})
+        return answer
+
+
+def _turns(p, d, prompts, headers=None, **config):
+    """Each prompt in turn through the proxy (every one through P), under `headers`; returns
+    the statuses and the proxy's /metrics."""
+
+    async def go():
+        async with pd([p], [d], local_prefill_tokens=0, peer_reads=True, **config) as (s, url):
+            statuses = []
+            for prompt in prompts:
+                async with s.post(url + "/v1/completions", headers=headers,
+                                  json={"model": "tiny", "prompt": prompt, "max_tokens": 30}) as r:
+                    statuses.append(r.status)
+            async with s.get(url + "/metrics") as r:
+                return statuses, await r.text()
+
+    return run(go())
+
+
+def _p_sources(p):
+    return [body["kv_transfer_params"].get("kv_source") for _, body, _ in p.seen]
+
+
+SESSION = {"X-Session-Id": "chat-1"}
+FIRST = list(range(100, 200))  # 100 token ids
+SECOND = FIRST + list(range(300, 300 + ANSWER)) + list(range(500, 550))
+
+
+def test_the_next_turn_looks_up_the_conversation_on_ds_and_p_reads_it():
+    p, d = Instance("P"), Instance("D")
+    statuses, metrics = _turns(p, d, [FIRST, SECOND], SESSION)
+    assert statuses == [200, 200]
+    lookups = [(body, h) for _, body, h in d.seen if body["kv_transfer_params"].get("do_remote_decode")]
+    [(lookup, headers)] = lookups
+    assert lookup["prompt"] == SECOND[:100 + ANSWER - 1]  # the answer's last token: never computed
+    assert lookup["max_tokens"] == 1 and lookup["stream"] is False
+    assert headers["X-Request-Id"].endswith("-lookup")
+    assert _p_sources(p) == [None, {"remote_host": "D", "remote_block_ids": [3, 4], "peer": "kv-D",
+                                    "host": "10.0.0.5", "port": 5610}]
+    assert 'kvxfer_proxy_peer_reads_total{outcome="looked_up"} 1' in metrics
+
+
+def test_a_text_prompt_is_tokenized_once_a_turn_and_read_the_same_way():
+    p, d = Instance("P"), Instance("D")
+    first = "x" * 100
+    second = first + "".join(chr(c) for c in SECOND[100:])
+    _turns(p, d, [first, second], SESSION)
+    assert len(p.tokenized) == 2 and all(t["prompt"] for t in p.tokenized)
+    assert _p_sources(p)[1] is not None
+
+
+def test_a_prompt_that_goes_another_way_or_is_too_short_is_not_looked_up():
+    p, d = Instance("P"), Instance("D")
+    statuses, metrics = _turns(p, d, [FIRST, list(range(1, 200)), list(range(1, 230))[:10]],
+                               SESSION)
+    assert statuses == [200] * 3 and _p_sources(p) == [None] * 3
+    assert 'outcome="skipped"} 2' in metrics and 'outcome="looked_up"' not in metrics
+
+
+def test_without_a_session_or_under_another_tenant_nothing_is_tokenized_or_read():
+    p, d = Instance("P"), Instance("D")
+    _turns(p, d, [FIRST, SECOND])
+    assert p.tokenized == [] and _p_sources(p) == [None, None]
+
+    async def go():  # the same session id from another key: another session
+        async with pd([p2], [d2], local_prefill_tokens=0, peer_reads=True) as (s, url):
+            for prompt, key in ((FIRST, "a"), (SECOND, "b")):
+                async with s.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt},
+                                  headers={**SESSION, "Authorization": f"Bearer {key}"}) as r:
+                    assert r.status == 200
+
+    p2, d2 = Instance("P"), Instance("D")
+    run(go())
+    assert _p_sources(p2) == [None, None]
+
+
+def test_a_failed_lookup_leaves_p_to_compute_the_prompt_and_the_answer_stands():
+    p, d = Instance("P"), Instance("D", lookup_fails=True)
+    statuses, metrics = _turns(p, d, [FIRST, SECOND], SESSION)
+    assert statuses == [200, 200] and _p_sources(p) == [None, None]
+    assert 'outcome="failed"} 1' in metrics
+
+
+def test_without_peer_reads_nothing_is_tokenized():
+    p, d = Instance("P"), Instance("D")
+    async def go():
+        async with pd([p], [d], local_prefill_tokens=0) as (s, url):
+            for prompt in (FIRST, "text"):
+                async with s.post(url + "/v1/completions", headers=SESSION,
+                                  json={"model": "tiny", "prompt": prompt}) as r:
+                    assert r.status == 200
+
+    run(go())
+    assert p.tokenized == [] and _p_sources(p) == [None, None]
+
+
+@pytest.mark.parametrize("tail, expected", [
+    (b'{"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 31}}', 31),
+    (b'data: {"usage": {"completion_tokens": 1}}\n\ndata: {"usage": {"completion_tokens": 2}}\n\n'
+     b'data: [DONE]\n\n', 2),
+    (b'data: [DONE]\n\n', None), (None, None),
+    (b'"completion_tokens": 99999999999999999999', None),  # no usage is that long: not read
+])
+def test_the_answers_length_is_the_last_usage_at_its_end(tail, expected):
+    assert completion_tokens(tail) == expected
+
+
+def test_a_turn_holds_its_prompt_and_its_answer_but_its_last_token():
+    held = Held()
+    held.remember("s", "d", [1, 2, 3, 4], 3)
+    turn = held.get("s")
+    assert turn.prefix([1, 2, 3, 4, 7, 8, 9, 10]) == 6
+    assert turn.prefix([1, 2, 3, 4, 7]) == 4  # all but the new prompt's last token
+    assert turn.prefix([1, 2, 3, 5, 7, 8]) == 0  # another way
+    assert turn.prefix([1, 2, 3, 4]) == 0  # nothing new
+
+
+def test_sessions_are_remembered_up_to_a_bound(monkeypatch):
+    monkeypatch.setattr("kvxfer.serve.sources.MAX_SESSIONS", 2)
+    held = Held()
+    for s in "abc":
+        held.remember(s, "d", [1, 2], 1)
+    assert held.get("a") is None and held.get("c").tokens == 2

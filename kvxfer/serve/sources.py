@@ -1,0 +1,128 @@
+"""What a conversation's next turn on P reads from a peer: `kvxfer proxy --peer-reads`.
+
+A turn that goes through P (its new message is longer than `--local-prefill-tokens`, or
+local prefill is off) finds P without the previous answer: only the D that decoded it holds
+that, in its device cache and host pool. With `--peer-reads` (every P and D started with
+`kv_role` `kv_both`, each D with a NIXL listener of its own: `scripts/pd-up`'s
+`PD_PEER_READS`), the proxy asks that D for the conversation so far as a prefill of its own:
+a one-token request of that prefix's token ids with `do_remote_decode` (the lookup), which
+D's caches answer, computing only what they lack (at least the prefix's last token). D's
+`kv_transfer_params` go to P as `kv_source`: P reads that prefix from D and computes only the
+rest, and takes it only where the prefix's token digest and block hash chain (its cache
+salt included) are its prompt's own (`kvxfer.vllm`). A lookup that fails for any reason
+leaves P to compute the prompt, as without `--peer-reads`.
+
+What D holds is remembered per session (`X-Session-Id`, scoped to the client's
+`Authorization` and `cache_salt` as routing scopes it; sessions only): the D that answered its
+last turn, that turn's prompt in token ids (its length and digest; the proxy asks an
+instance's `/tokenize` for them, once a request) and its answer's length, the
+`completion_tokens` of the usage at the end of D's answer (a non-streamed answer's, or a
+streamed one's where the client asked for usage). Without it the lookup covers the previous
+prompt alone, and P computes the answer again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvxfer.plan.blocks import is_int
+
+__all__ = ["MIN_READ_TOKENS", "Held", "Turn", "completion_tokens", "token_ids"]
+
+log = logging.getLogger(__name__)
+
+MIN_READ_TOKENS = 64
+"""The shortest prefix worth a lookup (one block of tpu-inference's default size): below it
+P computes the prompt, as its own caches would."""
+
+MAX_SESSIONS = 65536
+"""Sessions remembered, least recently used dropped first."""
+
+TAIL_BYTES = 4096
+"""Of D's answer, the last bytes kept to read its usage from."""
+
+_TOKENIZE_KEYS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                  "continue_final_message", "chat_template", "chat_template_kwargs", "tools",
+                  "mm_processor_kwargs")
+"""The keys of a completion's body that vLLM's `/tokenize` reads to tokenize it alike."""
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})(?!\d)')
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A session's last turn: `url`, the D that answered it; `tokens` and `digest`, its
+    prompt's length and digest in token ids; `answer`, its answer's tokens (0: unknown)."""
+
+    url: str
+    tokens: int
+    digest: str
+    answer: int
+
+    def prefix(self, ids: list[int]) -> int:
+        """The tokens of the prompt `ids` the D of this turn holds: the last turn's prompt and
+        answer (but the answer's last token, whose KV it never computed), where `ids` starts
+        with that prompt; at most all but the last of `ids`; 0 where `ids` goes another way."""
+        if len(ids) <= self.tokens or _digest(ids[: self.tokens]) != self.digest:
+            return 0
+        return min(self.tokens + max(self.answer - 1, 0), len(ids) - 1)
+
+
+class Held:
+    """What each session's D holds (`Turn`), the `MAX_SESSIONS` used last."""
+
+    def __init__(self) -> None:
+        self._turns: OrderedDict[str, Turn] = OrderedDict()
+
+    def get(self, session: str | None) -> Turn | None:
+        turn = self._turns.get(session) if session is not None else None
+        if turn is not None:
+            self._turns.move_to_end(session)
+        return turn
+
+    def remember(self, session: str, url: str, ids: list[int], answer: int | None) -> None:
+        self._turns[session] = Turn(url, len(ids), _digest(ids), answer or 0)
+        self._turns.move_to_end(session)
+        while len(self._turns) > MAX_SESSIONS:
+            self._turns.popitem(last=False)
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.blake2b(repr(ids).encode(), digest_size=16).hexdigest()
+
+
+def completion_tokens(tail: bytes | None) -> int | None:
+    """The `completion_tokens` of the last usage in the end of an answer, if any."""
+    found = _COMPLETION_TOKENS.findall(tail or b"")
+    return int(found[-1]) if found else None
+
+
+async def token_ids(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                    headers: dict[str, str], timeout_s: float) -> list[int] | None:
+    """The prompt of a completion's `body` in token ids, as the instance at `url` tokenizes
+    it (`/tokenize`); None where it cannot say (logged: the turn is then not remembered)."""
+    if isinstance(body.get("prompt"), list) and body["prompt"] and all(
+            is_int(t) for t in body["prompt"]):
+        return list(body["prompt"])
+    sent = {k: body[k] for k in _TOKENIZE_KEYS if k in body}
+    if "messages" in sent:
+        sent.setdefault("add_generation_prompt", True)  # as a chat completion renders it
+    try:
+        async with session.post(url + "/tokenize", json=sent, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            answer = await resp.json(content_type=None) if resp.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        log.warning("peer reads: %s/tokenize failed (%s); the turn is not remembered", url, e)
+        return None
+    ids = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        log.warning("peer reads: %s/tokenize gave no token ids; the turn is not remembered", url)
+        return None
+    return ids
