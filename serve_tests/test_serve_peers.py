@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from serve_stack import Stack, random_prompt, start
+from serve_stack import Stack, post, random_prompt, start
 from test_serve import _metric, _same_answer, _until
 
 
@@ -15,6 +15,7 @@ from test_serve import _metric, _same_answer, _until
 def peer_stack() -> Iterator[Stack]:
     yield from start("peers", PD_PEER_READS="1", PD_HOST_POOL_BYTES=str(16 << 20),
                      PD_P_PORT="8160", PD_D_PORT="8260", PD_PROXY_PORT="8060", PD_KV_PORT="5617",
+                     PD_PROXY_ARGS="--peer-reads --local-prefill-tokens 0",
                      PD_EXTRA_ARGS="--enable-prompt-tokens-details --no-enable-prefix-caching")
 
 
@@ -63,3 +64,28 @@ def test_a_source_for_another_tenant_is_refused_and_p_computes_the_prompt(peer_s
     two = _turn(s, second, max_tokens=8, salt="tenant-b", kv_source=lookup)
     assert _metric(s.p_url, "vllm:external_prefix_cache_hits_total") == loaded
     _same_answer(two, s.complete(s.p_url, second, max_tokens=8, ignore_eos=True))
+
+
+def test_through_the_proxy_a_sessions_next_turn_on_p_reads_the_last_answer_from_d(peer_stack):
+    """`kvxfer proxy --peer-reads`, a chat of two turns under one `X-Session-Id`: the proxy
+    looks the first turn's conversation up on the D that answered it, and P reads it from D
+    (every prompt goes through P here); the answer is P's alone."""
+    s = peer_stack
+    headers = {"X-Session-Id": "peer-chat"}
+    chat = [{"role": "system", "content": "You are terse. " * 30},
+            {"role": "user", "content": "Tell me about disaggregated serving. " * 8}]
+    body = {"model": s.model, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    one = post(s.proxy_url + "/v1/chat/completions", {**body, "messages": chat}, headers)
+    chat += [{"role": "assistant", "content": one["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "And what does the host pool keep? " * 8}]
+    read = _metric(s.p_url, "vllm:kvxfer_num_transfers_total", role="D")
+    loaded = _metric(s.p_url, "vllm:external_prefix_cache_hits_total")
+    two = post(s.proxy_url + "/v1/chat/completions", {**body, "messages": chat}, headers)
+    assert _metric(s.proxy_url, "kvxfer_proxy_peer_reads_total", outcome="looked_up") == 1
+    assert _until(lambda: _metric(s.p_url, "vllm:kvxfer_num_transfers_total", role="D") - read, 1) == 1
+    # the first turn's prompt and answer (but its last token, whose KV D never computed), from
+    # D and P's own pool
+    held = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"] - 1
+    assert _metric(s.p_url, "vllm:external_prefix_cache_hits_total") - loaded == held
+    alone = post(s.p_url + "/v1/chat/completions", {**body, "messages": chat})
+    assert two["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
