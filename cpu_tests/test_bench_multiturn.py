@@ -237,8 +237,10 @@ def test_the_fleet_summary_compares_prefix_routing_with_local_prefill_to_the_oth
                                      "recomputed_tokens": again}] * 3}
 
     out = fleet.summary({"round_robin": policy(400.0, 100, 80), "prefix": policy(300.0, 100, 0),
+                         "prefix_peer": policy(150.0, 100, 0),
                          "prefix_local": policy(100.0, 100, 5), "cache_aware": policy(200.0, 0, 0)})
     assert out["prefix_over_cache_aware"] == 0.5 and out["prefix_over_round_robin"] == 0.25
+    assert out["peer_over_prefix"] == 0.5
     assert out["recompute_fraction"] == 0.05
     assert out["p50_ttft_ms_later_turns"]["prefix"] == 300.0
     assert main(["bench", "serve", "--fleet"]) == 2

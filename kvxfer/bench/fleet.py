@@ -5,7 +5,9 @@ D, routed three ways by `kvxfer proxy`, against two colocated instances behind v
 Two kvxfer P/D pairs (`scripts/pd-up` twice, each P and D with a host pool as in `--multi-turn`)
 and, in front of all four instances, three `kvxfer proxy`s run one after another:
 `round_robin` (`--route round_robin`: each turn's P and D in turn), `prefix` (by prefix, load
-and session, every prompt through P: `--local-prefill-tokens 0`) and `prefix_local` (the
+and session, every prompt through P: `--local-prefill-tokens 0`), `prefix_peer` (the same with
+`--peer-reads`, each conversation under its own `X-Session-Id`: P reads the conversation so far
+from the D that answered its last turn; the pairs run `PD_PEER_READS`) and `prefix_local` (the
 defaults: a turn D holds all but 512 tokens of is prefilled on D alone). Then two colocated
 `vllm serve` (pd-up's `PD_CONNECTOR=none`, twice) behind `vllm-router --policy cache_aware`.
 Each policy gets `CONVERSATIONS` conversations of its own (a system prompt of its own shared
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from contextlib import ExitStack
@@ -40,6 +43,7 @@ from kvxfer.bench.load import (
     front,
     need_stack,
     ratio,
+    samples,
     scrape,
     started,
 )
@@ -53,7 +57,10 @@ conversation's turns to one instance by chance."""
 TURNS = multiturn.TURNS
 POLICIES = {"round_robin": ["--route", "round_robin"],
             "prefix": ["--local-prefill-tokens", "0"],
+            "prefix_peer": ["--local-prefill-tokens", "0", "--peer-reads"],
             "prefix_local": []}
+SESSIONS = {"prefix_peer"}
+"""The policies whose conversations send `X-Session-Id` (what `--peer-reads` remembers by)."""
 _PROXY_PORT, _ROUTER_PORT = 8061, 8064
 
 
@@ -66,7 +73,8 @@ def run() -> dict[str, Any]:
     settings = {"PD_MEMORY": f"{((blocks + 0.5) * per_block + weights) / multiturn.DEVICE_BYTES:.7f}",
                 "PD_MAX_MODEL_LEN": str(multiturn.MAX_MODEL_LEN),
                 "PD_MAX_NUM_SEQS": str(multiturn.MAX_NUM_SEQS)}
-    pool = {"PD_HOST_POOL_BYTES": str(multiturn.STAGING_BLOCKS * per_block // 2)}
+    pool = {"PD_HOST_POOL_BYTES": str(multiturn.STAGING_BLOCKS * per_block // 2),
+            "PD_PEER_READS": "1"}  # P and D kv_both: what prefix_peer reads by
     OUT.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
                               "conversations": CONVERSATIONS, "cache_blocks": blocks,
@@ -82,7 +90,8 @@ def run() -> dict[str, Any]:
             argv = ["kvxfer", "proxy", "--prefill", ",".join(ps), "--decode", ",".join(ds),
                     "--port", str(_PROXY_PORT), *flags]
             with front(ROOT / ".pd" / "fleet-kvxfer-0", f"proxy-{name}", _PROXY_PORT, argv) as url:
-                result["policies"][name] = _conversations(name, url, url, ps, ds, next(seed), block)
+                result["policies"][name] = _conversations(name, url, url, ps, ds, next(seed), block,
+                                                          name in SESSIONS)
     with ExitStack() as stack:
         pairs = [stack.enter_context(started(ROOT / ".pd" / f"fleet-colocated-{i}",
                                              STACKS["colocated"], {**settings, **_ports(i)}))
@@ -101,7 +110,8 @@ def run() -> dict[str, Any]:
 
 def summary(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Over turns 2 and later: each policy's p50 TTFT, `prefix_local`'s over the colocated
-    pair's and over `round_robin`'s, and `prefix_local`'s recompute fraction."""
+    pair's and over `round_robin`'s, `prefix_local`'s recompute fraction, and `prefix_peer`'s
+    p50 TTFT over `prefix`'s (every turn through P, reading from D or computing)."""
     later = {name: p["turns"][1:] for name, p in policies.items()}
     p50 = {name: multiturn.pct([x for t in turns for x in t["ttft_ms"]], 50)
            for name, turns in later.items()}
@@ -110,7 +120,8 @@ def summary(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"p50_ttft_ms_later_turns": p50,
             "prefix_over_cache_aware": ratio(p50.get("prefix_local"), p50.get("cache_aware")),
             "prefix_over_round_robin": ratio(p50.get("prefix_local"), p50.get("round_robin")),
-            "recompute_fraction": round(again / held, 3) if held else None}
+            "recompute_fraction": round(again / held, 3) if held else None,
+            "peer_over_prefix": ratio(p50.get("prefix_peer"), p50.get("prefix"))}
 
 
 def _ports(i: int) -> dict[str, str]:
@@ -127,7 +138,7 @@ def _warm(urls: list[str]) -> None:
 
 
 def _conversations(name: str, url: str, proxy: str | None, ps: list[str], ds: list[str],
-                   seed: int, block: int) -> dict[str, Any]:
+                   seed: int, block: int, sessions: bool = False) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     system = rng.integers(3, 500, multiturn.SYSTEM).tolist()
     histories = [list(system) for _ in range(CONVERSATIONS)]
@@ -138,11 +149,13 @@ def _conversations(name: str, url: str, proxy: str | None, ps: list[str], ds: li
             history += rng.integers(3, 500, multiturn.USER).tolist()
         prompts = [list(h) for h in histories]
         held = sum(multiturn.held_tokens(p, seen, block) for p in prompts)
-        routed, before = multiturn.routes(proxy), _scrape(ps, ds)
-        answers = multiturn.wave(url, prompts)
+        routed, read, before = multiturn.routes(proxy), _peer_reads(proxy), _scrape(ps, ds)
+        answers = multiturn.wave(url, prompts, sessions=[f"{name}-{i}" for i in range(
+            len(prompts))] if sessions else None)
         answered = sum(len(p) for p, a in zip(prompts, answers) if "error" not in a)
         turns.append(multiturn.wave_figures(answers, held, before, _scrape(ps, ds), 1, answered))
         turns[-1]["routes"] = {c: n - routed.get(c, 0) for c, n in multiturn.routes(proxy).items()}
+        turns[-1]["peer_reads"] = {o: n - read.get(o, 0) for o, n in _peer_reads(proxy).items()}
         for prompt, history, answer in zip(prompts, histories, answers):
             multiturn.remember(prompt, seen, block)
             history += answer.get("tokens", [])
@@ -150,8 +163,16 @@ def _conversations(name: str, url: str, proxy: str | None, ps: list[str], ds: li
         print(f"bench serve --multi-turn --fleet: {name} turn {k + 1}: p50/p90 TTFT "
               f"{t['p50_ttft_ms']}/{t['p90_ttft_ms']} ms, prefilled {t['computed_tokens']} of "
               f"{t['prompt_tokens']} tokens ({t['held_tokens']} held), routes {t['routes']}, "
+              f"peer reads {t['peer_reads'] or '-'}, "
               f"{t['failed']} failed", file=sys.stderr, flush=True)
     return {"turns": turns}
+
+
+def _peer_reads(proxy: str | None) -> dict[str, int]:
+    """`kvxfer proxy --peer-reads`' lookups so far by outcome; {} without any."""
+    return {re.search(r'outcome="(\w+)"', labels).group(1): int(value)
+            for name, labels, value in (samples(proxy) if proxy else ())
+            if name == "kvxfer_proxy_peer_reads_total"}
 
 
 def _scrape(ps: list[str], ds: list[str]) -> dict[tuple[str, str], float]:

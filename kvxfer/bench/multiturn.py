@@ -354,17 +354,24 @@ def labelled_deltas(before: dict[str, float], after: dict[str, float]) -> dict[s
                                  if k.split(" ")[1].startswith(_BY_SOURCE) and v}}
 
 
-def wave(url: str, prompts: list[list[int]], max_tokens: int = ANSWER) -> list[dict[str, Any]]:
-    """Every prompt at once, streamed: each one's TTFT, TPOT and answer tokens (or error)."""
+def wave(url: str, prompts: list[list[int]], max_tokens: int = ANSWER,
+         sessions: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every prompt at once, streamed: each one's TTFT, TPOT and answer tokens (or error). With
+    `sessions`, each prompt is sent as its session's (`X-Session-Id`), asking for the usage at
+    the end of the stream (what `kvxfer proxy --peer-reads` reads an answer's length from)."""
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: _answer(url, p, max_tokens), prompts))
+        return list(pool.map(lambda p, s: _answer(url, p, max_tokens, s), prompts,
+                             sessions or [None] * len(prompts)))
 
 
-def _answer(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def _answer(url: str, prompt: list[int], max_tokens: int, session: str | None = None
+            ) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
+    if session is not None:
+        body["stream_options"] = {"include_usage": True}
     try:
-        first, last, choices = stream(url, body)
+        first, last, choices = stream(url, body, {"X-Session-Id": session} if session else None)
     except Exception as e:  # noqa: BLE001 - a failed request is counted, the wave goes on
         return {"error": f"{type(e).__name__}: {e}"}
     tokens = [t for c in choices for t in c.get("token_ids") or ()]

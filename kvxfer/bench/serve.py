@@ -115,9 +115,9 @@ def block_bytes(model: Path) -> tuple[int, int]:
             * itemsize), block
 
 
-def _post(url: str, body: dict):
+def _post(url: str, body: dict, headers: dict[str, str] | None = None):
     request = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+                                     {"Content-Type": "application/json", **(headers or {})})
     return urllib.request.urlopen(request, timeout=TIMEOUT_S)
 
 
@@ -137,12 +137,13 @@ def _stream(url: str, prompt: list[int], max_tokens: int, params: dict | None
     return first, "".join(choice.get("text", "") for choice in choices)
 
 
-def stream(url: str, body: dict) -> tuple[float, float, list[dict]]:
-    """Seconds from sending `body` (a completion, sent with `stream: true`) to `url`'s first
-    streamed chunk and to its last, and each chunk's first choice."""
+def stream(url: str, body: dict, headers: dict[str, str] | None = None
+           ) -> tuple[float, float, list[dict]]:
+    """Seconds from sending `body` (a completion, sent with `stream: true`, and `headers`) to
+    `url`'s first streamed chunk and to its last, and each chunk's first choice."""
     start = time.perf_counter()
     first, last, choices = None, 0.0, []
-    with _post(url + "/v1/completions", {**body, "stream": True}) as response:
+    with _post(url + "/v1/completions", {**body, "stream": True}, headers) as response:
         for line in response:
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
