@@ -9,7 +9,7 @@ from test_proxy import FakeVllm, pd, run
 
 from kvxfer.serve.sources import Held, completion_tokens
 
-ANSWER = 20
+ANSWER = 100
 
 
 class Instance(FakeVllm):
@@ -17,9 +17,9 @@ class Instance(FakeVllm):
     with its usage (`ANSWER` tokens); `lookup_fails` fails the one-token prefills of id
     prompts (a D's lookups)."""
 
-    def __init__(self, name: str, lookup_fails: bool = False) -> None:
+    def __init__(self, name: str, lookup_fails: bool = False, answer: int = ANSWER) -> None:
         super().__init__(name)
-        self.lookup_fails, self.tokenized = lookup_fails, []
+        self.lookup_fails, self.tokenized, self.answer = lookup_fails, [], answer
 
     def app(self) -> web.Application:
         app = super().app()
@@ -40,7 +40,7 @@ class Instance(FakeVllm):
             return web.Response(status=500, text='{"error": "lookup"}', content_type="application/json")
         if not params.get("do_remote_decode") and not body.get("stream"):
             return web.json_response({"choices": [{"text": f"decoded by {self.name}"}],
-                                      "usage": {"prompt_tokens": 1, "completion_tokens": ANSWER}})
+                                      "usage": {"prompt_tokens": 1, "completion_tokens": self.answer}})
         return answer
 
 
@@ -99,6 +99,16 @@ def test_a_prompt_that_goes_another_way_or_is_too_short_is_not_looked_up():
                                SESSION)
     assert statuses == [200] * 3 and _p_sources(p) == [None] * 3
     assert 'outcome="skipped"} 2' in metrics and 'outcome="looked_up"' not in metrics
+
+
+def test_a_turn_whose_p_holds_all_but_a_short_answer_is_not_looked_up():
+    """P keeps the prompts it prefilled: the last turn's answer of 20 tokens is all a lookup
+    would spare it, less than a block; P computes it."""
+    p, d = Instance("P"), Instance("D", answer=20)
+    second = FIRST + list(range(300, 320)) + list(range(500, 550))
+    statuses, metrics = _turns(p, d, [FIRST, second], SESSION)
+    assert statuses == [200, 200] and _p_sources(p) == [None, None]
+    assert 'outcome="skipped"} 1' in metrics
 
 
 def test_without_a_session_or_under_another_tenant_nothing_is_tokenized_or_read():

@@ -17,6 +17,7 @@ from engine import listen_port
 from test_vllm_connector import POOL_SLOT, ServedP, _prompt, assert_prompt_kv, scheduled_tokens
 
 from kvxfer.nixl.decode import DecodeTransport
+from kvxfer.vllm.fallbacks import LOCAL
 
 
 def _both(engines, model_dir, devices, **extra):
@@ -185,5 +186,7 @@ def test_a_d_reads_a_prefix_from_another_d_and_prefills_the_rest_alone(fleet, mo
     assert read["b"] == [[0, 1, 2, 3]]
     assert scheduled_tokens(steps, "b")[0] == 60
     assert_prompt_kv(other, "b", second)
+    fallbacks = other.connector._scheduler.fallbacks.counters
+    assert fallbacks == {LOCAL: 1}  # a local prefill with a peer's prefix, not "no params"
     d.until(lambda: not d.engine.connector._scheduler.prefill.held(), 10.0,
             "D still holds the lookup the other D read")

@@ -280,8 +280,8 @@ async def _source(request: web.Request, upstreams: Upstreams, route: Route,
     turn = upstreams.held.get(_session(request, body)) if ids is not None else None
     if turn is None or turn.url == route.prefill:
         return None
-    tokens = turn.prefix(ids)
-    if tokens < MIN_READ_TOKENS or turn.url in upstreams.router.decode.down:
+    tokens = turn.prefix(ids)  # worth a lookup where it spares P a block's prefill or more
+    if tokens - route.expected_hit < MIN_READ_TOKENS or turn.url in upstreams.router.decode.down:
         upstreams.reads["skipped"] += 1
         return None
     lookup = {"model": body.get("model"), "prompt": ids[:tokens],

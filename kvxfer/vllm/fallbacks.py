@@ -102,12 +102,13 @@ class Fallbacks:
 
     def arrived(self, req_id: str, params: Mapping[str, Any] | None) -> None:
         """D's scheduler looks at a request (each time it tries to schedule it): the first
-        time, a request whose params do not ask D to load is counted (`no_params`)."""
+        time, a request whose params do not ask D to load is counted (`no_params`); one that
+        reads a prefix from a peer (`kv_source`) and computes the rest is a local prefill."""
         if req_id in self._seen:
             return
         self._seen.add(req_id)
-        if isinstance(params, Mapping) and params.get("local_prefill") is True and not params.get(
-                "do_remote_prefill"):
+        if isinstance(params, Mapping) and not params.get("do_remote_prefill") and (
+                params.get("local_prefill") is True or params.get("kv_source") is not None):
             self.counters[LOCAL] = self.counters.get(LOCAL, 0) + 1
         elif not (isinstance(params, Mapping) and params.get("do_remote_prefill") is True):
             self.count("no_params", NO_ENGINE, req_id, "no kv_transfer_params from P")
