@@ -3,6 +3,8 @@ from the D that answered the last one (`kvxfer.serve.sources`), against stand-in
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiohttp import web
 from test_proxy import FakeVllm, pd, run
@@ -17,9 +19,11 @@ class Instance(FakeVllm):
     with its usage (`ANSWER` tokens); `lookup_fails` fails the one-token prefills of id
     prompts (a D's lookups)."""
 
-    def __init__(self, name: str, lookup_fails: bool = False, answer: int = ANSWER) -> None:
+    def __init__(self, name: str, lookup_fails: bool = False, answer: int = ANSWER,
+                 tokenize: bytes | None = None, lookup_s: float = 0.0) -> None:
         super().__init__(name)
         self.lookup_fails, self.tokenized, self.answer = lookup_fails, [], answer
+        self.tokenize, self.lookup_s = tokenize, lookup_s  # a raw /tokenize answer; a slow lookup
 
     def app(self) -> web.Application:
         app = super().app()
@@ -29,6 +33,8 @@ class Instance(FakeVllm):
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.tokenized.append(body)
+        if self.tokenize is not None:
+            return web.Response(body=self.tokenize, content_type="application/json")
         text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
         return web.json_response({"tokens": [ord(c) for c in text], "count": len(text)})
 
@@ -38,6 +44,8 @@ class Instance(FakeVllm):
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode") and isinstance(body["prompt"], list) and self.lookup_fails:
             return web.Response(status=500, text='{"error": "lookup"}', content_type="application/json")
+        if params.get("do_remote_decode") and self.lookup_s:
+            await asyncio.sleep(self.lookup_s)
         if not params.get("do_remote_decode") and not body.get("stream"):
             return web.json_response({"choices": [{"text": f"decoded by {self.name}"}],
                                       "usage": {"prompt_tokens": 1, "completion_tokens": self.answer}})
@@ -175,3 +183,44 @@ def test_sessions_are_remembered_up_to_a_bound(monkeypatch):
     for s in "abc":
         held.remember(s, "d", [1, 2], 1)
     assert held.get("a") is None and held.get("c").tokens == 2
+
+
+@pytest.mark.parametrize("answer", [b"not json", b'{"tokens": "abc"}', b"[" * 100000 + b"]" * 100000,
+                                    b'{"tokens": [1, 2, "x"]}'])
+def test_a_bad_tokenize_answer_leaves_the_turn_unremembered_and_the_answers_standing(answer):
+    p, d = Instance("P", tokenize=answer), Instance("D")
+    statuses, metrics = _turns(p, d, ["x" * 100, "x" * 300], SESSION)
+    assert statuses == [200, 200] and _p_sources(p) == [None, None]
+    assert "kvxfer_proxy_peer_reads_total{" not in metrics  # nothing remembered: no lookup
+
+
+def test_a_huge_tokenize_answer_is_not_read_past_its_bound(monkeypatch):
+    monkeypatch.setattr("kvxfer.serve.sources.MAX_TOKENIZE_BYTES", 1000)
+    p, d = Instance("P", tokenize=b'{"tokens": [' + b"1, " * 2000 + b"1]}"), Instance("D")
+    statuses, metrics = _turns(p, d, ["x" * 100, "x" * 300], SESSION)
+    assert statuses == [200, 200] and _p_sources(p) == [None, None]
+    assert "kvxfer_proxy_peer_reads_total{" not in metrics  # read past the bound, it would count
+
+
+def test_a_slow_lookup_is_given_up_and_p_computes_the_prompt(monkeypatch):
+    monkeypatch.setattr("kvxfer.serve.proxy.LOOKUP_TIMEOUT_S", 0.3)
+    p, d = Instance("P"), Instance("D", lookup_s=2.0)
+    statuses, metrics = _turns(p, d, [FIRST, SECOND], SESSION)
+    assert statuses == [200, 200] and _p_sources(p) == [None, None]
+    assert 'outcome="failed"} 1' in metrics
+
+
+def test_an_answer_of_several_choices_is_not_counted_as_the_conversation():
+    """With `n` > 1 the usage sums every choice, and the next turn continues one of them: the
+    lookup covers the last prompt alone, which P holds (nothing worth reading)."""
+    p, d = Instance("P"), Instance("D")
+
+    async def go():
+        async with pd([p], [d], local_prefill_tokens=0, peer_reads=True) as (s, url):
+            for prompt in (FIRST, SECOND):
+                async with s.post(url + "/v1/completions", headers=SESSION,
+                                  json={"model": "tiny", "prompt": prompt, "n": 2}) as r:
+                    assert r.status == 200
+
+    run(go())
+    assert _p_sources(p) == [None, None]

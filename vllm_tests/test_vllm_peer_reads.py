@@ -83,8 +83,8 @@ def test_p_reads_the_previous_answer_from_d_and_computes_only_the_new_message(fl
     read = _spy_reads(monkeypatch)
     second = history + _prompt(62, 10)
     params = p.prefill("b", second, kv_source=source)
-    assert read["b"] == [[0, 1, 2, 3]]  # the whole prefix, its partial last block included
-    assert scheduled_tokens(p.steps, "b") == (60, 10)  # P computed only the new message
+    assert read["b"] == [[0, 1, 2]]  # the prefix's whole blocks: a part block is computed
+    assert scheduled_tokens(p.steps, "b") == (48, 22)  # P computed the rest alone
     p.call(assert_prompt_kv, p.engine, "b", second)  # what P read is what D computed
     answer = _decode(d, "b-d", second, params, max_tokens=2)
     assert len(answer) == 2
@@ -100,10 +100,10 @@ def test_p_loads_its_own_pool_first_and_reads_only_the_rest_from_d(fleet, monkey
     read = _spy_reads(monkeypatch)
     second = history + _prompt(64, 10)
     params = p.prefill("b", second, kv_source=source)
-    assert read["b"] == [[2, 3]]  # blocks 0-1 from P's own pool: the answer's from D
+    assert read["b"] == [[2]]  # blocks 0-1 from P's own pool: the answer's from D
     assert p.call(lambda: p.engine.connector._scheduler.prefill.pools.counters())[
         "p_pool_hit_tokens"] == 32
-    assert scheduled_tokens(p.steps, "b") == (60, 10)
+    assert scheduled_tokens(p.steps, "b") == (48, 22)
     p.call(assert_prompt_kv, p.engine, "b", second)
     _decode(d, "b-d", second, params, max_tokens=2)
     d.call(assert_prompt_kv, d.engine, "b-d", second)
@@ -183,8 +183,8 @@ def test_a_d_reads_a_prefix_from_another_d_and_prefills_the_rest_alone(fleet, mo
     second = history + _prompt(74, 10)
     other.add_request("b", second, max_tokens=2, kv_transfer_params={"kv_source": source})
     steps = other.run_until(lambda r: "b" in r.finished, max_steps=400, min_s=30.0)
-    assert read["b"] == [[0, 1, 2, 3]]
-    assert scheduled_tokens(steps, "b")[0] == 60
+    assert read["b"] == [[0, 1, 2]]
+    assert scheduled_tokens(steps, "b")[0] == 48
     assert_prompt_kv(other, "b", second)
     fallbacks = other.connector._scheduler.fallbacks.counters
     assert fallbacks == {LOCAL: 1}  # a local prefill with a peer's prefix, not "no params"

@@ -13,6 +13,7 @@ cannot place fails the request (`InvalidInputError`) before any read starts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -52,12 +53,17 @@ class Load:
                 f"{'another prompt' if params.prompt else 'a prompt P was not given'}; D's "
                 f"prompt differs from the one P computed")
         tables, have = _tables(layouts, req_id, request)
+        upto = request.upto
+        if upto is not None and (not isinstance(upto, (list, tuple)) or len(upto) != len(layouts)
+                                 or not all(is_int(u) and u >= 0 for u in upto)):
+            raise InvalidInputError(f"request {req_id!r}: 'upto' must be {len(layouts)} "
+                                    f"non-negative int(s), got {upto!r:.80}")
         load = cls([], [], [])
         keep_keys, keep_slots = [], []
         logical: dict[int, None] = {}
         for g, (keys, slots, ours) in enumerate(zip(params.keys, params.slots, layouts)):
             kept = [(key, slot) for key, slot in zip(keys, slots)
-                    if key // ours.kernel_ratio >= have[g]]
+                    if have[g] <= key // ours.kernel_ratio < (math.inf if upto is None else upto[g])]
             kernel_ids, entries = _place(req_id, g, [k for k, _ in kept], tables[g], ours)
             logical.update(dict.fromkeys(block for _, block in entries))
             keep_keys.append(tuple(k for k, _ in kept))

@@ -108,6 +108,8 @@ class LoadRequest:
       prefix-cache hit): blocks P sends for those entries are not read. None: none.
     - `prompt`: the `kvxfer.nixl.wire.prompt_digest` of D's prompt, when D knows it: params
       P made for another prompt (or without one) are then refused.
+    - `upto`: per group, the table entries below which blocks are read (a prefix of the
+      params' blocks, `kv_source`); None: every block they name.
 
     Plain data, defined here rather than beside `DecodeConnector` so that vLLM's
     scheduler process, which builds it, loads no JAX.
@@ -117,6 +119,7 @@ class LoadRequest:
     table: Any
     have: Any = None
     prompt: str | None = None
+    upto: Any = None
 
     @staticmethod
     def parse_params(params: object, num_groups: int) -> ReadParams | StreamParams:

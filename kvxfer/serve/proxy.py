@@ -71,7 +71,7 @@ from aiohttp import web
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import new_stream_id
 from kvxfer.serve.routing import Prompt, Route
-from kvxfer.serve.sources import MIN_READ_TOKENS, completion_tokens, token_ids
+from kvxfer.serve.sources import LOOKUP_TIMEOUT_S, MIN_READ_TOKENS, completion_tokens, token_ids
 from kvxfer.serve.upstreams import (
     LOCAL_PARAMS,
     PREFILL_PARAMS,
@@ -184,7 +184,7 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     session = _session(request, body)
     route = upstreams.router.choose(prompt, session)
     log.debug("request %s: %s", headers[REQUEST_ID], route.header())
-    if upstreams.config.peer_reads and session is not None:  # what the next turn reads
+    if upstreams.config.peer_reads and session is not None and not upstreams.config.stream:
         request[_IDS] = await token_ids(upstreams.session, route.prefill or route.decode, body,
                                         headers, upstreams.config.health_timeout_s)
     upstreams.router.started(route)  # moved to another route's instances by _instead
@@ -200,9 +200,10 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
         upstreams.router.settled(used)
         if answer is not None and 200 <= answer.status < 300:
             upstreams.router.answered(used, prompt)
-            if request.get(_IDS) is not None:
+            if request.get(_IDS) is not None:  # an answer of one choice: its length is usage's
+                one = body.get("n") in (None, 1)
                 upstreams.held.remember(session, used.decode, request[_IDS],
-                                        completion_tokens(answer.get(TAIL)))
+                                        completion_tokens(answer.get(TAIL)) if one else None)
 
 
 def _session(request: web.Request, body: dict[str, Any]) -> str | None:
@@ -286,9 +287,10 @@ async def _source(request: web.Request, upstreams: Upstreams, route: Route,
         return None
     lookup = {"model": body.get("model"), "prompt": ids[:tokens],
               **{k: body[k] for k in ("cache_salt",) if k in body}}
-    try:
+    try:  # within LOOKUP_TIMEOUT_S: a D whose queue is full is not waited for (P computes)
         params = await prefill_part(upstreams, turn.url, "/v1/completions", lookup,
-                                    {**headers, REQUEST_ID: headers[REQUEST_ID] + "-lookup"})
+                                    {**headers, REQUEST_ID: headers[REQUEST_ID] + "-lookup"},
+                                    timeout=("the lookup's", LOOKUP_TIMEOUT_S))
     except Unreached:
         params = None
     if not isinstance(params, dict):

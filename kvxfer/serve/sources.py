@@ -23,7 +23,9 @@ prompt alone, and P computes the answer again.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import json
 import logging
 import re
 from collections import OrderedDict
@@ -41,6 +43,13 @@ log = logging.getLogger(__name__)
 MIN_READ_TOKENS = 64
 """The shortest prefix worth a lookup (one block of tpu-inference's default size): below it
 P computes the prompt, as its own caches would."""
+
+LOOKUP_TIMEOUT_S = 5.0
+"""How long a lookup may take (D's queue, its step, its staging): past it P computes the
+prompt (D's lease on what it staged lapses at its `lease_s`)."""
+
+MAX_TOKENIZE_BYTES = 16 << 20
+"""The most of a `/tokenize` answer read: the ids of a prompt of about two million tokens."""
 
 MAX_SESSIONS = 65536
 """Sessions remembered, least recently used dropped first."""
@@ -82,16 +91,22 @@ class Held:
         self._turns: OrderedDict[str, Turn] = OrderedDict()
 
     def get(self, session: str | None) -> Turn | None:
-        turn = self._turns.get(session) if session is not None else None
+        key = _key(session) if session is not None else None
+        turn = self._turns.get(key) if key is not None else None
         if turn is not None:
-            self._turns.move_to_end(session)
+            self._turns.move_to_end(key)
         return turn
 
     def remember(self, session: str, url: str, ids: list[int], answer: int | None) -> None:
-        self._turns[session] = Turn(url, len(ids), _digest(ids), answer or 0)
-        self._turns.move_to_end(session)
+        key = _key(session)  # a digest: a client's long header or salt is not kept
+        self._turns[key] = Turn(url, len(ids), _digest(ids), answer or 0)
+        self._turns.move_to_end(key)
         while len(self._turns) > MAX_SESSIONS:
             self._turns.popitem(last=False)
+
+
+def _key(session: str) -> str:
+    return hashlib.blake2b(session.encode(errors="replace"), digest_size=16).hexdigest()
 
 
 def _digest(ids: list[int]) -> str:
@@ -117,8 +132,12 @@ async def token_ids(session: aiohttp.ClientSession, url: str, body: dict[str, An
     try:
         async with session.post(url + "/tokenize", json=sent, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            answer = await resp.json(content_type=None) if resp.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            data = bytearray()
+            while resp.status == 200 and len(data) <= MAX_TOKENIZE_BYTES and (
+                    chunk := await resp.content.read(MAX_TOKENIZE_BYTES + 1 - len(data))):
+                data += chunk
+        answer = json.loads(data) if 0 < len(data) <= MAX_TOKENIZE_BYTES else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError) as e:
         log.warning("peer reads: %s/tokenize failed (%s); the turn is not remembered", url, e)
         return None
     ids = answer.get("tokens") if isinstance(answer, dict) else None

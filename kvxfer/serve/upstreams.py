@@ -380,21 +380,23 @@ async def unless_down(upstreams: Upstreams, role: str, url: str, work: Awaitable
 
 async def prefill_part(upstreams: Upstreams, url: str, path: str, body: dict[str, Any],
                    headers: dict[str, str], stream: str | None = None,
-                   source: dict[str, Any] | None = None) -> dict[str, Any] | web.Response:
+                   source: dict[str, Any] | None = None,
+                   timeout: tuple[str, float] | None = None) -> dict[str, Any] | web.Response:
     """Run P's part at `url` (streamed to D under `stream`, if given; reading a prefix from the
-    peer `source` names, if given) within `--prefill-timeout`; return P's
-    `kv_transfer_params`, or the answer the client gets instead."""
+    peer `source` names, if given) within `--prefill-timeout` (or `timeout`: its name and
+    seconds); return P's `kv_transfer_params`, or the answer the client gets instead."""
     sent = _prefill_body(body)
     if stream is not None:
         sent["kv_transfer_params"]["stream"] = stream
     if source is not None:
         sent["kv_transfer_params"]["kv_source"] = source
-    timeout_s, limit = upstreams.config.prefill_timeout_s, upstreams.config.prefill_max_bytes
+    flag, timeout_s = timeout or ("--prefill-timeout", upstreams.config.prefill_timeout_s)
+    limit = upstreams.config.prefill_max_bytes
     try:  # a timeout inside _ask_prefill is its 502: one that comes out is this one
         answer = await unless_down(upstreams, "prefill", url, _ask_prefill(
             upstreams.session, url, path, sent, headers, limit), timeout_s)
     except asyncio.TimeoutError:
-        return timed_out("prefill", url, "--prefill-timeout", timeout_s, headers[REQUEST_ID])
+        return timed_out("prefill", url, flag, timeout_s, headers[REQUEST_ID])
     if isinstance(answer, web.Response):
         return answer
     status, data, content_type = answer
