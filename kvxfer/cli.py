@@ -220,7 +220,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--tp-p and --tp-d take a device count, 1 or more, got {tp}")
     if (args.load or args.hosts is not None) and args.what != "serve":
         raise InvalidInputError("--load and --hosts are options of `kvxfer bench serve`")
-    if args.multi_turn or args.local_prefill or args.fleet:
+    if args.multi_turn or args.local_prefill or args.fleet or args.peer_reads:
         return _bench_multi_turn(args)
     load = args.load or args.hosts is not None
     module = importlib.import_module("kvxfer.bench.load" if load else _BENCHES[args.what])
@@ -253,14 +253,16 @@ def _bench_multi_turn(args: argparse.Namespace) -> int:
     as one object; `--multi-turn --fleet`: the same, of the fleet's."""
     if args.fleet and not args.multi_turn:
         raise InvalidInputError("--fleet is an option of `kvxfer bench serve --multi-turn`")
-    flag = "--multi-turn" if args.multi_turn else "--local-prefill"
+    flag = ("--multi-turn" if args.multi_turn else "--local-prefill" if args.local_prefill
+            else "--peer-reads")
     if args.what != "serve":
         raise InvalidInputError(f"{flag} is an option of `kvxfer bench serve`")
-    if args.load or args.hosts is not None or (args.multi_turn and args.local_prefill):
+    if args.load or args.hosts is not None or sum(
+            map(bool, (args.multi_turn, args.local_prefill, args.peer_reads))) > 1:
         raise InvalidInputError(f"{flag} runs on its own: give one of --load, --hosts, "
-                                f"--multi-turn, --local-prefill")
-    if args.local_prefill or args.fleet:
-        name = "localprefill" if args.local_prefill else "fleet"
+                                f"--multi-turn, --local-prefill, --peer-reads")
+    if args.local_prefill or args.fleet or args.peer_reads:
+        name = "localprefill" if args.local_prefill else "fleet" if args.fleet else "peers"
         result = importlib.import_module(f"kvxfer.bench.{name}").run()
         print(json.dumps(result) if args.json else "\n".join(
             f"{key}: {value}" for key, value in result.items()))
@@ -390,6 +392,10 @@ def _add_bench(sub: Any) -> None:
                        help="serve --multi-turn: over two P and two D behind kvxfer proxy (round "
                             "robin, prefix, prefix with local prefill) against two colocated "
                             "instances behind vllm-router's cache_aware")
+    bench.add_argument("--peer-reads", action="store_true",
+                       help="serve: a conversation's next turn through P reading the last answer "
+                            "from D (kvxfer proxy --peer-reads) against computing it, by the "
+                            "answer's length")
     bench.add_argument("--local-prefill", action="store_true",
                        help="serve: a conversation's next turn prefilled by D alone against "
                             "through P, by the new suffix's length: the measurement behind "

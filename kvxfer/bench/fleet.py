@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from contextlib import ExitStack
@@ -43,7 +42,6 @@ from kvxfer.bench.load import (
     front,
     need_stack,
     ratio,
-    samples,
     scrape,
     started,
 )
@@ -149,13 +147,13 @@ def _conversations(name: str, url: str, proxy: str | None, ps: list[str], ds: li
             history += rng.integers(3, 500, multiturn.USER).tolist()
         prompts = [list(h) for h in histories]
         held = sum(multiturn.held_tokens(p, seen, block) for p in prompts)
-        routed, read, before = multiturn.routes(proxy), _peer_reads(proxy), _scrape(ps, ds)
+        routed, read, before = multiturn.routes(proxy), multiturn.peer_reads(proxy), _scrape(ps, ds)
         answers = multiturn.wave(url, prompts, sessions=[f"{name}-{i}" for i in range(
             len(prompts))] if sessions else None)
         answered = sum(len(p) for p, a in zip(prompts, answers) if "error" not in a)
         turns.append(multiturn.wave_figures(answers, held, before, _scrape(ps, ds), 1, answered))
         turns[-1]["routes"] = {c: n - routed.get(c, 0) for c, n in multiturn.routes(proxy).items()}
-        turns[-1]["peer_reads"] = {o: n - read.get(o, 0) for o, n in _peer_reads(proxy).items()}
+        turns[-1]["peer_reads"] = {o: n - read.get(o, 0) for o, n in multiturn.peer_reads(proxy).items()}
         for prompt, history, answer in zip(prompts, histories, answers):
             multiturn.remember(prompt, seen, block)
             history += answer.get("tokens", [])
@@ -166,13 +164,6 @@ def _conversations(name: str, url: str, proxy: str | None, ps: list[str], ds: li
               f"peer reads {t['peer_reads'] or '-'}, "
               f"{t['failed']} failed", file=sys.stderr, flush=True)
     return {"turns": turns}
-
-
-def _peer_reads(proxy: str | None) -> dict[str, int]:
-    """`kvxfer proxy --peer-reads`' lookups so far by outcome; {} without any."""
-    return {re.search(r'outcome="(\w+)"', labels).group(1): int(value)
-            for name, labels, value in (samples(proxy) if proxy else ())
-            if name == "kvxfer_proxy_peer_reads_total"}
 
 
 def _scrape(ps: list[str], ds: list[str]) -> dict[tuple[str, str], float]:

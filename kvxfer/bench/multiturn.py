@@ -390,6 +390,13 @@ def routes(proxy: str | None) -> dict[str, int]:
     return out
 
 
+def peer_reads(proxy: str | None) -> dict[str, int]:
+    """`kvxfer proxy --peer-reads`' lookups so far by outcome; {} without any."""
+    return {re.search(r'outcome="(\w+)"', labels).group(1): int(value)
+            for name, labels, value in (samples(proxy) if proxy else ())
+            if name == "kvxfer_proxy_peer_reads_total"}
+
+
 def _cache_config(url: str) -> dict[str, int]:
     """The instance's block size and device blocks, from `vllm:cache_config_info`'s labels."""
     for name, labels, _ in samples(url):
