@@ -14,9 +14,15 @@ from __future__ import annotations
 import jax
 import pytest
 from engine import listen_port
-from test_vllm_connector import POOL_SLOT, ServedP, _prompt, assert_prompt_kv, scheduled_tokens
+from test_vllm_connector import (
+    POOL_SLOT,
+    ServedP,
+    _prompt,
+    _spy_reads,
+    assert_prompt_kv,
+    scheduled_tokens,
+)
 
-from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.vllm.fallbacks import LOCAL
 
 
@@ -60,18 +66,6 @@ def _turn_one(p: ServedP, d: ServedP, seed: int) -> list[int]:
     assert len(answer) == 20
     d.until(lambda: d.engine.connector._scheduler.prefill.pools.entries() == 3)
     return first + answer
-
-
-def _spy_reads(monkeypatch) -> dict[str, list[list[int]]]:
-    read = {}
-    real = DecodeTransport.start_read
-
-    def spy(self, req_id, params, logical_ids, *rest):
-        read[req_id] = [list(k) for k in params.keys]
-        return real(self, req_id, params, logical_ids, *rest)
-
-    monkeypatch.setattr(DecodeTransport, "start_read", spy)
-    return read
 
 
 def test_p_reads_the_previous_answer_from_d_and_computes_only_the_new_message(fleet, monkeypatch):
