@@ -224,3 +224,28 @@ def test_an_answer_of_several_choices_is_not_counted_as_the_conversation():
 
     run(go())
     assert _p_sources(p) == [None, None]
+
+
+def test_a_p_that_holds_more_of_the_prompt_than_the_chosen_one_is_looked_up():
+    """Where the router chose a P (by load, say) other than the one it expects to hold the
+    most of the prompt, that other P is the holder, for as many tokens as it is expected to
+    hold (the chosen P's own expected hit, 0 here, being a block or more less)."""
+    from kvxfer.serve.proxy import _IDS, _holder
+    from kvxfer.serve.routing import Prompt, Route
+    from kvxfer.serve.upstreams import ProxyConfig, Upstreams
+
+    upstreams = Upstreams(ProxyConfig(prefill=("http://p0", "http://p1"), decode=("http://d",),
+                                      peer_reads=True))
+    body = {"model": "tiny", "prompt": list(range(100, 300))}
+    upstreams.router.prefill.remember("http://p0", Prompt.of("/v1/completions", body))
+    longer = {"model": "tiny", "prompt": body["prompt"] + list(range(50))}
+
+    class Request(dict):
+        path, headers = "/v1/completions", {}
+
+    request = Request({_IDS: longer["prompt"]})
+    route = Route("http://p1", "http://d", 0, "turn")
+    assert run(_holder(request, upstreams, route, longer, {})) == (
+        "http://p0", longer["prompt"], 192)  # 12 spans of 16 ids: the 200-id prompt's whole ones
+    chosen = Route("http://p0", "http://d", 192, "prefix")  # the holder itself: nothing to read
+    assert run(_holder(request, upstreams, chosen, longer, {})) is None

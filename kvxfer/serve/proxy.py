@@ -274,21 +274,22 @@ async def _through_p(request: web.Request, upstreams: Upstreams, route: Route,
 
 async def _source(request: web.Request, upstreams: Upstreams, route: Route,
                   body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
-    """`--peer-reads`: the `kv_transfer_params` of the D that answered the session's last turn
-    for the conversation so far (`kvxfer.serve.sources`), which P then reads; None where there
-    is nothing to read or the lookup failed (P computes the prompt). Counted by outcome."""
-    ids = request.get(_IDS)
-    turn = upstreams.held.get(_session(request, body)) if ids is not None else None
-    if turn is None or turn.url == route.prefill:
+    """`--peer-reads`: the `kv_transfer_params` of a peer for a prefix of the prompt, which P
+    then reads (`kvxfer.serve.sources`): the D that answered the session's last turn, for the
+    conversation so far; else another P the router expects to hold more of the prompt. None
+    where nothing is worth reading or the lookup failed (P computes the prompt). Counted by
+    outcome."""
+    found = await _holder(request, upstreams, route, body, headers)
+    if found is None:
         return None
-    tokens = turn.prefix(ids)  # worth a lookup where it spares P a block's prefill or more
-    if tokens - route.expected_hit < MIN_READ_TOKENS or turn.url in upstreams.router.decode.down:
+    url, ids, tokens = found
+    if tokens - route.expected_hit < MIN_READ_TOKENS:  # spares P less than a block's prefill
         upstreams.reads["skipped"] += 1
         return None
     lookup = {"model": body.get("model"), "prompt": ids[:tokens],
               **{k: body[k] for k in ("cache_salt",) if k in body}}
-    try:  # within LOOKUP_TIMEOUT_S: a D whose queue is full is not waited for (P computes)
-        params = await prefill_part(upstreams, turn.url, "/v1/completions", lookup,
+    try:  # within LOOKUP_TIMEOUT_S: a peer whose queue is full is not waited for (P computes)
+        params = await prefill_part(upstreams, url, "/v1/completions", lookup,
                                     {**headers, REQUEST_ID: headers[REQUEST_ID] + "-lookup"},
                                     timeout=("the lookup's", LOOKUP_TIMEOUT_S))
     except Unreached:
@@ -296,10 +297,37 @@ async def _source(request: web.Request, upstreams: Upstreams, route: Route,
     if not isinstance(params, dict):
         upstreams.reads["failed"] += 1
         log.warning("request %s: the lookup of %d tokens on %s failed; P computes them",
-                    headers[REQUEST_ID], tokens, turn.url)
+                    headers[REQUEST_ID], tokens, url)
         return None
     upstreams.reads["looked_up"] += 1
     return params
+
+
+async def _holder(request: web.Request, upstreams: Upstreams, route: Route,
+                  body: dict[str, Any], headers: dict[str, str]
+                  ) -> tuple[str, list[int], int] | None:
+    """Who to look the prompt up on, its token ids and the tokens to look up: the session's
+    last D (`Held`), or the P other than `route`'s the router expects to hold the most of
+    the prompt, where that is a block more than `route`'s P (its estimate, in tokens: the
+    lookup then computes what the other P lacks of it)."""
+    router, ids = upstreams.router, request.get(_IDS)
+    found: list[tuple[int, str]] = []
+    turn = upstreams.held.get(_session(request, body)) if ids is not None else None
+    if turn is not None and turn.url != route.prefill and turn.url not in router.decode.down:
+        found.append((turn.prefix(ids), turn.url))
+    prompt = Prompt.of(request.path, body)
+    hit, url = max(((router.prefill.hit(u, prompt), u) for u in router.prefill.urls
+                    if u != route.prefill and u not in router.prefill.down), default=(0, ""))
+    if url and hit - route.expected_hit >= MIN_READ_TOKENS:
+        if ids is None:
+            ids = await token_ids(upstreams.session, route.prefill, body, headers,
+                                  upstreams.config.health_timeout_s)
+        if ids:
+            found.append((min(hit, len(ids) - 1), url))
+    if not found:
+        return None
+    tokens, url = max(found)
+    return url, ids, tokens
 
 
 def _past_p(route: Route) -> Route:
