@@ -9,8 +9,11 @@ a one-token request of that prefix's token ids with `do_remote_decode` (the look
 D's caches answer, computing only what they lack (at least the prefix's last token). D's
 `kv_transfer_params` go to P as `kv_source`: P reads that prefix from D and computes only the
 rest, and takes it only where the prefix's token digest and block hash chain (its cache
-salt included) are its prompt's own (`kvxfer.vllm`). A lookup that fails for any reason
-leaves P to compute the prompt, as without `--peer-reads`.
+salt included) are its prompt's own (`kvxfer.vllm`). Where the router chose a P other than
+the one it expects to hold the most of a prompt (by load), that other P is looked up the same
+way (`kvxfer.serve.proxy._holder`). A lookup is made where it reads at least
+`MIN_READ_TOKENS` past what the router expects the chosen P to hold already; one that fails
+for any reason leaves P to compute the prompt, as without `--peer-reads`.
 
 What D holds is remembered per session (`X-Session-Id`, scoped to the client's
 `Authorization` and `cache_salt` as routing scopes it; sessions only): the D that answered its
