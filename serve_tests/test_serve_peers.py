@@ -19,6 +19,14 @@ def peer_stack() -> Iterator[Stack]:
                      PD_EXTRA_ARGS="--enable-prompt-tokens-details --no-enable-prefix-caching")
 
 
+@pytest.fixture(scope="module")
+def second_pair(peer_stack) -> Iterator[Stack]:
+    """A second pair like `peer_stack`'s (its P, P1, a peer of the first pair's P)."""
+    yield from start("peers1", PD_PEER_READS="1", PD_HOST_POOL_BYTES=str(16 << 20),
+                     PD_P_PORT="8161", PD_D_PORT="8261", PD_PROXY_PORT="8061", PD_KV_PORT="5619",
+                     PD_EXTRA_ARGS="--enable-prompt-tokens-details --no-enable-prefix-caching")
+
+
 def _turn(stack: Stack, prompt: list[int], max_tokens: int, salt: str | None = None,
           **p_params) -> dict:
     """A turn by hand as a router makes it: P prefills (reading `p_params`' source, if any),
@@ -91,3 +99,23 @@ def test_through_the_proxy_a_sessions_next_turn_on_p_reads_the_last_answer_from_
     assert _metric(s.p_url, "vllm:external_prefix_cache_hits_total") - loaded == held // 64 * 64
     alone = post(s.p_url + "/v1/chat/completions", {**body, "messages": chat})
     assert two["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_a_p_reads_a_shared_system_prompt_another_p_holds(peer_stack, second_pair):
+    """One user's request went through the second pair: its P (P1) holds the system prompt in
+    its pool. Another user's, which starts with it, goes to the first pair's P (P0): P1,
+    asked for the system prompt (the lookup), answers from its pool, P0 reads it from P1 and
+    computes the user's message alone; the answer is P0's alone."""
+    s0, s1 = peer_stack, second_pair
+    system = random_prompt(256, 91)
+    _turn(s1, system + random_prompt(40, 92), max_tokens=4)
+    lookup = s1.complete(s1.p_url, system, max_tokens=1,
+                         kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    assert lookup["port"] == 5619  # P1's NIXL listener: the second pair's PD_KV_PORT
+    second = system + random_prompt(40, 93)
+    read = _metric(s0.p_url, "vllm:kvxfer_num_transfers_total", role="D")
+    loaded = _metric(s0.p_url, "vllm:external_prefix_cache_hits_total")
+    two = _turn(s0, second, max_tokens=8, kv_source=lookup)
+    assert _until(lambda: _metric(s0.p_url, "vllm:kvxfer_num_transfers_total", role="D") - read, 1) == 1
+    assert _metric(s0.p_url, "vllm:external_prefix_cache_hits_total") - loaded == 256
+    _same_answer(two, s0.complete(s0.p_url, second, max_tokens=8, ignore_eos=True))
