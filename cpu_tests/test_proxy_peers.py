@@ -143,17 +143,27 @@ def test_a_failed_lookup_leaves_p_to_compute_the_prompt_and_the_answer_stands():
     assert 'outcome="failed"} 1' in metrics
 
 
-def test_without_peer_reads_nothing_is_tokenized():
-    p, d = Instance("P"), Instance("D")
+def test_without_peer_reads_nothing_is_tokenized_or_looked_up():
+    """Round robin over two P sends a conversation's next turn to the P that did not prefill
+    the last one, which the other holds: without --peer-reads nothing is looked up there."""
+    ps, d = [Instance("P0"), Instance("P1")], Instance("D")
+
     async def go():
-        async with pd([p], [d], local_prefill_tokens=0) as (s, url):
-            for prompt in (FIRST, "text"):
+        async with pd(ps, [d], local_prefill_tokens=0, route="round_robin") as (s, url):
+            for prompt in (FIRST, SECOND, "text"):
                 async with s.post(url + "/v1/completions", headers=SESSION,
                                   json={"model": "tiny", "prompt": prompt}) as r:
                     assert r.status == 200
+            async with s.get(url + "/metrics") as r:
+                return await r.text()
 
-    run(go())
-    assert p.tokenized == [] and _p_sources(p) == [None, None]
+    metrics = run(go())
+    assert [p.tokenized for p in ps] == [[], []]
+    assert [len(p.seen) for p in ps] == [2, 1]
+    assert _p_sources(ps[0]) + _p_sources(ps[1]) == [None] * 3
+    assert "kvxfer_proxy_peer_reads_total{" not in metrics
+    # no lookup: every request any instance saw is a client's prompt
+    assert all(b["prompt"] in (FIRST, SECOND, "text") for _, b, _ in ps[0].seen + ps[1].seen + d.seen)
 
 
 @pytest.mark.parametrize("tail, expected", [

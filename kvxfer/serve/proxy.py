@@ -279,7 +279,8 @@ async def _source(request: web.Request, upstreams: Upstreams, route: Route,
     conversation so far; else another P the router expects to hold more of the prompt. None
     where nothing is worth reading or the lookup failed (P computes the prompt). Counted by
     outcome."""
-    found = await _holder(request, upstreams, route, body, headers)
+    found = await _holder(request, upstreams, route, body, headers) if (
+        upstreams.config.peer_reads) else None
     if found is None:
         return None
     url, ids, tokens = found
