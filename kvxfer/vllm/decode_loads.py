@@ -45,8 +45,7 @@ class DecodeLoads:
 
     def matched(self, request: Request, num_computed: int,
                 pool_match: Callable[[Request, int], tuple[int, bool]],
-                chain: Callable[[Request, int], list[str | None]] | None = None
-                ) -> tuple[int, bool]:
+                chain: Callable[[Request, int], list[str | None]]) -> tuple[int, bool]:
         """The prompt tokens D reads from P (all past its device hit), or from the peer a
         `kv_source` names (its prefix: `_prefix`), or, where it takes no params, what
         `pool_match` (D's own host pool) holds of it. `chain` gives a request's block hash
@@ -57,10 +56,10 @@ class DecodeLoads:
         self._ends.pop(req_id, None)
         if self.fallbacks is not None:
             self.fallbacks.arrived(req_id, params)
-        if params and params.get("kv_source") is not None and (
-                asks(params, "do_remote_prefill", req_id) or chain is None):
+        read = asks(params, "do_remote_prefill", req_id)
+        if read and params.get("kv_source") is not None:
             self._drop_source(request, "the request reads its whole prompt from P")
-        if not asks(params, "do_remote_prefill", req_id):
+        if not read:
             if params and params.get("kv_source") is not None:
                 return self._prefix(request, num_computed, pool_match, chain)
             return pool_match(request, num_computed)
@@ -128,8 +127,8 @@ class DecodeLoads:
             return pool_match(request, num_computed)
         # whole blocks of every group alone: the chain binds every token read (a partial last
         # block's cache salt, LoRA or multimodal keys are in no hash compared)
-        end = n // math.lcm(*(g.tokens_per_block for g in self.groups)) * math.lcm(
-            *(g.tokens_per_block for g in self.groups))
+        whole = math.lcm(*(g.tokens_per_block for g in self.groups))
+        end = n // whole * whole
         pooled = pool_match(request, num_computed)
         local = num_computed + pooled[0]
         if end - local < max(self.threshold, 1):  # held here already, or not worth a read
