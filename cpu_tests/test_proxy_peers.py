@@ -4,12 +4,13 @@ from the D that answered the last one (`kvxfer.serve.sources`), against stand-in
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from aiohttp import web
 from test_proxy import FakeVllm, pd, run
 
-from kvxfer.serve.sources import Held, completion_tokens
+from kvxfer.serve.sources import Held, Relayed, completion_tokens, usage_asked
 
 ANSWER = 100
 
@@ -50,6 +51,18 @@ class Instance(FakeVllm):
             return web.json_response({"choices": [{"text": f"decoded by {self.name}"}],
                                       "usage": {"prompt_tokens": 1, "completion_tokens": self.answer}})
         return answer
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        """Three events, the usage one where asked (as vLLM: `"choices": []`), then `[DONE]`."""
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(3):
+            await out.write(f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode())
+        if (self.seen[-1][1].get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 1, "completion_tokens": self.answer, "total_tokens": 2}
+            await out.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await out.write(b"data: [DONE]\n\n")
+        return out
 
 
 def _turns(p, d, prompts, headers=None, **config):
@@ -259,3 +272,126 @@ def test_a_p_that_holds_more_of_the_prompt_than_the_chosen_one_is_looked_up():
         "http://p0", longer["prompt"], 192)  # 12 spans of 16 ids: the 200-id prompt's whole ones
     chosen = Route("http://p0", "http://d", 192, "prefix")  # the holder itself: nothing to read
     assert run(_holder(request, upstreams, chosen, longer, {})) is None
+
+
+def _streamed_turns(p, d, bodies):
+    """Each body in turn, streamed, through the proxy under `SESSION`; returns what the client
+    got of each."""
+
+    async def go():
+        async with pd([p], [d], local_prefill_tokens=0, peer_reads=True) as (s, url):
+            got = []
+            for body in bodies:
+                async with s.post(url + "/v1/completions", headers=SESSION,
+                                  json={"model": "tiny", "max_tokens": 30, "stream": True,
+                                        **body}) as r:
+                    assert r.status == 200
+                    got.append(await r.read())
+            return got
+
+    return run(go())
+
+
+def test_a_streamed_answer_the_client_asked_no_usage_of_is_still_read_on_the_next_turn():
+    """A chat client streams without `include_usage` (the OpenAI client's default): the
+    proxy asks D for the usage, takes its event out of what the client gets, and the next
+    turn's lookup covers the answer as after a non-streamed one."""
+    p, d = Instance("P"), Instance("D")
+    got = _streamed_turns(p, d, [{"prompt": FIRST}, {"prompt": SECOND}])
+    events = [b'data: {"choices": [{"text": "%d"}]}\n\n' % i for i in range(3)]
+    assert got == [b"".join(events) + b"data: [DONE]\n\n"] * 2  # as D sends them, less the usage
+    asked = [body for _, body, _ in d.seen if body.get("stream")]
+    assert [b["stream_options"] for b in asked] == [{"include_usage": True,
+                                                     "continuous_usage_stats": False}] * 2
+    [lookup] = [b for _, b, _ in d.seen if b["kv_transfer_params"].get("do_remote_decode")]
+    assert lookup["prompt"] == SECOND[:100 + ANSWER - 1]
+    assert "stream_options" not in p.seen[0][1]
+
+
+def test_a_client_that_asked_for_usage_gets_it_and_its_options_stand():
+    p, d = Instance("P"), Instance("D")
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    [got] = _streamed_turns(p, d, [{"prompt": FIRST, "stream_options": options}])
+    assert b'"usage"' in got and got.endswith(b"data: [DONE]\n\n")
+    assert [b.get("stream_options") for _, b, _ in d.seen] == [options]
+
+
+@pytest.mark.parametrize("body, asked", [
+    ({"stream": True}, {"include_usage": True, "continuous_usage_stats": False}),
+    ({"stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+     {"include_usage": True, "continuous_usage_stats": False}),
+    ({"stream": True, "stream_options": {"include_usage": True}}, None),
+    ({"stream": True, "stream_options": "usage"}, None),  # D's to refuse, as the client sent it
+    ({"stream": "yes"}, None), ({}, None), ({"stream": True, "n": 2}, None),
+])
+def test_usage_is_asked_for_only_where_a_stream_lacks_it(body, asked):
+    out = usage_asked(body)
+    assert (out and out["stream_options"]) == asked
+
+
+class _Answer:
+    status, content_length, content_type = 200, None, "text/event-stream"
+
+
+def _relayed(chunks, drop=True, answer=_Answer):
+    from kvxfer.serve.sources import DROP_USAGE
+    relayed = Relayed({DROP_USAGE: drop}, answer)
+    return b"".join(relayed.feed(c) for c in chunks) + relayed.rest(), relayed.tail
+
+
+USAGE = b'data: {"choices": [], "usage": {"completion_tokens": 7}}\n\n'
+
+
+@pytest.mark.parametrize("chunks", [
+    [b'data: {"choices": [{"text": "a"}]}\n\n', USAGE, b"data: [DONE]\n\n"],
+    [b'data: {"choices": [{"te', b'xt": "a"}]}\n', b"\n" + USAGE[:9], USAGE[9:] + b"data: [DONE]\n\n"],
+    [b'data: {"choices": [{"text": "a"}]}\r\n\r\n' + USAGE.replace(b"\n", b"\r\n") + b"data: [DONE]\n\n"],
+])
+def test_the_usage_event_is_dropped_however_the_answer_is_cut_and_its_length_kept(chunks):
+    sent, tail = _relayed(chunks)
+    assert b'"usage"' not in sent and sent.startswith(b'data: {"choices": [{"text": "a"}]}')
+    assert sent.endswith(b"data: [DONE]\n\n") and completion_tokens(tail) == 7
+
+
+def test_a_usage_event_is_passed_on_where_not_dropped_or_beside_a_choice():
+    beside = b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": 7}}\n\n'
+    assert _relayed([beside, USAGE])[0] == beside
+    assert _relayed([beside, USAGE], drop=False)[0] == beside + USAGE
+
+    class Json(_Answer):
+        content_type = "application/json"
+
+    assert _relayed([USAGE], answer=Json)[0] == USAGE
+
+
+def test_an_event_over_the_bound_ends_the_dropping_and_nothing_is_held(monkeypatch):
+    monkeypatch.setattr("kvxfer.serve.sources.MAX_EVENT_BYTES", 100)
+    from kvxfer.serve.sources import DROP_USAGE
+    relayed = Relayed({DROP_USAGE: True}, _Answer)
+    assert relayed.feed(b"data: " + b"x" * 200) == b"data: " + b"x" * 200  # passed on at once
+    assert relayed.feed(USAGE) == USAGE and relayed.rest() == b""
+
+
+def test_a_lookup_is_in_flight_on_its_holder_while_it_runs():
+    """The router weighs a D's load by its requests in flight: a lookup there is one."""
+    p, d = Instance("P"), Instance("D", lookup_s=1.0)
+
+    async def go():
+        async with pd([p], [d], local_prefill_tokens=0, peer_reads=True) as (s, url):
+            async with s.post(url + "/v1/completions", headers=SESSION,
+                              json={"model": "tiny", "prompt": FIRST}) as r:
+                assert r.status == 200
+            asked = asyncio.ensure_future(s.post(url + "/v1/completions", headers=SESSION,
+                                                 json={"model": "tiny", "prompt": SECOND}))
+            await asyncio.sleep(0.5)  # within the lookup
+            async with s.get(url + "/metrics") as r:
+                during = await r.text()
+            async with await asyncio.wait_for(asked, 10) as r:
+                assert r.status == 200
+            async with s.get(url + "/metrics") as r:
+                return during, await r.text()
+
+    during, after = run(go())
+    flights = [[line.rsplit(" ", 1)[1] for line in m.splitlines()
+                if line.startswith("kvxfer_proxy_in_flight{")] for m in (during, after)]
+    assert flights == [["1", "2"], ["0", "0"]]  # the request on P and D; the lookup on D

@@ -4,10 +4,12 @@ decoded is held in D's pool alone and P holds nothing of it."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from serve_stack import Stack, post, random_prompt, start
+from serve_stack import TIMEOUT_S, Stack, post, random_prompt, start
 from test_serve import _metric, _same_answer, _until
 
 
@@ -97,6 +99,38 @@ def test_through_the_proxy_a_sessions_next_turn_on_p_reads_the_last_answer_from_
     # never computed): from P's own pool (the prompt's) and D
     held = one["usage"]["prompt_tokens"] + one["usage"]["completion_tokens"] - 1
     assert _metric(s.p_url, "vllm:external_prefix_cache_hits_total") - loaded == held // 64 * 64
+    alone = post(s.p_url + "/v1/chat/completions", {**body, "messages": chat})
+    assert two["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_a_streamed_turn_whose_client_asked_no_usage_is_read_all_the_same(peer_stack):
+    """The OpenAI client's default: a chat's first turn streamed without `include_usage`. The
+    proxy asks D for the usage and takes that event out of the client's stream, and the next
+    turn's P reads the first turn's answer from D as after a non-streamed turn."""
+    s = peer_stack
+    headers = {"X-Session-Id": "peer-chat-streamed"}
+    chat = [{"role": "system", "content": "You are brief. " * 30},
+            {"role": "user", "content": "Tell me about prefix caching. " * 8}]
+    body = {"model": s.model, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    sent = urllib.request.Request(
+        s.proxy_url + "/v1/chat/completions", headers={"Content-Type": "application/json", **headers},
+        data=json.dumps({**body, "messages": chat, "max_tokens": 100, "stream": True}).encode())
+    with urllib.request.urlopen(sent, timeout=TIMEOUT_S) as response:
+        raw = response.read().decode()
+    events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    assert raw.endswith("data: [DONE]\n\n") and not any("usage" in e for e in events)
+    answer = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    prompt = post(s.p_url + "/tokenize", {"model": s.model, "messages": chat,
+                                          "add_generation_prompt": True})["count"]
+    chat += [{"role": "assistant", "content": answer},
+             {"role": "user", "content": "And what does it keep? " * 8}]
+    looked_up = _metric(s.proxy_url, "kvxfer_proxy_peer_reads_total", outcome="looked_up")
+    loaded = _metric(s.p_url, "vllm:external_prefix_cache_hits_total")
+    two = post(s.proxy_url + "/v1/chat/completions", {**body, "messages": chat}, headers)
+    assert _metric(s.proxy_url, "kvxfer_proxy_peer_reads_total", outcome="looked_up") == looked_up + 1
+    # the whole blocks of turn 1's prompt and its 100-token answer but the last token
+    assert _until(lambda: _metric(s.p_url, "vllm:external_prefix_cache_hits_total") - loaded,
+                  (prompt + 99) // 64 * 64) == (prompt + 99) // 64 * 64
     alone = post(s.p_url + "/v1/chat/completions", {**body, "messages": chat})
     assert two["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
 

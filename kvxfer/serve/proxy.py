@@ -71,13 +71,20 @@ from aiohttp import web
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import new_stream_id
 from kvxfer.serve.routing import Prompt, Route
-from kvxfer.serve.sources import LOOKUP_TIMEOUT_S, MIN_READ_TOKENS, completion_tokens, token_ids
+from kvxfer.serve.sources import (
+    DROP_USAGE,
+    LOOKUP_TIMEOUT_S,
+    MIN_READ_TOKENS,
+    TAIL,
+    completion_tokens,
+    token_ids,
+    usage_asked,
+)
 from kvxfer.serve.upstreams import (
     LOCAL_PARAMS,
     PREFILL_PARAMS,
     REQUEST_ID,
     ROUTE,
-    TAIL,
     ProxyConfig,
     Unreached,
     Upstreams,
@@ -187,6 +194,8 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     if upstreams.config.peer_reads and session is not None and not upstreams.config.stream:
         request[_IDS] = await token_ids(upstreams.session, route.prefill or route.decode, body,
                                         headers, upstreams.config.health_timeout_s)
+        if request[_IDS] is not None and (asked := usage_asked(body)) is not None:
+            body, request[DROP_USAGE] = asked, True  # the answer's length: `Held`
     upstreams.router.started(route)  # moved to another route's instances by _instead
     answer, used = None, route
     try:
@@ -289,12 +298,15 @@ async def _source(request: web.Request, upstreams: Upstreams, route: Route,
         return None
     lookup = {"model": body.get("model"), "prompt": ids[:tokens],
               **{k: body[k] for k in ("cache_salt",) if k in body}}
+    upstreams.router.looking_up(url, 1)
     try:  # within LOOKUP_TIMEOUT_S: a peer whose queue is full is not waited for (P computes)
         params = await prefill_part(upstreams, url, "/v1/completions", lookup,
                                     {**headers, REQUEST_ID: headers[REQUEST_ID] + "-lookup"},
                                     timeout=("the lookup's", LOOKUP_TIMEOUT_S))
     except Unreached:
         params = None
+    finally:
+        upstreams.router.looking_up(url, -1)
     if not isinstance(params, dict):
         upstreams.reads["failed"] += 1
         log.warning("request %s: the lookup of %d tokens on %s failed; P computes them",

@@ -280,6 +280,11 @@ class Router:
             self.prefill.in_flight[route.prefill] -= 1
         self.decode.in_flight[route.decode] -= 1
 
+    def looking_up(self, url: str, by: int) -> None:
+        """A lookup on `url`, a P or a D (`kvxfer.serve.sources`), has started (`by` 1) or
+        ended (-1): it is in flight there meanwhile."""
+        (self.decode if url in self.decode.urls else self.prefill).in_flight[url] += by
+
     def settled(self, route: Route) -> None:
         """Count a request under the route it took in the end (`counts`: only ever grows)."""
         self.counts[(route.choice, route.reason)] += 1

@@ -19,9 +19,10 @@ What D holds is remembered per session (`X-Session-Id`, scoped to the client's
 `Authorization` and `cache_salt` as routing scopes it; sessions only): the D that answered its
 last turn, that turn's prompt in token ids (its length and digest; the proxy asks an
 instance's `/tokenize` for them, once a request) and its answer's length, the
-`completion_tokens` of the usage at the end of D's answer (a non-streamed answer's, or a
-streamed one's where the client asked for usage). Without it the lookup covers the previous
-prompt alone, and P computes the answer again.
+`completion_tokens` of the usage at the end of D's answer. A non-streamed answer has it; for
+a streamed one the proxy asks D for it (`usage_asked`) where the client did not, and takes
+that event out of what the client gets (`Relayed`). Without it the lookup covers the
+previous prompt alone, and P computes the answer again.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from kvxfer.plan.blocks import is_int
 
-__all__ = ["MIN_READ_TOKENS", "Held", "Turn", "completion_tokens", "token_ids"]
+__all__ = ["DROP_USAGE", "MIN_READ_TOKENS", "TAIL", "Held", "Relayed", "Turn", "completion_tokens",
+           "token_ids", "usage_asked"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,18 @@ _TOKENIZE_KEYS = ("model", "prompt", "messages", "add_special_tokens", "add_gene
 """The keys of a completion's body that vLLM's `/tokenize` reads to tokenize it alike."""
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})(?!\d)')
+
+MAX_EVENT_BYTES = 1 << 20
+"""The longest event of a streamed answer held back to be read (`UsageDropped`): past it the
+rest of the answer is passed on as it comes."""
+
+_EVENT_END = re.compile(rb"(\r?\n\r?\n)")
+
+TAIL = web.ResponseKey("tail", bytes) if hasattr(web, "ResponseKey") else "tail"
+"""Where a relayed answer keeps its last `TAIL_BYTES` (aiohttp's keys since 3.12, a str before)."""
+DROP_USAGE = web.RequestKey("drop_usage", bool) if hasattr(web, "RequestKey") else "drop_usage"
+"""Set on a client's request whose streamed answer the proxy asked D's usage for and the
+client did not (`usage_asked`): `Relayed` takes that event out."""
 
 
 @dataclass(frozen=True)
@@ -148,3 +163,54 @@ async def token_ids(session: aiohttp.ClientSession, url: str, body: dict[str, An
         log.warning("peer reads: %s/tokenize gave no token ids; the turn is not remembered", url)
         return None
     return ids
+
+
+def usage_asked(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`body` asking for its usage at the end of the stream, where it streams one choice
+    without asking (the client's other `stream_options` kept, usage at the end only); None
+    where its answer has it already, its usage would sum several choices, or `body` is D's to
+    refuse (`stream_options` not an object)."""
+    options = body.get("stream_options")
+    if body.get("stream") is not True or body.get("n") not in (None, 1) or not isinstance(
+            options, dict | None) or (options or {}).get("include_usage") is True:
+        return None
+    return {**body, "stream_options": {**(options or {}), "include_usage": True,
+                                       "continuous_usage_stats": False}}
+
+
+class Relayed:
+    """D's answer as the proxy relays it: `feed` each chunk, send what it returns, then `rest`;
+    `tail` keeps its last `TAIL_BYTES` (where its usage is). Where the client's request is
+    marked `DROP_USAGE` (and D streams it), the answer's usage event, one with `"choices":
+    []` beside `"usage"` (which `usage_asked` asked for), is taken out: an event is passed on
+    once whole, and one over `MAX_EVENT_BYTES` ends the dropping (the rest passed on as it
+    comes)."""
+
+    def __init__(self, request: web.Request, resp: aiohttp.ClientResponse) -> None:
+        self.tail = b""
+        self._held: bytes | None = b"" if request.get(DROP_USAGE) and resp.status == 200 and (
+            resp.content_length is None and resp.content_type == "text/event-stream") else None
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+        if self._held is None:  # passing everything on
+            return chunk
+        *whole, self._held = _EVENT_END.split(self._held + chunk)  # events and their ends
+        kept = b"".join(event + end for event, end in zip(whole[0::2], whole[1::2])
+                        if not _usage_only(event))
+        return kept + self.rest() if len(self._held) > MAX_EVENT_BYTES else kept
+
+    def rest(self) -> bytes:
+        held, self._held = self._held or b"", None
+        return held
+
+
+def _usage_only(event: bytes) -> bool:
+    line = event.strip()
+    if not line.startswith(b"data:") or b'"usage"' not in line:
+        return False
+    try:
+        data = json.loads(line[5:])
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("choices") == [] and isinstance(data.get("usage"), dict)

@@ -23,11 +23,11 @@ from aiohttp import web
 from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.plan.blocks import is_int
 from kvxfer.serve.routing import Route, Router
-from kvxfer.serve.sources import TAIL_BYTES, Held
+from kvxfer.serve.sources import TAIL, Held, Relayed
 
-__all__ = ["HEALTH_REUSE_S", "HUNG_CHECKS", "LOCAL_PARAMS", "METRICS_MAX_BYTES", "PREFILL_PARAMS",
-           "REQUEST_ID", "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached", "Upstreams",
-           "cancel", "check", "check_url", "connected", "decode_part", "drop", "error",
+__all__ = ["HEALTH_REUSE_S", "HUNG_CHECKS", "LOCAL_PARAMS", "METRICS_MAX_BYTES",
+           "PREFILL_PARAMS", "REQUEST_ID", "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached",
+           "Upstreams", "cancel", "check", "check_url", "connected", "decode_part", "drop", "error",
            "parse_urls", "passed_through", "prefill_part", "read_at_most", "timed_out",
            "unless_down", "unreachable", "watch"]
 
@@ -165,8 +165,6 @@ class ProxyConfig:
                       self.route_imbalance)
 
 
-TAIL = web.ResponseKey("tail", bytes) if hasattr(web, "ResponseKey") else "tail"
-"""Where a relayed answer keeps its last `TAIL_BYTES` (aiohttp's keys since 3.12, a str before)."""
 
 HEALTH_REUSE_S = 1.0
 """How long `GET /health` answers from the last check (`Upstreams.checked`)."""
@@ -427,12 +425,14 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse, out: web.St
     if resp.content_length is not None and "Content-Encoding" not in resp.headers:
         out.content_length = resp.content_length
     await out.prepare(request)
-    tail = b""  # where its usage is (`kvxfer.serve.sources`)
+    relayed = Relayed(request, resp)
     async for chunk in resp.content.iter_any():
-        await out.write(chunk)
-        tail = (tail + chunk)[-TAIL_BYTES:]
+        if sent := relayed.feed(chunk):
+            await out.write(sent)
+    if rest := relayed.rest():
+        await out.write(rest)
     await out.write_eof()
-    out[TAIL] = tail
+    out[TAIL] = relayed.tail
     return out
 
 
