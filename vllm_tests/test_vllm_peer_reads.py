@@ -11,6 +11,9 @@ every cache is checked byte for byte.
 
 from __future__ import annotations
 
+import socket
+import time
+
 import jax
 import pytest
 from engine import listen_port
@@ -157,6 +160,33 @@ def test_a_source_spoiled_before_the_read_fails_its_check_and_is_recomputed(flee
     params = p.prefill("b", second, kv_source=source)
     first, total = scheduled_tokens(p.steps, "b")
     assert first + total >= len(second) and total > 10  # computed again, not taken
+    p.call(assert_prompt_kv, p.engine, "b", second)
+    _decode(d, "b-d", second, params, max_tokens=2)
+    d.call(assert_prompt_kv, d.engine, "b-d", second)
+
+
+@pytest.mark.parametrize("peer", ["refuses", "silent"])
+def test_a_source_at_an_address_no_peer_answers_on_is_recomputed_within_the_handshake_timeout(
+        fleet, peer):
+    """A source naming an agent no one knows at an address where nothing listens (`refuses`)
+    or where something takes the connection and never answers (`silent`): P's read fails
+    within its handshake timeout (3 s here) and vLLM computes the prompt; nothing hangs."""
+    p, d = fleet()
+    history = _turn_one(p, d, 75)
+    source = d.prefill("look", history)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        if peer == "silent":
+            listener.listen()
+        port = listener.getsockname()[1]
+        nowhere = {**source, "peer": "nobody", "host": "127.0.0.1", "port": port,
+                   "sources": [{**s, "peer": "nobody"} for s in source.get("sources") or []]}
+        second = history + _prompt(76, 10)
+        started = time.monotonic()
+        params = p.prefill("b", second, kv_source=nowhere)
+        assert time.monotonic() - started < 30.0
+    first, total = scheduled_tokens(p.steps, "b")
+    assert first + total >= len(second) and total > 10  # computed, nothing read
     p.call(assert_prompt_kv, p.engine, "b", second)
     _decode(d, "b-d", second, params, max_tokens=2)
     d.call(assert_prompt_kv, d.engine, "b-d", second)
