@@ -6,7 +6,8 @@ pool; P and D on the same cores, the tiny model) with two `kvxfer proxy`s in fro
 sending every prompt through P (`--local-prefill-tokens 0`): `pd`, and `peer`, with
 `--peer-reads`. For each answer length A (`ANSWERS`) and each proxy, `REPS` times, under a
 session of its own: turn 1 (a fresh `TURN1`-token prompt and its A-token answer, streamed
-with its usage), then turn 2 (turn 1, the answer, `NEW` new tokens), streamed: its time to
+without asking for its usage, as the OpenAI client streams by default: the `peer` proxy asks D
+for it), then turn 2 (turn 1, the answer, `NEW` new tokens), streamed: its time to
 first token. P holds turn 1's prompt either way (its prefix cache and pool); what it lacks is
 the answer, which `pd` computes on P and `peer` reads from D after a lookup.
 
@@ -88,5 +89,4 @@ def _sample(url: str, session: str, answer: int, rng: np.random.Generator) -> fl
 
 def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "return_token_ids": True}
