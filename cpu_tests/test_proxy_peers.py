@@ -321,6 +321,10 @@ def test_a_client_that_asked_for_usage_gets_it_and_its_options_stand():
     ({"stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
      {"include_usage": True, "continuous_usage_stats": False}),
     ({"stream": True, "stream_options": {"include_usage": True}}, None),
+    ({"stream": True, "stream_options": {"include_usage": None}},
+     {"include_usage": True, "continuous_usage_stats": False}),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, None),  # vLLM's true
+    ({"stream": True, "stream_options": {"include_usage": 1}}, None),
     ({"stream": True, "stream_options": "usage"}, None),  # D's to refuse, as the client sent it
     ({"stream": "yes"}, None), ({}, None), ({"stream": True, "n": 2}, None),
 ])
@@ -364,12 +368,55 @@ def test_a_usage_event_is_passed_on_where_not_dropped_or_beside_a_choice():
     assert _relayed([USAGE], answer=Json)[0] == USAGE
 
 
-def test_an_event_over_the_bound_ends_the_dropping_and_nothing_is_held(monkeypatch):
+def test_an_event_over_the_bound_is_passed_on_as_it_comes_and_the_usage_after_it_dropped(
+        monkeypatch):
     monkeypatch.setattr("kvxfer.serve.sources.MAX_EVENT_BYTES", 100)
     from kvxfer.serve.sources import DROP_USAGE
     relayed = Relayed({DROP_USAGE: True}, _Answer)
     assert relayed.feed(b"data: " + b"x" * 200) == b"data: " + b"x" * 200  # passed on at once
-    assert relayed.feed(USAGE) == USAGE and relayed.rest() == b""
+    assert relayed.feed(USAGE) == USAGE  # still that event's: passed on unread, until its end
+    assert relayed.feed(b"x" * 50 + b"\n\n" + USAGE + b"data: [DONE]\n\n") == (
+        b"x" * 50 + b"\n\ndata: [DONE]\n\n")
+    assert relayed.rest() == b""
+
+
+def test_a_long_event_trickled_in_small_chunks_is_searched_once(monkeypatch):
+    """A D sending a 1 MiB event a few bytes at a time: each chunk is searched for an
+    event's end once, not the whole event again (seconds of the proxy's event loop)."""
+    from kvxfer.serve import sources
+    searched = []
+
+    class Counted:
+        def search(self, data, start):
+            searched.append(len(data) - start)
+            return sources.re.compile(rb"(\r?\n\r?\n)").search(data, start)
+
+        def split(self, data):
+            searched.append(len(data))
+            return sources.re.compile(rb"(\r?\n\r?\n)").split(data)
+
+    monkeypatch.setattr(sources, "_EVENT_END", Counted())
+    relayed = Relayed({sources.DROP_USAGE: True}, _Answer)
+    event = b'data: {"choices": [{"text": "' + b"a" * (sources.MAX_EVENT_BYTES - 64) + b'"}]}\n\n'
+    sent = b"".join(relayed.feed(event[i:i + 64]) for i in range(0, len(event), 64))
+    assert sent + relayed.feed(USAGE) + relayed.rest() == event
+    assert sum(searched) < 3 * len(event)  # each byte searched about twice: not quadratic
+
+
+def test_the_fingerprint_of_the_dropped_usage_goes_to_the_event_that_ends_the_choice():
+    """vLLM stamps `system_fingerprint` on the event with the `finish_reason` unless usage was
+    asked for, and then on the usage event instead: the client gets it where it would have."""
+    end = b'data: {"choices": [{"text": "b", "finish_reason": "length"}]}\n\n'
+    usage = b'data: {"choices": [], "usage": {"completion_tokens": 2}, "system_fingerprint": "fp-1"}\n\n'
+    sent, tail = _relayed([b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n', end,
+                           usage, b"data: [DONE]\n\n"])
+    events = [json.loads(e[len(b"data: "):]) for e in sent.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [e.get("system_fingerprint") for e in events] == [None, "fp-1"]
+    assert events[1]["choices"] == [{"text": "b", "finish_reason": "length"}]
+    assert sent.endswith(b"data: [DONE]\n\n") and completion_tokens(tail) == 2
+    # with no usage event after it, the event is passed on as it was
+    assert _relayed([end, b"data: [DONE]\n\n"])[0] == end + b"data: [DONE]\n\n"
+    assert _relayed([end])[0] == end
 
 
 def test_a_lookup_is_in_flight_on_its_holder_while_it_runs():

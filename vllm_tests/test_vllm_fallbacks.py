@@ -20,7 +20,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from kvxfer.errors import InvalidInputError
 from kvxfer.vllm import TPUConnector
 from kvxfer.vllm.connector import _WorkerSide
-from kvxfer.vllm.fallbacks import Fallbacks, counter_name
+from kvxfer.vllm.fallbacks import LOCAL, Fallbacks, counter_name
 from kvxfer.vllm.reports import VERIFIED_PER_REPORT, WorkerReport
 
 pd = test_vllm_connector.pd  # the P/D pair fixture
@@ -103,6 +103,10 @@ def test_warnings_are_rate_limited_per_reason_and_p_engines_bounded(caplog):
     fallbacks.arrived("x", {"do_remote_prefill": False})  # the same request again: once
     fallbacks.arrived("y", {"do_remote_prefill": True, "peer": "P0"})  # asks D to load
     assert fallbacks.counters[counter_name("no_params", "none")] == 1
+    # a kv_both instance's prefills for a peer (a lookup, P's work with a source): neither
+    fallbacks.arrived("z", {"do_remote_decode": True})
+    fallbacks.arrived("w", {"do_remote_decode": True, "kv_source": {"num_prompt_tokens": 9}})
+    assert fallbacks.counters[counter_name("no_params", "none")] == 1 and LOCAL not in fallbacks.counters
 
 
 def test_made_up_p_names_in_clients_params_count_as_unverified_not_as_labels(model_dir, engines):

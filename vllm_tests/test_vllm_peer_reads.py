@@ -26,7 +26,7 @@ from test_vllm_connector import (
     scheduled_tokens,
 )
 
-from kvxfer.vllm.fallbacks import LOCAL
+from kvxfer.vllm.fallbacks import LOCAL, counter_name
 
 
 def _both(engines, model_dir, devices, **extra):
@@ -190,6 +190,10 @@ def test_a_source_at_an_address_no_peer_answers_on_is_recomputed_within_the_hand
     p.call(assert_prompt_kv, p.engine, "b", second)
     _decode(d, "b-d", second, params, max_tokens=2)
     d.call(assert_prompt_kv, d.engine, "b-d", second)
+    # P (kv_both) counts its failed read; D counts nothing: its lookup was a prefill for a peer
+    assert p.call(lambda: dict(p.engine.connector._scheduler.fallbacks.counters)) == {
+        counter_name("load_failed", "unverified"): 1}
+    assert d.call(lambda: dict(d.engine.connector._scheduler.fallbacks.counters)) == {}
 
 
 def test_a_d_reads_a_prefix_from_another_d_and_prefills_the_rest_alone(fleet, model_dir, engines,

@@ -75,6 +75,7 @@ MAX_EVENT_BYTES = 1 << 20
 rest of the answer is passed on as it comes."""
 
 _EVENT_END = re.compile(rb"(\r?\n\r?\n)")
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 
 TAIL = web.ResponseKey("tail", bytes) if hasattr(web, "ResponseKey") else "tail"
 """Where a relayed answer keeps its last `TAIL_BYTES` (aiohttp's keys since 3.12, a str before)."""
@@ -167,12 +168,13 @@ async def token_ids(session: aiohttp.ClientSession, url: str, body: dict[str, An
 
 def usage_asked(body: dict[str, Any]) -> dict[str, Any] | None:
     """`body` asking for its usage at the end of the stream, where it streams one choice
-    without asking (the client's other `stream_options` kept, usage at the end only); None
-    where its answer has it already, its usage would sum several choices, or `body` is D's to
-    refuse (`stream_options` not an object)."""
+    and says it does not want the usage (`include_usage` absent, null or false), the client's
+    other `stream_options` kept, usage at the end only; None where its answer has it already
+    (or may: any other `include_usage`, which vLLM may read as true), its usage would sum
+    several choices, or `body` is D's to refuse (`stream_options` not an object)."""
     options = body.get("stream_options")
     if body.get("stream") is not True or body.get("n") not in (None, 1) or not isinstance(
-            options, dict | None) or (options or {}).get("include_usage") is True:
+            options, dict | None) or (options or {}).get("include_usage") not in (None, False):
         return None
     return {**body, "stream_options": {**(options or {}), "include_usage": True,
                                        "continuous_usage_stats": False}}
@@ -180,37 +182,82 @@ def usage_asked(body: dict[str, Any]) -> dict[str, Any] | None:
 
 class Relayed:
     """D's answer as the proxy relays it: `feed` each chunk, send what it returns, then `rest`;
-    `tail` keeps its last `TAIL_BYTES` (where its usage is). Where the client's request is
-    marked `DROP_USAGE` (and D streams it), the answer's usage event, one with `"choices":
-    []` beside `"usage"` (which `usage_asked` asked for), is taken out: an event is passed on
-    once whole, and one over `MAX_EVENT_BYTES` ends the dropping (the rest passed on as it
-    comes)."""
+    `tail` keeps its last `TAIL_BYTES` (where its usage is).
+
+    Where the client's request is marked `DROP_USAGE` (and D streams it), the answer's usage
+    event (`"choices": []` beside `"usage"`, which `usage_asked` asked for) is taken out, and
+    its `system_fingerprint` goes to the events before it that end a choice (a
+    `finish_reason`), where vLLM puts it when no usage was asked for: those are held until
+    the next event. An event is passed on once whole; past `MAX_EVENT_BYTES` what is held of
+    one is passed on (the rest of it as it comes), and the events after it are read again."""
 
     def __init__(self, request: web.Request, resp: aiohttp.ClientResponse) -> None:
         self.tail = b""
-        self._held: bytes | None = b"" if request.get(DROP_USAGE) and resp.status == 200 and (
-            resp.content_length is None and resp.content_type == "text/event-stream") else None
+        self._drops = bool(request.get(DROP_USAGE)) and resp.status == 200 and (
+            resp.content_length is None and resp.content_type == "text/event-stream")
+        self._held = bytearray()  # an event begun
+        self._ends: list[bytes] = []  # events that end a choice, each with its end
+        self._long = False  # what is held is the rest of an event passed on in part
 
     def feed(self, chunk: bytes) -> bytes:
         self.tail = (self.tail + chunk)[-TAIL_BYTES:]
-        if self._held is None:  # passing everything on
+        if not self._drops:
             return chunk
-        *whole, self._held = _EVENT_END.split(self._held + chunk)  # events and their ends
-        kept = b"".join(event + end for event, end in zip(whole[0::2], whole[1::2])
-                        if not _usage_only(event))
-        return kept + self.rest() if len(self._held) > MAX_EVENT_BYTES else kept
+        start = max(len(self._held) - 3, 0)  # an event's end may straddle the chunks
+        self._held += chunk
+        sent = []
+        if _EVENT_END.search(self._held, start):
+            *whole, rest = _EVENT_END.split(bytes(self._held))  # events and their ends
+            self._held = bytearray(rest)
+            for event, end in zip(whole[0::2], whole[1::2]):
+                sent.append(event + end if self._long else self._event(event, end))
+                self._long = False  # the end of an event passed on in part: passed on unread
+        if len(self._held) > MAX_EVENT_BYTES:
+            sent.append(self._passed())
+            self._long = True
+        return b"".join(sent)
 
     def rest(self) -> bytes:
-        held, self._held = self._held or b"", None
-        return held
+        return self._passed() if self._drops else b""
+
+    def _event(self, event: bytes, end: bytes) -> bytes:
+        """What to send for one whole event now."""
+        usage = _usage_only(event)
+        if usage is not None:
+            fingerprint = usage.get("system_fingerprint")
+            ends, self._ends = self._ends, []
+            return b"".join(_stamped(e, fingerprint) for e in ends)
+        if _FINISHED.search(event):
+            self._ends.append(event + end)
+            return b""
+        return self._passed(held=False) + event + end
+
+    def _passed(self, held: bool = True) -> bytes:
+        """The events held back unchanged (and what is held of an event begun)."""
+        out, self._ends = b"".join(self._ends), []
+        if held:
+            out, self._held = out + bytes(self._held), bytearray()
+        return out
 
 
-def _usage_only(event: bytes) -> bool:
+def _stamped(event_and_end: bytes, fingerprint: Any) -> bytes:
+    """An event with `system_fingerprint` added to its JSON object, where it has none."""
+    body = event_and_end.rstrip(b"\r\n")
+    at = body.rfind(b"}")
+    if not isinstance(fingerprint, str) or at < 0 or b'"system_fingerprint"' in body:
+        return event_and_end
+    return (body[:at] + b', "system_fingerprint": ' + json.dumps(fingerprint).encode()
+            + event_and_end[at:])
+
+
+def _usage_only(event: bytes) -> dict[str, Any] | None:
+    """The object of a usage event (`"choices": []` beside `"usage"`), else None."""
     line = event.strip()
     if not line.startswith(b"data:") or b'"usage"' not in line:
-        return False
+        return None
     try:
         data = json.loads(line[5:])
     except (ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and data.get("choices") == [] and isinstance(data.get("usage"), dict)
+        return None
+    return data if isinstance(data, dict) and data.get("choices") == [] and isinstance(
+        data.get("usage"), dict) else None

@@ -34,7 +34,7 @@ class DecodeLoads:
     def __init__(self, groups: Sequence[GroupSpec], threshold: int, fallbacks: Fallbacks | None):
         self.groups = list(groups)
         self.threshold = threshold  # fewer tokens to load: computed
-        self.fallbacks = fallbacks  # None on kv_both
+        self.fallbacks = fallbacks
         self._local: dict[str, int] = {}  # tokens D holds (device and pool), from matched
         self._ends: dict[str, int] = {}  # where the read ends: the prompt's, or a source's prefix
         self._prompts: dict[str, str | None] = {}  # the prompt digest, from matched

@@ -1,5 +1,8 @@
 """D's fallbacks: requests whose prompt D computes itself instead of loading P's KV.
 
+Counted on every instance that reads (`kv_consumer`, and `kv_both`, where a P's failed read
+of a peer's prefix, `kv_source`, counts as `load_failed` naming that peer).
+
 A router in front of P and D may send D a request without P's `kv_transfer_params` (P
 returned none, or the router sent the client's request to D alone); D then computes the
 prompt, and the client gets an answer as good as P's, only later. Nothing in the answer
@@ -103,10 +106,14 @@ class Fallbacks:
     def arrived(self, req_id: str, params: Mapping[str, Any] | None) -> None:
         """D's scheduler looks at a request (each time it tries to schedule it): the first
         time, a request whose params do not ask D to load is counted (`no_params`); one that
-        reads a prefix from a peer (`kv_source`) and computes the rest is a local prefill."""
+        reads a prefix from a peer (`kv_source`) and computes the rest is a local prefill;
+        one prefilled for a peer to read (`do_remote_decode`: a `kv_both` instance's work as
+        P, a lookup among them) is neither."""
         if req_id in self._seen:
             return
         self._seen.add(req_id)
+        if isinstance(params, Mapping) and params.get("do_remote_decode") is True:
+            return
         if isinstance(params, Mapping) and not params.get("do_remote_prefill") and (
                 params.get("local_prefill") is True or params.get("kv_source") is not None):
             self.counters[LOCAL] = self.counters.get(LOCAL, 0) + 1

@@ -84,8 +84,8 @@ class SchedulerSide:
             raise InvalidInputError(f"events must be a bool, got {events!r:.80}")
         self.groups = list(groups)
         self.consumer, self.producer = consumer, producer
-        # D (not kv_both): requests it computes itself instead of loading, counted and warned of
-        self.fallbacks = Fallbacks(recompute) if consumer and not producer else None
+        # a reader (D, or kv_both): requests it computes itself instead of loading, counted
+        self.fallbacks = Fallbacks(recompute) if consumer else None
         self.reads = (DecodeLoads(groups, settings.kv_recompute_threshold, self.fallbacks)
                       if consumer else None)
         config = settings.connector_config(producer)
