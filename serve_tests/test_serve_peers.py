@@ -119,6 +119,9 @@ def test_a_streamed_turn_whose_client_asked_no_usage_is_read_all_the_same(peer_s
         raw = response.read().decode()
     events = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.startswith("data: {")]
     assert raw.endswith("data: [DONE]\n\n") and not any("usage" in e for e in events)
+    # vLLM's fingerprint where it puts it when no usage is asked for: on the choice's end
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert [bool(e.get("system_fingerprint")) for e in events[-2:]] == [False, True]
     answer = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
     prompt = post(s.p_url + "/tokenize", {"model": s.model, "messages": chat,
                                           "add_generation_prompt": True})["count"]
