@@ -221,9 +221,6 @@ class SlotMap:
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._requests
 
-    def requests(self) -> list[Hashable]:
-        return list(self._requests)
-
     def free(self, req_id: Hashable) -> None:
         """Release every slot of `req_id` (staged or reserved)."""
         req = self._requests.pop(req_id, None)
