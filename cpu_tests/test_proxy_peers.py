@@ -442,3 +442,12 @@ def test_a_lookup_is_in_flight_on_its_holder_while_it_runs():
     flights = [[line.rsplit(" ", 1)[1] for line in m.splitlines()
                 if line.startswith("kvxfer_proxy_in_flight{")] for m in (during, after)]
     assert flights == [["1", "2"], ["0", "0"]]  # the request on P and D; the lookup on D
+
+
+def test_peer_reads_beside_stream_is_refused_by_name():
+    """A streamed prompt reads no prefix from a peer: the two flags together would leave
+    --peer-reads silently off."""
+    from kvxfer.errors import InvalidInputError
+    from kvxfer.serve.upstreams import ProxyConfig
+    with pytest.raises(InvalidInputError, match="--stream and --peer-reads"):
+        ProxyConfig(prefill=("http://p",), decode=("http://d",), stream=True, peer_reads=True)

@@ -191,7 +191,7 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     session = _session(request, body)
     route = upstreams.router.choose(prompt, session)
     log.debug("request %s: %s", headers[REQUEST_ID], route.header())
-    if upstreams.config.peer_reads and session is not None and not upstreams.config.stream:
+    if upstreams.config.peer_reads and session is not None:
         request[_IDS] = await token_ids(upstreams.session, route.prefill or route.decode, body,
                                         headers, upstreams.config.health_timeout_s)
         if request[_IDS] is not None and (asked := usage_asked(body)) is not None:

@@ -135,6 +135,9 @@ class ProxyConfig:
         for name in ("stream", "peer_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stream and self.peer_reads:
+            raise InvalidInputError("--stream and --peer-reads do not go together: a prompt "
+                                    "streamed from P to D reads no prefix from a peer; give one")
         if (isinstance(self.max_body_mb, bool) or not isinstance(self.max_body_mb, (int, float))
                 or not 0 < self.max_body_mb <= 4096):
             raise InvalidInputError(f"--max-body-mb must be a number in (0, 4096], got "
