@@ -70,6 +70,7 @@ from aiohttp import web
 
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import new_stream_id
+from kvxfer.serve.relay import ENDED, decode_part, drop
 from kvxfer.serve.routing import Prompt, Route
 from kvxfer.serve.sources import (
     DROP_USAGE,
@@ -90,8 +91,6 @@ from kvxfer.serve.upstreams import (
     Upstreams,
     cancel,
     connected,
-    decode_part,
-    drop,
     error,
     parse_urls,
     passed_through,
@@ -207,7 +206,7 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     finally:
         upstreams.router.finished(route)
         upstreams.router.settled(used)
-        if answer is not None and 200 <= answer.status < 300:
+        if answer is not None and 200 <= answer.status < 300 and not answer.get(ENDED):
             upstreams.router.answered(used, prompt)
             if request.get(_IDS) is not None:  # an answer of one choice: its length is usage's
                 one = body.get("n") in (None, 1)

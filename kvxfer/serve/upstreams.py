@@ -1,7 +1,7 @@
 """`kvxfer proxy`'s side toward P and D: its settings (`ProxyConfig`), the session and router it
-holds (`Upstreams`), P's part of a request (`prefill_part`), relaying D's answer
-(`decode_part`), and the health checks that take instances in and out of routing (`check`,
-`watch`). The handlers that use them, and what the client sees, are in `proxy.py`.
+holds (`Upstreams`), P's part of a request (`prefill_part`), and the health checks that take
+instances in and out of routing (`check`, `watch`). D's answer is relayed by `relay.py`; the
+handlers that use them, and what the client sees, are in `proxy.py`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from aiohttp import web
 
 from kvxfer.errors import InvalidInputError, SetupError
 from kvxfer.plan.blocks import is_int
-from kvxfer.serve.routing import Route, Router
-from kvxfer.serve.sources import TAIL, Held, Relayed
+from kvxfer.serve.routing import Router
+from kvxfer.serve.sources import Held
 
 __all__ = ["HEALTH_REUSE_S", "HUNG_CHECKS", "LOCAL_PARAMS", "METRICS_MAX_BYTES",
            "PREFILL_PARAMS", "REQUEST_ID", "ROUTE", "TRANSFER", "ProxyConfig", "Unread", "Unreached",
-           "Upstreams", "cancel", "check", "check_url", "connected", "decode_part", "drop", "error",
+           "Upstreams", "cancel", "check", "check_url", "connected", "error",
            "parse_urls", "passed_through", "prefill_part", "read_at_most", "timed_out",
            "unless_down", "unreachable", "watch"]
 
@@ -414,90 +414,6 @@ async def prefill_part(upstreams: Upstreams, url: str, path: str, body: dict[str
                       f"with a kv_producer --kv-transfer-config?", "bad_upstream_response", upstream=url)
     upstreams.learn(url, params)
     return params
-
-
-async def _relay(request: web.Request, resp: aiohttp.ClientResponse, out: web.StreamResponse,
-                 request_id: str, transfer: str) -> web.StreamResponse:
-    """Send `resp` to the client through `out` as it arrives: status, content type and body,
-    chunk by chunk."""
-    out.set_status(resp.status, resp.reason)
-    if "Content-Type" in resp.headers:
-        out.headers["Content-Type"] = resp.headers["Content-Type"]
-    out.headers[REQUEST_ID] = request_id
-    out.headers[TRANSFER] = transfer
-    if resp.content_length is not None and "Content-Encoding" not in resp.headers:
-        out.content_length = resp.content_length
-    await out.prepare(request)
-    relayed = Relayed(request, resp)
-    async for chunk in resp.content.iter_any():
-        if sent := relayed.feed(chunk):
-            await out.write(sent)
-    if rest := relayed.rest():
-        await out.write(rest)
-    await out.write_eof()
-    out[TAIL] = relayed.tail
-    return out
-
-
-def drop(sent: asyncio.Future) -> None:
-    """Cancel the request `sent` to D, closing D's answer if it has come (D aborts the request)."""
-
-    def close(done: asyncio.Future) -> None:
-        if not done.cancelled() and done.exception() is None:
-            done.result().close()
-
-    sent.add_done_callback(close)
-    sent.cancel()
-
-
-async def decode_part(request: web.Request, upstreams: Upstreams, route: Route, sent: asyncio.Future,
-                  headers: dict[str, str], transfer: str) -> web.StreamResponse:
-    """Relay D's answer to the request `sent` to `route`'s D within `--decode-timeout`: a D over
-    its time is a 504 or, once the client has D's status, an ended stream. Whatever way this
-    ends, D's answer is closed."""
-    url, timeout_s = route.decode, upstreams.config.decode_timeout_s
-    out = web.StreamResponse(headers={ROUTE: route.header()})
-    try:  # errors inside _relayed are its own: a timeout that comes out is this one
-        return await unless_down(upstreams, "decode", url,
-                                 _relayed(request, url, sent, out, headers, transfer), timeout_s)
-    except Unreached as e:
-        if not out.prepared:  # another D may take the request
-            raise
-        # As when D breaks off: dropping the client's connection says the answer is incomplete.
-        log.warning("request %s: decode instance %s stopped answering mid-answer; ending the "
-                    "stream", headers[REQUEST_ID], url)
-        raise ConnectionResetError(f"decode instance {url} stopped answering mid-answer") from e
-    except asyncio.TimeoutError:
-        if not out.prepared:
-            return timed_out("decode", url, "--decode-timeout", timeout_s, headers[REQUEST_ID])
-        # As when D breaks off: dropping the client's connection says the answer is incomplete.
-        log.warning("request %s: decode instance %s did not finish within --decode-timeout %g s; "
-                    "ending the stream", headers[REQUEST_ID], url, timeout_s)
-        raise
-    finally:
-        drop(sent)
-
-
-async def _relayed(request: web.Request, url: str, sent: asyncio.Future, out: web.StreamResponse,
-                   headers: dict[str, str], transfer: str) -> web.StreamResponse:
-    """D's answer to the request `sent` relayed through `out`, or the 502 when D fails; raises
-    `Unreached` (with that 502) when no connection to D could be made."""
-    try:
-        resp = await sent
-    except NOT_CONNECTED as e:  # no connection: nothing reached D
-        raise Unreached(unreachable("decode", url, e), "decode") from None
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        return unreachable("decode", url, e)
-    async with resp:
-        try:
-            return await _relay(request, resp, out, headers[REQUEST_ID], transfer)
-        except (aiohttp.ClientError, ConnectionError) as e:
-            if connected(request):  # else the client left, which _for_client logs
-                # The client already has D's status: dropping its connection is the
-                # only way left to tell it that the answer is incomplete.
-                log.warning("request %s: relaying decode instance %s broke off: %r",
-                            headers[REQUEST_ID], url, e)
-            raise
 
 
 async def _down_reason(session: aiohttp.ClientSession, url: str, timeout_s: float
