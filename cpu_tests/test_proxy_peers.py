@@ -357,8 +357,8 @@ def test_the_usage_event_is_dropped_however_the_answer_is_cut_and_its_length_kep
     assert sent.endswith(b"data: [DONE]\n\n") and completion_tokens(tail) == 7
 
 
-def test_a_usage_event_is_passed_on_where_not_dropped_or_beside_a_choice():
-    beside = b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": 7}}\n\n'
+def test_a_usage_event_is_passed_on_where_not_dropped():
+    beside = b'data: {"choices": [{"text": "a"}]}\n\n'
     assert _relayed([beside, USAGE])[0] == beside
     assert _relayed([beside, USAGE], drop=False)[0] == beside + USAGE
 
@@ -451,3 +451,15 @@ def test_peer_reads_beside_stream_is_refused_by_name():
     from kvxfer.serve.upstreams import ProxyConfig
     with pytest.raises(InvalidInputError, match="--stream and --peer-reads"):
         ProxyConfig(prefill=("http://p",), decode=("http://d",), stream=True, peer_reads=True)
+
+
+def test_usage_a_server_forces_on_every_client_is_not_taken_out():
+    """Under vLLM's --enable-force-include-usage every event carries usage and the usage
+    event ends the answer whether or not the client asked: the client gets them all."""
+    events = [b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}}\n\n',
+              b'data: {"choices": [{"text": "b", "finish_reason": "length"}], '
+              b'"usage": {"completion_tokens": 2}}\n\n',
+              b'data: {"choices": [], "usage": {"completion_tokens": 2}, "system_fingerprint": "f"}\n\n',
+              b"data: [DONE]\n\n"]
+    sent, tail = _relayed(events)
+    assert sent == b"".join(events) and completion_tokens(tail) == 2

@@ -189,7 +189,9 @@ class Relayed:
     its `system_fingerprint` goes to the events before it that end a choice (a
     `finish_reason`), where vLLM puts it when no usage was asked for: those are held until
     the next event. An event is passed on once whole; past `MAX_EVENT_BYTES` what is held of
-    one is passed on (the rest of it as it comes), and the events after it are read again."""
+    one is passed on (the rest of it as it comes), and the events after it are read again.
+    Usage beside a choice means the server gives every client usage (vLLM's
+    `--enable-force-include-usage`): from then on the answer is passed on as it is."""
 
     def __init__(self, request: web.Request, resp: aiohttp.ClientResponse) -> None:
         self.tail = b""
@@ -198,6 +200,7 @@ class Relayed:
         self._held = bytearray()  # an event begun
         self._ends: list[bytes] = []  # events that end a choice, each with its end
         self._long = False  # what is held is the rest of an event passed on in part
+        self._forced = False  # the server gives every client usage: nothing to take out
 
     def feed(self, chunk: bytes) -> bytes:
         self.tail = (self.tail + chunk)[-TAIL_BYTES:]
@@ -222,12 +225,13 @@ class Relayed:
 
     def _event(self, event: bytes, end: bytes) -> bytes:
         """What to send for one whole event now."""
-        usage = _usage_only(event)
-        if usage is not None:
-            fingerprint = usage.get("system_fingerprint")
+        data = None if self._forced else _with_usage(event)
+        if data is not None and data.get("choices") == []:  # the usage event: dropped
             ends, self._ends = self._ends, []
-            return b"".join(_stamped(e, fingerprint) for e in ends)
-        if _FINISHED.search(event):
+            return b"".join(_stamped(e, data.get("system_fingerprint")) for e in ends)
+        if data is not None:  # usage beside a choice: the server forces it on every client
+            self._forced = True  # (vLLM's --enable-force-include-usage): dropped from none
+        if not self._forced and _FINISHED.search(event):
             self._ends.append(event + end)
             return b""
         return self._passed(held=False) + event + end
@@ -250,8 +254,8 @@ def _stamped(event_and_end: bytes, fingerprint: Any) -> bytes:
             + event_and_end[at:])
 
 
-def _usage_only(event: bytes) -> dict[str, Any] | None:
-    """The object of a usage event (`"choices": []` beside `"usage"`), else None."""
+def _with_usage(event: bytes) -> dict[str, Any] | None:
+    """The object of an event that carries a `"usage"` object, else None."""
     line = event.strip()
     if not line.startswith(b"data:") or b'"usage"' not in line:
         return None
@@ -259,5 +263,4 @@ def _usage_only(event: bytes) -> dict[str, Any] | None:
         data = json.loads(line[5:])
     except (ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) and data.get("choices") == [] and isinstance(
-        data.get("usage"), dict) else None
+    return data if isinstance(data, dict) and isinstance(data.get("usage"), dict) else None
