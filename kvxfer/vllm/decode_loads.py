@@ -31,7 +31,7 @@ class DecodeLoads:
     already, the loads handed to the workers, the P leases D keeps alive (`expects`) or lets
     go of (`cancels`), and what D computes itself instead (`fallbacks`)."""
 
-    def __init__(self, groups: Sequence[GroupSpec], threshold: int, fallbacks: Fallbacks | None):
+    def __init__(self, groups: Sequence[GroupSpec], threshold: int, fallbacks: Fallbacks):
         self.groups = list(groups)
         self.threshold = threshold  # fewer tokens to load: computed
         self.fallbacks = fallbacks
@@ -54,8 +54,7 @@ class DecodeLoads:
         self._local.pop(req_id, None)  # a call before (vLLM retries) planned another load
         self._prompts.pop(req_id, None)
         self._ends.pop(req_id, None)
-        if self.fallbacks is not None:
-            self.fallbacks.arrived(req_id, params)
+        self.fallbacks.arrived(req_id, params)
         read = asks(params, "do_remote_prefill", req_id)
         if read and params.get("kv_source") is not None:
             self._drop_source(request, "the request reads its whole prompt from P")
@@ -120,10 +119,7 @@ class DecodeLoads:
             params["kv_source"] = None  # once: a retry reads nothing
             if isinstance(source, Mapping):
                 self._let_go(req_id, source)
-            if self.fallbacks is not None:
-                self.fallbacks.count("other_prompt", p_engine(source), req_id, why)
-            else:
-                logger.warning("request %s: %s; computed here", req_id, why)
+            self.fallbacks.count("other_prompt", p_engine(source), req_id, why)
             return pool_match(request, num_computed)
         # whole blocks of every group alone: the chain binds every token read (a partial last
         # block's cache salt, LoRA or multimodal keys are in no hash compared)
@@ -181,8 +177,7 @@ class DecodeLoads:
         if num_external <= 0 and waited is not None:
             self._cancels.append(waited)  # D computes it all itself
         if num_external > 0:
-            if self.fallbacks is not None:
-                self.fallbacks.loading(req_id, origin)
+            self.fallbacks.loading(req_id, origin)
             have = [0 if g.kind == "mamba" else local // g.tokens_per_block for g in self.groups]
             self._loads[req_id] = LoadRequest(
                 dict(origin), [list(ids) for ids in blocks.get_block_ids()], have,
@@ -203,8 +198,7 @@ class DecodeLoads:
 
     def finished(self, req_id: str) -> None:
         """vLLM's `request_finished`: a request aborted in D's queue lets P's lease go now."""
-        if self.fallbacks is not None:
-            self.fallbacks.finished(req_id)
+        self.fallbacks.finished(req_id)
         self._local.pop(req_id, None)
         self._prompts.pop(req_id, None)
         self._ends.pop(req_id, None)
@@ -215,11 +209,7 @@ class DecodeLoads:
     def _fall_back(self, reason: str, request: Request, why: str) -> None:
         """D computes this request's prompt itself (once: its params stop asking)."""
         params = request.kv_transfer_params
-        if self.fallbacks is not None:
-            self.fallbacks.count(reason, p_engine(params), request.request_id, why)
-        else:
-            logger.warning("D request %s: %s; D computes its prompt itself",
-                           request.request_id, why)
+        self.fallbacks.count(reason, p_engine(params), request.request_id, why)
         params["do_remote_prefill"] = False
 
 
