@@ -463,3 +463,13 @@ def test_usage_a_server_forces_on_every_client_is_not_taken_out():
               b"data: [DONE]\n\n"]
     sent, tail = _relayed(events)
     assert sent == b"".join(events) and completion_tokens(tail) == 2
+
+
+@pytest.mark.parametrize("url, by", [("http://elsewhere", 1), ("http://d", 2)])
+def test_a_lookup_on_no_instance_of_the_proxys_or_by_a_bad_step_is_refused_by_name(url, by):
+    from kvxfer.errors import InvalidInputError
+    from kvxfer.serve.upstreams import ProxyConfig
+    router = ProxyConfig(prefill=("http://p",), decode=("http://d",)).router()
+    with pytest.raises(InvalidInputError, match="elsewhere|by 2"):
+        router.looking_up(url, by)
+    assert not router.prefill.in_flight and not router.decode.in_flight

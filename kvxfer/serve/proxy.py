@@ -70,7 +70,7 @@ from aiohttp import web
 
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import new_stream_id
-from kvxfer.serve.relay import ENDED, decode_part, drop
+from kvxfer.serve.relay import decode_part, drop
 from kvxfer.serve.routing import Prompt, Route
 from kvxfer.serve.sources import (
     DROP_USAGE,
@@ -206,12 +206,12 @@ async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, 
     finally:
         upstreams.router.finished(route)
         upstreams.router.settled(used)
-        if answer is not None and 200 <= answer.status < 300 and not answer.get(ENDED):
+        if answer is not None and 200 <= answer.status < 300 and TAIL in answer:  # relayed whole
             upstreams.router.answered(used, prompt)
             if request.get(_IDS) is not None:  # an answer of one choice: its length is usage's
                 one = body.get("n") in (None, 1)
                 upstreams.held.remember(session, used.decode, request[_IDS],
-                                        completion_tokens(answer.get(TAIL)) if one else None)
+                                        completion_tokens(answer[TAIL]) if one else None)
 
 
 def _session(request: web.Request, body: dict[str, Any]) -> str | None:

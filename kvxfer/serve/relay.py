@@ -3,8 +3,8 @@
 Once the client has D's status, an answer that cannot be finished (D breaks off, is given up
 on as hung, or runs over `--decode-timeout`) is `ended`: the client's connection is closed
 before the answer's end, the only way left to say it is incomplete (the client sees its
-stream break off, as when D breaks off), and the answer is marked `ENDED`, so the proxy does
-not count it as answered.
+stream break off, as when D breaks off). Only an answer relayed to its end keeps its `TAIL`
+(`kvxfer.serve.sources`), which is what the proxy counts as answered.
 """
 
 from __future__ import annotations
@@ -30,18 +30,14 @@ from kvxfer.serve.upstreams import (
     unreachable,
 )
 
-__all__ = ["ENDED", "decode_part", "drop", "ended"]
-
-ENDED = web.ResponseKey("ended", bool) if hasattr(web, "ResponseKey") else "ended"
-"""Set on an answer `ended` before its end."""
+__all__ = ["decode_part", "drop", "ended"]
 
 
 def ended(request: web.Request, out: web.StreamResponse) -> web.StreamResponse:
     """`out`, begun, ended before its end: the client's connection closed (aiohttp then fails
-    to finish it quietly, where a handler's error would log a traceback) and marked `ENDED`."""
+    to finish it quietly, where a handler's error would log a traceback)."""
     if request.transport is not None:
         request.transport.close()
-    out[ENDED] = True
     return out
 
 

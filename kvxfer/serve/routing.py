@@ -283,7 +283,11 @@ class Router:
     def looking_up(self, url: str, by: int) -> None:
         """A lookup on `url`, a P or a D (`kvxfer.serve.sources`), has started (`by` 1) or
         ended (-1): it is in flight there meanwhile."""
-        (self.decode if url in self.decode.urls else self.prefill).in_flight[url] += by
+        role = self.decode if url in self.decode.urls else self.prefill
+        if url not in role.urls or by not in (1, -1):
+            raise InvalidInputError(f"a lookup is on one of the proxy's P or D instances, by 1 "
+                                    f"or -1, got {url!r:.200} by {by!r}")
+        role.in_flight[url] += by
 
     def settled(self, route: Route) -> None:
         """Count a request under the route it took in the end (`counts`: only ever grows)."""

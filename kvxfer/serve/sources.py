@@ -71,14 +71,15 @@ _TOKENIZE_KEYS = ("model", "prompt", "messages", "add_special_tokens", "add_gene
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})(?!\d)')
 
 MAX_EVENT_BYTES = 1 << 20
-"""The longest event of a streamed answer held back to be read (`UsageDropped`): past it the
+"""The longest event of a streamed answer held back to be read (`Relayed`): past it the
 rest of the answer is passed on as it comes."""
 
 _EVENT_END = re.compile(rb"(\r?\n\r?\n)")
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 
 TAIL = web.ResponseKey("tail", bytes) if hasattr(web, "ResponseKey") else "tail"
-"""Where a relayed answer keeps its last `TAIL_BYTES` (aiohttp's keys since 3.12, a str before)."""
+"""Where an answer relayed to its end keeps its last `TAIL_BYTES` (aiohttp's keys since 3.12, a
+str before); one ended before its end has none."""
 DROP_USAGE = web.RequestKey("drop_usage", bool) if hasattr(web, "RequestKey") else "drop_usage"
 """Set on a client's request whose streamed answer the proxy asked D's usage for and the
 client did not (`usage_asked`): `Relayed` takes that event out."""
