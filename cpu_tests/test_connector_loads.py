@@ -12,7 +12,7 @@ from kvxfer.connector.loads import Load, Loads, table_ids
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.device.layout import CacheLayout
 from kvxfer.errors import InvalidInputError
-from kvxfer.nixl.wire import ReadParams, StreamParams, new_stream_id, prompt_digest
+from kvxfer.nixl.wire import ReadParams, StreamParams, bound_secret, new_stream_id, prompt_digest
 from kvxfer.plan.save_plan import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +41,31 @@ def test_p_params_parse_as_a_stream_where_they_name_one_else_as_finished_params(
 def test_params_naming_pool_entries_round_trip_and_bad_entries_are_refused_by_name():
     shared = replace(_params([0, 1, 2], [5, 6, 9]), entries=(((0, "a" * 32), (1, "b" * 32)),))
     back = LoadRequest.parse_params(shared.to_dict(), 1)
-    assert back == shared and back.secrets_of(0) == ["a" * 32, "b" * 32, "0" * 32]
+    assert back == shared
+    # entries' tags bound to the reader's block hash at each key, the rest to its prompt
+    assert back.tag_secrets(0, "d" * 32, ["x", "y"]) == [
+        bound_secret("a" * 32, "x"), bound_secret("b" * 32, "y"), bound_secret("0" * 32, "d" * 32)]
+    assert back.tag_secrets(0, None, None)[2] == "0" * 32  # a reader knowing nothing of its prompt
+    assert back.tag_secrets(0, None, None)[0] != bound_secret("a" * 32, "x")
     group = shared.to_dict()["groups"][0]
     for bad in ([[3, "a" * 32]], [[0, "a" * 32], [0, "b" * 32]], [[0, "xyz"]], [0, "a" * 32],
                 "entries", [[0, "a" * 32]] * 4, [[True, "a" * 32]], [[[0], "a" * 32]],
                 [[{"k": 0}, "a" * 32]]):  # keys that cannot be hashed: named, never a TypeError
         with pytest.raises(InvalidInputError, match="group 0 'entries' must be distinct"):
             LoadRequest.parse_params(dict(shared.to_dict(), groups=[{**group, "entries": bad}]), 1)
+
+
+def test_params_that_leave_out_a_block_d_counts_as_loaded_are_refused_by_name():
+    """D told its engine it loads table entries 1-2 (`need`): params naming no block for
+    entry 2, or only one of its two kernel blocks, fail before anything is read."""
+    request = LoadRequest(None, [3, 5, 7], have=[1], need=[(1, 3)])
+    Load.read([LAYOUT], "r", request, _params(range(6), range(10, 16)))  # all there
+    for keys in ([0, 1, 2, 3], [2, 3, 4], [0, 1, 4, 5]):
+        with pytest.raises(InvalidInputError, match=r"name no block for table entries \[(2|1)\]"):
+            Load.read([LAYOUT], "r", request, _params(keys, range(10, 10 + len(keys))))
+    for bad in ([(3, 1)], [(0, 2), (0, 2)], "all", [(0, -1)]):
+        with pytest.raises(InvalidInputError, match="'need' must be 1"):
+            Load.read([LAYOUT], "r", replace(request, need=bad), _params(range(6), range(10, 16)))
 
 
 def test_a_read_places_each_block_at_its_position_of_d_table_past_what_d_holds():

@@ -16,10 +16,11 @@ from kvxfer.connector.config import ConnectorConfig
 from kvxfer.device.staging import tags_of
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import TransportConfig
+from kvxfer.nixl.wire import bound_secret, hash_hex
 from kvxfer.plan.save_plan import ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.pair import as_bits, rewrite_blocks  # noqa: E402
+from procs.pair import as_bits, d_request, rewrite_blocks  # noqa: E402
 
 SLOT = 2 * 16 * 4 * 2 * 32 * 2  # bytes of one staging slot: 2 layers of [16, 4, 2, 32] bf16
 
@@ -31,7 +32,7 @@ def _read_by_d(pr, req_id, hashes, p_table, d_table, tokens=40):
     params = pr.p.request_finished(req_id)
     pr.serve()
     freed = len(pr.freed)  # before D's done: P may free it before the load returns
-    assert pr.load(req_id, params, d_table) == ([req_id], [])
+    assert pr.load(req_id, params, d_table, hashes=hashes) == ([req_id], [])
     assert req_id in pr.wait_freed(freed + 1)
 
 
@@ -146,7 +147,7 @@ def test_a_prompt_starting_with_pooled_blocks_names_them_and_stages_only_the_res
     assert meta.blocks["b"][0] == [(2, 7)]  # the pooled two are not copied again
     assert params["groups"][0]["slots"][:2] == _entry_slots(pr, ["h0", "h1"])
     assert [k for k, _ in params["groups"][0]["entries"]] == [0, 1]
-    assert pr.load("b", params, [25, 26, 27]) == (["b"], [])
+    assert pr.load("b", params, [25, 26, 27], hashes=[["h0", "h1"]]) == (["b"], [])
     for cache, expected in zip(pr.d_caches[0], want):
         assert (as_bits(cache)[[25, 26, 27]] == expected).all()
 
@@ -163,8 +164,8 @@ def test_requests_sharing_a_pooled_prefix_read_the_same_slots_and_each_gets_its_
     assert params["b"]["groups"][0]["slots"][:2] == params["c"]["groups"][0]["slots"][:2]
     pool = pr.p.scheduler.pools.pools[0]
     assert [pool._entries[h].refs for h in ("h0", "h1")] == [2, 2]  # each lease holds them
-    finished, failed = pr.load_all({"b": (params["b"], [25, 26, 27]),
-                                    "c": (params["c"], [28, 29, 30])}, 2)
+    finished, failed = pr.load_all({"b": d_request(params["b"], [25, 26, 27], [["h0", "h1"]]),
+                                    "c": d_request(params["c"], [28, 29, 30], [["h0", "h1"]])}, 2)
     assert sorted(finished) == ["b", "c"] and failed == []
     for cache in pr.d_caches[0]:
         bits = as_bits(cache)
@@ -186,9 +187,29 @@ def test_params_whose_entry_secret_or_slot_is_not_the_entrys_fail_and_never_read
         [0, "0" * 32], params["groups"][0]["entries"][1]]}]}
     forged_slot = {**params, "groups": [{**params["groups"][0],
                                          "slots": [other, *params["groups"][0]["slots"][1:]]}]}
-    assert pr.load("b", params, [25, 26, 27]) == (["b"], [])  # the real params read
+    assert pr.load("b", params, [25, 26, 27], hashes=[["h0", "h1"]]) == (["b"], [])  # real
     for i, forged in enumerate((forged_secret, forged_slot)):
-        assert pr.load(f"b{i}", forged, [28, 29, 30]) == ([], [f"b{i}"])
+        assert pr.load(f"b{i}", forged, [28, 29, 30], hashes=[["h0", "h1"]]) == ([], [f"b{i}"])
+
+
+def test_pooled_blocks_read_for_a_prompt_whose_hashes_differ_fail_their_tags(pair):
+    """Params P really issued, naming pool entries h0 and h1, given to a D whose own prompt
+    hashes its blocks otherwise (another prompt, cache salt or LoRA adapter): the entries'
+    tags are bound to their block hashes and D checks them under its own, so the read fails
+    and nothing is written; a D that knows no hashes reads no entry as good either."""
+    pr = pair(pool_bytes=8 * SLOT)
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
+    pr.p.add_request("b", 40, block_hashes=[["h0", "h1"]])
+    with pr._lock:
+        pr.save(ScheduledRequest("b", 0, 40, ([3, 4, 7],), full_table=True))
+        params = pr.p.request_finished("b")
+    before = [as_bits(c)[[25, 26, 27]].copy() for c in pr.d_caches[0]]
+    assert pr.load("b1", params, [25, 26, 27], hashes=[["y0", "h1"]]) == ([], ["b1"])
+    assert pr.load("b2", params, [25, 26, 27], hashes=[["h0", "y1"]]) == ([], ["b2"])
+    assert pr.load("b3", params, [25, 26, 27]) == ([], ["b3"])
+    for cache, bits in zip(pr.d_caches[0], before):
+        assert (as_bits(cache)[[25, 26, 27]] == bits).all()
+    assert pr.load("b", params, [25, 26, 27], hashes=[["h0", "h1"]]) == (["b"], [])
 
 
 def _kept(pr, req_id, table, hashes, **kw):
@@ -270,4 +291,5 @@ def test_a_hashed_block_staged_in_part_is_tagged_as_the_requests_until_it_is_who
     second = pr.save(ScheduledRequest("a", 24, 16, ([12],)))
     assert second.entries["a"] == ({1: entries[1]},)  # whole now, staged again: its entry's
     slots = second.slots["a"][0]
-    assert (pr.p.stagings[0].tags[list(slots)][0] == tags_of([entries[1]], 0, [1])[0]).all()
+    bound = bound_secret(entries[1], hash_hex("h1"))
+    assert (pr.p.stagings[0].tags[list(slots)][0] == tags_of([bound], 0, [1])[0]).all()

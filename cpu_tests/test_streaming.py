@@ -17,7 +17,7 @@ from kvxfer.nixl.wire import StreamParams, new_stream_id, prompt_digest
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs.pair import as_bits, copy_block  # noqa: E402
+from procs.pair import as_bits, copy_block, d_request  # noqa: E402
 
 
 def _stream(pr, stream):
@@ -346,7 +346,7 @@ def test_a_streamed_prompt_is_pooled_once_d_read_it_its_blocks_checked_by_their_
     stream = new_stream_id()
     pr.p.add_request("s", 40, stream=stream, block_hashes=[["h0", "h1"]])
     pr.save(ScheduledRequest("s", 0, 24, ([5, 9],), full_table=True))  # block 0 final
-    pr.d.start_load_kv({"s": LoadRequest(_stream(pr, stream), [20, 21, 22])})  # late
+    pr.d.start_load_kv({"s": d_request(_stream(pr, stream), [20, 21, 22], [["h0", "h1"]])})
     _drive(pr, lambda f, x: f or x or _same(pr, [20], [5]), timeout=10)
     pr.save(ScheduledRequest("s", 24, 16, ([12],)))
     finished, failed = _drive(pr, lambda f, x: f or x)
@@ -358,11 +358,24 @@ def test_a_streamed_prompt_is_pooled_once_d_read_it_its_blocks_checked_by_their_
     # name the blocks it copies) and D checks them by the same entries.
     other = new_stream_id()
     pr.p.add_request("t", 40, stream=other, block_hashes=[["h0", "h1"]])
-    pr.d.start_load_kv({"t": LoadRequest(_stream(pr, other), [24, 25, 26])})
+    pr.d.start_load_kv({"t": d_request(_stream(pr, other), [24, 25, 26], [["h0", "h1"]])})
     meta = pr.save(ScheduledRequest("t", 0, 40, ([6, 10, 13],), full_table=True))
     assert [pos for pos, _ in meta.blocks["t"][0]] == [0, 1, 2]
     finished, failed = _drive(pr, lambda f, x: f or x)
     assert (finished, failed) == (["t"], []) and _same(pr, [24, 25, 26], [6, 10, 13])
+
+
+def test_a_streamed_pooled_block_read_for_a_prompt_hashed_otherwise_fails_its_tags(pair):
+    """A stream's chunks name its whole blocks' pool entries; a D whose own prompt hashes
+    block 1 otherwise (another prompt, salt or adapter under the same stream id) checks
+    the entry's tag under its own hash, and the stream fails instead of loading it."""
+    slot = 2 * 16 * 4 * 2 * 32 * 2
+    pr = pair(pool_bytes=8 * slot)
+    stream = new_stream_id()
+    pr.p.add_request("s", 40, stream=stream, block_hashes=[["h0", "h1"]])
+    pr.d.start_load_kv({"s": d_request(_stream(pr, stream), [20, 21, 22], [["h0", "y1"]])})
+    pr.save(ScheduledRequest("s", 0, 40, ([5, 9, 12],), full_table=True))
+    assert _drive(pr, lambda f, x: f or x) == ([], ["s"])
 
 
 @pytest.mark.parametrize("how", ["aborted", "preempted"])

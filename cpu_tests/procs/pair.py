@@ -19,6 +19,7 @@ from kvxfer.connector.decode import DecodeConnector
 from kvxfer.connector.prefill import PrefillConnector
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.nixl.agent import TransportConfig
+from kvxfer.nixl.wire import hash_hex
 from kvxfer.plan.save_plan import GroupSpec
 
 SHAPE = (32, 16, 4, 2, 32)  # [blocks, tokens, heads*2/p, p, dim], bf16
@@ -120,7 +121,8 @@ class Pair:
     def load_all(self, requests, expect, timeout=20.0):
         """Start `requests` (`{req_id: (params, table[, have])}`) and poll D until `expect`
         requests are reported; `(finished, failed)`."""
-        self.d.start_load_kv({r: LoadRequest(*entry) for r, entry in requests.items()})
+        self.d.start_load_kv({r: entry if isinstance(entry, LoadRequest) else LoadRequest(*entry)
+                              for r, entry in requests.items()})
         return self.wait(expect, timeout)
 
     def wait(self, expect, timeout=20.0):
@@ -141,8 +143,10 @@ class Pair:
             time.sleep(0.005)
         return list(self.freed)
 
-    def load(self, req_id, params, d_ids, timeout=20.0):
-        return self.load_all({req_id: (params, d_ids)}, 1, timeout)
+    def load(self, req_id, params, d_ids, timeout=20.0, hashes=None):
+        """D loads `req_id`; `hashes`: the block hashes of D's prompt per group, as P was given
+        them (`block_hashes`), which pooled blocks P names are checked by."""
+        return self.load_all({req_id: d_request(params, d_ids, hashes)}, 1, timeout)
 
     def close(self):
         self._stop.set()
@@ -150,3 +154,9 @@ class Pair:
             self._thread.join(timeout=5)
         self.d.close()
         self.p.close()
+
+
+def d_request(params, d_ids, hashes=None, **kw):
+    """D's `LoadRequest`, with `hashes` (per group, as P's `block_hashes`) as D names them."""
+    return LoadRequest(params, d_ids, hashes=None if hashes is None else [
+        [hash_hex(h) for h in group] for group in hashes], **kw)

@@ -25,7 +25,7 @@ import jax
 
 from kvxfer.connector._processes import for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
-from kvxfer.connector.loads import Load, Loads, table_ids
+from kvxfer.connector.loads import Load, Loads, kernel_hashes, table_ids
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.device.layout import CacheLayout, advertised, check_block_compatible
 from kvxfer.device.staging import Staging
@@ -123,14 +123,15 @@ class DecodeConnector:
             self._loads.check(req_id, load)
             trace.p = params.peer
             self.transport.start_stream(req_id, params, load.logical_ids, have, request.prompt,
-                                        trace)
+                                        trace, kernel_hashes(self.layouts, req_id, request))
             return load
         params, load = Load.read(self.layouts, req_id, request, params)
         trace.p_req_id, trace.p = params.req_id, params.peer
         self._loads.check(req_id, load)
         if not any(load.keys):
             return None
-        self.transport.start_read(req_id, params, load.logical_ids, trace)
+        self.transport.start_read(req_id, params, load.logical_ids, trace, request.prompt,
+                                  kernel_hashes(self.layouts, req_id, request))
         return load
 
     def get_finished(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]]
@@ -169,6 +170,10 @@ class DecodeConnector:
                 except KvxferError as e:
                     bad[req_id] = str(e)
         loads = {req_id: self._loads.pop(req_id) for req_id in done if req_id in self._loads}
+        for req_id, load in loads.items():  # a stream's chunks named its blocks as they went
+            why = load.uncovered(self.layouts, req_id) if load.tables is not None else None
+            if why is not None:
+                bad[req_id] = why
         if not early:
             writes = dict(loads)
         start = time.monotonic()

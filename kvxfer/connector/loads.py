@@ -23,7 +23,7 @@ from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.wire import ReadParams
 from kvxfer.plan.blocks import NULL_BLOCK, is_int, kernel_placement, table_entries
 
-__all__ = ["Load", "Loads", "table_ids"]
+__all__ = ["Load", "Loads", "kernel_hashes", "table_ids"]
 
 
 @dataclass
@@ -39,6 +39,20 @@ class Load:
     logical_ids: list[int]
     reserved: list[list[int]] = field(default_factory=list)
     tables: list[list[int]] | None = None
+    need: list[tuple[int, int]] | None = None  # per group, the table entries it must cover
+
+    def uncovered(self, layouts: Sequence[CacheLayout], req_id: str) -> str | None:
+        """Why this load leaves out a block of D's table it must load (`LoadRequest.need`):
+        the table entries of the first group short of one; None where it covers them all."""
+        for g, ((lo, hi), keys, layout) in enumerate(zip(self.need or (), self.keys, layouts)):
+            r, named = layout.kernel_ratio, set(keys)
+            missing = [i for i in range(lo, hi) if any(i * r + j not in named for j in range(r))]
+            if missing:
+                return (f"request {req_id!r} group {g}: its params name no block for table "
+                        f"entries {missing[:8]}{'...' if len(missing) > 8 else ''} of the "
+                        f"{hi - lo} D loads ({lo} to {hi - 1}); not loading them would leave "
+                        f"them whatever D's blocks held before")
+        return None
 
     @classmethod
     def read(cls, layouts: Sequence[CacheLayout], req_id: str, request: LoadRequest,
@@ -71,6 +85,10 @@ class Load:
             load.keys.append([k for k, _ in kept])
             load.kernel_ids.append(kernel_ids)
         load.logical_ids, load.reserved = list(logical), load.kernel_ids
+        load.need = _need(layouts, req_id, request)
+        why = load.uncovered(layouts, req_id)
+        if why is not None:
+            raise InvalidInputError(why)
         return replace(params, keys=tuple(keep_keys), slots=tuple(keep_slots)), load
 
     @classmethod
@@ -80,7 +98,8 @@ class Load:
         which D holds the blocks: every kernel id of D's tables past what D holds is reserved
         (P names what it sends only as it goes), and fails with the request."""
         tables, have = _tables(layouts, req_id, request)
-        load = cls([[] for _ in tables], [[] for _ in tables], [], [], tables)
+        load = cls([[] for _ in tables], [[] for _ in tables], [], [], tables,
+                   _need(layouts, req_id, request))
         for table, h, layout in zip(tables, have, layouts):
             entries = [(i, b) for i, b in enumerate(table) if i >= h and b != NULL_BLOCK]
             load.reserved.append([k for _, k in kernel_placement(entries, layout.kernel_ratio)])
@@ -186,6 +205,34 @@ def _place(req_id: str, g: int, keys: Sequence[int], table: Sequence[int],
         raise InvalidInputError(f"request {req_id!r} group {g}: D's table repeats a block "
                                 f"id at the positions P sends")
     return kernel_ids, entries
+
+
+def kernel_hashes(layouts: Sequence[CacheLayout], req_id: str, request: LoadRequest
+                  ) -> list[list[str]] | None:
+    """`request.hashes` checked, by kernel position (what `ReadParams.tag_secrets` takes)."""
+    hashes = request.hashes
+    if hashes is None:
+        return None
+    if not (isinstance(hashes, (list, tuple)) and len(hashes) == len(layouts) and all(
+            isinstance(h, (list, tuple)) and all(isinstance(x, str) for x in h) for h in hashes)):
+        raise InvalidInputError(f"request {req_id!r}: 'hashes' must be {len(layouts)} list(s) "
+                                f"of str block hashes, got {hashes!r:.80}")
+    return [[h for h in group for _ in range(layout.kernel_ratio)]
+            for group, layout in zip(hashes, layouts)]
+
+
+def _need(layouts: Sequence[CacheLayout], req_id: str, request: LoadRequest
+          ) -> list[tuple[int, int]] | None:
+    """`request.need` checked: per group, `[lo, hi)` table entries (None: not checked)."""
+    need = request.need
+    if need is None:
+        return None
+    if not (isinstance(need, (list, tuple)) and len(need) == len(layouts) and all(
+            isinstance(n, (list, tuple)) and len(n) == 2 and all(is_int(v) for v in n)
+            and 0 <= n[0] <= n[1] for n in need)):
+        raise InvalidInputError(f"request {req_id!r}: 'need' must be {len(layouts)} [lo, hi] "
+                                f"pair(s) of table entries, got {need!r:.80}")
+    return [(int(lo), int(hi)) for lo, hi in need]
 
 
 def _tables(layouts: Sequence[CacheLayout], req_id: str, request: LoadRequest

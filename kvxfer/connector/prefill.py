@@ -26,7 +26,7 @@ from kvxfer.device.layout import CacheLayout, advertised
 from kvxfer.device.staging import Staging, tags_of
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.prefill import PrefillTransport
-from kvxfer.nixl.wire import Source, new_instance
+from kvxfer.nixl.wire import Source, bound_secret, new_instance
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
 from kvxfer.stats import Recorder, Stats, Trace
@@ -369,10 +369,14 @@ def _disjoint(loads: Mapping[str, Sequence]) -> list[dict[str, Sequence]]:
 
 
 def _tags(meta: SaveMeta, req_id: str, g: int, positions: Sequence[int]) -> np.ndarray:
-    """The tags of `req_id`'s blocks at `positions` of group `g`: from its secret, or for a
-    whole hashed prompt block of a P with a pool, from the block's entry secret."""
+    """The tags of `req_id`'s blocks at `positions` of group `g`: from its secret bound to its
+    prompt's digest, or for a whole hashed prompt block of a P with a pool, from the block's
+    entry secret bound to the block's hash (`bound_secret`)."""
     shared = meta.entries.get(req_id, ({},) * (g + 1))[g]
-    return tags_of([shared.get(pos, meta.secrets[req_id]) for pos in positions], g, positions)
+    hashes = meta.hashes.get(req_id, ({},) * (g + 1))[g]
+    own = bound_secret(meta.secrets[req_id], meta.prompts.get(req_id))
+    return tags_of([bound_secret(shared[pos], hashes[pos]) if pos in shared else own
+                    for pos in positions], g, positions)
 
 
 def available_memory() -> int | None:

@@ -27,6 +27,7 @@ from kvxfer.nixl.wire import (
     Source,
     StreamParams,
     entry_secret,
+    hash_hex,
     is_stream_id,
     new_instance,
     new_secret,
@@ -62,6 +63,9 @@ class SaveMeta:
       `entries[req_id][g]`: kernel position -> entry secret of the blocks this step
       that are whole hashed prompt blocks of a P with a host pool, whose tags come from
       that instead (`kvxfer.nixl.wire.entry_secret`: they may become pool entries).
+      Tags are bound to what the block holds (`kvxfer.nixl.wire.bound_secret`):
+      `prompts[req_id]`, the digest of the prompt of a request given its token ids, and
+      `hashes[req_id][g]`, kernel position -> the block hash (hex) of each entry block.
     - `streams[req_id]`: `[stream id, prompt digest or None]` of a streamed request
       with blocks this step; `final[req_id][g]`: the kernel positions of group `g`,
       among this step's, that no later step copies again (the worker names them to
@@ -81,6 +85,8 @@ class SaveMeta:
     holds: dict[str, int] = field(default_factory=dict)
     secrets: dict[str, str] = field(default_factory=dict)
     entries: dict[str, tuple[dict[int, str], ...]] = field(default_factory=dict)
+    prompts: dict[str, str] = field(default_factory=dict)
+    hashes: dict[str, tuple[dict[int, str], ...]] = field(default_factory=dict)
     streams: dict[str, list[str | None]] = field(default_factory=dict)
     final: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     cancels: list[str] = field(default_factory=list)
@@ -110,6 +116,14 @@ class LoadRequest:
       P made for another prompt (or without one) are then refused.
     - `upto`: per group, the table entries below which blocks are read (a prefix of the
       params' blocks, `kv_source`); None: every block they name.
+    - `hashes`: per group, D's block hashes (`kvxfer.nixl.wire.hash_hex`) of its table
+      entries in order, which the tags of the host pool entries P names are checked
+      under: params naming an entry for another block fail. None: D knows no hashes, and
+      no pool entry is read as good.
+    - `need`: per group, the table entries `[lo, hi)` D told its engine it loads: params
+      whose blocks (or a stream whose chunks) leave one of them out fail the load instead
+      of leaving it whatever the block held before. None: not checked (the caller says
+      nothing of what it counts as loaded).
 
     Plain data, defined here rather than beside `DecodeConnector` so that vLLM's
     scheduler process, which builds it, loads no JAX.
@@ -120,6 +134,8 @@ class LoadRequest:
     have: Any = None
     prompt: str | None = None
     upto: Any = None
+    need: Any = None
+    hashes: Any = None
 
     @staticmethod
     def parse_params(params: object, num_groups: int) -> ReadParams | StreamParams:
@@ -204,6 +220,7 @@ class PrefillScheduler:
                                     f"{staging_blocks}], got {pool_slots!r}")
         self.pools = Pools(self.tracker.groups, self.slot_maps, kernel_ratio, pool_slots)
         self._entries: dict[str, tuple[dict[int, str], ...]] = {}  # request -> entry secrets
+        self._hashes: dict[str, tuple[dict[int, str], ...]] = {}  # request -> entry hashes (hex)
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
         self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
@@ -281,6 +298,8 @@ class PrefillScheduler:
             self._entries[req_id] = tuple(
                 {i * r + j: entry_secret(self._key, g, h) for i, h in enumerate(group)
                  for j in range(r)} for g, group in enumerate(hashes))
+            self._hashes[req_id] = tuple({i * r + j: hash_hex(h) for i, h in enumerate(group)
+                                          for j in range(r)} for group in hashes)
         self._secrets[req_id] = new_secret(self._key, req_id, next(self._added))
         if digest is not None:
             self._prompts[req_id] = digest
@@ -330,9 +349,13 @@ class PrefillScheduler:
                 continue
             meta.blocks[req_id], meta.slots[req_id] = placed, slots
             meta.secrets[req_id] = self._secrets[req_id]
+            if req_id in self._prompts:
+                meta.prompts[req_id] = self._prompts[req_id]
             if req_id in self._entries:
                 meta.entries[req_id] = _whole(placed, self._entries[req_id], self.tracker.groups,
                                               self.kernel_ratio, ends[req_id])
+                meta.hashes[req_id] = tuple({pos: h[pos] for pos in e} for e, h in
+                                            zip(meta.entries[req_id], self._hashes[req_id]))
             if req_id in self._streams and (any(placed) or (
                     req_id in self._held and req_id not in self.tracker)):
                 self._stream_step(req_id, placed, ends[req_id], meta)
@@ -396,6 +419,7 @@ class PrefillScheduler:
         if streaming:  # a block it staged may be half written: none of it enters the pool
             self.pools.forget(req_id)
             self._entries.pop(req_id, None)
+            self._hashes.pop(req_id, None)
             self._cancels.append(req_id)
         elif req_id not in self._held:
             self._free_slots(req_id)
@@ -440,6 +464,7 @@ class PrefillScheduler:
         if forget:
             self.pools.forget(req_id)
             self._entries.pop(req_id, None)
+            self._hashes.pop(req_id, None)
             self._secrets.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._streams.pop(req_id, None)
@@ -505,12 +530,14 @@ class Keeper:
         meta.secrets[req_id] = new_secret(self._key, f"keep\0{req_id}", next(self._count))
         meta.entries[req_id] = tuple({pos: entry_secret(self._key, g, h[pos // r]) for pos, _ in p}
                                      for g, (p, h) in enumerate(zip(placed, hashes)))
+        meta.hashes[req_id] = tuple({pos: hash_hex(h[pos // r]) for pos, _ in p}
+                                    for p, h in zip(placed, hashes))
         return True
 
     def add_to(self, meta: SaveMeta) -> None:
         """Put the requests kept since the last call into this step's `meta`."""
         for kept in self._keeps.values():
-            for name in ("blocks", "slots", "secrets", "entries"):
+            for name in ("blocks", "slots", "secrets", "entries", "hashes"):
                 getattr(meta, name).update(getattr(kept, name))
             meta.keeps += kept.keeps
         self._keeps = {}

@@ -73,7 +73,8 @@ class Read:
     mark: float = 0.0  # when the stage under way began (posted, done sent)
     stream: StreamParams | None = None  # streamed: P names its blocks chunk by chunk
     skip: list[int] = field(default_factory=list)  # streamed: per group, keys below are D's own
-    prompt: str | None = None  # streamed: the prompt digest P's must equal, if known
+    prompt: str | None = None  # D's prompt digest, if known: tags are checked under it
+    hashes: list[list[str]] | None = None  # per group, by kernel position: D's block hashes
     secret: str = ""  # streamed: the request's, from its first chunk
     token: str = ""  # its `done_token`, what its `done` and heartbeats carry (once known)
     chunks: list[ReadParams] = field(default_factory=list)  # streamed: named, not yet posted
@@ -213,10 +214,13 @@ def post(agent: Any, leg: Leg, descriptors: Callable[[], tuple[np.ndarray, np.nd
 def tags_match(stagings: Sequence[Staging], read: Read) -> bool:
     """Whether every slot read holds the block its params name: the tags P wrote with the
     request's secret (or a pool entry's, `ReadParams.entries`) at each block's position
-    (`kvxfer.device.staging.block_tags`)."""
+    (`kvxfer.device.staging.block_tags`), bound to what the block holds as D knows it (its
+    own prompt digest and block hashes: `ReadParams.tag_secrets`)."""
     p = read.params
     return all(not keys or np.array_equal(staging.tags[slots],
-                                          tags_of(p.secrets_of(g), g, keys))
+                                          tags_of(p.tag_secrets(g, read.prompt, read.hashes[g]
+                                                                if read.hashes else None),
+                                                  g, keys))
                for g, (staging, keys, slots) in enumerate(zip(stagings, p.keys, read.d_slots)))
 
 

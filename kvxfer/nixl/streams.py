@@ -313,7 +313,8 @@ class StreamReads:
 
     def start(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
               skip: Sequence[int] | None = None, prompt: str | None = None,
-              trace: Trace | None = None) -> None:
+              trace: Trace | None = None,
+              hashes: Sequence[Sequence[str]] | None = None) -> None:
         """`DecodeTransport.start_stream`, once the request id and logical ids are checked."""
         if not isinstance(params, StreamParams):
             raise InvalidInputError(f"params must be StreamParams, got {type(params).__name__}")
@@ -328,6 +329,7 @@ class StreamReads:
                      time.monotonic() + self.config.transfer_timeout_s,
                      legs={params.peer: Leg(params.peer, state=LegState.READ)},
                      stream=params, skip=skip, prompt=prompt,
+                     hashes=None if hashes is None else [list(h) for h in hashes],
                      trace=trace or Trace(req_id, "D", "", params.peer, self.config.name))
         self.reads[req_id] = read
         if self.readers > 1:

@@ -27,7 +27,8 @@ from kvxfer.plan.slots import SlotMap
 
 __all__ = ["PROTOCOL_VERSION", "WHOLE", "WIRE_INT_LIMIT", "ReadParams", "Source", "StreamParams",
            "check_piece",
-           "decode_message", "done_token", "encode_message", "is_done_token", "is_generation",
+           "bound_secret", "decode_message", "done_token", "encode_message", "hash_hex",
+           "is_done_token", "is_generation",
            "is_stream_id", "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
            "parse_entries",
            "parse_sources", "prompt_digest"]
@@ -112,6 +113,25 @@ def entry_secret(key: str, group: int, block_hash: object) -> str:
     data = block_hash if isinstance(block_hash, bytes) else repr(block_hash).encode()
     return hashlib.blake2b(b"entry\0%d\0" % group + data, key=bytes.fromhex(key),
                            digest_size=16).hexdigest()
+
+
+def hash_hex(block_hash: object) -> str:
+    """A block hash as params and tags name it: a vLLM block hash (bytes) in hex, anything
+    else by its repr."""
+    return block_hash.hex() if isinstance(block_hash, bytes) else repr(block_hash)
+
+
+def bound_secret(secret: str, identity: str | None) -> str:
+    """The secret a staged block's tags come from: `secret` (a request's, or a pool entry's)
+    bound to what the block holds, `identity` (the prompt's digest for a request's own
+    blocks, the block's hash for a pool entry; None binds nothing). P tags a block under its
+    own prompt's identity and D checks it under its own prompt's, never a field of the
+    params: params moved to another prompt, or a pool entry named for another block, fail
+    their tags though every field of the params was P's."""
+    if identity is None:
+        return secret
+    return hashlib.blake2b(identity.encode(), key=bytes.fromhex(secret), digest_size=16,
+                           person=b"kvxfer-bind").hexdigest()
 
 
 def done_token(secret: str) -> str:
@@ -307,10 +327,19 @@ class ReadParams:
                    secret=secret, prompt=prompt, sources=tuple(sources), units=units,
                    entries=shared if any(shared) else ())
 
-    def secrets_of(self, group: int) -> list[str]:
-        """The secret each key of `group` has its tags from, in key order."""
+    def tag_secrets(self, group: int, prompt: str | None,
+                    hashes: Sequence[str] | None) -> list[str]:
+        """The secret each key of `group` has its tags from, in key order, as the reader
+        checks them (`bound_secret`): a pool entry's bound to the reader's own block hash at
+        that key (`hashes[key]`, by kernel position; none there binds it to no hash P made),
+        the others' to the reader's own prompt digest `prompt` (None: the one these params
+        name, for a reader that does not know its prompt)."""
         shared = dict(self.entries[group]) if self.entries else {}
-        return [shared.get(k, self.secret) for k in self.keys[group]]
+        own = bound_secret(self.secret, self.prompt if prompt is None else prompt)
+        hashes = hashes or ()
+        return [own if k not in shared else bound_secret(
+                    shared[k], hashes[k] if k < len(hashes) and hashes[k] else "(none)")
+                for k in self.keys[group]]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able params (what `parse` reads back)."""

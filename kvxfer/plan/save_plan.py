@@ -33,7 +33,8 @@ from typing import Literal
 from kvxfer.errors import InvalidInputError
 from kvxfer.plan.blocks import NULL_BLOCK, cdiv, is_int
 
-__all__ = ["BlockIds", "GroupKind", "GroupSpec", "PlacedIds", "SaveTracker", "ScheduledRequest"]
+__all__ = ["BlockIds", "GroupKind", "GroupSpec", "PlacedIds", "SaveTracker", "ScheduledRequest",
+           "final_blocks"]
 
 GroupKind = Literal["attention", "sliding_window", "mamba"]
 _KINDS = ("attention", "sliding_window", "mamba")
@@ -86,6 +87,24 @@ class GroupSpec:
         if self.kind == "mamba":
             return self.block_size
         return self.block_size * self.dcp_size
+
+
+def final_blocks(spec: GroupSpec, num_prompt_tokens: int) -> range:
+    """The table indices of the blocks of a `num_prompt_tokens`-token prompt that P stages
+    for D in group `spec` once its prefill completes: every block holding a prompt token;
+    for a sliding window, those the window reaches from the last prompt token; for mamba,
+    the block holding the state after it. D's load of the prompt must cover them all."""
+    if not is_int(num_prompt_tokens) or num_prompt_tokens <= 0:
+        raise InvalidInputError(f"num_prompt_tokens must be a positive int, got "
+                                f"{num_prompt_tokens!r:.40}")
+    tpb = spec.tokens_per_block
+    if spec.kind == "mamba":
+        last = (num_prompt_tokens - 1) // tpb
+        return range(last, last + 1)
+    end = cdiv(num_prompt_tokens, tpb)
+    if spec.kind == "sliding_window":
+        return range(max(0, end - cdiv(spec.sliding_window, tpb) - 1), end)
+    return range(end)
 
 
 @dataclass(frozen=True)
@@ -262,9 +281,7 @@ class SaveTracker:
         if end <= saved:
             return []
         lo, hi = saved // tpb, cdiv(end, tpb)
-        if spec.kind == "sliding_window":
-            # D needs only the blocks the window can reach from the last prompt token.
-            final_blocks = cdiv(req.num_prompt_tokens, tpb)
-            lo = max(lo, final_blocks - cdiv(spec.sliding_window, tpb) - 1)
+        if spec.kind == "sliding_window":  # D needs only the blocks the window reaches
+            lo = max(lo, final_blocks(spec, req.num_prompt_tokens).start)
         req.saved[g] = end
         return [(i, table[i]) for i in range(lo, hi) if table[i] != NULL_BLOCK]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvxfer.connector.scheduler import LoadRequest
 from kvxfer.nixl.wire import StreamParams, prompt_digest
 from kvxfer.plan.blocks import is_int
-from kvxfer.plan.save_plan import GroupSpec
+from kvxfer.plan.save_plan import GroupSpec, final_blocks
 from kvxfer.vllm.fallbacks import Fallbacks, p_engine
 
 if TYPE_CHECKING:
@@ -159,10 +159,11 @@ class DecodeLoads:
         return self._ends.get(req_id) if req_id in self._local else None
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int,
-                    pooled: int) -> dict[str, int] | None:
+                    pooled: int, hashes: Callable[[], list[list[str]]]) -> dict[str, int] | None:
         """The load of a request whose params D took, once vLLM allocated its blocks (none
         where vLLM gave it no external tokens: P's lease is let go of); returns its loaded
-        tokens by source (`pooled` from D's pool, the rest from P), None where it loads none."""
+        tokens by source (`pooled` from D's pool, the rest from P), None where it loads none.
+        `hashes()`: its block hashes per group, which pooled blocks read are checked by."""
         params, req_id = request.kv_transfer_params, request.request_id
         read = asks(params, "do_remote_prefill", req_id)
         end = self._ends.pop(req_id, None)
@@ -179,10 +180,15 @@ class DecodeLoads:
         if num_external > 0:
             self.fallbacks.loading(req_id, origin)
             have = [0 if g.kind == "mamba" else local // g.tokens_per_block for g in self.groups]
+            upto = [end // g.tokens_per_block for g in self.groups] if prefix else None
+            need = []  # what vLLM was told is loaded: every block of it must be read
+            for g, h, u in zip(self.groups, have, upto or [None] * len(have)):
+                blocks_of = final_blocks(g, end if prefix else request.num_prompt_tokens)
+                hi = blocks_of.stop if u is None else min(blocks_of.stop, u)
+                need.append((min(max(h, blocks_of.start), hi), hi))
             self._loads[req_id] = LoadRequest(
                 dict(origin), [list(ids) for ids in blocks.get_block_ids()], have,
-                digest or prompt_digest_of(request),
-                [end // g.tokens_per_block for g in self.groups] if prefix else None)
+                digest or prompt_digest_of(request), upto, need, hashes())
             sources = {"host": pooled, "p2p": num_external - pooled}
         if read:
             params["do_remote_prefill"] = False  # one transfer per request

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.errors import InvalidInputError, KvxferError
-from kvxfer.nixl.wire import Source, is_stream_id
+from kvxfer.nixl.wire import Source, hash_hex, is_stream_id
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 from kvxfer.vllm.decode_loads import DecodeLoads, asks
 from kvxfer.vllm.events import event_labels, vllm_events
@@ -142,7 +142,7 @@ class SchedulerSide:
         """Per group, the block hash (hex) of the last full block of the request's first
         `num_tokens` tokens (None for none): what binds params to a prompt's hash chain, its
         cache salt, LoRA adapter and multimodal inputs included, beside its token digest."""
-        return [None if not hashes else _hex(hashes[-1])
+        return [None if not hashes else hash_hex(hashes[-1])
                 for hashes in self._block_hashes(request, num_tokens)]
 
     def _pool_match(self, request: Request, num_computed: int) -> tuple[int, bool]:
@@ -215,7 +215,9 @@ class SchedulerSide:
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
         if self.reads is not None:
             pooled = self._sources.get(request.request_id, {}).get("host", 0)
-            sources = self.reads.after_alloc(request, blocks, num_external, pooled)
+            sources = self.reads.after_alloc(
+                request, blocks, num_external, pooled,
+                lambda: [[hash_hex(h) for h in g] for g in self._block_hashes(request)])
             if sources is not None:
                 self._sources[request.request_id] = sources
 
@@ -348,10 +350,6 @@ class SchedulerSide:
     def holding(self) -> bool:
         return self.prefill is not None and bool(self.prefill.held())
 
-
-def _hex(block_hash: Any) -> str:
-    """A vLLM block hash (bytes) as params name it."""
-    return block_hash.hex() if isinstance(block_hash, bytes) else repr(block_hash)
 
 
 

@@ -1,0 +1,101 @@
+"""Params a client edits, through vLLM's real scheduler with kvxfer's connector.
+
+vLLM's OpenAI server takes `kv_transfer_params` in a request body, so a client that reaches
+an instance can hand it params a holder really issued, trimmed or relabelled. Each case here
+was a success before: the reader counted blocks it never read as loaded, or loaded one
+prompt's KV as another's, and decoded on it (and pooled it for every later request). Now
+the read fails by name and vLLM computes the prompt; the forward stamps (layer, position,
+token) into every token's KV, so every cache is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import test_vllm_connector
+import test_vllm_peer_reads
+from test_vllm_connector import _prompt, _spy_reads, assert_prompt_kv, decode, scheduled_tokens
+from test_vllm_peer_reads import _decode, _turn_one
+
+from kvxfer.nixl.wire import prompt_digest
+
+pd = test_vllm_connector.pd  # the P/D pair fixture
+fleet = test_vllm_peer_reads.fleet  # two kv_both engines, D with a host pool
+
+
+def _without(params: dict, drop: set[int]) -> dict:
+    """`params` with the blocks at `drop` (indices into group 0's keys) deleted."""
+    group = params["groups"][0]
+    kept = [i for i in range(len(group["keys"])) if i not in drop]
+    keys = [group["keys"][i] for i in kept]
+    trimmed = {**group, "keys": keys, "slots": [group["slots"][i] for i in kept]}
+    if "entries" in group:  # pool entries' secrets, named by key
+        trimmed["entries"] = [e for e in group["entries"] if e[0] in keys]
+    return {**params, "groups": [trimmed]}
+
+
+def test_params_trimmed_of_blocks_fail_on_d_and_the_prompt_is_computed(pd, caplog):
+    """P's params for a 50-token prompt (4 blocks) with 2 of its 3 whole blocks deleted: D
+    counted all 50 tokens as loaded and decoded on whatever its 2 unread blocks held."""
+    p, d = pd()
+    prompt = _prompt(81, 50)
+    params = _without(p.prefill("r", prompt), {1, 2})
+    with caplog.at_level(logging.WARNING):
+        steps = decode(d, "r-d", prompt, params)
+    assert any("name no block for table entries [1, 2]" in r.getMessage() for r in caplog.records)
+    first, total = scheduled_tokens(steps, "r-d")
+    assert first + total >= 50 and total > 2  # computed again, not taken
+    assert_prompt_kv(d, "r-d", prompt)
+
+
+def test_params_relabelled_to_another_prompt_fail_their_tags_on_d(pd, caplog):
+    """P's params for prompt X with `prompt` set to the digest of Y, sent to D with Y: D's
+    check of the digest passed (the field was the client's), and D loaded X's KV as Y's."""
+    p, d = pd()
+    x, y = _prompt(82, 50), _prompt(83, 50)
+    params = {**p.prefill("x", x), "prompt": prompt_digest(y)}
+    with caplog.at_level(logging.WARNING):
+        steps = decode(d, "y-d", y, params)
+    assert any("do not hold its blocks" in r.getMessage() for r in caplog.records)
+    first, total = scheduled_tokens(steps, "y-d")
+    assert first + total >= 50 and total > 2
+    assert_prompt_kv(d, "y-d", y)
+
+
+def test_a_peer_source_trimmed_of_blocks_fails_and_p_computes_the_prompt(fleet, monkeypatch):
+    """A lookup's params for a client's own 60-token prefix (3 whole blocks) with 2 of them
+    deleted: P counted the 48-token prefix as read and computed only what followed."""
+    p, d = fleet()
+    history = _turn_one(p, d, 84)
+    source = _without(d.prefill("look", history), {1, 2})
+    read = _spy_reads(monkeypatch)
+    second = history + _prompt(85, 10)
+    params = p.prefill("b", second, kv_source=source)
+    assert "b" not in read  # refused before anything was read
+    assert scheduled_tokens(p.steps, "b") == (0, len(second))
+    p.call(assert_prompt_kv, p.engine, "b", second)
+    _decode(d, "b-d", second, params, max_tokens=2)
+    d.call(assert_prompt_kv, d.engine, "b-d", second)
+
+
+def test_a_peer_source_relabelled_to_another_prefix_fails_its_tags_on_p(fleet, monkeypatch,
+                                                                          caplog):
+    """A lookup's `kv_source` for prefix X with its `prompt`, `chain` and `num_prompt_tokens`
+    rewritten to prefix Y's: P read X's KV as Y's, and its caches then served it to an
+    innocent request for Y."""
+    p, d = fleet()
+    x = _turn_one(p, d, 86)
+    y = _prompt(87, len(x))
+    source_x, source_y = d.prefill("look-x", x), d.prefill("look-y", y)
+    forged = {**source_x, **{k: source_y[k] for k in ("prompt", "chain", "num_prompt_tokens")}}
+    read = _spy_reads(monkeypatch)
+    second = y + _prompt(88, 10)
+    with caplog.at_level(logging.WARNING):
+        params = p.prefill("b", second, kv_source=forged)
+    assert read["b"] == [[0, 1, 2]]  # read, then refused: the tags are X's blocks'
+    assert any("do not hold its blocks" in r.getMessage() for r in caplog.records)
+    first, total = scheduled_tokens(p.steps, "b")
+    assert first + total >= len(second) and total > 10
+    p.call(assert_prompt_kv, p.engine, "b", second)
+    _decode(d, "b-d", second, params, max_tokens=2)
+    d.call(assert_prompt_kv, d.engine, "b-d", second)
