@@ -293,3 +293,24 @@ def test_a_hashed_block_staged_in_part_is_tagged_as_the_requests_until_it_is_who
     slots = second.slots["a"][0]
     bound = bound_secret(entries[1], hash_hex("h1"))
     assert (pr.p.stagings[0].tags[list(slots)][0] == tags_of([bound], 0, [1])[0]).all()
+
+
+def test_a_cache_reset_revokes_every_block_staged_or_lent_before_it(pair):
+    """After a reset (new weights), params issued before it fail, whether they name pooled
+    blocks lent to them or blocks of their own, though nothing about them changed; a request
+    staged after it is read as any other."""
+    pr = pair(pool_bytes=8 * SLOT)
+    _read_by_d(pr, "a", [["h0", "h1"]], [5, 9, 12], [20, 21, 22])
+    pr.p.add_request("b", 40, block_hashes=[["h0", "h1"]])
+    with pr._lock:
+        pr.save(ScheduledRequest("b", 0, 40, ([3, 4, 7],), full_table=True))
+        params = pr.p.request_finished("b")  # h0 and h1 lent to it, its third block its own
+        pr.p.scheduler.reset()
+        assert pr.save().revoke and not pr.save().revoke  # once, before anything is staged
+    before = [as_bits(c)[[25, 26, 27]].copy() for c in pr.d_caches[0]]
+    assert pr.load("b", params, [25, 26, 27], hashes=[["h0", "h1"]]) == ([], ["b"])
+    for cache, bits in zip(pr.d_caches[0], before):
+        assert (as_bits(cache)[[25, 26, 27]] == bits).all()
+    assert pr.p.stats().counters["p_failed_revoked"] == 1
+    assert pr.p.pooled_tokens([["h0", "h1"]]) == 0
+    _read_by_d(pr, "c", [["h0", "h1"]], [5, 9, 12], [28, 29, 30])  # staged after: read

@@ -29,7 +29,7 @@ __all__ = ["OUTCOMES", "Recorder", "Stats", "Trace"]
 logger = logging.getLogger(__name__)
 
 OUTCOMES = ("ok", "peer_gone", "deadline", "corruption", "binding", "refused",
-            "lease_expired", "other_process", "cancelled")
+            "lease_expired", "revoked", "other_process", "cancelled")
 """How a transfer ends: delivered, or why not (`<role>_failed_<outcome>` counts each failure
 but `cancelled`, a read D gave up itself)."""
 

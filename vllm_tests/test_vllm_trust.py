@@ -94,8 +94,25 @@ def test_a_peer_source_relabelled_to_another_prefix_fails_its_tags_on_p(fleet, m
         params = p.prefill("b", second, kv_source=forged)
     assert read["b"] == [[0, 1, 2]]  # read, then refused: the tags are X's blocks'
     assert any("do not hold its blocks" in r.getMessage() for r in caplog.records)
-    first, total = scheduled_tokens(p.steps, "b")
-    assert first + total >= len(second) and total > 10
+    assert scheduled_tokens(p.steps, "b") == (0, len(second))  # computed, nothing taken
     p.call(assert_prompt_kv, p.engine, "b", second)
     _decode(d, "b-d", second, params, max_tokens=2)
     d.call(assert_prompt_kv, d.engine, "b-d", second)
+
+
+def test_a_peer_source_lent_before_a_cache_reset_fails_after_it(fleet, monkeypatch):
+    """D's lookup lent P its pooled blocks; then D's cache was reset (new weights) and its
+    workers stepped once: P's read of the lookup's params was still answered with the blocks
+    from before the reset. Now D's reset revokes them and P computes the prompt."""
+    p, d = fleet()
+    history = _turn_one(p, d, 89)
+    source = d.prefill("look", history)
+    sched = d.engine.connector._scheduler
+    assert d.call(d.engine.scheduler.reset_prefix_cache, reset_connector=True)
+    d.until(lambda: not sched.prefill.revoking, 10.0, "D's workers never stepped after the reset")
+    second = history + _prompt(90, 10)
+    p.prefill("b", second, kv_source=source)
+    assert scheduled_tokens(p.steps, "b") == (0, len(second))  # computed, nothing taken
+    assert p.call(lambda: sum(p.engine.connector._scheduler.fallbacks.counters.values())) == 1
+    p.call(assert_prompt_kv, p.engine, "b", second)
+    assert d.call(lambda: sched.prefill.pools.entries()) == 0

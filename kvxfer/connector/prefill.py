@@ -119,6 +119,11 @@ class PrefillWorker:
             raise InvalidInputError("this worker keeps a host pool only (serve=False): it holds "
                                     "nothing for D")
         groups, _ = per_group(caches, len(self.layouts))
+        if meta.revoke:  # a cache reset: nothing staged before it is read as good again
+            for staging in self.stagings:
+                staging.tags[...] = 0
+            if self.transport is not None:
+                self.transport.revoke()
         for req_id in meta.cancels:
             self.transport.cancel_stream(req_id)
         start = time.monotonic()

@@ -74,6 +74,9 @@ class SaveMeta:
     - `keeps`: finished requests whose blocks this step gathers straight into the host pool
       (`PrefillScheduler.keep_finished`): no D reads them, so the worker frees them once
       gathered, and the engine may then free their device blocks.
+    - `revoke`: a cache reset came before this step (`PrefillScheduler.reset`): before it
+      stages anything, the worker voids every slot's tags and ends every lease, so no
+      block staged or pooled before the reset is read as good again.
 
     Plain data (ints, strs, lists): it crosses vLLM's scheduler -> worker
     boundary as `KVConnectorMetadata`.
@@ -91,6 +94,7 @@ class SaveMeta:
     final: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     cancels: list[str] = field(default_factory=list)
     keeps: list[str] = field(default_factory=list)
+    revoke: bool = False
 
     @property
     def completed(self) -> set[str]:
@@ -234,6 +238,15 @@ class PrefillScheduler:
         self._prompts: dict[str, str] = {}  # the prompt digest of those given their prompt
         self._streams: dict[str, tuple[str, int]] = {}  # streamed: (stream id, prompt tokens)
         self._cancels: list[str] = []  # streams given up on, for the next meta
+        self.revoking = False  # a reset waits for the next meta to reach the worker
+
+    def reset(self) -> None:
+        """A cache reset (new weights): the host pool lets go of every entry, and the next
+        `SaveMeta` revokes everything staged before now (`SaveMeta.revoke`): the params of
+        every request held for D, and of every lookup lent pooled blocks, fail from the
+        worker's next step on, and their readers compute the prompt."""
+        self.pools.clear()
+        self.revoking = True
 
     def use_sources(self, sources: Sequence[Source], units: int) -> None:
         """Name these P processes and units in the params of requests completed from now on
@@ -325,7 +338,8 @@ class PrefillScheduler:
     def build_connector_meta(self, scheduled: Iterable[ScheduledRequest]) -> SaveMeta:
         """This step's saves: kernel ids, kernel positions and staging slots of every group."""
         scheduled = list(scheduled)
-        meta = SaveMeta(instance=self.instance)
+        meta = SaveMeta(instance=self.instance, revoke=self.revoking)
+        self.revoking = False
         restarted = {s.req_id for s in scheduled if s.full_table and s.req_id in self.tracker}
         for req_id in restarted & self._held:  # D may have read its blocks: it cannot restage
             logger.warning("P drops streamed request %s, preempted mid-prefill; D will compute "

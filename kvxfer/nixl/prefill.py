@@ -346,6 +346,13 @@ class PrefillTransport:
         else:
             self.complaints.note(sender, "unknown_type", f"a {kind!r} message")
 
+    @_locked
+    def revoke(self) -> None:
+        """A cache reset: end every lease now (outcome `revoked`), so a `done` for any request
+        held before it is refused and its reader computes the prompt."""
+        for req_id in list(self._leases):
+            self._free(req_id, "revoked")
+
     def _free(self, req_id: str, outcome: str) -> None:
         """End `req_id`'s lease; its slots are freed in `poll` (`_free_ended`), on the
         engine's thread, which owns the staging and the counters."""

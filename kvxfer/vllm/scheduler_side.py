@@ -336,9 +336,11 @@ class SchedulerSide:
         return vllm_events(self.prefill.pools.take_events())
 
     def reset_cache(self) -> bool:
-        """vLLM's cache reset (new weights): the host pool lets go of every entry."""
+        """vLLM's cache reset (new weights): the host pool lets go of every entry, and the
+        workers' next step revokes everything staged or lent before it
+        (`PrefillScheduler.reset`); `holding` asks vLLM for that step at once."""
         if self.prefill is not None:
-            self.prefill.pools.clear()
+            self.prefill.reset()
         return True
 
     def hit_sources(self, req_id: str) -> dict[str, int] | None:
@@ -348,7 +350,7 @@ class SchedulerSide:
         return self._sources.get(req_id)
 
     def holding(self) -> bool:
-        return self.prefill is not None and bool(self.prefill.held())
+        return self.prefill is not None and (bool(self.prefill.held()) or self.prefill.revoking)
 
 
 

@@ -141,7 +141,7 @@ class WorkerSide:
         save = meta.save
         if save is None:
             return
-        if save.blocks or save.holds or save.cancels:  # a cancel alone frees a stream's slots
+        if save.blocks or save.holds or save.cancels or save.revoke:  # a cancel frees slots
             self._prefill.save(self._caches(), save)
             self._kept.update(save.keeps)
 
