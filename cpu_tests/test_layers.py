@@ -168,7 +168,8 @@ def test_the_extra_config_keys_and_the_cli_commands_stay():
     assert connector == ["staging_blocks", "kernel_ratio", "verify_fingerprints", "stats", "precompile",
                          "stage_units", "host_pool_bytes"]
     assert transport == ["handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s",
-                         "stream_wait_s", "ucx_tls", "num_threads", "progress_wake_us", "etcd_endpoints"]
+                         "stream_wait_s", "ucx_tls", "num_threads", "progress_wake_us", "etcd_endpoints",
+                         "fleet_key_file"]
     out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "{demo,kvbytes,plan,proxy,bench}" in out

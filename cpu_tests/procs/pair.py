@@ -64,13 +64,15 @@ class Pair:
     (`shape[1]` tokens per kernel block). P's caches are on `p_devices`, D's on
     `d_devices` (different TP on each side). `models` are P's and D's model descriptions;
     `specs` P's and D's partition specs (None: axis 2), over meshes whose `data` axes are
-    `data` long (P's, D's); `pool_bytes` P's `host_pool_bytes`.
+    `data` long (P's, D's); `pool_bytes` P's `host_pool_bytes`; `keys` P's and D's
+    `fleet_key_file`.
     """
 
     def __init__(self, kernel_ratio=1, block_size=16, deadline=10.0, groups=None, shape=SHAPE,
                  p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), layers=2, verify=True,
                  models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0, stats=True,
-                 specs=(None, None), stream_wait=600.0, data=(1, 1), pool_bytes=0):
+                 specs=(None, None), stream_wait=600.0, data=(1, 1), pool_bytes=0,
+                 keys=(None, None)):
         n = next(_names)
         groups = groups or [GroupSpec(block_size)]
         cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio, stats=stats)
@@ -83,12 +85,14 @@ class Pair:
                                    layers=layers, shape=shape, spec=specs[1], data=data[1])
                          for g in range(len(groups))]
         self.single = len(groups) == 1
-        p_transport = TransportConfig(f"P{n}", lease_s=lease, heartbeat_interval_s=heartbeat)
+        p_transport = TransportConfig(f"P{n}", lease_s=lease, heartbeat_interval_s=heartbeat,
+                                      fleet_key_file=keys[0])
         self.p = PrefillConnector(ConnectorConfig(p_transport, host_pool_bytes=pool_bytes, **cfg),
                                   groups, self.p_caches, model=models[0])
         self.d = DecodeConnector(ConnectorConfig(
             TransportConfig(f"D{n}", transfer_timeout_s=deadline, handshake_timeout_s=handshake,
-                            heartbeat_interval_s=heartbeat, stream_wait_s=stream_wait),
+                            heartbeat_interval_s=heartbeat, stream_wait_s=stream_wait,
+                            fleet_key_file=keys[1]),
             verify_fingerprints=verify, **cfg), self.d_caches, model=models[1])
         self.freed, self._stop, self._thread = [], threading.Event(), None
         self._lock = threading.Lock()

@@ -21,11 +21,12 @@ import sys
 import threading
 import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl import claims
+from kvxfer.nixl.gate import Gate, read_keys
 from kvxfer.nixl.wire import encode_message
 from kvxfer.plan.blocks import is_int
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CUDA_TLS", "HOST_TLS", "MAX_WAIT_S", "MIN_LEASE_S", "MIN_TIMEOUT_S", "TransportConfig",
            "choose_ucx_tls", "claim_name", "close_agent", "close_transport", "default_name", "forget_me",
-           "free_port", "release_name", "send", "start_agent", "ucx_sees_cuda"]
+           "free_port", "gated", "release_name", "send", "start_agent", "ucx_sees_cuda"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,12 @@ class TransportConfig:
       arrives; the timeout only bounds a missed wake-up; NIXL rounds it up to
       whole milliseconds). NIXL's Python API passes 0, and then the thread
       spins, holding a whole core while idle. 0 keeps NIXL's spinning thread.
+    - `fleet_key_file`: a file holding the fleet key (hex, 32 digits or more; two lines
+      while a key is rotated); None reads `KVXFER_FLEET_KEY` instead, and where neither is
+      set there is no key. With a key, no NIXL listener runs: the agent's metadata goes only
+      to peers that prove they hold the key, and theirs is loaded only after the same proof
+      (`kvxfer.nixl.gate`). Without one, NIXL's listener hands the metadata, and with it a
+      READ of every staging slot, to any agent that asks (one warning at start says so).
     - `etcd_endpoints`: NIXL's central metadata service (`NIXL_ETCD_ENDPOINTS`,
       for example `http://10.0.0.2:2379`). Every agent publishes its metadata
       there under its name and fetches its peers' by name, so many P and D
@@ -116,6 +123,8 @@ class TransportConfig:
     num_threads: int = 0
     progress_wake_us: int = 1000
     etcd_endpoints: str | None = None
+    fleet_key_file: str | None = None
+    fleet_keys: tuple[bytes, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         if self.name is None:
@@ -172,6 +181,11 @@ class TransportConfig:
             raise InvalidInputError(
                 f"TransportConfig etcd_endpoints must be None or comma-separated http(s):// "
                 f"URLs, got {self.etcd_endpoints!r}")
+        if self.fleet_key_file is not None and (not isinstance(self.fleet_key_file, str)
+                                                or not self.fleet_key_file):
+            raise InvalidInputError(f"TransportConfig fleet_key_file must be None or a path, "
+                                    f"got {self.fleet_key_file!r:.80}")
+        object.__setattr__(self, "fleet_keys", read_keys(self.fleet_key_file))
         if self.etcd_endpoints is not None and self.listen_port != 0:
             raise InvalidInputError(
                 f"TransportConfig listen_port {self.listen_port} is unused with etcd_endpoints "
@@ -307,7 +321,8 @@ def _create_agent_with(config: TransportConfig, ucx_tls: str | None) -> tuple[An
     """`_create_agent` with `UCX_TLS` set to `ucx_tls` (None: as inherited)."""
     nixl_agent, nixl_agent_config = _nixl()
     api = sys.modules.get(nixl_agent.__module__)  # what the two helpers below reach into
-    tries = _MAX_BIND_TRIES if config.listen_port == 0 and not config.uses_etcd else 1
+    listens = not config.uses_etcd and not config.fleet_keys  # NIXL's own listener
+    tries = _MAX_BIND_TRIES if config.listen_port == 0 and listens else 1
     # Both are read when the agent is created, and only then.
     env = {"UCX_TLS": ucx_tls, "NIXL_ETCD_ENDPOINTS": config.etcd_endpoints}
     old = {key: os.environ.get(key) for key in env}
@@ -318,9 +333,9 @@ def _create_agent_with(config: TransportConfig, ucx_tls: str | None) -> tuple[An
             elif key == "NIXL_ETCD_ENDPOINTS":
                 os.environ.pop(key, None)  # listener mode: never an inherited etcd
         for attempt in range(tries):
-            port = 0 if config.uses_etcd else config.listen_port or free_port()
+            port = config.listen_port or free_port() if listens else 0
             nixl_config = nixl_agent_config(
-                enable_listen_thread=not config.uses_etcd, listen_port=port,
+                enable_listen_thread=listens, listen_port=port,
                 num_threads=config.num_threads, sync_mode=_strict_sync(api),
             )
             try:
@@ -409,6 +424,17 @@ def start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[A
         regs = [(addr, n, 0, "") for s in stagings
                 for addr, n in [*s.region_addresses(), s.prints_address(), s.tags_address()]]
         reg = agent.register_memory(regs, "DRAM")
+        if config.fleet_keys and not config.uses_etcd:  # the gate instead of NIXL's listener
+            try:
+                gate = Gate(agent, config.name, config.fleet_keys,
+                            "::" if ":" in config.host else "", config.listen_port,
+                            config.handshake_timeout_s)
+            except BaseException:
+                close_agent(agent, reg, config.name)
+                raise
+            _gates[config.name], port = gate, gate.port
+        else:
+            _warn_unkeyed(config)
         if config.uses_etcd:
             try:  # under our name, with the registered regions: peers fetch it by name
                 agent.send_local_metadata()
@@ -420,6 +446,34 @@ def start_agent(config: TransportConfig, stagings: Sequence[Staging]) -> tuple[A
     except BaseException:
         release_name(config.name)
         raise
+
+
+_gates: dict[str, Gate] = {}  # agent name -> its gate, with a fleet key
+_warned: list[bool] = []
+
+
+def _warn_unkeyed(config: TransportConfig) -> None:
+    """Once per process: what an agent without a fleet key exposes."""
+    if _warned:
+        return
+    _warned.append(True)
+    if config.fleet_keys:  # with etcd
+        logger.warning("NIXL agent %s publishes its metadata in etcd at %s, which the fleet key "
+                       "does not guard: whoever reads that etcd can READ every staging slot. "
+                       "Guard etcd itself (client certificates, or a network only the fleet "
+                       "reaches)", config.name, config.etcd_endpoints)
+        return
+    logger.warning(
+        "NIXL agent %s has no fleet key (fleet_key_file, or %s): %s hands its metadata to any "
+        "agent that asks, and with it any agent that reaches this host can READ every staging "
+        "slot (every request's KV, every tenant's pooled KV) and send it messages. Give every "
+        "instance of the fleet the same key (docs/connector.md#the-fleet-key)", config.name,
+        "KVXFER_FLEET_KEY", "etcd" if config.uses_etcd else "NIXL's listener")
+
+
+def gated(config: TransportConfig) -> bool:
+    """Whether this agent's metadata goes only through the fleet key's gate."""
+    return bool(config.fleet_keys) and not config.uses_etcd
 
 
 def close_agent(agent: Any, reg: Any, who: str, etcd: bool = False) -> None:
@@ -451,6 +505,9 @@ def close_transport(agent: Any, reg: Any, publication: Any, fetcher: Any, who: s
     publication.close()
     if fetcher is not None:
         fetcher.close()
+    gate = _gates.pop(config.name, None)
+    if gate is not None:
+        gate.close()
     close_agent(agent, reg, who, config.uses_etcd)
     release_name(config.name)
 

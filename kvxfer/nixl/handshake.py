@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import KvxferError, TransferError
-from kvxfer.nixl.agent import send
+from kvxfer.nixl.agent import gated, send
 from kvxfer.nixl.complaints import Complaints
 from kvxfer.nixl.etcd import Fetcher
+from kvxfer.nixl.gate import Exchanges
 from kvxfer.nixl.peers import Peer, Peers
 from kvxfer.nixl.wire import ReadParams, new_instance
 from kvxfer.stats import Recorder
@@ -80,8 +81,8 @@ class Hellos:
             self._starts[sender] = start  # most recently heard last
             while len(self._starts) > MAX_STARTS:
                 del self._starts[next(iter(self._starts))]
-            if known is not None and known != start:
-                self._forget(sender)
+            if known is not None and known != start and not gated(self.config):
+                self._forget(sender)  # (through a gate, the new start's metadata replaced it)
         self._waiting.pop(sender, None)
         self._waiting[sender] = now + self.config.handshake_timeout_s  # newest last
         while len(self._waiting) > MAX_WAITING:  # made-up names: the oldest go first
@@ -145,6 +146,10 @@ class Handshakes:
         # metadata under D's name forgets it (NIXL refuses new metadata under a held name).
         self.start = new_instance()
         self.sent_to: set[tuple[str, int]] = set()  # P listeners that hold D's metadata
+        # with a fleet key: metadata both ways through P's gate, never NIXL's listener
+        self.exchanges = (Exchanges(self.agent, self.config.name, self.config.fleet_keys,
+                                    self.config.handshake_timeout_s)
+                          if gated(self.config) else None)
 
     def connect(self, peer: str, host: str, port: int) -> dict[str, Any]:
         """Handshake with P agent `peer` at `host:port` and wait for it; returns its layout.
@@ -254,8 +259,12 @@ class Handshakes:
 
     def _step(self, peer: str, handshake: _Handshake, now: float) -> None:
         if not handshake.hello_sent:
+            refused = self.exchanges.status(peer) if self.exchanges is not None else None
+            if isinstance(refused, KvxferError):
+                raise TransferError(f"peer {peer!r} {self._where(handshake)}: no metadata "
+                                    f"through its gate: {refused}")
             if self.agent.check_remote_metadata(peer):
-                if not self.config.uses_etcd:
+                if not self.config.uses_etcd and self.exchanges is None:
                     self.agent.send_local_metadata(handshake.host, handshake.port)
                     self.sent_to.add((handshake.host, handshake.port))
                 send(self.agent, peer, "hello", agent=self.config.name, start=self.start)
@@ -329,6 +338,8 @@ class Handshakes:
         """Ask for `peer`'s metadata: from etcd (through `fetcher`), or from its listener."""
         if self.config.uses_etcd and self.fetcher is not None:
             self.fetcher.fetch(peer)
+        elif self.exchanges is not None:
+            self.exchanges.start(peer, handshake.host, handshake.port)
         else:
             self.agent.fetch_remote_metadata(peer, *self._source(handshake))
 

@@ -33,8 +33,8 @@ _THRESHOLD = "kv_recompute_threshold"
 def _option_keys() -> tuple[list[str], list[str]]:
     """The fields of `ConnectorConfig` and of `TransportConfig` a user may set."""
     connector = [f.name for f in fields(ConnectorConfig) if f.name != "transport"]
-    transport = [f.name for f in fields(TransportConfig) if f.name not in ("name", "host",
-                                                                            "listen_port")]
+    transport = [f.name for f in fields(TransportConfig)
+                 if f.init and f.name not in ("name", "host", "listen_port")]
     return connector, transport
 
 
