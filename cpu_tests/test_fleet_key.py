@@ -90,13 +90,13 @@ def test_a_stranger_at_the_gate_gets_no_metadata_whatever_it_sends(pair, key_fil
             body = (b'{"name": "stranger", "nonce": "00", "metadata": "AAAA", "mac": "'
                     + b"0" * 64 + b'"}')
             sends = struct.pack(">I", len(body)) + body
-        sock.sendall(sends)
-        sock.shutdown(socket.SHUT_WR)
         rest = b""
         try:
+            sock.sendall(sends)
+            sock.shutdown(socket.SHUT_WR)
             while chunk := sock.recv(1 << 16):
                 rest += chunk
-        except ConnectionResetError:  # closed with what the stranger sent unread
+        except OSError:  # closed by the gate already, what the stranger sent unread
             pass
         assert rest == b""  # closed, nothing more sent
     assert MAX_FRAME < 0xFFFFFFFF  # a frame that long is refused before any read
@@ -144,3 +144,25 @@ def test_bad_keys_are_refused_by_name(key_file, tmp_path, monkeypatch):
     assert "ab" * 16 not in repr(TransportConfig("x"))  # never in a log line
     monkeypatch.delenv(ENV_KEY)
     assert TransportConfig("x").fleet_keys == ()
+
+
+def test_signed_params_fail_by_name_when_any_signed_field_is_edited_stripped_or_expired():
+    from kvxfer.nixl.wire import SIGNED, params_forged, sign_params
+
+    key, other = b"k" * 32, b"o" * 32
+    params = {"peer": "P", "instance": "i", "host": "h", "port": 1, "req_id": "r",
+              "generation": 1, "secret": "0" * 32, "groups": [{"keys": [0], "slots": [5]}],
+              "prompt": "1" * 32, "num_prompt_tokens": 20, "chain": ["ab"],
+              "do_remote_prefill": True}
+    signed = sign_params(params, key, ttl_s=30.0, now=1000.0)
+    assert params_forged(signed, (key,), now=1010.0) is None
+    assert params_forged(signed, (other, key), now=1010.0) is None  # either key of a rotation
+    assert params_forged(signed, (), now=10**9) is None  # a reader without a key checks nothing
+    assert params_forged({**signed, "do_remote_prefill": False}, (key,), now=1010.0) is None
+    for field in SIGNED:
+        edited = {**signed, field: "edited"}
+        assert "does not verify" in params_forged(edited, (key,), now=1010.0), field
+    assert "carry no MAC" in params_forged(params, (key,), now=1010.0)
+    assert "does not verify" in params_forged(signed, (other,), now=1010.0)
+    assert "expired" in params_forged(signed, (key,), now=1031.0)
+    assert "does not verify" in params_forged({**signed, "port": float("nan")}, (key,))

@@ -116,3 +116,40 @@ def test_a_peer_source_lent_before_a_cache_reset_fails_after_it(fleet, monkeypat
     assert p.call(lambda: sum(p.engine.connector._scheduler.fallbacks.counters.values())) == 1
     p.call(assert_prompt_kv, p.engine, "b", second)
     assert d.call(lambda: sched.prefill.pools.entries()) == 0
+
+
+def _keyed(pd, key_file):
+    """A P/D pair sharing one fleet key: params are issued under its MAC."""
+    extra = {"fleet_key_file": key_file}
+    return pd(extra=extra, d={"extra": extra})
+
+
+def test_with_a_fleet_key_edited_or_unsigned_params_are_refused_by_name_before_any_read(
+        pd, tmp_path, monkeypatch, caplog):
+    """P's params carry a MAC under the fleet key over every field D acts on: D refuses
+    params edited in any of them, stripped of their MAC, or expired, as `forged`, before it
+    reads anything or connects to the P they name; the unedited params load."""
+    import secrets
+
+    from kvxfer.vllm.fallbacks import counter_name
+
+    key = tmp_path / "fleet.key"
+    key.write_text(secrets.token_hex(32))
+    p, d = _keyed(pd, str(key))
+    prompt = _prompt(91, 50)
+    params = p.prefill("r", prompt)
+    assert "mac" in params and "expires" in params
+    read = _spy_reads(monkeypatch)
+    edits = {"port": {**params, "port": 1}, "chain": {**params, "chain": ["00" * 16]},
+             "unsigned": {k: v for k, v in params.items() if k != "mac"},
+             "expired": {**params, "expires": params["expires"] - 10**6}}
+    with caplog.at_level(logging.WARNING):
+        for i, forged in enumerate(edits.values()):
+            decode(d, f"f{i}", prompt, forged)
+            assert_prompt_kv(d, f"f{i}", prompt)
+    assert read == {}  # D computed each, and read nothing
+    fallbacks = d.connector._scheduler.fallbacks.counters
+    assert sum(n for k, n in fallbacks.items() if k.startswith(counter_name("forged", ""))) == 4
+    decode(d, "r-d", prompt, params)  # past D's own prefix hit (the edits' prompt), from P
+    assert read["r-d"] == [[3]]
+    assert_prompt_kv(d, "r-d", prompt)

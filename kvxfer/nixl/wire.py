@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import array
 import hashlib
+import hmac
 import json
 import secrets
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,13 +29,13 @@ from kvxfer.plan.slots import SlotMap
 
 __all__ = ["PROTOCOL_VERSION", "WHOLE", "WIRE_INT_LIMIT", "ReadParams", "Source", "StreamParams",
            "check_piece",
-           "bound_secret", "decode_message", "done_token", "encode_message", "hash_hex",
+           "SIGNED", "bound_secret", "decode_message", "done_token", "encode_message", "hash_hex",
            "is_done_token", "is_generation",
            "is_stream_id", "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
            "parse_entries",
-           "parse_sources", "prompt_digest"]
+           "params_forged", "parse_sources", "prompt_digest", "sign_params"]
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 _MAGIC = b"kvxfer:"
@@ -132,6 +134,50 @@ def bound_secret(secret: str, identity: str | None) -> str:
         return secret
     return hashlib.blake2b(identity.encode(), key=bytes.fromhex(secret), digest_size=16,
                            person=b"kvxfer-bind").hexdigest()
+
+
+SIGNED = ("peer", "instance", "host", "port", "req_id", "generation", "secret", "groups",
+          "sources", "units", "prompt", "num_prompt_tokens", "chain", "expires")
+"""The params fields a holder's MAC covers (`sign_params`): every one a reader acts on. Fields a
+router adds beside them (`do_remote_prefill`, a stream id) are not covered."""
+
+
+def _params_mac(key: bytes, params: Mapping[str, Any]) -> str:
+    signed = {k: params.get(k) for k in SIGNED}
+    body = json.dumps(signed, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hmac.new(key, b"kvxfer-params\0" + body.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_params(params: Mapping[str, Any], key: bytes, ttl_s: float,
+                now: float | None = None) -> dict[str, Any]:
+    """`params` with `expires` (wall-clock seconds, `ttl_s` from `now`) and `mac`, an
+    HMAC-SHA256 under the fleet key over every field in `SIGNED`: a reader holding the key
+    takes only params a holder of the key issued, unedited, before they expire."""
+    out = dict(params, expires=round((time.time() if now is None else now) + ttl_s, 3))
+    out["mac"] = _params_mac(key, out)
+    return out
+
+
+def params_forged(params: Mapping[str, Any], keys: Sequence[bytes],
+                  now: float | None = None) -> str | None:
+    """Why a reader holding fleet `keys` refuses `params` (no MAC, one no key verifies: made
+    or edited outside the fleet, or expired); None where they are good, or where the reader
+    holds no key (it checks nothing)."""
+    if not keys:
+        return None
+    mac = params.get("mac")
+    if not isinstance(mac, str):
+        return "they carry no MAC of the fleet key (made outside the fleet, or stripped)"
+    try:
+        good = any(hmac.compare_digest(_params_mac(k, params), mac) for k in keys)
+    except (TypeError, ValueError):  # a value JSON cannot hold (NaN, a non-string key)
+        good = False
+    if not good:
+        return "their MAC does not verify under the fleet key (edited, or made outside the fleet)"
+    expires = params.get("expires")
+    if not isinstance(expires, (int, float)) or (time.time() if now is None else now) > expires:
+        return f"they expired (at {expires!r:.20})"
+    return None
 
 
 def done_token(secret: str) -> str:

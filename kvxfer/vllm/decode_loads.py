@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.connector.scheduler import LoadRequest
-from kvxfer.nixl.wire import StreamParams, prompt_digest
+from kvxfer.nixl.wire import StreamParams, params_forged, prompt_digest
 from kvxfer.plan.blocks import is_int
 from kvxfer.plan.save_plan import GroupSpec, final_blocks
 from kvxfer.vllm.fallbacks import Fallbacks, p_engine
@@ -31,10 +31,12 @@ class DecodeLoads:
     already, the loads handed to the workers, the P leases D keeps alive (`expects`) or lets
     go of (`cancels`), and what D computes itself instead (`fallbacks`)."""
 
-    def __init__(self, groups: Sequence[GroupSpec], threshold: int, fallbacks: Fallbacks):
+    def __init__(self, groups: Sequence[GroupSpec], threshold: int, fallbacks: Fallbacks,
+                 keys: Sequence[bytes] = ()):
         self.groups = list(groups)
         self.threshold = threshold  # fewer tokens to load: computed
         self.fallbacks = fallbacks
+        self.keys = tuple(keys)  # the fleet keys: params without their MAC are refused
         self._local: dict[str, int] = {}  # tokens D holds (device and pool), from matched
         self._ends: dict[str, int] = {}  # where the read ends: the prompt's, or a source's prefix
         self._prompts: dict[str, str | None] = {}  # the prompt digest, from matched
@@ -63,6 +65,10 @@ class DecodeLoads:
                 return self._prefix(request, num_computed, pool_match, chain)
             return pool_match(request, num_computed)
         streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
+        forged = None if streamed else params_forged(params, self.keys)
+        if forged is not None:  # no lease is let go of: the P they name may be anyone's
+            self._fall_back("forged", request, f"its kv_transfer_params are refused: {forged}")
+            return pool_match(request, num_computed)
         sent = request.num_prompt_tokens if streamed else params.get("num_prompt_tokens")
         digest = prompt_digest_of(request)
         if sent != request.num_prompt_tokens or (not streamed and params.get("prompt") != digest):
@@ -103,6 +109,11 @@ class DecodeLoads:
         why = None
         if not isinstance(source, Mapping):
             why = f"kv_source must be a peer's kv_transfer_params, got {source!r:.60}"
+        elif (forged := params_forged(source, self.keys)) is not None:
+            params["kv_source"] = None  # once: a retry reads nothing; no lease let go of
+            self.fallbacks.count("forged", p_engine(source), req_id,
+                                 f"its kv_source is refused: {forged}")
+            return pool_match(request, num_computed)
         elif not is_int(n) or not 0 < n <= request.num_prompt_tokens:
             why = (f"kv_source names a prefix of {n!r:.20} tokens of a "
                    f"{request.num_prompt_tokens}-token prompt")

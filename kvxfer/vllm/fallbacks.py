@@ -50,7 +50,7 @@ __all__ = ["MAX_ENGINES", "MAX_VERIFIED", "REASONS", "Fallbacks", "counter_name"
 
 logger = logging.getLogger(__name__)
 
-REASONS = ("no_params", "below_threshold", "other_prompt", "load_failed", "pool_failed")
+REASONS = ("no_params", "below_threshold", "other_prompt", "forged", "load_failed", "pool_failed")
 PREFIX = "d_fallback_"
 NO_ENGINE = "none"  # no params: no P named
 UNNAMED = "unknown"  # params that name no P

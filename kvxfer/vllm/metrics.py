@@ -224,7 +224,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
         self.fallbacks = self._counter_cls(
             name="vllm:kvxfer_num_fallbacks", labelnames=[*labelnames, "reason", "p_engine"],
             documentation="D: requests whose prompt D computed itself instead of loading P's "
-                          "KV, by reason (no_params, below_threshold, other_prompt, "
+                          "KV, by reason (no_params, below_threshold, other_prompt, forged, "
                           "load_failed, pool_failed) and P engine (P's agent name once D "
                           "completed a handshake with it, else unverified; none without "
                           "params or for D's own pool)")

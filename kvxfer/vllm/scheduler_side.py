@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.errors import InvalidInputError, KvxferError
-from kvxfer.nixl.wire import Source, hash_hex, is_stream_id
+from kvxfer.nixl.wire import Source, hash_hex, is_stream_id, sign_params
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
 from kvxfer.vllm.decode_loads import DecodeLoads, asks
 from kvxfer.vllm.events import event_labels, vllm_events
@@ -86,9 +86,11 @@ class SchedulerSide:
         self.consumer, self.producer = consumer, producer
         # a reader (D, or kv_both): requests it computes itself instead of loading, counted
         self.fallbacks = Fallbacks(recompute) if consumer else None
-        self.reads = (DecodeLoads(groups, settings.kv_recompute_threshold, self.fallbacks)
-                      if consumer else None)
         config = settings.connector_config(producer)
+        # with a fleet key, params are issued under its MAC and taken only with it
+        self._keys, self._lease_s = config.transport.fleet_keys, config.transport.lease_s
+        self.reads = (DecodeLoads(groups, settings.kv_recompute_threshold, self.fallbacks,
+                                  self._keys) if consumer else None)
         # P's staging and params; on a D with a host pool, the pool alone (what it decoded)
         self.prefill = PrefillScheduler(
             groups, staging_blocks=config.staging_blocks, kernel_ratio=config.kernel_ratio,
@@ -324,9 +326,11 @@ class SchedulerSide:
         params = self.prefill.request_finished(transfer)
         if params is None:
             return False, None
-        return False, {**params, "do_remote_prefill": True, "do_remote_decode": False,
-                       "num_prompt_tokens": request.num_prompt_tokens,
-                       "chain": self.chain(request, request.num_prompt_tokens)}
+        params = {**params, "num_prompt_tokens": request.num_prompt_tokens,
+                  "chain": self.chain(request, request.num_prompt_tokens)}
+        if self._keys:  # valid while P's lease would be, had D not yet said it expects them
+            params = sign_params(params, self._keys[0], self._lease_s)
+        return False, {**params, "do_remote_prefill": True, "do_remote_decode": False}
 
     def take_events(self) -> list[Any]:
         """The host pool's stores and removals since the last call, as vLLM's KV events
