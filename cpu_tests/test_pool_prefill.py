@@ -285,7 +285,7 @@ def test_a_hashed_block_staged_in_part_is_tagged_as_the_requests_until_it_is_who
     ones, after the entry was evicted and its slot taken by this request) fail on it."""
     pr = pair(pool_bytes=8 * SLOT)
     pr.p.add_request("a", 40, block_hashes=[["h0", "h1"]])
-    entries = pr.p.scheduler._entries["a"][0]
+    entries = {pos: s for pos, (s, _) in pr.p.scheduler._entries["a"][0].items()}
     first = pr.save(ScheduledRequest("a", 0, 24, ([5, 9],), full_table=True))
     assert first.entries["a"] == ({0: entries[0]},)  # block 1 holds 8 of its 16 tokens
     second = pr.save(ScheduledRequest("a", 24, 16, ([12],)))

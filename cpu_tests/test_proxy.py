@@ -22,7 +22,7 @@ from aiohttp import web
 
 from kvxfer import cli
 from kvxfer.errors import InvalidInputError
-from kvxfer.serve.proxy import ProxyConfig, build_app, parse_urls
+from kvxfer.serve.proxy import ProxyConfig, build_app, parse_urls, tenant_salt
 
 WAIT_S = 10  # bounds a wait that only a broken proxy would exhaust; nothing asserts on time
 
@@ -175,7 +175,7 @@ def test_prefills_one_unstreamed_token_on_p_and_decodes_the_original_request_on_
     assert p_body["prompt"] == BODY["prompt"] and p_body["temperature"] == 0.0
     [(d_path, d_body, _)] = d.seen
     assert d_path == "/v1/completions"
-    assert d_body == {**BODY, "kv_transfer_params": {
+    assert d_body == {**BODY, "cache_salt": tenant_salt(""), "kv_transfer_params": {
         "remote_host": "P", "remote_block_ids": [3, 4], "peer": "kv-P", "host": "10.0.0.5",
         "port": 5610}}
 
@@ -1048,7 +1048,8 @@ def test_another_tenant_sending_the_same_session_id_has_a_session_of_its_own():
     """Tenant A's session goes to D0, which is then busy (A's request held there): tenant B
     sends the same `X-Session-Id` under another `Authorization` and goes to D1, the least
     loaded; A's next turn still goes to D0 (B did not move A's session). The same id under
-    A's key but another `cache_salt` is another session too."""
+    A's key with another `cache_salt` of the client's is A's session still: the proxy sets
+    the salt from the tenant."""
     ps, ds = [FakeVllm("P0")], [FakeVllm("D0"), FakeVllm("D1")]
 
     async def ask(session, url, key, salt="s1"):
@@ -1064,14 +1065,61 @@ def test_another_tenant_sending_the_same_session_id_has_a_session_of_its_own():
             held = asyncio.ensure_future(ask(session, url, "A"))
             await asyncio.wait_for(ds[0].holding.wait(), WAIT_S)
             b = await ask(session, url, "B")
-            other_salt = await ask(session, url, "A", salt="s2")
             ds[0].hold = False
             ds[0].release.set()
             await held
+            other_salt = await ask(session, url, "A", salt="s2")
             return a, b, other_salt, await ask(session, url, "A")
 
     a, b, other_salt, again = run(go())
-    assert a == again and b != a and other_salt != a
+    assert a == again and b != a and other_salt == a
+
+
+def test_a_clients_own_cache_salt_and_kv_transfer_params_change_nothing_another_tenant_reads():
+    """Tenant B sends A's prompt with A's salt (learnt somehow) and made-up params naming a
+    peer to read from: P and D get B's own salt, derived from B's key, and the proxy's params
+    only; the router counts B's prompt as no hit on A's (B goes to the least loaded D, not
+    the one holding A's prompt). Behind a gateway (`tenant_header` its header), the salt is
+    derived from that header; with none, the client's passes through."""
+    ps, ds = [FakeVllm("P0")], [FakeVllm("D0"), FakeVllm("D1")]
+    forged = {"kv_source": {"peer": "kv-D0", "num_prompt_tokens": 3}, "do_remote_prefill": True,
+              "peer": "attacker", "host": "10.9.9.9", "port": 1}
+    prompt = {**BODY, "prompt": list(range(40)), "max_tokens": 2}
+
+    async def ask(session, url, key, body, **headers):
+        async with session.post(url + "/v1/completions", json=body,
+                                headers={"Authorization": f"Bearer {key}", **headers}) as r:
+            assert r.status == 200
+            return r.headers["X-Kvxfer-Route"].split("decode=")[1].split(";")[0]
+
+    async def go(**config):
+        async with pd(ps, ds, route_imbalance=0, **config) as (session, url):
+            a = await ask(session, url, "A", prompt)
+            b = await ask(session, url, "B", {**prompt, "cache_salt": tenant_salt("Bearer A"),
+                                               "kv_transfer_params": forged})
+            return a, b
+
+    a, b = run(go())
+    assert a != b  # A's prompt under B's salt is no hit on the D that holds A's
+    (_, p_a, _), (_, p_b, _) = ps[0].seen
+    (_, d_a, _), (_, d_b, _) = ds[0].seen + ds[1].seen
+    assert p_a["cache_salt"] == d_a["cache_salt"] == tenant_salt("Bearer A")
+    assert p_b["cache_salt"] == d_b["cache_salt"] == tenant_salt("Bearer B")
+    assert p_b["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert "kv_source" not in d_b["kv_transfer_params"]
+    assert d_b["kv_transfer_params"]["peer"] == "kv-P0"
+    for fake in (*ps, *ds):
+        fake.seen.clear()
+    def salts():
+        seen = {b.get("cache_salt") for fake in (*ps, *ds) for _, b, _ in fake.seen}
+        for fake in (*ps, *ds):
+            fake.seen.clear()
+        return seen
+
+    run(go(tenant_header="X-Tenant"))
+    assert salts() == {tenant_salt("")}  # neither sent X-Tenant: one tenant
+    run(go(tenant_header=None))
+    assert salts() == {None, tenant_salt("Bearer A")}  # each client's own
 
 
 def test_an_instance_failing_its_health_check_is_not_routed_to_within_one_interval():
@@ -1681,3 +1729,18 @@ def test_an_instance_given_up_on_is_asked_again_once_back_not_left_out_until_the
     status, route, body = run(go())
     assert (status, body) == (200, {"choices": [{"text": "decoded by D"}]})
     assert route.startswith("choice=pd;") and len(p.seen) == 1
+
+
+def test_cli_takes_the_tenant_header_with_its_default_and_refuses_a_bad_one_by_flag(monkeypatch,
+                                                                                     capsys):
+    from kvxfer.serve import proxy
+
+    configs = []
+    monkeypatch.setattr(proxy, "serve", configs.append)
+    args = ["proxy", "--prefill", "http://p:1", "--decode", "http://d:2", "--port", "8000"]
+    assert cli.main(args) == 0
+    assert cli.main([*args, "--tenant-header", "X-Tenant-Id"]) == 0
+    assert cli.main([*args, "--tenant-header", "none"]) == 0
+    assert [c.tenant_header for c in configs] == ["Authorization", "X-Tenant-Id", None]
+    assert cli.main([*args, "--tenant-header", "X Tenant: 1"]) == 2
+    assert "--tenant-header must be an HTTP header name" in capsys.readouterr().err

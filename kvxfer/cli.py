@@ -177,7 +177,9 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
                                   local_prefill_tokens=args.local_prefill_tokens,
                                   route_imbalance=args.route_imbalance,
                                   health_interval_s=args.health_interval,
-                                  peer_reads=args.peer_reads))
+                                  peer_reads=args.peer_reads,
+                                  tenant_header=None if args.tenant_header.lower() == "none"
+                                  else args.tenant_header))
     return 0
 
 
@@ -363,6 +365,11 @@ def _add_proxy(sub: Any) -> None:
     proxy.add_argument("--peer-reads", action="store_true",
                        help="a session's next turn through P reads the conversation so far from "
                             "the D that answered the last one (P and D started as kv_both)")
+    proxy.add_argument("--tenant-header", default="Authorization", metavar="NAME",
+                       help="the header naming a request's tenant (default Authorization, the "
+                            "client's API key): the proxy sets cache_salt from it, replacing "
+                            "the client's, so prefix caches, pools and routes are one tenant's; "
+                            "none passes the client's salt through (a gateway in front sets it)")
     proxy.set_defaults(func=_cmd_proxy)
 
 

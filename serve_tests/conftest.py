@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
@@ -31,10 +30,7 @@ def fail_stack() -> Iterator[Stack]:
     yield from start("fail", PD_D_POLICY="fail", PD_P_PORT="8120", PD_D_PORT="8220",
                      PD_PROXY_PORT="8020", PD_KV_PORT="5612", PD_HOST_POOL_BYTES=str(16 << 20),
                      PD_PROXY_ARGS=EVERY_PROMPT_THROUGH_P,
-                     PD_P_EXTRA_ARGS="--kv-events-config " + json.dumps(
-                         {"enable_kv_cache_events": True, "publisher": "zmq",
-                          "endpoint": f"tcp://*:{EVENTS_PORT}", "topic": "kv"},
-                         separators=(",", ":")),
+                     PD_KV_EVENTS=str(EVENTS_PORT),  # bound on 127.0.0.1 alone
                      PD_EXTRA_ARGS="--enable-prompt-tokens-details --no-enable-prefix-caching")
 
 

@@ -31,7 +31,7 @@ def test_a_prompt_p_pooled_is_loaded_not_prefilled_and_answers_alike(fail_stack)
 
 
 def test_p_publishes_its_pools_stores_as_vllm_kv_events_a_zmq_subscriber_decodes(fail_stack):
-    """P runs with `--kv-events-config` (zmq, bound on its wildcard endpoint): a subscriber that
+    """P runs with `--kv-events-config` (zmq, bound on 127.0.0.1: `PD_KV_EVENTS`): a subscriber that
     connects gets `BlockStored` events with medium CPU for the whole blocks P pools, in
     vLLM's own event types."""
     import msgspec

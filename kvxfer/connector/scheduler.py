@@ -11,13 +11,12 @@ NIXL: vLLM runs this in its scheduler process.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import secrets
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer.connector.keeper import Keeper, Tags, check_events, split_tags
 from kvxfer.errors import (
     InvalidInputError,
     StagingFullError,
@@ -26,15 +25,12 @@ from kvxfer.nixl.wire import (
     ReadParams,
     Source,
     StreamParams,
-    entry_secret,
-    hash_hex,
     is_stream_id,
     new_instance,
-    new_secret,
     parse_sources,
     prompt_digest,
 )
-from kvxfer.plan.blocks import is_int, kernel_placement, table_entries
+from kvxfer.plan.blocks import is_int, kernel_placement
 from kvxfer.plan.pool import Pools
 from kvxfer.plan.save_plan import GroupSpec, SaveTracker, ScheduledRequest
 from kvxfer.plan.slots import SlotMap
@@ -223,28 +219,19 @@ class PrefillScheduler:
             raise InvalidInputError(f"pool_slots must be an int in [0, staging_blocks="
                                     f"{staging_blocks}], got {pool_slots!r}")
         self.pools = Pools(self.tracker.groups, self.slot_maps, kernel_ratio, pool_slots)
-        self._entries: dict[str, tuple[dict[int, str], ...]] = {}  # request -> entry secrets
-        self._hashes: dict[str, tuple[dict[int, str], ...]] = {}  # request -> entry hashes (hex)
+        self._entries: dict[str, Tags] = {}  # request -> its blocks' pool entry tags
         self._next_generation = 1
         self._params: dict[str, dict[str, Any]] = {}  # completed, not yet asked for
         self._held: set[str] = set()  # params handed out, slots not yet freed by the worker
         self._secrets: dict[str, str] = {}  # added, not yet freed
-        if secret_key is not None and not (isinstance(secret_key, str) and len(secret_key) == 64
-                                           and all(c in "0123456789abcdef" for c in secret_key)):
-            raise InvalidInputError("secret_key must be None or 64 lowercase hex digits")
-        self._key = secret_key or secrets.token_hex(32)
-        self.keeper = Keeper(self.slot_maps, self.pools, kernel_ratio, self._key)
-        self._added = itertools.count()
+        self.keeper = Keeper(self.slot_maps, self.pools, kernel_ratio, secret_key)
         self._prompts: dict[str, str] = {}  # the prompt digest of those given their prompt
         self._streams: dict[str, tuple[str, int]] = {}  # streamed: (stream id, prompt tokens)
         self._cancels: list[str] = []  # streams given up on, for the next meta
         self.revoking = False  # a reset waits for the next meta to reach the worker
 
     def reset(self) -> None:
-        """A cache reset (new weights): the host pool lets go of every entry, and the next
-        `SaveMeta` revokes everything staged before now (`SaveMeta.revoke`): the params of
-        every request held for D, and of every lookup lent pooled blocks, fail from the
-        worker's next step on, and their readers compute the prompt."""
+        """A cache reset (new weights): the pool lets go of every entry (`SaveMeta.revoke`)."""
         self.pools.clear()
         self.revoking = True
 
@@ -300,20 +287,16 @@ class PrefillScheduler:
                     f"request {req_id!r}: {len(prompt_token_ids)} prompt token ids for "
                     f"{num_prompt_tokens!r} prompt tokens")
             digest = prompt_digest(prompt_token_ids)
-        _check_events(req_id, num_prompt_tokens, event_token_ids, labels)
+        check_events(req_id, num_prompt_tokens, event_token_ids, labels)
         hashes = (None if block_hashes is None
                   else self.pools.check(block_hashes, num_prompt_tokens))  # before any change
         self.tracker.add(req_id, num_prompt_tokens)
         if hashes is not None and self.pools.pools:
             self.pools.remember(req_id, hashes, prompt_token_ids if event_token_ids is None
                                 else event_token_ids, labels)
-            r = self.kernel_ratio
-            self._entries[req_id] = tuple(
-                {i * r + j: entry_secret(self._key, g, h) for i, h in enumerate(group)
-                 for j in range(r)} for g, group in enumerate(hashes))
-            self._hashes[req_id] = tuple({i * r + j: hash_hex(h) for i, h in enumerate(group)
-                                          for j in range(r)} for group in hashes)
-        self._secrets[req_id] = new_secret(self._key, req_id, next(self._added))
+            self._entries[req_id] = self.keeper.tags(
+                hashes, [range(len(h) * self.kernel_ratio) for h in hashes])
+        self._secrets[req_id] = self.keeper.secret(req_id)
         if digest is not None:
             self._prompts[req_id] = digest
         if stream is not None:
@@ -366,10 +349,8 @@ class PrefillScheduler:
             if req_id in self._prompts:
                 meta.prompts[req_id] = self._prompts[req_id]
             if req_id in self._entries:
-                meta.entries[req_id] = _whole(placed, self._entries[req_id], self.tracker.groups,
-                                              self.kernel_ratio, ends[req_id])
-                meta.hashes[req_id] = tuple({pos: h[pos] for pos in e} for e, h in
-                                            zip(meta.entries[req_id], self._hashes[req_id]))
+                meta.entries[req_id], meta.hashes[req_id] = _whole(
+                    placed, self._entries[req_id], self.tracker.groups, self.kernel_ratio, ends[req_id])
             if req_id in self._streams and (any(placed) or (
                     req_id in self._held and req_id not in self.tracker)):
                 self._stream_step(req_id, placed, ends[req_id], meta)
@@ -402,7 +383,8 @@ class PrefillScheduler:
                                    host=a.host, port=a.port, generation=self._next_generation,
                                    secret=self._secrets[req_id],
                                    prompt=self._prompts.get(req_id), sources=self.sources,
-                                   units=self.units, entries=self._entries.get(req_id, ()))
+                                   units=self.units,
+                                   entries=split_tags(self._entries.get(req_id, ()))[0])
         if params is None:
             logger.warning("P request %s completed with nothing staged", req_id)
             return
@@ -433,7 +415,6 @@ class PrefillScheduler:
         if streaming:  # a block it staged may be half written: none of it enters the pool
             self.pools.forget(req_id)
             self._entries.pop(req_id, None)
-            self._hashes.pop(req_id, None)
             self._cancels.append(req_id)
         elif req_id not in self._held:
             self._free_slots(req_id)
@@ -478,7 +459,6 @@ class PrefillScheduler:
         if forget:
             self.pools.forget(req_id)
             self._entries.pop(req_id, None)
-            self._hashes.pop(req_id, None)
             self._secrets.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._streams.pop(req_id, None)
@@ -487,116 +467,12 @@ class PrefillScheduler:
                 m.free(req_id)
 
 
-class Keeper:
-    """Finished requests whose full blocks enter the host pool (`PrefillScheduler.keep_finished`):
-    a D's (or any instance's) own blocks, prompt and generated tokens alike, which no peer
-    reads. The pooled run of a request's blocks is named, not copied (`Pools.lend`); the rest
-    go into the next `SaveMeta` (`keeps`), whose worker frees them once gathered; `release`
-    then makes them pool entries, tagged from their entry secrets as P's are.
-
-    **Arguments:** each group's `SlotMap`, the `Pools` over them, the kernel ratio, and the
-    key (64 hex digits) entry and request secrets derive from.
-    """
-
-    def __init__(self, slot_maps: Sequence[SlotMap], pools: Pools, kernel_ratio: int,
-                 key: str) -> None:
-        self.slot_maps, self.pools, self.kernel_ratio, self._key = slot_maps, pools, kernel_ratio, key
-        self.held: set[str] = set()  # kept, not yet freed by the worker
-        self._keeps: dict[str, SaveMeta] = {}  # for the next meta: one request's blocks each
-        self._count = itertools.count()
-
-    def keep(self, req_id: str, tables: Sequence[Sequence[int]],
-             block_hashes: Sequence[Sequence[Hashable]],
-             token_ids: Sequence[int] | None = None,
-             labels: Mapping[str, Any] | None = None) -> bool:
-        """`tables[g]`: group `g`'s block table (logical ids in token order);
-        `block_hashes[g]`: the hashes of the group's full blocks whose KV is computed, in
-        order (no more); `token_ids`, their tokens, and `labels`, for KV events
-        (`Pools.remember`). Returns whether the engine
-        must keep the request's device blocks until the next save gathered them (vLLM:
-        `delay_free_blocks`): False where nothing is left to copy, where there is no pool,
-        or where the staging has no room (the request is then not pooled)."""
-        if not self.pools.pools or req_id in self.held or not any(block_hashes):
-            return False
-        hashes = self.pools.check(block_hashes)
-        _check_events(req_id, None, None, labels)
-        if (isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence)
-                or len(tables) != len(hashes)):
-            raise InvalidInputError(f"request {req_id!r}: tables must hold one block table per "
-                                    f"KV cache group ({len(hashes)}), got {tables!r:.80}")
-        self.pools.remember(req_id, hashes, token_ids, labels)
-        lent, r = self.pools.lend(req_id), self.kernel_ratio
-        try:
-            placed = tuple(kernel_placement(table_entries(range(n, len(h)), table), r)
-                           for n, h, table in zip(lent, hashes, tables))
-            slots = tuple(m.assign(req_id, [pos for pos, _ in p])
-                          for m, p in zip(self.slot_maps, placed))
-        except (InvalidInputError, StagingFullError) as e:
-            logger.warning("request %s is not pooled: %s", req_id, e)
-            self._free(req_id)
-            return False
-        self.held.add(req_id)
-        if not any(placed):  # all of it pooled already: a hit that refreshes its entries
-            self.release([req_id])
-            return False
-        meta = self._keeps[req_id] = SaveMeta(keeps=[req_id])
-        meta.blocks[req_id], meta.slots[req_id] = placed, slots
-        meta.secrets[req_id] = new_secret(self._key, f"keep\0{req_id}", next(self._count))
-        meta.entries[req_id] = tuple({pos: entry_secret(self._key, g, h[pos // r]) for pos, _ in p}
-                                     for g, (p, h) in enumerate(zip(placed, hashes)))
-        meta.hashes[req_id] = tuple({pos: hash_hex(h[pos // r]) for pos, _ in p}
-                                    for p, h in zip(placed, hashes))
-        return True
-
-    def add_to(self, meta: SaveMeta) -> None:
-        """Put the requests kept since the last call into this step's `meta`."""
-        for kept in self._keeps.values():
-            for name in ("blocks", "slots", "secrets", "entries", "hashes"):
-                getattr(meta, name).update(getattr(kept, name))
-            meta.keeps += kept.keeps
-        self._keeps = {}
-
-    def release(self, freed: Iterable[str]) -> list[str]:
-        """The worker freed these requests: those kept enter the pool and free their slots;
-        returns the others."""
-        others = []
-        for req_id in freed:
-            if req_id not in self.held:
-                others.append(req_id)
-                continue
-            self.held.discard(req_id)
-            self.pools.keep(req_id)
-            self._free(req_id)
-        return others
-
-    def _free(self, req_id: str) -> None:
-        self._keeps.pop(req_id, None)
-        self.pools.unlend(req_id)
-        self.pools.forget(req_id)
-        for m in self.slot_maps:
-            if req_id in m:
-                m.free(req_id)
-
-
-def _check_events(req_id: str, num_prompt_tokens: int | None,
-                  event_token_ids: Sequence[int] | None, labels: Mapping[str, Any] | None) -> None:
-    """`InvalidInputError` unless `event_token_ids` (None, or the prompt's `num_prompt_tokens`
-    token ids) and `labels` (None or a mapping) can label the request's pool events."""
-    if event_token_ids is not None and (isinstance(event_token_ids, (str, bytes)) or not (
-            isinstance(event_token_ids, Sequence) and len(event_token_ids) == num_prompt_tokens)):
-        raise InvalidInputError(f"request {req_id!r}: event_token_ids must be the prompt's "
-                                f"{num_prompt_tokens!r} token ids, got {event_token_ids!r:.80}")
-    if labels is not None and not isinstance(labels, Mapping):
-        raise InvalidInputError(f"request {req_id!r}: labels must be None or a mapping, "
-                                f"got {labels!r:.80}")
-
-
-def _whole(placed: tuple[Placed, ...], entries: Sequence[Mapping[int, str]],
-           groups: Sequence[GroupSpec], ratio: int, end: int) -> tuple[dict[int, str], ...]:
-    """Per group, the entry secrets of the placed hashed blocks that are whole once the step
-    ends at token `end`: a block staged in part (the step ends inside it) is tagged as its
-    request's until the step that completes it, so that stale params naming that entry's
-    slot never read it as good."""
-    return tuple({pos: e[pos] for pos, _ in p
-                  if pos in e and (pos // ratio + 1) * spec.tokens_per_block <= end}
-                 for p, e, spec in zip(placed, entries, groups))
+def _whole(placed: tuple[Placed, ...], entries: Tags, groups: Sequence[GroupSpec], ratio: int,
+           end: int) -> tuple[tuple[dict[int, str], ...], tuple[dict[int, str], ...]]:
+    """Per group, the entry secrets and hashes of the placed hashed blocks that are whole
+    once the step ends at token `end`: a block staged in part (the step ends inside it) is
+    tagged as its request's until the step that completes it, so that stale params naming
+    that entry's slot never read it as good."""
+    return split_tags(tuple({pos: e[pos] for pos, _ in p
+                         if pos in e and (pos // ratio + 1) * spec.tokens_per_block <= end}
+                        for p, e, spec in zip(placed, entries, groups)))

@@ -163,8 +163,8 @@ class DecodeTransport:
         self.leases.cancel(req_id, instance)
 
     def start_read(self, req_id: str, params: ReadParams, logical_ids: Sequence[int],
-                   trace: Trace | None = None, prompt: str | None = None,
-                   hashes: Sequence[Sequence[str]] | None = None) -> None:
+                   trace: Trace | None = None, prompt: str | None = None, hashes: Any = None
+                   ) -> None:
         """Post the READ of `req_id`'s blocks from P into D's staging, under P's keys.
 
         `logical_ids` are the engine's (D's) block ids the request's blocks
@@ -174,18 +174,15 @@ class DecodeTransport:
         request is then reported failed by `poll`. Never waits for a peer: a
         P agent not yet connected is connected to in the background (`poll`
         moves the handshake on) and the read is posted once it is. `trace` gets
-        its phases (`connect`, `read`, `ack`) and, if it fails, its outcome.
-        `prompt` (D's prompt digest) and `hashes` (per group, by kernel position, D's
-        block hashes in hex) are what the blocks' tags are checked under
-        (`ReadParams.tag_secrets`): D's own, not the params'.
+        its phases (`connect`, `read`, `ack`) and, if it fails, its outcome. Tags are
+        checked under D's own `prompt` digest and `hashes` (`ReadParams.tag_secrets`).
         """
         self._check_new(req_id, logical_ids)
         p = _check_params(params, len(self.stagings)).from_one_agent(self.piece[2])
         self.leases.taken(p)
         read = Read(req_id, p.req_id, p.instance, p.generation, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s, params=p,
-                     token=done_token(p.secret), prompt=prompt,
-                     hashes=None if hashes is None else [list(h) for h in hashes],
+                     token=done_token(p.secret), prompt=prompt, hashes=hashes,
                      trace=trace or Trace(req_id, "D", p.req_id, p.peer, self.config.name))
         self._reads[req_id] = read
         try:
@@ -232,8 +229,7 @@ class DecodeTransport:
 
     def start_stream(self, req_id: str, params: StreamParams, logical_ids: Sequence[int],
                      skip: Sequence[int] | None = None, prompt: str | None = None,
-                     trace: Trace | None = None,
-                     hashes: Sequence[Sequence[str]] | None = None) -> None:
+                     trace: Trace | None = None, hashes: Any = None) -> None:
         """Read `req_id` while P still prefills it: subscribe to its stream, read each chunk
         P names final as it is named (`arrived` reports them), and finish after the last
         (`kvxfer.nixl.streams.StreamReads`).

@@ -328,8 +328,7 @@ class StreamReads:
         read = Read(req_id, "", "", 0, list(logical_ids),
                      time.monotonic() + self.config.transfer_timeout_s,
                      legs={params.peer: Leg(params.peer, state=LegState.READ)},
-                     stream=params, skip=skip, prompt=prompt,
-                     hashes=None if hashes is None else [list(h) for h in hashes],
+                     stream=params, skip=skip, prompt=prompt, hashes=hashes,
                      trace=trace or Trace(req_id, "D", "", params.peer, self.config.name))
         self.reads[req_id] = read
         if self.readers > 1:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import socket
 import uuid
@@ -176,9 +177,21 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict):
         return error(400, f"request body must be a JSON object, got {type(body).__name__}",
                       "invalid_request_error")
+    body.pop("kv_transfer_params", None)  # a client's never reach P or D: the proxy's do
+    tenant = request.app[_UPSTREAMS].config.tenant_header
+    if tenant is not None:  # the tenant's salt, never the client's own
+        body["cache_salt"] = tenant_salt(request.headers.get(tenant, ""))
     request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
     headers = _upstream_headers(request, request_id)
     return await _for_client(request, request_id, _route(request, body, headers))
+
+
+def tenant_salt(tenant: str) -> str:
+    """The `cache_salt` of the tenant a request's `--tenant-header` names: a digest of the
+    header's value (an API key never reaches an instance as a salt). Requests without the
+    header share the salt of the empty tenant."""
+    return hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"kvxfer-tenant").hexdigest()
 
 
 async def _route(request: web.Request, body: dict[str, Any], headers: dict[str, str]

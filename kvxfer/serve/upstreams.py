@@ -104,6 +104,11 @@ class ProxyConfig:
     `prefill_max_bytes` (`--prefill-max-bytes`): the most of P's answer read, so that a P
     answering without end (streaming, say) cannot grow the proxy; more is a 502. The
     default, 4 MiB, is thousands of times a one-token answer with its `kv_transfer_params`.
+    `tenant_header` (`--tenant-header`): the header naming a request's tenant, from which the
+    proxy sets its `cache_salt` (`tenant_salt`), replacing any the client sent: prefix caches,
+    host pools, routes, sessions and lookups are then one tenant's, whatever a client says.
+    The default, `Authorization`, is the client's API key; a trusted gateway in front may
+    set another header. None passes the client's own salt through (a gateway sets it).
     """
 
     prefill: tuple[str, ...]
@@ -122,6 +127,7 @@ class ProxyConfig:
     route_imbalance: int = 4
     health_interval_s: float = 5.0
     peer_reads: bool = False
+    tenant_header: str | None = "Authorization"
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -135,6 +141,11 @@ class ProxyConfig:
         for name in ("stream", "peer_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.tenant_header is not None and not (
+                isinstance(self.tenant_header, str) and self.tenant_header.isascii()
+                and self.tenant_header.replace("-", "").replace("_", "").isalnum()):
+            raise InvalidInputError(f"--tenant-header must be an HTTP header name (or none), "
+                                    f"got {self.tenant_header!r:.60}")
         if self.stream and self.peer_reads:
             raise InvalidInputError("--stream and --peer-reads do not go together: a prompt "
                                     "streamed from P to D reads no prefix from a peer; give one")
