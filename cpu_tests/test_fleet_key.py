@@ -166,3 +166,64 @@ def test_signed_params_fail_by_name_when_any_signed_field_is_edited_stripped_or_
     assert "does not verify" in params_forged(signed, (other,), now=1010.0)
     assert "expired" in params_forged(signed, (key,), now=1031.0)
     assert "does not verify" in params_forged({**signed, "port": float("nan")}, (key,))
+
+
+def test_a_d_that_dials_a_stranger_gives_it_nothing_it_can_use(pair, key_file):
+    """Params may name any address: a D that dials a stranger's fake gate sends it only its
+    name, a nonce and a proof bound to the stranger's nonce, never its metadata; the
+    stranger cannot answer with a proof of its own, and D fails by name."""
+    import threading
+
+    from kvxfer.errors import TransferError
+    from kvxfer.nixl.gate import exchange
+
+    path = key_file(secrets.token_hex(32))
+    pr = pair(keys=(path, path))
+    agent = pr.d.transport.agent
+    got = []
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def fake_gate():
+            conn, _ = listener.accept()
+            with conn:
+                body = b'{"v": 2, "nonce": "' + b"ab" * 16 + b'"}'
+                conn.sendall(struct.pack(">I", len(body)) + body)
+                got.append(_frame(conn))
+                body = b'{"name": "P", "metadata": "AAAA", "mac": "' + b"0" * 64 + b'"}'
+                conn.sendall(struct.pack(">I", len(body)) + body)
+
+        thread = threading.Thread(target=fake_gate)
+        thread.start()
+        with pytest.raises(TransferError, match="proves no fleet key"):
+            exchange(agent, "D", pr.d.transport.config.fleet_keys, "P", "127.0.0.1",
+                     listener.getsockname()[1], 5.0)
+        thread.join(5)
+    [hello] = got
+    assert set(__import__("json").loads(hello)) == {"name", "nonce", "mac"}
+    assert agent.get_agent_metadata()[:64] not in hello
+
+
+def test_a_stranger_trickling_bytes_holds_a_gate_slot_no_longer_than_the_timeout(pair, key_file):
+    """Each exchange must end within the handshake timeout of its connection, however slowly
+    the peer sends: a connection sending a byte a while is closed on time."""
+    pr = pair(keys=(key_file(secrets.token_hex(32)), None), handshake=1.0)
+    with socket.create_connection(("127.0.0.1", pr.p.worker.transport.port), timeout=5) as sock:
+        _frame(sock)
+        closed = False
+        try:  # 40 bytes over 4 s or more: four times the gate's timeout
+            for _ in range(40):
+                sock.sendall(b"\x00")
+                time.sleep(0.1)
+        except OSError:
+            closed = True
+        if not closed:  # the gate may have closed after the last send: a read says so
+            sock.settimeout(0.5)
+            try:
+                closed = sock.recv(1) == b""
+            except TimeoutError:  # still open
+                closed = False
+            except OSError:
+                closed = True
+        assert closed

@@ -153,3 +153,34 @@ def test_with_a_fleet_key_edited_or_unsigned_params_are_refused_by_name_before_a
     decode(d, "r-d", prompt, params)  # past D's own prefix hit (the edits' prompt), from P
     assert read["r-d"] == [[3]]
     assert_prompt_kv(d, "r-d", prompt)
+
+
+def test_with_a_fleet_key_d_never_dials_an_address_unsigned_params_name(pd, tmp_path,
+                                                                         monkeypatch):
+    """A request asking to read its whole prompt from P (`do_remote_prefill`) with a made-up
+    `kv_source` beside it, or unsigned params below the recompute threshold: D lets no lease
+    go at the address they name (it would connect there to say so)."""
+    import secrets
+
+    key = tmp_path / "fleet.key"
+    key.write_text(secrets.token_hex(32))
+    p, d = _keyed(pd, str(key))
+    prompt = _prompt(92, 50)
+    params = p.prefill("r", prompt)
+    stranger = {"peer": "stranger", "instance": "i", "host": "203.0.113.7", "port": 4444,
+                "req_id": "x", "generation": 1, "secret": "0" * 32,
+                "groups": [{"keys": [0], "slots": [0]}], "num_prompt_tokens": 50}
+    from kvxfer.vllm.decode_loads import DecodeLoads
+
+    told, real = [], DecodeLoads.take
+
+    def take(self, meta):  # what D's workers are told to expect or let go of, at whose P
+        real(self, meta)
+        told.extend((e.get("host"), e.get("port")) for e in meta.expects + meta.cancels)
+
+    monkeypatch.setattr(DecodeLoads, "take", take)
+    decode(d, "r-d", prompt, {**params, "kv_source": stranger})
+    decode(d, "s-d", prompt, {**stranger, "do_remote_prefill": True})
+    assert ("127.0.0.1", params["port"]) in told  # P's own lease, kept alive for r-d
+    assert ("203.0.113.7", 4444) not in told
+    assert_prompt_kv(d, "r-d", prompt)

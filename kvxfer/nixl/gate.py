@@ -10,21 +10,26 @@ own, so no engine step waits.
 
 One exchange, over one TCP connection, each frame a 4-byte big-endian length and JSON:
 
-1. gate -> peer: `{"v": 1, "nonce": Ng}`, 16 fresh random bytes in hex.
-2. peer -> gate: `{"name", "nonce": Np, "metadata", "mac"}`: its agent name, nonce, NIXL
-   metadata (base64) and `HMAC-SHA256(key, "hello", Ng, Np, name, SHA-256(metadata))`.
+1. gate -> peer: `{"v": 2, "nonce": Ng}`, 16 fresh random bytes in hex.
+2. peer -> gate: `{"name", "nonce": Np, "mac"}`: its agent name, its nonce and
+   `HMAC-SHA256(key, "hello", Ng, Np, name)`. No metadata yet: a peer that dialled a
+   stranger (params may name any address) gives it nothing it can use.
 3. The gate checks the MAC under each of its keys (two while a key is rotated). Unless one
-   verifies, it closes the connection having sent nothing more: no metadata, no answer
-   that tells a wrong key from a malformed frame. Else it loads the peer's metadata (in
-   place of any it held under that name: only a key holder replaces it) and answers
-   `{"name", "metadata", "mac"}`, the MAC over "answer", Np, Ng and its own name and metadata.
-4. The peer checks that MAC under its keys and loads the gate's metadata.
+   verifies, it closes the connection having sent nothing more. Else it answers
+   `{"name", "metadata", "mac"}`: its metadata encrypted under a key of this exchange
+   alone (`HMAC-SHA256(key, "session", Ng, Np)`, used as a keystream in counter mode), and
+   a MAC over "answer", Np, Ng, its name and the ciphertext.
+4. The peer checks that MAC, decrypts and loads the gate's metadata, and sends its own
+   the same way (`{"metadata", "mac"}`, the MAC over "metadata", Ng, Np, its name and the
+   ciphertext); the gate checks, decrypts and loads it (in place of any it held under that
+   name: only a key holder replaces it).
 
 Both nonces are fresh, so a recorded exchange replays to nothing; the MACs bind each side's
-name and metadata, so neither can be swapped in transit. The key proves fleet membership,
-not identity: any holder can pose as any agent name, so a key is given only to the fleet's
-own instances. What crosses the connection is not secret once a MAC verified (NIXL metadata
-is no secret among the fleet); nothing before that is.
+name and metadata, so neither can be swapped in transit; and the metadata crosses the
+wire encrypted, so neither a listener on the network nor a relay between two key holders
+learns it. The key proves fleet membership, not identity: any holder can pose as any
+agent name, so a key is given only to the fleet's own instances. Each exchange must end
+within `timeout_s` of its connection, however slowly a peer sends.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ MAX_CONNECTIONS = 32
 """Exchanges a gate runs at once, and a side starts at once: connections beyond are closed
 at once, exchanges beyond fail at once (a flood, or params naming made-up peers, is bounded)."""
 _REMEMBERED = 4096  # exchanges whose outcome a side keeps (the oldest finished go first)
-_VERSION = 1
+_MAX_HELLO = 4096  # the most a hello frame (name, nonce, MAC) may be, in bytes
+_VERSION = 2
 
 
 def read_keys(path: str | None) -> tuple[bytes, ...]:
@@ -102,6 +108,20 @@ def _mac(key: bytes, label: str, *parts: bytes) -> str:
     return h.hexdigest()
 
 
+def _crypt(session: bytes, label: bytes, data: bytes) -> bytes:
+    """`data` XOR a keystream of HMAC-SHA256(session, label, counter) blocks: encryption and
+    decryption alike (a PRF in counter mode; each session key and label is used once)."""
+    stream = b"".join(hmac.new(session, label + struct.pack(">Q", i), hashlib.sha256).digest()
+                      for i in range(-(-len(data) // 32)))
+    return (int.from_bytes(data, "big") ^ int.from_bytes(stream[:len(data)], "big")
+            ).to_bytes(len(data), "big") if data else b""
+
+
+def _session(key: bytes, gate_nonce: str, peer_nonce: str) -> bytes:
+    return hmac.new(key, b"session" + gate_nonce.encode() + b"\0" + peer_nonce.encode(),
+                    hashlib.sha256).digest()
+
+
 def _verifies(keys: Sequence[bytes], mac: object, label: str, *parts: bytes) -> bytes | None:
     """The key under which `mac` verifies, or None."""
     if not isinstance(mac, str):
@@ -114,9 +134,13 @@ def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(struct.pack(">I", len(body)) + body)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     out = bytearray()
     while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError("the exchange ran past its time")
+        sock.settimeout(left)
         chunk = sock.recv(min(n - len(out), 1 << 20))
         if not chunk:
             raise TransferError("the peer closed the connection")
@@ -124,12 +148,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def _recv(sock: socket.socket) -> dict[str, Any]:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise TransferError(f"a frame of {n} bytes, over {MAX_FRAME}")
+def _recv(sock: socket.socket, deadline: float, limit: int = MAX_FRAME) -> dict[str, Any]:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+    if n > limit:
+        raise TransferError(f"a frame of {n} bytes, over {limit}")
     try:
-        msg = json.loads(_recv_exact(sock, n))
+        msg = json.loads(_recv_exact(sock, n, deadline))
     except ValueError:
         raise TransferError("a frame that is not JSON") from None
     if not isinstance(msg, dict):
@@ -144,11 +168,17 @@ def _field(msg: dict[str, Any], key: str) -> str:
     return value
 
 
-def _metadata(msg: dict[str, Any]) -> bytes:
+def _ciphertext(msg: dict[str, Any]) -> bytes:
     try:
         return base64.b64decode(_field(msg, "metadata"), validate=True)
     except ValueError:
         raise TransferError("field 'metadata' is not base64") from None
+
+
+def _sealed(session: bytes, label: bytes, metadata: bytes) -> tuple[bytes, str]:
+    """`metadata` encrypted for this exchange, and its base64 for a frame."""
+    sealed = _crypt(session, label, metadata)
+    return sealed, base64.b64encode(sealed).decode()
 
 
 def _load(agent: Any, name: str, metadata: bytes) -> None:
@@ -196,30 +226,44 @@ class Gate:
             try:
                 conn, addr = self._sock.accept()
             except OSError:
-                return  # closed
+                if self._closed.is_set():
+                    return
+                time.sleep(0.01)  # out of descriptors, a connection aborted: the gate goes on
+                continue
             if not self._slots.acquire(blocking=False):
                 conn.close()
                 self.refused += 1
                 continue
-            threading.Thread(target=self._serve, args=(conn, addr), daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, addr), daemon=True).start()
+            except RuntimeError:  # no thread to be had: this peer is refused, the gate goes on
+                conn.close()
+                self._slots.release()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
+        deadline = time.monotonic() + self.timeout_s  # the whole exchange, however slow a peer
         try:
             with conn:
-                conn.settimeout(self.timeout_s)
                 ours = secrets.token_hex(16)
+                conn.settimeout(self.timeout_s)
                 _send(conn, {"v": _VERSION, "nonce": ours})
-                msg = _recv(conn)
-                name, theirs, metadata = _field(msg, "name"), _field(msg, "nonce"), _metadata(msg)
+                msg = _recv(conn, deadline, _MAX_HELLO)
+                name, theirs = _field(msg, "name"), _field(msg, "nonce")
                 key = _verifies(self.keys, msg.get("mac"), "hello", ours.encode(),
-                                theirs.encode(), name.encode(), hashlib.sha256(metadata).digest())
+                                theirs.encode(), name.encode())
                 if key is None:
                     raise TransferError("it proved no fleet key")
-                _load(self.agent, name, metadata)
-                mine = self.agent.get_agent_metadata()
-                _send(conn, {"name": self.name, "metadata": base64.b64encode(mine).decode(),
+                session = _session(key, ours, theirs)
+                sealed, text = _sealed(session, b"gate", self.agent.get_agent_metadata())
+                _send(conn, {"name": self.name, "metadata": text,
                              "mac": _mac(key, "answer", theirs.encode(), ours.encode(),
-                                         self.name.encode(), hashlib.sha256(mine).digest())})
+                                         self.name.encode(), sealed)})
+                msg = _recv(conn, deadline)
+                sealed = _ciphertext(msg)
+                if _verifies((key,), msg.get("mac"), "metadata", ours.encode(), theirs.encode(),
+                             name.encode(), sealed) is None:
+                    raise TransferError("its metadata is not under the key it proved")
+                _load(self.agent, name, _crypt(session, b"peer", sealed))
         except Exception as e:  # a stranger, a wrong key, a dropped connection: refused
             self.refused += 1
             now = time.monotonic()
@@ -246,30 +290,33 @@ def exchange(agent: Any, name: str, keys: Sequence[bytes], peer: str, host: str,
     return `agent` holds `peer`'s metadata and `peer` holds ours. `TransferError` says why
     not (nothing listens, the gate refused or closed, its proof or its name is not the
     expected one, `timeout_s` passed)."""
-    mine = agent.get_agent_metadata()
+    deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.settimeout(timeout_s)
-            hello = _recv(sock)
+            hello = _recv(sock, deadline, _MAX_HELLO)
             if hello.get("v") != _VERSION:
                 raise TransferError(f"it speaks gate version {hello.get('v')!r:.20}, this "
                                     f"side {_VERSION}")
             theirs, ours = _field(hello, "nonce"), secrets.token_hex(16)
-            _send(sock, {"name": name, "nonce": ours, "metadata": base64.b64encode(mine).decode(),
+            _send(sock, {"name": name, "nonce": ours,
                          "mac": _mac(keys[0], "hello", theirs.encode(), ours.encode(),
-                                     name.encode(), hashlib.sha256(mine).digest())})
+                                     name.encode())})
             try:
-                answer = _recv(sock)
+                answer = _recv(sock, deadline)
             except TransferError:
                 raise TransferError("its gate closed the connection: it holds none of this "
                                     "side's fleet keys (or is no kvxfer gate)") from None
-            got, metadata = _field(answer, "name"), _metadata(answer)
-            if _verifies(keys, answer.get("mac"), "answer", ours.encode(), theirs.encode(),
-                         got.encode(), hashlib.sha256(metadata).digest()) is None:
+            got, sealed = _field(answer, "name"), _ciphertext(answer)
+            if _verifies((keys[0],), answer.get("mac"), "answer", ours.encode(),
+                         theirs.encode(), got.encode(), sealed) is None:
                 raise TransferError("its answer proves no fleet key this side holds")
             if got != peer:
                 raise TransferError(f"the agent there is {got!r}")
-            _load(agent, peer, metadata)
+            session = _session(keys[0], theirs, ours)
+            _load(agent, peer, _crypt(session, b"gate", sealed))
+            mine, text = _sealed(session, b"peer", agent.get_agent_metadata())
+            _send(sock, {"metadata": text, "mac": _mac(keys[0], "metadata", theirs.encode(),
+                                                       ours.encode(), name.encode(), mine)})
     except OSError as e:
         raise TransferError(f"no gate answers: {e.strerror or e}") from None
 

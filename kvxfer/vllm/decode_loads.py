@@ -65,7 +65,9 @@ class DecodeLoads:
                 return self._prefix(request, num_computed, pool_match, chain)
             return pool_match(request, num_computed)
         streamed = StreamParams.given(params)  # P still prefills: it names its prompt later
-        forged = None if streamed else params_forged(params, self.keys)
+        # checked once: a retry of a request whose params D took (its lease kept alive) is
+        # not refused for their expiry
+        forged = None if streamed or req_id in self._waiting else params_forged(params, self.keys)
         if forged is not None:  # no lease is let go of: the P they name may be anyone's
             self._fall_back("forged", request, f"its kv_transfer_params are refused: {forged}")
             return pool_match(request, num_computed)
@@ -159,8 +161,11 @@ class DecodeLoads:
 
     def _let_go(self, req_id: str, params: Mapping[str, Any]) -> None:
         """D will not read the request P staged for these params: P may free it now (D
-        connects to P, to say so, where it has not yet)."""
+        connects to P, to say so, where it has not yet; never to a P named by params
+        without the fleet key's MAC, which may name anyone's address)."""
         self._waiting.pop(req_id, None)
+        if params_forged(params, self.keys) is not None:
+            return
         self._expects.append(dict(params))
         self._cancels.append(dict(params))
 
