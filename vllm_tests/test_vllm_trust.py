@@ -184,3 +184,28 @@ def test_with_a_fleet_key_d_never_dials_an_address_unsigned_params_name(pd, tmp_
     assert ("127.0.0.1", params["port"]) in told  # P's own lease, kept alive for r-d
     assert ("203.0.113.7", 4444) not in told
     assert_prompt_kv(d, "r-d", prompt)
+
+
+def test_params_for_the_same_tokens_under_another_cache_salt_are_another_prompts(pd,
+                                                                                  monkeypatch):
+    """P's params for prompt X under one cache salt, sent to D with X under another: the token
+    ids alike, the KV not necessarily (a LoRA adapter or an image the salt stands for here
+    changes it), and D's cache would keep it under the other salt's hashes. D took them;
+    now the prompt digest folds in salt, adapter and multimodal inputs, and D computes."""
+    from kvxfer.vllm.fallbacks import counter_name
+
+    p, d = pd()
+    prompt = _prompt(93, 50)
+    params = p.prefill("x", prompt, cache_salt="tenant-a")
+    read = _spy_reads(monkeypatch)
+    d.add_request("x-d", prompt, max_tokens=2, kv_transfer_params=params, cache_salt="tenant-b")
+    steps = d.run_until(lambda r: "x-d" in r.finished, max_steps=400, min_s=30.0)
+    assert read == {} and scheduled_tokens(steps, "x-d") == (0, 51)
+    fallbacks = d.connector._scheduler.fallbacks.counters
+    assert sum(n for k, n in fallbacks.items()
+               if k.startswith(counter_name("other_prompt", ""))) == 1
+    params = p.prefill("y", prompt, cache_salt="tenant-b")  # the same salt: read as before
+    d.add_request("y-d", prompt, max_tokens=2, kv_transfer_params=params, cache_salt="tenant-b")
+    d.run_until(lambda r: "y-d" in r.finished, max_steps=400, min_s=30.0)
+    assert read["y-d"] == [[3]]  # taken: past D's own hit (x-d's prompt under tenant-b)
+    assert_prompt_kv(d, "y-d", prompt)

@@ -250,15 +250,16 @@ class PrefillScheduler:
                     stream: str | None = None,
                     block_hashes: Sequence[Sequence[Hashable]] | None = None,
                     event_token_ids: Sequence[int] | None = None,
-                    labels: Mapping[str, Any] | None = None) -> None:
+                    labels: Mapping[str, Any] | None = None, prompt_extra: object = None) -> None:
         """A request whose prompt KV must reach D (vLLM: `do_remote_decode`).
 
         With `block_hashes` (per group, the hashes of its full prompt blocks: vLLM's
         `request.block_hashes` at the group's block size) and a pool, its full blocks
         stay in staging once D has read them, for later prompts (`pools`: `Pools.match`).
 
-        With `prompt_token_ids`, its params carry their `prompt_digest`, and a D
-        that knows its own prompt refuses params computed for another one. The pool's events
+        With `prompt_token_ids`, its params carry their `prompt_digest` (folding in
+        `prompt_extra`), and a D that knows its own prompt refuses params computed for
+        another one. The pool's events
         name the blocks' tokens as `event_token_ids` gives them (vLLM's `all_token_ids`: 0
         where a prompt embedding stands), else as `prompt_token_ids`, labelled with `labels`
         (`Pools.remember`).
@@ -286,7 +287,7 @@ class PrefillScheduler:
                 raise InvalidInputError(
                     f"request {req_id!r}: {len(prompt_token_ids)} prompt token ids for "
                     f"{num_prompt_tokens!r} prompt tokens")
-            digest = prompt_digest(prompt_token_ids)
+            digest = prompt_digest(prompt_token_ids, prompt_extra)
         check_events(req_id, num_prompt_tokens, event_token_ids, labels)
         hashes = (None if block_hashes is None
                   else self.pools.check(block_hashes, num_prompt_tokens))  # before any change

@@ -207,14 +207,19 @@ def is_stream_id(value: object) -> bool:
     return _is_hex(value, 32)
 
 
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    """A digest of a prompt's token ids (BLAKE2b, 128 bits, hex): what binds P's params to
-    the prompt P computed, so D never takes them for another prompt."""
+def prompt_digest(token_ids: Sequence[int], extra: object = None) -> str:
+    """A digest of a prompt's token ids (BLAKE2b, 128 bits, hex) and of `extra`, what else its
+    KV depends on (JSON-able: a LoRA adapter, a cache salt, multimodal inputs; None: nothing):
+    what binds P's params, and its blocks' tags, to the prompt P computed, so D never takes
+    them for another prompt."""
     try:
         raw = array.array("q", token_ids).tobytes()
     except (TypeError, OverflowError):
         raise InvalidInputError(f"prompt token ids must be ints, got {token_ids!r:.80}") from None
-    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+    digest = hashlib.blake2b(raw, digest_size=16)
+    if extra is not None:
+        digest.update(b"\0" + json.dumps(extra, sort_keys=True, default=repr).encode())
+    return digest.hexdigest()
 
 
 def _is_hex(value: object, digits: int) -> bool:

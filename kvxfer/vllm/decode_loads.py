@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeLoads", "asks", "prompt_digest_of"]
+__all__ = ["DecodeLoads", "asks", "prompt_digest_of", "prompt_extra"]
 
 
 class DecodeLoads:
@@ -124,7 +124,7 @@ class DecodeLoads:
         elif any(g.kind != "attention" for g in self.groups):
             why = "kv_source needs full-attention KV cache groups only (a prefix of a sliding " \
                   "window or an SSM state is not a prefix of the KV)"
-        elif (source.get("prompt") != prompt_digest(ids[:n])
+        elif (source.get("prompt") != prompt_digest_of(request, n)
               or source.get("chain") != chain(request, n)):
             why = f"kv_source is for another prefix than this prompt's first {n} tokens (its " \
                   f"token digest or block hash chain differ)"
@@ -145,7 +145,7 @@ class DecodeLoads:
             params["kv_source"] = None
             return pooled
         self._local[req_id], self._ends[req_id] = local, end
-        self._prompts[req_id] = prompt_digest(ids[:n])
+        self._prompts[req_id] = prompt_digest_of(request, n)
         if req_id not in self._waiting:  # the peer's lease kept alive
             self._waiting[req_id] = dict(source)
             self._expects.append(dict(source))
@@ -235,10 +235,28 @@ class DecodeLoads:
         params["do_remote_prefill"] = False
 
 
-def prompt_digest_of(request: Request) -> str | None:
-    """The digest of a request's prompt token ids (None for a prompt of embeddings)."""
+def prompt_extra(request: Request, num_tokens: int | None = None) -> dict[str, Any] | None:
+    """What a request's prompt KV depends on beside its token ids (what vLLM's block hashes
+    fold in): its LoRA adapter, cache salt and the multimodal inputs in its first
+    `num_tokens` tokens (all: None); None where it has none (`prompt_digest`'s `extra`)."""
+    lora = getattr(request, "lora_request", None)
+    end = request.num_prompt_tokens if num_tokens is None else num_tokens
+    extra = {"lora": lora.name if lora else None, "salt": request.cache_salt or None,
+             "mm": [[f.identifier, f.mm_position.offset] for f in request.mm_features or ()
+                    if f.mm_position.offset < end]}
+    return extra if any(extra.values()) else None
+
+
+def prompt_digest_of(request: Request, num_tokens: int | None = None) -> str | None:
+    """The digest of a request's prompt, or of its first `num_tokens` tokens, with what else
+    its KV depends on (`prompt_extra`): params for the same tokens under another adapter,
+    salt or image, and the blocks they name, are another prompt's. None for a prompt of
+    embeddings."""
     ids = request.prompt_token_ids
-    return None if ids is None else prompt_digest(ids)
+    if ids is None:
+        return None
+    n = request.num_prompt_tokens if num_tokens is None else num_tokens
+    return prompt_digest(ids[:n], prompt_extra(request, n))
 
 
 def asks(params: Mapping[str, Any] | None, key: str, req_id: str) -> bool:

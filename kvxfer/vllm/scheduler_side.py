@@ -23,7 +23,7 @@ from kvxfer.connector.scheduler import LoadRequest, PeerAddress, PrefillSchedule
 from kvxfer.errors import InvalidInputError, KvxferError
 from kvxfer.nixl.wire import Source, hash_hex, is_stream_id, sign_params
 from kvxfer.plan.save_plan import GroupSpec, ScheduledRequest
-from kvxfer.vllm.decode_loads import DecodeLoads, asks
+from kvxfer.vllm.decode_loads import DecodeLoads, asks, prompt_extra
 from kvxfer.vllm.events import event_labels, vllm_events
 from kvxfer.vllm.fallbacks import Fallbacks
 from kvxfer.vllm.reports import WorkerReport
@@ -204,15 +204,17 @@ class SchedulerSide:
                 if self.prefill.pools.events:  # the events name tokens as vLLM's own do
                     tokens = list(request.all_token_ids[:request.num_prompt_tokens])
                     labels = event_labels(request, self.groups, request.num_prompt_tokens)
+                extra = prompt_extra(request)  # what the prompt's digest folds in beside ids
                 try:
                     self.prefill.add_request(transfer, request.num_prompt_tokens,
                                              request.prompt_token_ids, _stream(params, req_id),
-                                             hashes, tokens, labels)
+                                             hashes, tokens, labels, extra)
                 except InvalidInputError as e:  # a stream id another request holds (a retry)
                     logger.warning("P request %s is not streamed: %s", req_id, e)
                     self.prefill.add_request(transfer, request.num_prompt_tokens,
                                              request.prompt_token_ids, block_hashes=hashes,
-                                             event_token_ids=tokens, labels=labels)
+                                             event_token_ids=tokens, labels=labels,
+                                             prompt_extra=extra)
                 self._transfers[req_id] = transfer
                 params["_kvxfer_planned"] = True  # once: a resumed request is replanned in place
         if self.reads is not None:
