@@ -241,8 +241,10 @@ def prompt_extra(request: Request, num_tokens: int | None = None) -> dict[str, A
     `num_tokens` tokens (all: None); None where it has none (`prompt_digest`'s `extra`)."""
     lora = getattr(request, "lora_request", None)
     end = request.num_prompt_tokens if num_tokens is None else num_tokens
-    extra = {"lora": lora.name if lora else None, "salt": request.cache_salt or None,
-             "mm": [[f.identifier, f.mm_position.offset] for f in request.mm_features or ()
+    extra = {"lora": lora.name if lora else None,
+             "salt": getattr(request, "cache_salt", None) or None,
+             "mm": [[f.identifier, f.mm_position.offset]
+                    for f in getattr(request, "mm_features", None) or ()
                     if f.mm_position.offset < end]}
     return extra if any(extra.values()) else None
 
