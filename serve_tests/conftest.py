@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 from serve_stack import Stack, start, start_ray
 
-EVENTS_PORT = 5699
-"""fail_stack's P publishes KV events on tcp://*:EVENTS_PORT."""
+EVENTS = "kv-events"
+"""fail_stack's P publishes KV events on the socket ipc://<its run directory>/EVENTS."""
 EVERY_PROMPT_THROUGH_P = "--local-prefill-tokens 0"
 """The stacks' proxies send every prompt through P, even one D holds: their tests move KV (the
 proxy's default routing has its own test, `test_serve.py`'s `routing_proxy`)."""
@@ -30,7 +30,7 @@ def fail_stack() -> Iterator[Stack]:
     yield from start("fail", PD_D_POLICY="fail", PD_P_PORT="8120", PD_D_PORT="8220",
                      PD_PROXY_PORT="8020", PD_KV_PORT="5612", PD_HOST_POOL_BYTES=str(16 << 20),
                      PD_PROXY_ARGS=EVERY_PROMPT_THROUGH_P,
-                     PD_KV_EVENTS=str(EVENTS_PORT),  # bound on 127.0.0.1 alone
+                     PD_KV_EVENTS="1",  # on an ipc:// socket in its run directory
                      PD_EXTRA_ARGS="--enable-prompt-tokens-details --no-enable-prefix-caching")
 
 

@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from conftest import EVENTS_PORT
+from conftest import EVENTS
 from serve_stack import http_error, random_prompt
 from test_serve import _complete_with_transfer, _metric, _proxy, _same_answer, _until
 
@@ -31,9 +31,9 @@ def test_a_prompt_p_pooled_is_loaded_not_prefilled_and_answers_alike(fail_stack)
 
 
 def test_p_publishes_its_pools_stores_as_vllm_kv_events_a_zmq_subscriber_decodes(fail_stack):
-    """P runs with `--kv-events-config` (zmq, bound on 127.0.0.1: `PD_KV_EVENTS`): a subscriber that
-    connects gets `BlockStored` events with medium CPU for the whole blocks P pools, in
-    vLLM's own event types."""
+    """P runs with `--kv-events-config` (zmq on an ipc:// socket, `PD_KV_EVENTS`: no TCP port
+    anyone else reaches): a subscriber gets `BlockStored` events with medium CPU for the
+    whole blocks P pools, in vLLM's own event types."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
@@ -41,7 +41,7 @@ def test_p_publishes_its_pools_stores_as_vllm_kv_events_a_zmq_subscriber_decodes
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     try:
-        sub.connect(f"tcp://127.0.0.1:{EVENTS_PORT}")
+        sub.connect(f"ipc://{fail_stack.dir.resolve()}/{EVENTS}")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         time.sleep(1.0)  # a subscription takes a moment to reach the publisher
         prompt = random_prompt(200, seed=41)  # three whole 64-token blocks and 8 tokens
