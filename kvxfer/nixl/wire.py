@@ -27,13 +27,11 @@ from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.plan.blocks import is_int
 from kvxfer.plan.slots import SlotMap
 
-__all__ = ["PROTOCOL_VERSION", "WHOLE", "WIRE_INT_LIMIT", "ReadParams", "Source", "StreamParams",
-           "check_piece",
-           "SIGNED", "bound_secret", "decode_message", "done_token", "encode_message", "hash_hex",
-           "is_done_token", "is_generation",
-           "is_stream_id", "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
-           "parse_entries",
-           "params_forged", "parse_sources", "prompt_digest", "sign_params"]
+__all__ = ["PROTOCOL_VERSION", "SIGNED", "WHOLE", "WIRE_INT_LIMIT", "ReadParams", "Source",
+           "StreamParams", "bound_secret", "check_piece", "decode_message", "done_token",
+           "encode_message", "hash_hex", "is_done_token", "is_generation", "is_stream_id",
+           "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
+           "params_forged", "parse_entries", "parse_sources", "prompt_digest", "sign_params"]
 
 PROTOCOL_VERSION = 13
 
