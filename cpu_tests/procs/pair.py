@@ -65,14 +65,14 @@ class Pair:
     `d_devices` (different TP on each side). `models` are P's and D's model descriptions;
     `specs` P's and D's partition specs (None: axis 2), over meshes whose `data` axes are
     `data` long (P's, D's); `pool_bytes` P's `host_pool_bytes`; `keys` P's and D's
-    `fleet_key_file`.
+    `fleet_key_file`; `seal` P's `seal_kv`.
     """
 
     def __init__(self, kernel_ratio=1, block_size=16, deadline=10.0, groups=None, shape=SHAPE,
                  p_devices=(0, 1, 2, 3), d_devices=(4, 5, 6, 7), layers=2, verify=True,
                  models=(None, None), handshake=10.0, lease=30.0, heartbeat=5.0, stats=True,
                  specs=(None, None), stream_wait=600.0, data=(1, 1), pool_bytes=0,
-                 keys=(None, None)):
+                 keys=(None, None), seal=False):
         n = next(_names)
         groups = groups or [GroupSpec(block_size)]
         cfg = dict(staging_blocks=shape[0], kernel_ratio=kernel_ratio, stats=stats)
@@ -87,7 +87,8 @@ class Pair:
         self.single = len(groups) == 1
         p_transport = TransportConfig(f"P{n}", lease_s=lease, heartbeat_interval_s=heartbeat,
                                       fleet_key_file=keys[0])
-        self.p = PrefillConnector(ConnectorConfig(p_transport, host_pool_bytes=pool_bytes, **cfg),
+        self.p = PrefillConnector(ConnectorConfig(p_transport, host_pool_bytes=pool_bytes,
+                                                  seal_kv=seal, **cfg),
                                   groups, self.p_caches, model=models[0])
         self.d = DecodeConnector(ConnectorConfig(
             TransportConfig(f"D{n}", transfer_timeout_s=deadline, handshake_timeout_s=handshake,

@@ -103,7 +103,7 @@ def main():
                 rows = [block_rows(cmd["seed"], ids, layer, staging.block_shape, staging.dtype)
                         for layer in range(staging.num_layers)]
                 slots = staging.stage(cmd["req_id"], ids, rows)
-                staging.tags[slots] = block_tags(secret, 0, ids)
+                staging.tag(slots, block_tags(secret, 0, ids))
                 if cmd["last"]:
                     t.lease(cmd["req_id"], t._next_generation, secret)
                 t.publish(cmd["req_id"], cmd["stream"], secret, None, [ids], [slots],

@@ -37,6 +37,7 @@ from kvxfer.device.pieces import (
     process_pieces,
     scatter_piece,
 )
+from kvxfer.device.seal import opened
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.agreement import agree, shared_instance, spans_processes
@@ -160,12 +161,15 @@ class OneProcess:
             rows += slots
         if not ids:
             return
-        staging, old = self.stagings[g], groups[g]
-        groups[g], got = scatter_piece(old, staging, np.asarray(ids, np.int64),
-                                       np.asarray(rows, np.int64), self.pieces[g],
-                                       sums=self.config.verify_fingerprints)
+        staging, at, unknown = opened(self.stagings[g], g, rows)  # what P sealed, opened
+        for req_id, start, count in spans:
+            if any(start <= i < start + count for i in unknown):
+                bad[req_id] = f"group {g}: a sealed block with no secret kept to open it"
+        old = groups[g]
+        groups[g], got = scatter_piece(old, staging, np.asarray(ids, np.int64), at,
+                                       self.pieces[g], sums=self.config.verify_fingerprints)
         if got is not None:
-            expected = piece_prints(staging, rows)  # P's, read with the blocks
+            expected = piece_prints(staging, at)  # P's, read with the blocks
             for req_id, start, count in spans:
                 if not np.array_equal(got[:, start : start + count],
                                       expected[:, start : start + count]):

@@ -30,6 +30,11 @@ class ConnectorConfig:
       (`kvxfer.plan.pool`): on P the prompt blocks a request leaves once D has read them,
       on D (and any instance) the blocks of a finished request, its generated tokens
       included; at most the staging itself. 0 (the default): no pool.
+    - `seal_kv`: encrypt every block staged here where it lies (AES-256-CTR, a key per
+      request or pool entry that only its reader derives; `kvxfer.device.seal`), so that
+      what NIXL serves to a peer and carries over the link is ciphertext. For links
+      between hosts that are not otherwise encrypted; costs a pass over the bytes on each
+      side (docs/benchmarks.md). A reader opens sealed blocks whatever its own setting.
     - `stage_units`: deprecated, ignored. Every instance stages each block unit-major, as
       the pieces an instance across hosts stages (`kvxfer.device.pieces`), so any instance
       pairs with any other; True still passes, with a `DeprecationWarning`.
@@ -43,6 +48,7 @@ class ConnectorConfig:
     precompile: bool = True
     stage_units: bool = False
     host_pool_bytes: int = 0
+    seal_kv: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, TransportConfig):
@@ -55,7 +61,7 @@ class ConnectorConfig:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise InvalidInputError(f"ConnectorConfig {name} must be a positive int, got {value!r}")
-        for name in ("verify_fingerprints", "stats", "precompile", "stage_units"):
+        for name in ("verify_fingerprints", "stats", "precompile", "stage_units", "seal_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(
                     f"ConnectorConfig {name} must be a bool, got {getattr(self, name)!r}")

@@ -23,7 +23,8 @@ from kvxfer.connector._processes import for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.device.layout import CacheLayout, advertised
-from kvxfer.device.staging import Staging, tags_of
+from kvxfer.device.seal import seal
+from kvxfer.device.staging import TAG_WORDS, Staging, tags_of
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.prefill import PrefillTransport
 from kvxfer.nixl.wire import Source, bound_secret, new_instance
@@ -85,6 +86,7 @@ class PrefillWorker:
             self.transport.answer_in_background()  # D's acks do not wait for the engine's step
         self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
         self._kept: list[str] = []  # gathered into the pool since the last poll
+        self._saves = 0  # saves so far: the nonce of what a save seals (`seal_kv`)
 
     @property
     def address(self) -> PeerAddress:
@@ -122,20 +124,25 @@ class PrefillWorker:
         if meta.revoke:  # a cache reset: nothing staged before it is read as good again
             for staging in self.stagings:
                 staging.tags[...] = 0
+                staging.secrets.clear()
             if self.transport is not None:
                 self.transport.revoke()
         for req_id in meta.cancels:
             self.transport.cancel_stream(req_id)
         start = time.monotonic()
+        self._saves += 1  # every process of the instance counts alike: the nonces match
         for g, group_caches in enumerate(groups):
             ids = [k for placed in meta.blocks.values() for _, k in placed[g]]
             if ids:
                 slots = [s for slots in meta.slots.values() for s in slots[g]]
                 self.processes.gather(g, group_caches, np.asarray(ids, np.int64),
                                   np.asarray(slots, np.int64))
-                self.stagings[g].tags[slots] = np.concatenate([
-                    _tags(meta, req_id, g, [pos for pos, _ in placed[g]])
-                    for req_id, placed in meta.blocks.items() if placed[g]])
+                positions = [pos for placed in meta.blocks.values() for pos, _ in placed[g]]
+                secrets = [s for req_id, placed in meta.blocks.items()
+                           for s in _bound(meta, req_id, g, [pos for pos, _ in placed[g]])]
+                if self.config.seal_kv:
+                    seal(self.stagings[g], g, slots, secrets, self._saves)
+                self.stagings[g].tags[slots, :TAG_WORDS] = tags_of(secrets, g, positions)
         if meta.blocks:
             self._trace_gathers(meta, start)
         for req_id in meta.keeps:  # no D reads them: no trace waits to be finished
@@ -373,15 +380,16 @@ def _disjoint(loads: Mapping[str, Sequence]) -> list[dict[str, Sequence]]:
     return [batch for batch, _ in batches]
 
 
-def _tags(meta: SaveMeta, req_id: str, g: int, positions: Sequence[int]) -> np.ndarray:
-    """The tags of `req_id`'s blocks at `positions` of group `g`: from its secret bound to its
-    prompt's digest, or for a whole hashed prompt block of a P with a pool, from the block's
-    entry secret bound to the block's hash (`bound_secret`)."""
+def _bound(meta: SaveMeta, req_id: str, g: int, positions: Sequence[int]) -> list[str]:
+    """The secrets the tags of `req_id`'s blocks at `positions` of group `g` come from (and,
+    with `seal_kv`, their keys): its secret bound to its prompt's digest, or for a whole
+    hashed prompt block of a P with a pool, the block's entry secret bound to the block's
+    hash (`bound_secret`)."""
     shared = meta.entries.get(req_id, ({},) * (g + 1))[g]
     hashes = meta.hashes.get(req_id, ({},) * (g + 1))[g]
     own = bound_secret(meta.secrets[req_id], meta.prompts.get(req_id))
-    return tags_of([bound_secret(shared[pos], hashes[pos]) if pos in shared else own
-                    for pos in positions], g, positions)
+    return [bound_secret(shared[pos], hashes[pos]) if pos in shared else own
+            for pos in positions]
 
 
 def available_memory() -> int | None:

@@ -23,12 +23,16 @@ from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.plan.blocks import coalesce, is_int
 from kvxfer.plan.slots import Placement, SlotMap
 
-__all__ = ["TAG_WORDS", "Staging", "block_tags", "free_in_all", "stagings_of", "tags_of"]
+__all__ = ["TAG_ROW", "TAG_WORDS", "Staging", "block_tags", "free_in_all", "stagings_of", "tags_of"]
 
 _ALIGN = 4096  # page-align regions: registration pins whole pages
 
 TAG_WORDS = 2
 """uint32 words of one slot's tag: a guess passes with probability 2**-64."""
+
+TAG_ROW = TAG_WORDS + 2
+"""uint32 words of a slot's row in the tag region: its tag, then the nonce its blocks are
+sealed under (`kvxfer.device.seal`; 0: not sealed)."""
 
 
 def tags_of(secrets: Sequence[str], group: int, keys: Sequence[int]) -> np.ndarray:
@@ -106,8 +110,10 @@ class Staging(SlotMap):
     they travel with the bytes they vouch for and never through the engine.
     With `prints_per_layer=k` it is `uint32[num_slots, k, num_layers, 3]`: one
     set of sums per unit of a block's piece (`kvxfer.device.pieces`). `tags`
-    (`uint32[num_slots, TAG_WORDS]`) holds each slot's `block_tags`, read by D
-    with the fingerprint rows.
+    (`uint32[num_slots, TAG_ROW]`) holds each slot's `block_tags` and the nonce it is
+    sealed under, read by D with the fingerprint rows. `secrets` (slot -> secret, in this
+    process's memory only) keeps the secret each sealed slot opens under, as the writer or
+    the reader that checked its tag knows it (`kvxfer.device.seal`).
     """
 
     def __init__(
@@ -148,7 +154,8 @@ class Staging(SlotMap):
         per_slot = ((num_layers, SUMS) if prints_per_layer is None
                     else (prints_per_layer, num_layers, SUMS))
         self.prints = _aligned_region((num_slots, *per_slot), np.dtype(np.uint32))
-        self.tags = _aligned_region((num_slots, TAG_WORDS), np.dtype(np.uint32))
+        self.tags = _aligned_region((num_slots, TAG_ROW), np.dtype(np.uint32))
+        self.secrets: dict[int, str] = {}
         self.block_bytes = self.regions[0][0].nbytes
 
     @property
@@ -199,6 +206,13 @@ class Staging(SlotMap):
                 region[start : start + length] = rows[i : i + length]
                 i += length
         return slots
+
+    def tag(self, slots: Sequence[int], tags: np.ndarray) -> None:
+        """Write `tags` (`uint32[len(slots), TAG_WORDS]`) into the slots' tag rows, as slots
+        not sealed."""
+        at = np.asarray(slots, np.int64)
+        self.tags[at, :TAG_WORDS] = tags
+        self.tags[at, TAG_WORDS:] = 0
 
     def rows(self, layer: int, slots: Sequence[int]) -> np.ndarray:
         """A copy of the blocks in `slots` of one layer, `[len(slots), *block_shape]`."""

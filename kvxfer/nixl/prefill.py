@@ -175,7 +175,7 @@ class PrefillTransport:
         if params is None:
             raise InvalidInputError(f"request {req_id!r} has nothing staged to hold")
         for g, (staging, keys, slots) in enumerate(zip(self.stagings, params.keys, params.slots)):
-            staging.tags[list(slots)] = block_tags(params.secret, g, keys)
+            staging.tag(list(slots), block_tags(params.secret, g, keys))
         self.lease(req_id, params.generation, params.secret, now)
         return params.to_dict()
 

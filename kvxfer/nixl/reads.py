@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.device.staging import Staging, free_in_all, tags_of
+from kvxfer.device.staging import TAG_WORDS, Staging, free_in_all, tags_of
 from kvxfer.errors import InvalidInputError, TransferError
 from kvxfer.nixl.peers import Peer, Peers
 from kvxfer.nixl.wire import ReadParams, StreamParams, is_generation, message_field
@@ -215,13 +215,18 @@ def tags_match(stagings: Sequence[Staging], read: Read) -> bool:
     """Whether every slot read holds the block its params name: the tags P wrote with the
     request's secret (or a pool entry's, `ReadParams.entries`) at each block's position
     (`kvxfer.device.staging.block_tags`), bound to what the block holds as D knows it (its
-    own prompt digest and block hashes: `ReadParams.tag_secrets`)."""
+    own prompt digest and block hashes: `ReadParams.tag_secrets`). Where they match, the
+    slots keep those secrets to open what P sealed (`kvxfer.device.seal.opened`)."""
     p = read.params
-    return all(not keys or np.array_equal(staging.tags[slots],
-                                          tags_of(p.tag_secrets(g, read.prompt, read.hashes[g]
-                                                                if read.hashes else None),
-                                                  g, keys))
-               for g, (staging, keys, slots) in enumerate(zip(stagings, p.keys, read.d_slots)))
+    bound = [p.tag_secrets(g, read.prompt, read.hashes[g] if read.hashes else None)
+             for g in range(len(stagings))]
+    if not all(not keys or np.array_equal(staging.tags[slots, :TAG_WORDS], tags_of(b, g, keys))
+               for g, (staging, keys, slots, b) in enumerate(zip(stagings, p.keys, read.d_slots,
+                                                                 bound))):
+        return False
+    for staging, slots, b in zip(stagings, read.d_slots, bound):
+        staging.secrets.update(zip(slots, b))
+    return True
 
 
 def release(handle: Any) -> bool:

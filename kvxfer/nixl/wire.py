@@ -33,7 +33,7 @@ __all__ = ["PROTOCOL_VERSION", "SIGNED", "WHOLE", "WIRE_INT_LIMIT", "ReadParams"
            "is_wire_index", "message_field", "new_instance", "new_secret", "new_stream_id",
            "params_forged", "parse_entries", "parse_sources", "prompt_digest", "sign_params"]
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 _MAGIC = b"kvxfer:"

@@ -53,7 +53,7 @@ class Settings:
       processes, which both name P (a random one would differ between them).
     - `options`: every other key, each a field of `kvxfer.connector.config.
       ConnectorConfig` (`staging_blocks`, `kernel_ratio`, `verify_fingerprints`,
-      `precompile`, `host_pool_bytes`; `stage_units` is deprecated and ignored)
+      `precompile`, `host_pool_bytes`, `seal_kv`; `stage_units` is deprecated and ignored)
       or of `kvxfer.nixl.agent.TransportConfig` (`handshake_timeout_s`,
       `transfer_timeout_s`, `lease_s`, `heartbeat_interval_s`, `stream_wait_s`, `ucx_tls`,
       `num_threads`, `progress_wake_us`, `etcd_endpoints`), documented there.
