@@ -129,6 +129,16 @@ def test_an_instance_on_one_host_pairs_with_one_over_two_hosts_with_no_setting(h
     assert all(out["shards"] == d[1] for out in d_out)
 
 
+@BOTH
+def test_sealed_pieces_open_on_d_processes_that_read_another_split_than_p_staged(hosts):
+    """With `seal_kv` each P process seals its piece under nonces every process of P draws
+    alike: a D process that takes its blocks from two P processes, and their tags from one,
+    opens them all byte exact."""
+    h = hosts((4, 2), (2, 4), seal=True)
+    p_out, d_out = run_all(h)
+    assert_delivered(h, p_out, d_out)
+
+
 @pytest.mark.parametrize("hosts", ["xla"], indirect=True)
 def test_p_processes_of_one_device_stage_into_pinned_regions_and_deliver(hosts):
     """One device per P process (as JAX runs one process per GPU): on the XLA backend each

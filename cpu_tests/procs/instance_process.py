@@ -110,7 +110,7 @@ def config():
                                 transfer_timeout_s=spec.get("transfer_timeout_s", 10.0),
                                 lease_s=spec.get("lease_s", 30.0),
                                 heartbeat_interval_s=min(5.0, spec.get("lease_s", 30.0) / 4))
-    return ConnectorConfig(transport, staging_blocks=16)
+    return ConnectorConfig(transport, staging_blocks=16, seal_kv=spec.get("seal", False))
 
 
 def prefill():

@@ -161,7 +161,7 @@ class OneProcess:
             rows += slots
         if not ids:
             return
-        staging, at, unknown = opened(self.stagings[g], g, rows)  # what P sealed, opened
+        staging, at, unknown = opened(self.stagings[g], g, rows, self.pieces[g].lo)  # P sealed them
         for req_id, start, count in spans:
             if any(start <= i < start + count for i in unknown):
                 bad[req_id] = f"group {g}: a sealed block with no secret kept to open it"
