@@ -116,3 +116,25 @@ def test_nonces_are_distinct_per_save_and_slot_and_bad_ones_are_refused_by_name(
         nonces_of(0, [1])
     with pytest.raises(InvalidInputError, match="seal_kv must be a bool, got 'yes'"):
         ConnectorConfig(TransportConfig("x"), seal_kv="yes")
+
+
+def test_a_piece_sealed_alone_is_the_same_ciphertext_as_its_units_of_the_whole_block():
+    """Each unit takes the stream at its own place in the whole block: P processes that
+    stage one unit each seal what one process staging both would, so a D whose processes
+    split the units otherwise opens them."""
+    rng = np.random.default_rng(1)
+    whole = Staging(3, 4, (2, 5, 8), np.uint16, prints_per_layer=2)  # 2 units of [5, 8]
+    for region in whole.regions:
+        region[...] = rng.integers(0, 2**16, region.shape, np.uint16)
+    whole.prints[...] = rng.integers(0, 2**32, whole.prints.shape, np.uint32)
+    halves = [Staging(3, 4, (1, 5, 8), np.uint16, prints_per_layer=1) for _ in range(2)]
+    for u, half in enumerate(halves):
+        for region, full in zip(half.regions, whole.regions):
+            region[...] = full[:, u : u + 1]
+        half.prints[...] = whole.prints[:, u : u + 1]
+        seal(half, 0, [2], ["ef" * 16], count=5, first=u, units=2)
+    seal(whole, 0, [2], ["ef" * 16], count=5)
+    for u, half in enumerate(halves):
+        for region, full in zip(half.regions, whole.regions):
+            assert (region[2] == full[2, u : u + 1]).all()
+        assert (half.prints[2] == whole.prints[2, u : u + 1]).all()

@@ -209,8 +209,8 @@ def _emulate_cpu_devices(count: int = 8) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     _emulate_cpu_devices()
-    if (args.trace or args.no_stats) and args.what != "e2e":
-        raise InvalidInputError("--trace and --no-stats are options of `kvxfer bench e2e`")
+    if (args.trace or args.no_stats or args.seal) and args.what != "e2e":
+        raise InvalidInputError("--trace, --no-stats and --seal are options of `kvxfer bench e2e`")
     if args.trace < 0:
         raise InvalidInputError(f"--trace takes a number of requests, 0 or more, got {args.trace}")
     if args.trace and args.no_stats:
@@ -229,7 +229,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if load:
         result = module.run(hosts=1 if args.hosts is None else args.hosts)
     elif args.what == "e2e":
-        result = module.run(module.E2EConfig(stats=not args.no_stats, trace=args.trace, **tp))
+        result = module.run(module.E2EConfig(stats=not args.no_stats, trace=args.trace, seal=args.seal,
+                                             **tp))
     elif args.what == "ttft":
         result = module.run(module.TTFTConfig(**tp))
     else:
@@ -383,6 +384,9 @@ def _add_bench(sub: Any) -> None:
                             "and draw them in kvxfer-trace.png (with matplotlib)")
     bench.add_argument("--no-stats", action="store_true",
                        help="e2e: collect no counters or traces (what collecting costs)")
+    bench.add_argument("--seal", action="store_true",
+                       help="e2e: P seals the KV it stages (seal_kv) and D opens it "
+                            "(what encrypting the staged KV costs)")
     bench.add_argument("--load", action="store_true",
                        help="serve: under load, with vLLM's own client (vllm bench serve), "
                             "kvxfer against tpu-inference's connector and one colocated instance")

@@ -29,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from kvxfer.device.seal import opened
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.decode import DecodeTransport
 from kvxfer.nixl.wire import new_stream_id
@@ -287,6 +288,33 @@ def test_a_corrupted_pooled_block_is_recomputed_on_p_and_d_gets_the_right_kv(pd)
                 and "b" in (r.connector_output.failed_recving or ())]
     assert received, "P's load of the corrupted block was not reported failed"
     assert scheduled_tokens(p.steps, "b")[1] == len(second)  # P computed all of it again
+    decode(d, "b-d", second, params)
+    assert_prompt_kv(d, "b-d", second)
+
+
+def test_with_seal_kv_p_stages_ciphertext_and_d_and_ps_pool_load_every_token_byte_exact(pd):
+    """`seal_kv` on P: what P's staging holds (where NIXL reads it) is not the KV, yet D
+    decodes on P's KV, and a later prompt loads the pooled blocks on P byte exact."""
+    p, d = _pool_pair(pd, extra={"host_pool_bytes": 8 * POOL_SLOT, "seal_kv": True})
+    shared = _prompt(28, 48)
+    first, second = shared + _prompt(29, 5), shared + _prompt(30, 9)
+    params = p.prefill("a", first)
+    staging = p.engine.worker._worker._prefill.stagings[0]
+    with p._lock:
+        slots = params["groups"][0]["slots"]
+        assert staging.tags[slots, 2:].any(axis=1).all()  # every slot sealed, under a nonce
+        lying = [r[slots].astype(np.float32) for r in staging.regions]
+        clear, rows, _ = opened(staging, 0, slots)
+        clear = [r[rows].astype(np.float32) for r in clear.regions]
+    # The simulated model's KV is small integers (|v| <= 119): opened, every value is one;
+    # as NIXL serves it, about all are not.
+    assert all((np.abs(c) <= 119).all() for c in clear)
+    assert all((~(np.abs(c) <= 119)).mean() > 0.4 for c in lying)
+    decode(d, "a-d", first, params)
+    assert_prompt_kv(d, "a-d", first)
+    _released(p)
+    params = p.prefill("b", second)
+    assert scheduled_tokens(p.steps, "b") == (48, 9)  # the pool's blocks, opened on P
     decode(d, "b-d", second, params)
     assert_prompt_kv(d, "b-d", second)
 

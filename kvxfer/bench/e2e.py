@@ -32,7 +32,9 @@ would. Both sides have 8 layers of 2,048 blocks of `[16, 8, 2, 128]` bf16
    the cost must not grow with the cache.
 
 With `stats=False` neither side collects counters or traces (`ConnectorConfig.
-stats`), to measure what collecting costs; `trace=N` returns the P and D
+stats`), to measure what collecting costs; with `seal=True` P seals what it stages
+(`ConnectorConfig.seal_kv`) and D opens it, to measure what encrypting the staged KV
+costs; `trace=N` returns the P and D
 traces of the last N latency requests (`traces`), which `kvxfer bench e2e
 --trace N` prints as a table and draws as a timeline.
 
@@ -81,6 +83,7 @@ class E2EConfig:
     timeout_s: float = 600.0
     stats: bool = True
     trace: int = 0
+    seal: bool = False
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -102,7 +105,7 @@ class _Prefill(Saver):
         self.cfg = cfg
         self.caches = random_caches(cfg.layers, cfg.block_shape, cfg.tp_p, cfg.num_blocks, seed=1)
         super().__init__(out, connector("P", self.caches, cfg.num_blocks, cfg.block_size,
-                                        stats=cfg.stats, lease_s=600.0))
+                                        stats=cfg.stats, seal_kv=cfg.seal, lease_s=600.0))
         self.free = deque(range(1, cfg.num_blocks))
         self.pool, self.committed = len(self.free), 0
         self.tables: dict[str, list[int]] = {}
@@ -335,6 +338,7 @@ def run(cfg: E2EConfig | None = None) -> dict[str, Any]:
         "p_forward_s": round(forward_s, 3),
         "p_save_s": round(after["save_s"] - before["save_s"], 3),
         "stats": cfg.stats,
+        "seal": cfg.seal,
         **({"traces": traces} if cfg.trace else {}),
     }
 

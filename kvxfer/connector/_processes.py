@@ -161,7 +161,8 @@ class OneProcess:
             rows += slots
         if not ids:
             return
-        staging, at, unknown = opened(self.stagings[g], g, rows, self.pieces[g].lo)  # P sealed them
+        piece = self.pieces[g]  # what P sealed, opened
+        staging, at, unknown = opened(self.stagings[g], g, rows, piece.lo, piece.units)
         for req_id, start, count in spans:
             if any(start <= i < start + count for i in unknown):
                 bad[req_id] = f"group {g}: a sealed block with no secret kept to open it"

@@ -141,8 +141,8 @@ class PrefillWorker:
                 secrets = [s for req_id, placed in meta.blocks.items()
                            for s in _bound(meta, req_id, g, [pos for pos, _ in placed[g]])]
                 if self.config.seal_kv:
-                    seal(self.stagings[g], g, slots, secrets, self._saves,
-                         self.processes.pieces[g].lo)
+                    piece = self.processes.pieces[g]
+                    seal(self.stagings[g], g, slots, secrets, self._saves, piece.lo, piece.units)
                 self.stagings[g].tags[slots, :TAG_WORDS] = tags_of(secrets, g, positions)
         if meta.blocks:
             self._trace_gathers(meta, start)

@@ -159,7 +159,7 @@ def run_child(make: Callable[[str, dict[str, Any], TextIO], Side]) -> None:
 
 
 def connector(role: str, caches: Any, staging_blocks: int, block_size: int = 16, *,
-              stats: bool = True, **transport: Any) -> Any:
+              stats: bool = True, seal_kv: bool = False, **transport: Any) -> Any:
     """P's `PrefillConnector` (one group of `block_size`-token blocks) or D's `DecodeConnector`
     over `caches`; the transport is named `role` unless `transport` names it."""
     from kvxfer.connector.config import ConnectorConfig
@@ -169,7 +169,7 @@ def connector(role: str, caches: Any, staging_blocks: int, block_size: int = 16,
     from kvxfer.plan.save_plan import GroupSpec
 
     config = ConnectorConfig(TransportConfig(**{"name": role, **transport}),
-                             staging_blocks=staging_blocks, stats=stats)
+                             staging_blocks=staging_blocks, stats=stats, seal_kv=seal_kv)
     if role.upper() == "P":
         return PrefillConnector(config, [GroupSpec(block_size)], caches)
     return DecodeConnector(config, caches)

@@ -10,8 +10,8 @@ is then ciphertext; a reader derives the key only from the params' secret and it
 prompt or block hashes, as it checks the tags. A pooled block lent to a peer stays sealed:
 P's own loads from its pool open a copy (`opened`), never the slot.
 
-    seal(staging, group, slots, secrets, count, first)   # P, after the gather, before the tags
-    staging, rows, _ = opened(staging, group, rows, first)  # D or P, before a scatter
+    seal(staging, group, slots, secrets, count, first, units)   # P, after the gather
+    staging, rows, _ = opened(staging, group, rows, first, units)  # D or P, before a scatter
 
 Each write has a nonce of its own, `count << 24 | slot` (the worker's save count: the same
 on every process of an instance, so a reader that takes the blocks of one process and the
@@ -31,6 +31,7 @@ import functools
 import hashlib
 import hmac
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -42,9 +43,6 @@ __all__ = ["SLOT_BITS", "nonces_of", "opened", "seal", "seal_key"]
 
 SLOT_BITS = 24
 """Bits of a nonce that name the slot: a sealed staging holds at most 2**24 slots."""
-
-_PRINTS_ROW = 0xFFFF  # the "layer" of the fingerprint row in the counter block
-
 
 @functools.lru_cache(maxsize=4096)
 def seal_key(secret: str) -> bytes:
@@ -71,70 +69,102 @@ def nonces_of(count: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def seal(staging: Staging, group: int, slots: Sequence[int], secrets: Sequence[str],
-         count: int, first: int = 0) -> None:
+         count: int, first: int = 0, units: int | None = None) -> None:
     """Encrypt the blocks and fingerprints just gathered into `slots` (of KV cache group
-    `group`; the staging holds units `first` on of each block) in place, each under
-    `seal_key(secrets[i])` and a nonce of save `count`, and write the nonces into the slots'
-    tag rows. The slots' secrets are kept on the staging (`Staging.secrets`) for this
-    process's own loads."""
+    `group`) in place, each under `seal_key(secrets[i])` and a nonce of save `count`, and
+    write the nonces into the slots' tag rows. The staging holds units `first` on of each
+    block's `units` (None: all of them). The slots' secrets are kept on the staging
+    (`Staging.secrets`) for this process's own loads."""
     if len(secrets) != len(slots):
         raise InvalidInputError(f"seal: {len(secrets)} secrets for {len(slots)} slots")
     nonces = nonces_of(count, slots)
+    room = np.empty(max(r[0].nbytes for r in (*staging.regions, staging.prints)) + 16, np.uint8)
     for slot, secret, nonce in zip(slots, secrets, nonces):
-        key = seal_key(secret)
-        for row, region in _rows(staging):
-            _crypt_into(key, nonce, group, row, region[slot], region[slot], _at(staging, region, first))
+        for stream, region in _streams(seal_key(secret), nonce, group, staging, first, units):
+            row = _bytes(region[slot])
+            stream.update_into(row, room)
+            row[:] = room[: len(row)]
         staging.secrets[int(slot)] = secret
     staging.tags[np.asarray(slots, np.int64), TAG_WORDS:] = nonces
 
 
-def opened(staging: Staging, group: int, rows: Sequence[int], first: int = 0
-           ) -> tuple[Staging, np.ndarray, list[int]]:
-    """The blocks and fingerprints of staging `rows` (units `first` on of each block) in the
-    clear, for a scatter: `staging` and `rows` themselves where none is sealed, else a
-    scratch `Staging` of `len(rows)` slots holding them opened, and its rows. The third item
-    lists the positions in `rows` that could not be opened (sealed, with no secret kept for
-    the slot): their fingerprints are left zero, so they fail their check."""
+def opened(staging: Staging, group: int, rows: Sequence[int], first: int = 0,
+           units: int | None = None) -> tuple[Staging, np.ndarray, list[int]]:
+    """The blocks and fingerprints of staging `rows` (units `first` on of each block's
+    `units`, as `seal`) in the clear, for a scatter: `staging` and `rows` themselves where
+    none is sealed, else a scratch `Staging` of `len(rows)` slots holding them opened, and
+    its rows. The third item lists the positions in `rows` that could not be opened (sealed,
+    with no secret kept for the slot): their fingerprints are left zero, so they fail their
+    check."""
     at = np.asarray(rows, np.int64)
     nonces = staging.tags[at, TAG_WORDS:] if len(at) else np.zeros((0, 2), np.uint32)
     sealed = nonces.any(axis=1)
     if not sealed.any():
         return staging, at, []
-    out = Staging(staging.num_layers, len(at), staging.block_shape, staging.dtype,
-                  prints_per_layer=staging.prints_per_layer)
+    out = {id(r): _Rows(r, len(at)) for r in (*staging.regions, staging.prints)}
     unknown = []
     for i, (slot, nonce, is_sealed) in enumerate(zip(at.tolist(), nonces, sealed)):
         secret = staging.secrets.get(slot) if is_sealed else None
-        if is_sealed and secret is None:
+        if not is_sealed:
+            for region in (*staging.regions, staging.prints):
+                out[id(region)].rows[i] = region[slot]
+        elif secret is None:
             unknown.append(i)
-            continue
-        key = seal_key(secret) if secret else None
-        for (row, src), (_, dst) in zip(_rows(staging), _rows(out)):
-            _crypt_into(key, nonce, group, row, src[slot], dst[i], _at(staging, src, first))
-    return out, np.arange(len(at), dtype=np.int64), unknown
+            out[id(staging.prints)].rows[i] = 0
+        else:
+            for stream, region in _streams(seal_key(secret), nonce, group, staging, first, units):
+                stream.update_into(_bytes(region[slot]), out[id(region)].room(i))
+    clear = Staging(staging.num_layers, len(at), staging.block_shape, staging.dtype,
+                    prints_per_layer=staging.prints_per_layer,
+                    regions=[out[id(r)].rows for r in staging.regions])
+    clear.prints[...] = out[id(staging.prints)].rows
+    return clear, np.arange(len(at), dtype=np.int64), unknown
 
 
-def _rows(staging: Staging) -> list[tuple[int, np.ndarray]]:
-    """Each region a slot has a row in, sealed, with the row's number in the counter block:
-    every layer's, then the fingerprints'."""
-    return [*enumerate(staging.regions), (_PRINTS_ROW, staging.prints)]
+class _Rows:
+    """`n` rows shaped as `region`'s, not zeroed (each is written whole), in a buffer with
+    16 bytes past the last: a counter-mode write asks for 15 bytes more room than it
+    writes, so each row is opened straight into place."""
+
+    def __init__(self, region: np.ndarray, n: int):
+        self.size = region[0].nbytes
+        self.raw = np.empty(n * self.size + 16, np.uint8)
+        self.rows = self.raw[: n * self.size].view(region.dtype).reshape(n, *region.shape[1:])
+
+    def room(self, i: int) -> memoryview:
+        return memoryview(self.raw)[i * self.size : (i + 1) * self.size + 15]
 
 
-def _at(staging: Staging, region: np.ndarray, first: int) -> int:
-    """Where in the whole block's row a slot's row of `region` starts: at unit `first`."""
-    return first * (region[0].nbytes // (staging.prints_per_layer or 1))
+def _streams(key: bytes, nonce: np.ndarray, group: int, staging: Staging, first: int,
+             units: int | None) -> list[tuple[Any, np.ndarray]]:
+    """Each region a slot has a row in (every layer's, then the fingerprints'), with the
+    counter stream its row is sealed under, placed at the row's first byte. The blocks'
+    stream runs through the whole block, layer after layer, unit after unit; a row that
+    follows on from the last takes up its stream where it ended."""
+    count = staging.prints_per_layer or 1
+    units = count if units is None else units
+    out, stream, end = [], None, -1
+    for layer, region in enumerate(staging.regions):
+        unit = region[0].nbytes // count
+        at = (layer * units + first) * unit
+        if at != end:
+            stream = _stream(key, nonce, group, 0, at)
+        out.append((stream, region))
+        end = at + region[0].nbytes
+    unit = staging.prints[0].nbytes // count
+    return [*out, (_stream(key, nonce, group, 1, first * unit), staging.prints)]
 
 
-def _crypt_into(key: bytes | None, nonce: np.ndarray, group: int, row: int, src: np.ndarray,
-                dst: np.ndarray, at: int) -> None:
-    """`dst` = `src` under the counter stream of (`key`, `nonce`, `group`, `row`) from byte
-    `at` on: encrypted or opened alike (None: a plain copy). `src` may be `dst`."""
-    if key is None:
-        dst[...] = src
-        return
+def _stream(key: bytes, nonce: np.ndarray, group: int, kind: int, at: int) -> Any:
+    """The AES-CTR stream of a slot's blocks (`kind` 0) or fingerprints (1), from byte `at`
+    on."""
     iv = ((int(nonce[1]) << 32 | int(nonce[0])).to_bytes(8, "big") + group.to_bytes(2, "big")
-          + row.to_bytes(2, "big") + (at // 16).to_bytes(4, "big"))
+          + kind.to_bytes(2, "big") + (at // 16).to_bytes(4, "big"))
     stream = Cipher(algorithms.AES(key), modes.CTR(iv)).encryptor()
-    stream.update(bytes(at % 16))  # the stream from byte `at` on
-    plain = np.ascontiguousarray(src).view(np.uint8).reshape(-1)
-    dst.view(np.uint8).reshape(-1)[:] = np.frombuffer(stream.update(memoryview(plain)), np.uint8)
+    stream.update(bytes(at % 16))
+    return stream
+
+
+def _bytes(row: np.ndarray) -> np.ndarray:
+    """A slot's row (contiguous) as bytes, a view."""
+    return row.view(np.uint8).reshape(-1)
