@@ -166,7 +166,7 @@ def test_the_extra_config_keys_and_the_cli_commands_stay():
     assert _ADDRESS == ("host", "port", "name")
     connector, transport = _option_keys()
     assert connector == ["staging_blocks", "kernel_ratio", "verify_fingerprints", "stats", "precompile",
-                         "stage_units", "host_pool_bytes"]
+                         "stage_units", "host_pool_bytes", "seal_kv"]
     assert transport == ["handshake_timeout_s", "transfer_timeout_s", "lease_s", "heartbeat_interval_s",
                          "stream_wait_s", "ucx_tls", "num_threads", "progress_wake_us", "etcd_endpoints",
                          "fleet_key_file"]

@@ -295,7 +295,9 @@ def test_a_corrupted_pooled_block_is_recomputed_on_p_and_d_gets_the_right_kv(pd)
 def test_with_seal_kv_p_stages_ciphertext_and_d_and_ps_pool_load_every_token_byte_exact(pd):
     """`seal_kv` on P: what P's staging holds (where NIXL reads it) is not the KV, yet D
     decodes on P's KV, and a later prompt loads the pooled blocks on P byte exact."""
-    p, d = _pool_pair(pd, extra={"host_pool_bytes": 8 * POOL_SLOT, "seal_kv": True})
+    p, d = pd(enable_prefix_caching=False, kv_load_failure_policy="recompute",
+              extra={"host_pool_bytes": 8 * POOL_SLOT, "seal_kv": True},
+              d=dict(enable_prefix_caching=False))
     shared = _prompt(28, 48)
     first, second = shared + _prompt(29, 5), shared + _prompt(30, 9)
     params = p.prefill("a", first)
@@ -310,7 +312,8 @@ def test_with_seal_kv_p_stages_ciphertext_and_d_and_ps_pool_load_every_token_byt
     # as NIXL serves it, about all are not.
     assert all((np.abs(c) <= 119).all() for c in clear)
     assert all((~(np.abs(c) <= 119)).mean() > 0.4 for c in lying)
-    decode(d, "a-d", first, params)
+    steps = decode(d, "a-d", first, params)
+    assert scheduled_tokens(steps, "a-d")[0] == len(first) - 1  # read from P, not recomputed
     assert_prompt_kv(d, "a-d", first)
     _released(p)
     params = p.prefill("b", second)
