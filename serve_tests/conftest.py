@@ -36,9 +36,12 @@ def fail_stack() -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def router_stack() -> Iterator[Stack]:
-    """P and D at TP 1 behind vllm-router (`PD_FRONT=vllm-router`) instead of `kvxfer proxy`."""
+    """P and D at TP 1 behind vllm-router (`PD_FRONT=vllm-router`) instead of `kvxfer proxy`,
+    each engine pinned to a core of its own (`PD_P_CPUS`, `PD_D_CPUS`), D with the decode
+    batch of two colocated instances (`PD_D_MAX_NUM_SEQS`)."""
     yield from start("router", PD_FRONT="vllm-router", PD_P_PORT="8140", PD_D_PORT="8240",
-                     PD_PROXY_PORT="8040", PD_KV_PORT="5614")
+                     PD_PROXY_PORT="8040", PD_KV_PORT="5614", PD_P_CPUS="0", PD_D_CPUS="1",
+                     PD_D_MAX_NUM_SEQS="8")
 
 
 @pytest.fixture(scope="module")

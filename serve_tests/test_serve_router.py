@@ -10,10 +10,12 @@ sends D the request without params when P returns none, and the client cannot te
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import urllib.request
 
 import pytest
-from serve_stack import TIMEOUT_S, post, random_prompt, start
+from serve_stack import ROOT, TIMEOUT_S, post, random_prompt, start
 from test_serve import _metric, _same_answer, _until
 
 from kvxfer.bench.load import front
@@ -51,6 +53,32 @@ def test_plain_and_streamed_requests_through_vllm_router_move_the_kv_and_answer_
     assert "".join(pieces) == alone["choices"][0]["text"]
     assert _until(lambda: _transfers(stack), before + 2) == before + 2
     assert _fallbacks(stack) == fallbacks  # neither went without P's KV
+
+
+def test_pd_up_pins_each_engines_whole_process_tree_to_its_own_cores(router_stack):
+    """`PD_P_CPUS=0 PD_D_CPUS=1`: every process of P's group (the API server, its engine
+    core) may run on core 0 alone, every one of D's on core 1 alone, from their start."""
+    for name, cpus in (("P", {0}), ("D", {1})):
+        group = router_stack.pid(name)
+        tree = [int(p) for p in os.listdir("/proc") if p.isdigit() and _group_of(int(p)) == group]
+        assert len(tree) >= 2, f"{name}'s process group {group} has {tree}"
+        assert {pid: os.sched_getaffinity(pid) for pid in tree} == dict.fromkeys(tree, cpus)
+    assert "D_CPUS=1" in (router_stack.dir / "stack.env").read_text()
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def test_pd_up_refuses_a_cpu_list_or_decode_batch_by_name_before_starting_anything(tmp_path):
+    for var, value in (("PD_P_CPUS", "9999"), ("PD_D_CPUS", "0;1"), ("PD_D_MAX_NUM_SEQS", "0")):
+        out = subprocess.run(["bash", "scripts/pd-up"], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "PD_DIR": str(tmp_path), var: value}, timeout=60)
+        assert out.returncode == 1 and f"{var} must be" in out.stderr and f"'{value}'" in out.stderr
+        assert not list(tmp_path.glob("*.pid")) and not list(tmp_path.glob("*.log"))
 
 
 def test_a_request_reaching_d_without_params_is_counted_as_a_fallback(router_stack):
