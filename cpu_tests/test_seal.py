@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvxfer.connector.config import ConnectorConfig
-from kvxfer.device.seal import nonces_of, opened, seal
+from kvxfer.device.seal import nonces_of, opened, scratch, seal
 from kvxfer.device.staging import TAG_WORDS, Staging
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.agent import TransportConfig
@@ -24,6 +24,14 @@ from test_pool_prefill import SLOT, _read_by_d  # noqa: E402
 def _same_bytes(a, b):
     """The fraction of bytes two arrays have in common, position by position."""
     return float((np.asarray(a).view(np.uint8) == np.asarray(b).view(np.uint8)).mean())
+
+
+def _clear(staging, slots):
+    """A scratch holding what `slots` hold now: what P gathered, to seal into them."""
+    clear = scratch(staging, len(slots))
+    for src, dst in zip((*staging.regions, staging.prints), (*clear.regions, clear.prints)):
+        dst[...] = src[slots]
+    return clear
 
 
 def test_sealed_blocks_reach_d_byte_exact_while_p_staging_holds_only_ciphertext(pair, backend):
@@ -95,7 +103,7 @@ def test_sealing_a_staging_round_trips_every_dtype_and_layout():
                 region.view(np.uint8).shape)
         staging.prints[...] = rng.integers(0, 2**32, staging.prints.shape, np.uint32)
         want = [r[[1, 4]].copy() for r in staging.regions], staging.prints[[1, 4]].copy()
-        seal(staging, 1, [1, 4], ["ab" * 16, "cd" * 16], count=3)
+        seal(staging, 1, [1, 4], ["ab" * 16, "cd" * 16], count=3, clear=_clear(staging, [1, 4]))
         assert (staging.tags[[1, 4], TAG_WORDS:] == nonces_of(3, [1, 4])).all()
         clear, rows, unknown = opened(staging, 1, [4, 0, 1])
         assert unknown == [] and list(rows) == [0, 1, 2]
@@ -132,9 +140,31 @@ def test_a_piece_sealed_alone_is_the_same_ciphertext_as_its_units_of_the_whole_b
         for region, full in zip(half.regions, whole.regions):
             region[...] = full[:, u : u + 1]
         half.prints[...] = whole.prints[:, u : u + 1]
-        seal(half, 0, [2], ["ef" * 16], count=5, first=u, units=2)
-    seal(whole, 0, [2], ["ef" * 16], count=5)
+        seal(half, 0, [2], ["ef" * 16], count=5, clear=_clear(half, [2]), first=u, units=2)
+    seal(whole, 0, [2], ["ef" * 16], count=5, clear=_clear(whole, [2]))
     for u, half in enumerate(halves):
         for region, full in zip(half.regions, whole.regions):
             assert (region[2] == full[2, u : u + 1]).all()
         assert (half.prints[2] == whole.prints[2, u : u + 1]).all()
+
+
+def test_p_gathers_outside_what_nixl_registers_so_its_staging_never_holds_the_clear_kv(
+        pair, monkeypatch):
+    """At the moment P seals, its staging slots do not hold the gathered KV (which a peer
+    polling READs would otherwise catch between the gather and the seal): P gathered into a
+    scratch NIXL never registered."""
+    import kvxfer.connector.prefill as prefill
+
+    seen = []
+
+    def watching(staging, group, slots, secrets, count, clear, *rest):
+        seen.append(max(_same_bytes(r[slots], c) for r, c in zip(staging.regions, clear.regions)))
+        return seal(staging, group, slots, secrets, count, clear, *rest)
+
+    monkeypatch.setattr(prefill, "seal", watching)
+    pr = pair(seal=True)
+    pr.p.add_request("r", 40)
+    pr.save(ScheduledRequest("r", 0, 40, ([5, 9, 12],), full_table=True))
+    assert len(seen) == 1 and seen[0] < 0.1
+    pr.serve()
+    assert pr.load("r", pr.p.request_finished("r"), [20, 21, 22]) == (["r"], [])

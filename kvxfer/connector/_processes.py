@@ -38,6 +38,7 @@ from kvxfer.device.pieces import (
     scatter_piece,
 )
 from kvxfer.device.seal import opened
+from kvxfer.device.staging import Staging
 from kvxfer.errors import InvalidInputError, LayoutMismatchError
 from kvxfer.nixl.agent import TransportConfig
 from kvxfer.nixl.agreement import agree, shared_instance, spans_processes
@@ -136,10 +137,11 @@ class OneProcess:
         return None
 
     def gather(self, g: int, caches: Sequence[jax.Array], ids: np.ndarray,
-               slots: np.ndarray) -> None:
-        """Copy this process's units of blocks `ids` of group `g` into `slots`, with their
-        sums."""
-        gather_piece_into(caches, ids, self.stagings[g], slots, self.pieces[g])
+               slots: np.ndarray, into: Staging | None = None) -> None:
+        """Copy this process's units of blocks `ids` of group `g` into `slots` of group `g`'s
+        staging (or of `into`, laid out alike), with their sums."""
+        gather_piece_into(caches, ids, self.stagings[g] if into is None else into, slots,
+                          self.pieces[g])
 
     def scatter(self, g: int, groups: list[list[jax.Array]],
                 rows_of: Mapping[str, tuple[Sequence[int], Sequence[int]]],

@@ -65,7 +65,7 @@ class ConnectorConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(
                     f"ConnectorConfig {name} must be a bool, got {getattr(self, name)!r}")
-        if self.seal_kv and self.staging_blocks >= 2 ** 24:  # a nonce names the slot in 24 bits
+        if self.seal_kv and self.staging_blocks > 2 ** 24:  # a nonce names the slot in 24 bits
             raise InvalidInputError(f"ConnectorConfig staging_blocks {self.staging_blocks} is more "
                                     f"than seal_kv's nonces name (2**24 slots)")
         if self.stage_units:

@@ -23,7 +23,7 @@ from kvxfer.connector._processes import for_caches, per_group
 from kvxfer.connector.config import ConnectorConfig
 from kvxfer.connector.scheduler import PeerAddress, PrefillScheduler, SaveMeta
 from kvxfer.device.layout import CacheLayout, advertised
-from kvxfer.device.seal import seal
+from kvxfer.device.seal import scratch, seal
 from kvxfer.device.staging import TAG_WORDS, Staging, tags_of
 from kvxfer.errors import InvalidInputError
 from kvxfer.nixl.prefill import PrefillTransport
@@ -132,17 +132,20 @@ class PrefillWorker:
         start = time.monotonic()
         self._saves += 1  # every process of the instance counts alike: the nonces match
         for g, group_caches in enumerate(groups):
-            ids = [k for placed in meta.blocks.values() for _, k in placed[g]]
-            if ids:
+            ids = np.asarray([k for placed in meta.blocks.values() for _, k in placed[g]],
+                             np.int64)
+            if len(ids):
                 slots = [s for slots in meta.slots.values() for s in slots[g]]
-                self.processes.gather(g, group_caches, np.asarray(ids, np.int64),
-                                  np.asarray(slots, np.int64))
                 positions = [pos for placed in meta.blocks.values() for pos, _ in placed[g]]
                 secrets = [s for req_id, placed in meta.blocks.items()
                            for s in _bound(meta, req_id, g, [pos for pos, _ in placed[g]])]
-                if self.config.seal_kv:
-                    piece = self.processes.pieces[g]
-                    seal(self.stagings[g], g, slots, secrets, self._saves, piece.lo, piece.units)
+                if self.config.seal_kv and self.transport is not None:  # else none reads it
+                    clear, piece = scratch(self.stagings[g], len(ids)), self.processes.pieces[g]
+                    self.processes.gather(g, group_caches, ids, np.arange(len(ids)), into=clear)
+                    seal(self.stagings[g], g, slots, secrets, self._saves, clear, piece.lo,
+                         piece.units)
+                else:
+                    self.processes.gather(g, group_caches, ids, np.asarray(slots, np.int64))
                 self.stagings[g].tags[slots, :TAG_WORDS] = tags_of(secrets, g, positions)
         if meta.blocks:
             self._trace_gathers(meta, start)

@@ -2,15 +2,18 @@
 
 NIXL serves a staging region to any agent that holds this instance's metadata, and carries
 it over the link as it lies. With `seal_kv` (`kvxfer.connector.config.ConnectorConfig`) P
-encrypts each block it stages where it lies: every layer's row of the slot and the slot's
-fingerprint row, AES-256 in counter mode, under a key derived from the secret the slot's
-tag is bound to (`kvxfer.nixl.wire.bound_secret`: a request's secret bound to its prompt,
-or a pool entry's bound to the block's hash). What a peer reads, and what crosses the link,
+gathers each block into memory NIXL does not register and writes it into its slot sealed
+(every layer's row of the slot and the slot's fingerprint row), AES-256 in counter mode,
+under a key derived from the secret the slot's tag is bound to
+(`kvxfer.nixl.wire.bound_secret`: a request's secret bound to its prompt, or a pool entry's
+bound to the block's hash; the tag mixes another key derived from it, so a tag gives the
+seal key away no more than the secret). What a peer reads, and what crosses the link,
 is then ciphertext; a reader derives the key only from the params' secret and its own
 prompt or block hashes, as it checks the tags. A pooled block lent to a peer stays sealed:
 P's own loads from its pool open a copy (`opened`), never the slot.
 
-    seal(staging, group, slots, secrets, count, first, units)   # P, after the gather
+    clear = scratch(staging, len(slots))                         # P: gathers into it,
+    seal(staging, group, slots, secrets, count, clear, first, units)  # then seals into slots
     staging, rows, _ = opened(staging, group, rows, first, units)  # D or P, before a scatter
 
 Each write has a nonce of its own, `count << 24 | slot` (the worker's save count: the same
@@ -39,7 +42,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from kvxfer.device.staging import TAG_WORDS, Staging
 from kvxfer.errors import InvalidInputError
 
-__all__ = ["SLOT_BITS", "nonces_of", "opened", "seal", "seal_key"]
+__all__ = ["SLOT_BITS", "nonces_of", "opened", "scratch", "seal", "seal_key"]
 
 SLOT_BITS = 24
 """Bits of a nonce that name the slot: a sealed staging holds at most 2**24 slots."""
@@ -69,23 +72,40 @@ def nonces_of(count: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def seal(staging: Staging, group: int, slots: Sequence[int], secrets: Sequence[str],
-         count: int, first: int = 0, units: int | None = None) -> None:
-    """Encrypt the blocks and fingerprints just gathered into `slots` (of KV cache group
-    `group`) in place, each under `seal_key(secrets[i])` and a nonce of save `count`, and
-    write the nonces into the slots' tag rows. The staging holds units `first` on of each
-    block's `units` (None: all of them). The slots' secrets are kept on the staging
-    (`Staging.secrets`) for this process's own loads."""
-    if len(secrets) != len(slots):
-        raise InvalidInputError(f"seal: {len(secrets)} secrets for {len(slots)} slots")
+         count: int, clear: Staging, first: int = 0, units: int | None = None) -> None:
+    """Encrypt the blocks and fingerprints gathered into `clear` (a `scratch`, which NIXL
+    never registers: row `i` for `slots[i]`) into `slots` of `staging` (KV cache group
+    `group`), each under `seal_key(secrets[i])` and a nonce of save `count`, and write the
+    nonces into the slots' tag rows: the clear bytes never lie where NIXL reads. The staging
+    holds units `first` on of each block's `units` (None: all of them). The slots' secrets
+    are kept on the staging (`Staging.secrets`) for this process's own loads."""
+    if not (len(secrets) == len(slots) == clear.num_slots):
+        raise InvalidInputError(f"seal: {len(secrets)} secrets and {clear.num_slots} clear rows "
+                                f"for {len(slots)} slots")
     nonces = nonces_of(count, slots)
-    room = np.empty(max(r[0].nbytes for r in (*staging.regions, staging.prints)) + 16, np.uint8)
-    for slot, secret, nonce in zip(slots, secrets, nonces):
-        for stream, region in _streams(seal_key(secret), nonce, group, staging, first, units):
-            row = _bytes(region[slot])
-            stream.update_into(row, room)
-            row[:] = room[: len(row)]
+    pairs = list(zip(clear.regions, staging.regions)) + [(clear.prints, staging.prints)]
+    rooms = {id(r): _Rows(r, 1) for _, r in pairs}  # for a slot with no row past it
+    for i, (slot, secret, nonce) in enumerate(zip(slots, secrets, nonces)):
+        streams = _streams(seal_key(secret), nonce, group, staging, first, units)
+        for (stream, _), (src, region) in zip(streams, pairs):
+            size = region[0].nbytes
+            if slot + 1 < len(region):  # the room a write asks for runs into the next row
+                room = memoryview(region.view(np.uint8).reshape(-1))[slot * size:][: size + 15]
+                stream.update_into(_bytes(src[i]), room)
+            else:
+                stream.update_into(_bytes(src[i]), rooms[id(region)].room(0))
+                region[slot] = rooms[id(region)].rows[0]
         staging.secrets[int(slot)] = secret
     staging.tags[np.asarray(slots, np.int64), TAG_WORDS:] = nonces
+
+
+def scratch(staging: Staging, n: int) -> Staging:
+    """A `Staging` of `n` slots laid out as `staging`'s, in memory NIXL never registers and
+    left unzeroed (each row is written whole): where P gathers what it seals, and where a
+    reader opens what it read."""
+    return Staging(staging.num_layers, n, staging.block_shape, staging.dtype,
+                   prints_per_layer=staging.prints_per_layer,
+                   regions=[_Rows(r, n).rows for r in staging.regions])
 
 
 def opened(staging: Staging, group: int, rows: Sequence[int], first: int = 0,

@@ -11,6 +11,8 @@ its slot, so D always reads the newest copy.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 from collections.abc import Hashable, Sequence
@@ -60,10 +62,7 @@ def block_tags(secret: str, group: int, keys: Sequence[int]) -> np.ndarray:
     """
     if not (isinstance(secret, str) and len(secret) == 32):
         raise InvalidInputError(f"a request secret is 32 hex digits, got {secret!r:.40}")
-    try:
-        words = np.frombuffer(bytes.fromhex(secret), dtype="<u4")
-    except ValueError:
-        raise InvalidInputError(f"a request secret is 32 hex digits, got {secret!r:.40}") from None
+    words = np.frombuffer(_tag_key(secret), dtype="<u4")
     k = np.asarray(keys, dtype=np.uint64)
     lo = (k & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     hi = (k >> np.uint64(32)).astype(np.uint32) ^ np.uint32(group * 0x9E3779B1 % 2**32)
@@ -73,6 +72,19 @@ def block_tags(secret: str, group: int, keys: Sequence[int]) -> np.ndarray:
             h = fmix32(lo ^ words[2 * w])
             out[:, w] = fmix32(fmix32(h ^ hi ^ words[2 * w + 1]) + np.uint32(w + 1))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _tag_key(secret: str) -> bytes:
+    """The key `block_tags` mixes: a one-way function of `secret` (BLAKE2b keyed with it).
+    The mix itself can be run backwards, so a tag, which any agent with the staging's
+    metadata may read, gives up at most this key, never the secret: not the secret's other
+    uses (the key staged blocks are sealed under, `kvxfer.device.seal`)."""
+    try:
+        raw = bytes.fromhex(secret)
+    except ValueError:
+        raise InvalidInputError(f"a request secret is 32 hex digits, got {secret!r:.40}") from None
+    return hashlib.blake2b(b"tag", key=raw, digest_size=16, person=b"kvxfer-tag").digest()
 
 
 def _aligned_region(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
