@@ -87,6 +87,7 @@ class PrefillWorker:
         self._traces: dict[str, Trace] = {}  # requests being staged, not yet held
         self._kept: list[str] = []  # gathered into the pool since the last poll
         self._saves = 0  # saves so far: the nonce of what a save seals (`seal_kv`)
+        self._clear: dict[int, Staging] = {}  # per group, where a save gathers what it seals
 
     @property
     def address(self) -> PeerAddress:
@@ -140,7 +141,7 @@ class PrefillWorker:
                 secrets = [s for req_id, placed in meta.blocks.items()
                            for s in _bound(meta, req_id, g, [pos for pos, _ in placed[g]])]
                 if self.config.seal_kv and self.transport is not None:  # else none reads it
-                    clear, piece = scratch(self.stagings[g], len(ids)), self.processes.pieces[g]
+                    clear, piece = self._scratch(g, len(ids)), self.processes.pieces[g]
                     self.processes.gather(g, group_caches, ids, np.arange(len(ids)), into=clear)
                     seal(self.stagings[g], g, slots, secrets, self._saves, clear, piece.lo,
                          piece.units)
@@ -165,6 +166,15 @@ class PrefillWorker:
                                    last=req_id in meta.holds,
                                    entries=[{k: e[k] for k in keys if k in e}
                                             for e, keys in zip(entries, final)])
+
+    def _scratch(self, g: int, n: int) -> Staging:
+        """Group `g`'s scratch of at least `n` slots, kept between saves: its pages are
+        touched once, not at every save."""
+        have = self._clear.get(g)
+        if have is None or have.num_slots < n:
+            grown = min(2 * have.num_slots, self.stagings[g].num_slots) if have else n
+            have = self._clear[g] = scratch(self.stagings[g], max(n, grown))
+        return have
 
     def load(self, caches: Sequence[jax.Array] | Sequence[Sequence[jax.Array]],
              loads: Mapping[str, tuple[Sequence[int], Sequence[int]] | Sequence]

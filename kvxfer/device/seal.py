@@ -74,12 +74,12 @@ def nonces_of(count: int, slots: Sequence[int] | np.ndarray) -> np.ndarray:
 def seal(staging: Staging, group: int, slots: Sequence[int], secrets: Sequence[str],
          count: int, clear: Staging, first: int = 0, units: int | None = None) -> None:
     """Encrypt the blocks and fingerprints gathered into `clear` (a `scratch`, which NIXL
-    never registers: row `i` for `slots[i]`) into `slots` of `staging` (KV cache group
+    never registers: row `i` for `slots[i]`, rows past them unused) into `slots` of `staging` (KV cache group
     `group`), each under `seal_key(secrets[i])` and a nonce of save `count`, and write the
     nonces into the slots' tag rows: the clear bytes never lie where NIXL reads. The staging
     holds units `first` on of each block's `units` (None: all of them). The slots' secrets
     are kept on the staging (`Staging.secrets`) for this process's own loads."""
-    if not (len(secrets) == len(slots) == clear.num_slots):
+    if not (len(secrets) == len(slots) <= clear.num_slots):
         raise InvalidInputError(f"seal: {len(secrets)} secrets and {clear.num_slots} clear rows "
                                 f"for {len(slots)} slots")
     nonces = nonces_of(count, slots)
