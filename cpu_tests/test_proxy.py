@@ -1744,3 +1744,27 @@ def test_cli_takes_the_tenant_header_with_its_default_and_refuses_a_bad_one_by_f
     assert [c.tenant_header for c in configs] == ["Authorization", "X-Tenant-Id", None]
     assert cli.main([*args, "--tenant-header", "X Tenant: 1"]) == 2
     assert "--tenant-header must be an HTTP header name" in capsys.readouterr().err
+
+
+def test_a_request_whose_d_is_full_is_served_whole_by_p_as_the_client_sent_it():
+    """`--decode-slots 1 --whole-slots 2`: while D decodes one request, the next is sent to P
+    whole (no `kv_transfer_params`, every token P's) and P's answer reaches the client."""
+    p, d = FakeVllm("P"), FakeVllm("D", hold=True)
+
+    async def go():
+        async with pd([p], [d], decode_slots=1, whole_slots=2) as (session, url):
+            first = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+            await asyncio.wait_for(d.holding.wait(), WAIT_S)
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                second = resp.status, await resp.json(), dict(resp.headers)
+            d.release.set()
+            async with await first as resp:
+                return second, (resp.status, await resp.json())
+
+    (status, answer, headers), first = run(go())
+    assert first == (200, {"choices": [{"text": "decoded by D"}]})
+    assert (status, answer) == (200, {"choices": [{"text": "decoded by P"}]})
+    assert headers["X-Kvxfer-Transfer"] == "whole" and "choice=whole" in headers["X-Kvxfer-Route"]
+    assert [body.get("kv_transfer_params") for _, body, _ in p.seen] == [
+        {"do_remote_decode": True, "do_remote_prefill": False}, None]
+    assert p.seen[1][1]["max_tokens"] == BODY["max_tokens"] and len(d.seen) == 1

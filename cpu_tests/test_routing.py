@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvxfer.errors import InvalidInputError
@@ -214,7 +216,9 @@ def test_round_robin_ignores_prefixes():
                                          ({"local_prefill_tokens": -1}, "--local-prefill-tokens"),
                                          ({"local_prefill_tokens": 1.5}, "--local-prefill-tokens"),
                                          ({"imbalance": "2"}, "--route-imbalance"),
-                                         ({"index_spans": 0}, "index_spans")])
+                                         ({"index_spans": 0}, "index_spans"),
+                                         ({"decode_slots": -1}, "--decode-slots"),
+                                         ({"whole_slots": True}, "--whole-slots")])
 def test_bad_settings_are_refused_naming_them(kwargs, flag):
     with pytest.raises(InvalidInputError, match=flag):
         Router(PS, DS, **kwargs)
@@ -286,3 +290,62 @@ def test_a_local_prefill_whose_d_is_gone_goes_through_p_unless_the_next_d_holds_
     router.mark([u for u in PS if u != route.prefill][0], up=False)
     nowhere = router.other_decode(local, completion(ids(1024, start=5000)))
     assert nowhere.prefill is None, "no P up: D prefills it alone"
+
+
+def _past_p(router: Router, route: Route) -> Route:
+    """As the proxy does once P answered: what is in flight is on D alone."""
+    router.finished(route)
+    past = dataclasses.replace(route, prefill=None)
+    router.started(past)
+    return past
+
+
+def test_a_request_whose_d_is_full_is_served_whole_by_a_p_with_room_and_else_waits_for_d():
+    """D decodes 2 at once: a third request in flight for it goes whole to a P with fewer
+    than 2 in flight; with every P as full it goes to D, which queues it."""
+    router = Router(PS, DS[:1], local_prefill_tokens=512, decode_slots=2, whole_slots=2)
+    routes, choices = [], []
+    for i in range(7):
+        route = router.choose(completion(ids(64, 10_000 * i)))
+        router.started(route)
+        router.settled(route)
+        choices.append(route.choice)
+        routes.append(_past_p(router, route) if route.choice == "pd" else route)
+    assert choices == ["pd", "pd"] + ["whole"] * 4 + ["pd"]
+    assert [r.decode for r in routes[2:6]] == ["http://p0", "http://p1"] * 2
+    assert all(r.reason == "d_full" and r.prefill is None for r in routes[2:6])
+    assert "choice=whole; prefill=-; decode=http://p0" in routes[2].header()
+    assert router.counts == {("pd", "turn"): 3, ("whole", "d_full"): 4}
+    router.finished(routes[2])  # p0 has room again; D is still full
+    again = router.choose(completion(ids(64, 98_000)))
+    assert again.whole and again.decode == "http://p0"
+    for r in (routes[0], routes[1], routes[6]):
+        router.finished(r)  # D has room: through P to D
+    assert router.choose(completion(ids(64, 99_000))).choice == "pd"
+
+
+def test_a_conversation_served_whole_stays_on_its_p_while_d_is_full_and_p_holds_it_after():
+    router = Router(PS, DS[:1], local_prefill_tokens=512, decode_slots=1, whole_slots=4)
+    busy = router.choose(completion(ids(64, 90_000)))
+    router.started(busy)
+    busy = _past_p(router, busy)  # D is full from now on
+    first = answered(router, ids(300), session="s")
+    assert first.whole and first.decode in PS
+    answered(router, ids(64, 80_000))  # another conversation, served whole, moves the turn on
+    second = answered(router, ids(300) + ids(50, 7), session="s")
+    assert second.whole and second.decode == first.decode and second.expected_hit == 288
+    router.finished(busy)  # D has room: through the P that holds the conversation
+    third = router.choose(completion(ids(300) + ids(50, 7) + ids(40, 9)), "s")
+    assert third.choice == "pd" and third.prefill == first.decode and third.expected_hit >= 288
+
+
+def test_without_decode_slots_or_with_p_down_nothing_is_served_whole():
+    plain = Router(PS, DS[:1], local_prefill_tokens=512)
+    down = Router(PS, DS[:1], local_prefill_tokens=512, decode_slots=1, whole_slots=4)
+    for p in PS:
+        down.mark(p, up=False)
+    for router in (plain, down):
+        for i in range(3):
+            route = router.choose(completion(ids(64, 10_000 * i)))
+            router.started(route)
+            assert not route.whole

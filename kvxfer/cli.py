@@ -176,6 +176,8 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
                                   route=args.route,
                                   local_prefill_tokens=args.local_prefill_tokens,
                                   route_imbalance=args.route_imbalance,
+                                  decode_slots=args.decode_slots,
+                                  whole_slots=args.whole_slots,
                                   health_interval_s=args.health_interval,
                                   peer_reads=args.peer_reads,
                                   tenant_header=None if args.tenant_header.lower() == "none"
@@ -360,6 +362,13 @@ def _add_proxy(sub: Any) -> None:
     proxy.add_argument("--route-imbalance", type=int, default=4, metavar="N",
                        help="a prefix or session may choose an instance with up to N more "
                             "requests in flight than the least loaded one (default 4)")
+    proxy.add_argument("--decode-slots", type=int, default=0, metavar="N",
+                       help="each D decodes N requests at once (its --max-num-seqs): a request "
+                            "whose D has N in flight is served whole by a P with room "
+                            "(--whole-slots) instead of waiting (default 0: never)")
+    proxy.add_argument("--whole-slots", type=int, default=0, metavar="N",
+                       help="a P serves a request whole only while it has fewer than N in "
+                            "flight (its --max-num-seqs; default 0: never)")
     proxy.add_argument("--health-interval", type=float, default=5.0, metavar="S",
                        help="seconds between health checks; an instance that fails one is not "
                             "routed to until it passes one (default 5)")

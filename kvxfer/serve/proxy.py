@@ -10,7 +10,9 @@ D share the request's `X-Request-Id` (the client's, or one made here) and the
 client's `Authorization`. Which P and which D is `kvxfer.serve.routing`'s choice (by the
 prompts each instance answered, the requests in flight, and `X-Session-Id`); when D holds
 all but `--local-prefill-tokens` of the prompt, P is skipped and D's request carries
-`kv_transfer_params: {"local_prefill": true, ...}` (`X-Kvxfer-Transfer: local`). Every answer
+`kv_transfer_params: {"local_prefill": true, ...}` (`X-Kvxfer-Transfer: local`). With
+`--decode-slots`, a request whose D is full is served whole by a P with room
+(`--whole-slots`), as a colocated instance would serve it (`X-Kvxfer-Transfer: whole`). Every answer
 names its route in `X-Kvxfer-Route`; `GET /metrics` counts the choices.
 
 With `--stream` (`ProxyConfig.stream`), once the proxy knows a P instance's
@@ -242,6 +244,8 @@ async def _routed(request: web.Request, upstreams: Upstreams, route: Route, body
                   headers: dict[str, str]) -> tuple[web.StreamResponse, Route]:
     """The client's answer by `route`, and the route it took: with local prefill on, a P that
     cannot be connected to is marked down and D prefills the prompt alone instead."""
+    if route.whole:  # D is full: a P serves it as a colocated instance would
+        return await _to_d(request, upstreams, route, body, headers, "whole")
     if route.prefill is None:
         return await _to_d(request, upstreams, route, {**body, "kv_transfer_params": LOCAL_PARAMS},
                            headers, "local")

@@ -20,6 +20,13 @@ reuses is decided by its own vLLM, by block hash.
   is chosen the same way over P's memory of the prompts it prefilled (its device cache and
   host pool hold them).
 
+- With `decode_slots` (each D's decode batch, its `--max-num-seqs`), a D with that many
+  requests in flight is full: a request for it would wait for a slot. It is then served
+  whole (`whole`, reason `d_full`) by a P with fewer than `whole_slots` requests in flight,
+  the one expected to hold most of the prompt (the session's, when it went whole there
+  last): P is then a colocated instance whose decode capacity would otherwise idle between
+  prefills. With every P as full, the request goes to D as it would have and waits there.
+
 An instance remembers a prompt once it has answered it (`answered`): requests in flight
 at once that share a prefix none has yet all go through P, since D holds nothing of it
 before the first is done. The `round_robin` policy takes P and D in turn, each
@@ -127,21 +134,23 @@ def _chain(root: int, spans) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Route:
-    """Where one request goes: `prefill`, P's URL (None when D prefills alone); `decode`, D's;
-    `expected_hit`, the tokens of the prompt the chosen D (or, through P, P) is expected to
-    hold; `reason`, why D was chosen (`session`, `prefix`, `turn`, `round_robin`),
-    `p_unreachable` when D prefills alone because P could not be reached, or
-    `d_unreachable` when the D first chosen could not be."""
+    """Where one request goes: `prefill`, P's URL (None when D prefills alone); `decode`, D's
+    (with `whole`, the P that serves the request whole); `expected_hit`, the tokens of the
+    prompt the chosen D (or, through P, P) is expected to hold; `reason`, why D was chosen
+    (`session`, `prefix`, `turn`, `round_robin`), `p_unreachable` when D prefills alone
+    because P could not be reached, `d_unreachable` when the D first chosen could not be, or
+    `d_full` when a P serves it whole."""
 
     prefill: str | None
     decode: str
     expected_hit: int
     reason: str
+    whole: bool = False
 
     @property
     def choice(self) -> str:
-        """`local` when D prefills alone, else `pd`."""
-        return "pd" if self.prefill is not None else "local"
+        """`whole` when a P serves it whole, `local` when D prefills alone, else `pd`."""
+        return "whole" if self.whole else "pd" if self.prefill is not None else "local"
 
     def header(self) -> str:
         """The answer's `X-Kvxfer-Route` value."""
@@ -212,20 +221,26 @@ class Router:
     **Arguments:** `prefill`, `decode`: the instances' base URLs; `policy`, one of
     `POLICIES`; `local_prefill_tokens`, the longest suffix D prefills alone (0: never);
     `imbalance`, how many more requests in flight than the least loaded instance a prefix or
-    session may choose; `index_spans`, span hashes kept per instance.
+    session may choose; `index_spans`, span hashes kept per instance; `decode_slots`, each
+    D's decode batch, and `whole_slots`, the requests each P may have in flight while it
+    serves one whole (0 for either: none is served whole).
     """
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], policy: str = "prefix",
                  local_prefill_tokens: int = 0, imbalance: int = 4,
-                 index_spans: int = 1 << 17) -> None:
+                 index_spans: int = 1 << 17, decode_slots: int = 0,
+                 whole_slots: int = 0) -> None:
         if policy not in POLICIES:
             raise InvalidInputError(f"--route must be one of {', '.join(POLICIES)}, got {policy!r}")
         for flag, value, low in (("--local-prefill-tokens", local_prefill_tokens, 0),
                                  ("--route-imbalance", imbalance, 0),
-                                 ("index_spans", index_spans, 1)):
+                                 ("index_spans", index_spans, 1),
+                                 ("--decode-slots", decode_slots, 0),
+                                 ("--whole-slots", whole_slots, 0)):
             if not is_int(value) or value < low:
                 raise InvalidInputError(f"{flag} must be an int of at least {low}, got {value!r}")
         self.policy, self.local_prefill_tokens, self.imbalance = policy, local_prefill_tokens, imbalance
+        self.decode_slots, self.whole_slots = decode_slots, whole_slots
         self.prefill = _Instances(prefill, index_spans)
         self.decode = _Instances(decode, index_spans)
         self.sessions: OrderedDict[int, str] = OrderedDict()  # session hash -> its last D
@@ -238,8 +253,12 @@ class Router:
         session = session or None
         if self.policy == "round_robin":
             return Route(self._turn(self.prefill), self._turn(self.decode), 0, "round_robin")
-        d_url, d_hit, reason = self._pick(self.decode, prompt, self.sessions.get(hash(session)))
-        if (self.local_prefill_tokens and d_hit and prompt is not None
+        sticky = self.sessions.get(hash(session))
+        d_url, d_hit, reason = self._pick(self.decode, prompt, sticky)
+        full = self.decode_slots and self.decode.in_flight[d_url] >= self.decode_slots
+        if full and (whole := self._whole(prompt, sticky)) is not None:
+            route = whole
+        elif (self.local_prefill_tokens and d_hit and prompt is not None
                 and prompt.tokens - d_hit <= self.local_prefill_tokens
                 and all(self.prefill.hit(u, prompt) <= d_hit
                         for u in self.prefill.candidates(self.imbalance))):
@@ -248,11 +267,22 @@ class Router:
             p_url, p_hit, _ = self._pick(self.prefill, prompt, None)
             route = Route(p_url, d_url, p_hit, reason)
         if session is not None:
-            self.sessions[hash(session)] = d_url
+            self.sessions[hash(session)] = route.decode
             self.sessions.move_to_end(hash(session))
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
         return route
+
+    def _whole(self, prompt: Prompt | None, sticky: str | None) -> Route | None:
+        """A P with room to serve the request whole (`whole_slots`), None where none has."""
+        room = [u for u in self.prefill.candidates(1 << 62)
+                if u not in self.prefill.down and self.prefill.in_flight[u] < self.whole_slots]
+        if not room:
+            return None
+        hits = [(u == sticky, self.prefill.hit(u, prompt)) for u in room]
+        url = room[hits.index(max(hits))]
+        return Route(None, self.prefill.take(url), self.prefill.hit(url, prompt), "d_full",
+                     whole=True)
 
     def _pick(self, role: _Instances, prompt: Prompt | None, sticky: str | None
               ) -> tuple[str, int, str]:
@@ -270,15 +300,16 @@ class Router:
 
     def started(self, route: Route) -> None:
         """`route`'s request is in flight on its instances."""
-        if route.prefill is not None:
-            self.prefill.in_flight[route.prefill] += 1
-        self.decode.in_flight[route.decode] += 1
+        self._count(route, 1)
 
     def finished(self, route: Route) -> None:
         """`route`'s request has ended: answered, failed or abandoned."""
+        self._count(route, -1)
+
+    def _count(self, route: Route, by: int) -> None:
         if route.prefill is not None:
-            self.prefill.in_flight[route.prefill] -= 1
-        self.decode.in_flight[route.decode] -= 1
+            self.prefill.in_flight[route.prefill] += by
+        (self.prefill if route.whole else self.decode).in_flight[route.decode] += by
 
     def looking_up(self, url: str, by: int) -> None:
         """A lookup on `url`, a P or a D (`kvxfer.serve.sources`), has started (`by` 1) or
@@ -297,7 +328,7 @@ class Router:
         """`route`'s instances answered `prompt` (2xx): they hold it now."""
         if route.prefill is not None:
             self.prefill.remember(route.prefill, prompt)
-        self.decode.remember(route.decode, prompt)
+        (self.prefill if route.whole else self.decode).remember(route.decode, prompt)
 
     def instead_of_p(self, route: Route) -> Route:
         """`route` with D prefilling alone because its P could not be reached (`local`,

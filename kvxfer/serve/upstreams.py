@@ -109,6 +109,10 @@ class ProxyConfig:
     host pools, routes, sessions and lookups are then one tenant's, whatever a client says.
     The default, `Authorization`, is the client's API key; a trusted gateway in front may
     set another header. None passes the client's own salt through (a gateway sets it).
+    `decode_slots` (`--decode-slots`, each D's `--max-num-seqs`) and `whole_slots`
+    (`--whole-slots`, each P's): a request whose D has `decode_slots` requests in flight is
+    served whole by a P with fewer than `whole_slots` (`kvxfer.serve.routing`); 0 (the
+    default) for either: never.
     """
 
     prefill: tuple[str, ...]
@@ -128,6 +132,8 @@ class ProxyConfig:
     health_interval_s: float = 5.0
     peer_reads: bool = False
     tenant_header: str | None = "Authorization"
+    decode_slots: int = 0
+    whole_slots: int = 0
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -171,12 +177,13 @@ class ProxyConfig:
                 or not math.isfinite(value)):
             raise InvalidInputError(f"--health-interval must be a positive, finite number of "
                                     f"seconds, got {value!r}")
-        self.router()  # refuses a bad --route, --local-prefill-tokens or --route-imbalance
+        self.router()  # refuses a bad --route, --local-prefill-tokens, --route-imbalance, ...
 
     def router(self) -> Router:
         """A fresh `Router` over these instances with these settings."""
         return Router(self.prefill, self.decode, self.route, self.local_prefill_tokens,
-                      self.route_imbalance)
+                      self.route_imbalance, decode_slots=self.decode_slots,
+                      whole_slots=self.whole_slots)
 
 
 
