@@ -224,6 +224,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--tp-p and --tp-d take a device count, 1 or more, got {tp}")
     if (args.load or args.hosts is not None) and args.what != "serve":
         raise InvalidInputError("--load and --hosts are options of `kvxfer bench serve`")
+    if args.equal_hardware:
+        return _bench_equal(args)
+    if args.repeats != 1 or args.workloads is not None:
+        raise InvalidInputError("--repeats and --workloads are options of `kvxfer bench serve "
+                                "--equal-hardware`")
     if args.multi_turn or args.local_prefill or args.fleet or args.peer_reads:
         return _bench_multi_turn(args)
     load = args.load or args.hosts is not None
@@ -250,6 +255,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         png = timeline(traces, os.path.abspath("kvxfer-trace.png"))
         print(f"timeline: {png}" if png else "timeline: not drawn (matplotlib is not installed)")
     return 1 if result.get("ok") is False else 0
+
+
+def _bench_equal(args: argparse.Namespace) -> int:
+    """`kvxfer bench serve --equal-hardware`: its table, then with --json the figures as one
+    JSON object on the last line."""
+    if args.what != "serve" or args.load or args.hosts is not None or args.multi_turn or (
+            args.local_prefill or args.fleet or args.peer_reads):
+        raise InvalidInputError("--equal-hardware is an option of `kvxfer bench serve` and runs "
+                                "on its own")
+    if args.repeats < 1:
+        raise InvalidInputError(f"--repeats takes a number of runs, 1 or more, got {args.repeats}")
+    module = importlib.import_module("kvxfer.bench.equal")
+    workloads = tuple(w for w in args.workloads.split(",") if w) if args.workloads else tuple(
+        module.WORKLOADS)
+    result = module.run(repeats=args.repeats, workloads=workloads)
+    print("\n".join(module.table(result)))
+    print(json.dumps(result) if args.json else f"ratios: {result['ratios']}; figures: "
+          f".pd/bench/equal.json")
+    return 0 if all(f["failed"] == 0 for per in result["arms"].values() for levels in per.values()
+                    for runs in levels.values() for f in runs) else 1
 
 
 def _bench_multi_turn(args: argparse.Namespace) -> int:
@@ -408,6 +433,14 @@ def _add_bench(sub: Any) -> None:
                             "the history, with every conversation in the device caches and with "
                             "more than they hold; kvxfer (with P's host pool) against "
                             "tpu-inference's connector and one colocated instance")
+    bench.add_argument("--equal-hardware", action="store_true",
+                       help="serve: every engine pinned to a core of its own; kvxfer's P/D (with "
+                            "and without serving whole on P while D is full) against two "
+                            "colocated instances, on chat, multi-turn and long-prompt workloads")
+    bench.add_argument("--repeats", type=int, default=1, metavar="N",
+                       help="serve --equal-hardware: runs of every arm, in alternating order")
+    bench.add_argument("--workloads", default=None, metavar="W,W",
+                       help="serve --equal-hardware: some of multi_turn, chat, long_in (default all)")
     bench.add_argument("--fleet", action="store_true",
                        help="serve --multi-turn: over two P and two D behind kvxfer proxy (round "
                             "robin, prefix, prefix with local prefill) against two colocated "

@@ -354,13 +354,15 @@ def labelled_deltas(before: dict[str, float], after: dict[str, float]) -> dict[s
                                  if k.split(" ")[1].startswith(_BY_SOURCE) and v}}
 
 
-def wave(url: str, prompts: list[list[int]], max_tokens: int = ANSWER,
+def wave(url: str | list[str], prompts: list[list[int]], max_tokens: int = ANSWER,
          sessions: list[str] | None = None) -> list[dict[str, Any]]:
-    """Every prompt at once, streamed: each one's TTFT, TPOT and answer tokens (or error). With
-    `sessions`, each prompt is sent as its session's (`X-Session-Id`), asking for the usage at
-    the end of the stream (what `kvxfer proxy --peer-reads` reads an answer's length from)."""
+    """Every prompt at once, streamed: each one's TTFT, TPOT and answer tokens (or error), sent
+    to `url` (or prompt `i` to `url[i]`). With `sessions`, each prompt is sent as its
+    session's (`X-Session-Id`), asking for the usage at the end of the stream (what `kvxfer
+    proxy --peer-reads` reads an answer's length from)."""
+    urls = [url] * len(prompts) if isinstance(url, str) else url
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p, s: _answer(url, p, max_tokens, s), prompts,
+        return list(pool.map(lambda u, p, s: _answer(u, p, max_tokens, s), urls, prompts,
                              sessions or [None] * len(prompts)))
 
 
