@@ -1768,3 +1768,42 @@ def test_a_request_whose_d_is_full_is_served_whole_by_p_as_the_client_sent_it():
     assert [body.get("kv_transfer_params") for _, body, _ in p.seen] == [
         {"do_remote_decode": True, "do_remote_prefill": False}, None]
     assert p.seen[1][1]["max_tokens"] == BODY["max_tokens"] and len(d.seen) == 1
+
+
+def test_a_p_gone_when_a_request_is_sent_to_it_whole_costs_the_client_nothing():
+    """D is full, so the next request goes whole to P, which is gone by then (it stopped
+    after prefilling the first): P is marked down and D serves the request after all (it
+    prefills the short prompt itself)."""
+    p, d = FakeVllm("P"), FakeVllm("D", hold=True)
+
+    async def go():
+        async with contextlib.AsyncExitStack() as p_up:
+            p_url = await p_up.enter_async_context(serving(p.app()))
+            async with pd([], [d], extra_prefill=[p_url], health_interval_s=3600,
+                          decode_slots=1, whole_slots=2) as (session, url):
+                first = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+                await asyncio.wait_for(d.holding.wait(), WAIT_S)
+                await p_up.aclose()  # P stops: nothing listens at its port any more
+                second = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_until_seen(d, 2), WAIT_S)
+                d.release.set()
+                out = []
+                for sent in (first, second):
+                    async with await sent as resp:
+                        out.append((resp.status, await resp.json(),
+                                    resp.headers["X-Kvxfer-Route"]))
+                async with session.get(url + "/metrics") as r:
+                    return out, await r.text(), p_url
+
+    [(s1, a1, _), (s2, a2, route)], metrics, p_url = run(go())
+    assert (s1, a1) == (s2, a2) == (200, {"choices": [{"text": "decoded by D"}]})
+    assert route.startswith("choice=local; prefill=-;") and "reason=p_unreachable" in route
+    assert 'kvxfer_proxy_routes_total{choice="whole"' not in metrics  # it never served whole
+    assert f'kvxfer_proxy_up{{role="prefill",url="{p_url}"}} 0' in metrics
+    assert len(p.seen) == 1  # P's part of the first request only
+
+
+async def _until_seen(fake: FakeVllm, n: int) -> None:
+    while len(fake.seen) < n:
+        await asyncio.sleep(0.01)

@@ -375,6 +375,12 @@ async def _to_d(request: web.Request, upstreams: Upstreams, route: Route, d_body
         return await decode_part(request, upstreams, route, sent, headers, transfer), route
     except Unreached as e:
         upstreams.router.mark(route.decode, up=False)
+        if route.whole:  # the P to serve it whole is gone: the choice again, without it
+            other = upstreams.router.choose(Prompt.of(request.path, d_body))
+            log.warning("request %s: prefill instance %s cannot serve it whole; %s instead",
+                        headers[REQUEST_ID], route.decode, other.header())
+            return await _instead(upstreams, route, other,
+                                  _routed(request, upstreams, other, d_body, headers))
         other = upstreams.router.other_decode(route, Prompt.of(request.path, d_body))
         if other is None:  # each D tried is marked down: this ends
             return e.answer, route
