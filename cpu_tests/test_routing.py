@@ -218,7 +218,8 @@ def test_round_robin_ignores_prefixes():
                                          ({"imbalance": "2"}, "--route-imbalance"),
                                          ({"index_spans": 0}, "index_spans"),
                                          ({"decode_slots": -1}, "--decode-slots"),
-                                         ({"whole_slots": True}, "--whole-slots")])
+                                         ({"whole_slots": True}, "--whole-slots"),
+                                         ({"prefill_queue": -2}, "--prefill-queue")])
 def test_bad_settings_are_refused_naming_them(kwargs, flag):
     with pytest.raises(InvalidInputError, match=flag):
         Router(PS, DS, **kwargs)
@@ -349,3 +350,21 @@ def test_without_decode_slots_or_with_p_down_nothing_is_served_whole():
             route = router.choose(completion(ids(64, 10_000 * i)))
             router.started(route)
             assert not route.whole
+
+
+def test_a_request_whose_p_has_a_queue_is_prefilled_by_its_d_while_d_has_a_slot():
+    """`prefill_queue=1`: with one request in flight on P, the next is prefilled by D
+    (`p_busy`); once D is full too, it goes through P (or whole, where P has room)."""
+    router = Router(PS[:1], DS[:1], local_prefill_tokens=512, decode_slots=3, prefill_queue=1)
+    first = router.choose(completion(ids(64, 1)))
+    router.started(first)  # prefilling on P
+    second = router.choose(completion(ids(64, 2)))
+    assert (second.choice, second.reason, second.decode) == ("local", "p_busy", "http://d0")
+    router.started(second)
+    third = router.choose(completion(ids(64, 3)))
+    router.started(third)
+    assert third.choice == "local"  # D: 3 in flight now, its slots all taken
+    fourth = router.choose(completion(ids(64, 4)))
+    assert fourth.choice == "pd", "D is full: it queues there, through P"
+    router.finished(first)
+    assert router.choose(completion(ids(64, 5))).choice == "pd"  # P's queue is gone

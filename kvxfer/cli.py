@@ -178,6 +178,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
                                   route_imbalance=args.route_imbalance,
                                   decode_slots=args.decode_slots,
                                   whole_slots=args.whole_slots,
+                                  prefill_queue=args.prefill_queue,
                                   health_interval_s=args.health_interval,
                                   peer_reads=args.peer_reads,
                                   tenant_header=None if args.tenant_header.lower() == "none"
@@ -394,6 +395,9 @@ def _add_proxy(sub: Any) -> None:
     proxy.add_argument("--whole-slots", type=int, default=0, metavar="N",
                        help="a P serves a request whole only while it has fewer than N in "
                             "flight (its --max-num-seqs; default 0: never)")
+    proxy.add_argument("--prefill-queue", type=int, default=0, metavar="N",
+                       help="a request whose P has N requests in flight is prefilled by its D "
+                            "itself while D has a slot (--decode-slots) (default 0: never)")
     proxy.add_argument("--health-interval", type=float, default=5.0, metavar="S",
                        help="seconds between health checks; an instance that fails one is not "
                             "routed to until it passes one (default 5)")

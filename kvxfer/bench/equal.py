@@ -13,11 +13,14 @@ best settings for that hardware:
   best routing two independent instances get for these workloads: every turn finds its
   history in its instance's prefix cache).
 - `kvxfer`: P on one core, D on the other, D with both instances' decode slots
-  (`PD_D_MAX_NUM_SEQS`: D alone holds the decode batch), behind `kvxfer proxy` with its
-  defaults.
+  (`PD_D_MAX_NUM_SEQS`: D alone holds the decode batch), behind `kvxfer proxy` splitting
+  every request (neither of the choices below).
 - `kvxfer_whole`: the same, the proxy serving a request whole on P while D's slots are all
   taken (`--decode-slots`, `--whole-slots`: P is then a colocated instance whose decode
   capacity would otherwise idle between prefills).
+- `kvxfer_adaptive`: that, and D prefilling a request itself while P has one in flight and
+  D a slot free (`--prefill-queue 1`: D is then a colocated instance whose core would
+  otherwise wait for P's queue).
 
 Workloads (`WORKLOADS`), each at its levels of requests in flight (closed loop: a
 conversation's next turn starts when every conversation's turn has ended):
@@ -81,9 +84,11 @@ class Workload:
 WORKLOADS = {"multi_turn": Workload(256, 96, 64, 4, (8,)),
              "chat": Workload(0, 300, 64, 1, (8,)),
              "long_in": Workload(0, 900, 8, 1, (4,))}
+_WHOLE = f"--decode-slots {2 * SEQS} --whole-slots {SEQS}"
 ARMS = {"colocated": None,
-        "kvxfer": {},
-        "kvxfer_whole": {"PD_PROXY_ARGS": f"--decode-slots {2 * SEQS} --whole-slots {SEQS}"}}
+        "kvxfer": {"PD_PROXY_ARGS": "--decode-slots 0 --whole-slots 0 --prefill-queue 0"},
+        "kvxfer_whole": {"PD_PROXY_ARGS": f"{_WHOLE} --prefill-queue 0"},
+        "kvxfer_adaptive": {"PD_PROXY_ARGS": f"{_WHOLE} --prefill-queue 1"}}
 
 
 def run(repeats: int = 1, workloads: tuple[str, ...] = tuple(WORKLOADS)) -> dict[str, Any]:

@@ -26,6 +26,10 @@ reuses is decided by its own vLLM, by block hash.
   the one expected to hold most of the prompt (the session's, when it went whole there
   last): P is then a colocated instance whose decode capacity would otherwise idle between
   prefills. With every P as full, the request goes to D as it would have and waits there.
+- With `prefill_queue`, a request whose chosen P already has that many requests in flight
+  (prefilling for D, or served whole) is prefilled by its D itself (`local`, reason
+  `p_busy`) while D has a slot: D is then a colocated instance whose core would otherwise
+  wait for P's queue.
 
 An instance remembers a prompt once it has answered it (`answered`): requests in flight
 at once that share a prefix none has yet all go through P, since D holds nothing of it
@@ -223,24 +227,28 @@ class Router:
     `imbalance`, how many more requests in flight than the least loaded instance a prefix or
     session may choose; `index_spans`, span hashes kept per instance; `decode_slots`, each
     D's decode batch, and `whole_slots`, the requests each P may have in flight while it
-    serves one whole (0 for either: none is served whole).
+    serves one whole (0 for either: none is served whole); `prefill_queue`, the requests in
+    flight on the chosen P from which its D, with a slot free, prefills the request itself
+    (0: never).
     """
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], policy: str = "prefix",
                  local_prefill_tokens: int = 0, imbalance: int = 4,
                  index_spans: int = 1 << 17, decode_slots: int = 0,
-                 whole_slots: int = 0) -> None:
+                 whole_slots: int = 0, prefill_queue: int = 0) -> None:
         if policy not in POLICIES:
             raise InvalidInputError(f"--route must be one of {', '.join(POLICIES)}, got {policy!r}")
         for flag, value, low in (("--local-prefill-tokens", local_prefill_tokens, 0),
                                  ("--route-imbalance", imbalance, 0),
                                  ("index_spans", index_spans, 1),
                                  ("--decode-slots", decode_slots, 0),
-                                 ("--whole-slots", whole_slots, 0)):
+                                 ("--whole-slots", whole_slots, 0),
+                                 ("--prefill-queue", prefill_queue, 0)):
             if not is_int(value) or value < low:
                 raise InvalidInputError(f"{flag} must be an int of at least {low}, got {value!r}")
         self.policy, self.local_prefill_tokens, self.imbalance = policy, local_prefill_tokens, imbalance
         self.decode_slots, self.whole_slots = decode_slots, whole_slots
+        self.prefill_queue = prefill_queue
         self.prefill = _Instances(prefill, index_spans)
         self.decode = _Instances(decode, index_spans)
         self.sessions: OrderedDict[int, str] = OrderedDict()  # session hash -> its last D
@@ -266,6 +274,9 @@ class Router:
         else:
             p_url, p_hit, _ = self._pick(self.prefill, prompt, None)
             route = Route(p_url, d_url, p_hit, reason)
+            if (self.prefill_queue and not full
+                    and self.prefill.in_flight[p_url] >= self.prefill_queue):
+                route = Route(None, d_url, d_hit, "p_busy")  # D has a slot and P a queue
         if session is not None:
             self.sessions[hash(session)] = route.decode
             self.sessions.move_to_end(hash(session))

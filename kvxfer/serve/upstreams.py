@@ -112,7 +112,8 @@ class ProxyConfig:
     `decode_slots` (`--decode-slots`, each D's `--max-num-seqs`) and `whole_slots`
     (`--whole-slots`, each P's): a request whose D has `decode_slots` requests in flight is
     served whole by a P with fewer than `whole_slots` (`kvxfer.serve.routing`); 0 (the
-    default) for either: never.
+    default) for either: never. `prefill_queue` (`--prefill-queue`): a request whose P has
+    that many in flight is prefilled by its D while D has a slot; 0 (the default): never.
     """
 
     prefill: tuple[str, ...]
@@ -134,6 +135,7 @@ class ProxyConfig:
     tenant_header: str | None = "Authorization"
     decode_slots: int = 0
     whole_slots: int = 0
+    prefill_queue: int = 0
 
     def __post_init__(self) -> None:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
@@ -183,7 +185,7 @@ class ProxyConfig:
         """A fresh `Router` over these instances with these settings."""
         return Router(self.prefill, self.decode, self.route, self.local_prefill_tokens,
                       self.route_imbalance, decode_slots=self.decode_slots,
-                      whole_slots=self.whole_slots)
+                      whole_slots=self.whole_slots, prefill_queue=self.prefill_queue)
 
 
 
