@@ -35,7 +35,8 @@ def test_ratios_take_kvxfers_best_arm_over_the_best_colocated_one():
 
     result = {"arms": {"colocated": {"multi_turn": runs(400, 6000, 1.0, 5000)},
                        "kvxfer": {"multi_turn": runs(300, 9000, 0.5, 9000)},
-                       "kvxfer_whole": {"multi_turn": runs(500, 4500, 1.5, 4000)}}}
+                       "kvxfer_whole": {"multi_turn": runs(500, 4500, 1.5, 4000)},
+                       "kvxfer_adaptive": {"multi_turn": runs(None, None, None, None)}}}
     ratios = equal.summary(result, ("multi_turn",))
     assert ratios["multi_turn"] == {"tpot_p90": 0.75, "ttft_p90": 0.75, "goodput": 1.5,
                                     "ttft_p50_later": 0.8}
