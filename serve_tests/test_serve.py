@@ -218,6 +218,22 @@ def test_a_conversations_next_turn_is_prefilled_on_d_alone_and_answers_as_p_alon
     _same_answer(got2, tp_stack.complete(tp_stack.p_url, turn2))
 
 
+def test_a_request_whose_d_is_full_is_served_whole_by_p_and_answers_as_p_alone(tp_stack):
+    """`--decode-slots 1 --whole-slots 2`: while D decodes one request, the next is served
+    whole by P (no KV moves, `X-Kvxfer-Transfer: whole`) and answers as P alone does."""
+    busy, prompt = random_prompt(100, seed=9300), random_prompt(150, seed=9301)
+    with _proxy(tp_stack, 8034, "--decode-slots", "1", "--whole-slots", "2") as proxy:
+        with ThreadPoolExecutor(1) as pool:
+            # 300 tokens, past any end of sequence: D decodes it for seconds after it is routed
+            first = pool.submit(tp_stack.complete, proxy, busy, 300, ignore_eos=True)
+            time.sleep(1.0)  # routed by now: it holds D's one slot until D has answered
+            got, how, route = _complete_with_transfer(tp_stack, proxy, prompt)
+            assert first.result(timeout=TIMEOUT_S)["choices"][0]["text"]
+    assert how == "whole" and route.startswith("choice=whole; prefill=-;"), route
+    assert f"decode={tp_stack.p_url};" in route and "reason=d_full" in route
+    _same_answer(got, tp_stack.complete(tp_stack.p_url, prompt))
+
+
 def test_a_p_that_hangs_with_the_request_is_given_up_at_a_health_check_and_d_prefills_alone(
         tp_stack):
     """P is stopped (SIGSTOP: its host gone, as the proxy sees it; no connection breaks) and
@@ -252,17 +268,3 @@ def test_p_killed_between_prefill_and_decode_is_recomputed_on_d(tp_stack):
     assert _until(lambda: _metric(tp_stack.d_url, "vllm:kvxfer_num_failed_transfers_total",
                                   role="D"), failed + 1) == failed + 1, reasons
 
-
-def test_a_request_whose_d_is_full_is_served_whole_by_p_and_answers_as_p_alone(tp_stack):
-    """`--decode-slots 1 --whole-slots 2`: while D decodes one request, the next is served
-    whole by P (no KV moves, `X-Kvxfer-Transfer: whole`) and answers as P alone does."""
-    busy, prompt = random_prompt(100, seed=9300), random_prompt(150, seed=9301)
-    with _proxy(tp_stack, 8034, "--decode-slots", "1", "--whole-slots", "2") as proxy:
-        with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(tp_stack.complete, proxy, busy, 48)
-            time.sleep(1.0)  # routed by now: it holds D's one slot until D has answered
-            got, how, route = _complete_with_transfer(tp_stack, proxy, prompt)
-            assert first.result(timeout=TIMEOUT_S)["choices"][0]["text"]
-    assert how == "whole" and route.startswith("choice=whole; prefill=-;"), route
-    assert f"decode={tp_stack.p_url};" in route and "reason=d_full" in route
-    _same_answer(got, tp_stack.complete(tp_stack.p_url, prompt))
