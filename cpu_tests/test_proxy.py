@@ -1785,8 +1785,7 @@ def test_a_p_gone_when_a_request_is_sent_to_it_whole_costs_the_client_nothing():
                 await asyncio.wait_for(d.holding.wait(), WAIT_S)
                 await p_up.aclose()  # P stops: nothing listens at its port any more
                 second = asyncio.ensure_future(session.post(url + "/v1/completions", json=BODY))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(_until_seen(d, 2), WAIT_S)
+                await _until(lambda: len(d.seen) == 2, "D being sent the second request")
                 d.release.set()
                 out = []
                 for sent in (first, second):
@@ -1803,7 +1802,3 @@ def test_a_p_gone_when_a_request_is_sent_to_it_whole_costs_the_client_nothing():
     assert f'kvxfer_proxy_up{{role="prefill",url="{p_url}"}} 0' in metrics
     assert len(p.seen) == 1  # P's part of the first request only
 
-
-async def _until_seen(fake: FakeVllm, n: int) -> None:
-    while len(fake.seen) < n:
-        await asyncio.sleep(0.01)
