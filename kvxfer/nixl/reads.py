@@ -217,15 +217,17 @@ def tags_match(stagings: Sequence[Staging], read: Read) -> bool:
     (`kvxfer.device.staging.block_tags`), bound to what the block holds as D knows it (its
     own prompt digest and block hashes: `ReadParams.tag_secrets`). Where they match, the
     slots keep those secrets to open what P sealed (`kvxfer.device.seal.opened`)."""
-    p = read.params
-    bound = [p.tag_secrets(g, read.prompt, read.hashes[g] if read.hashes else None)
-             for g in range(len(stagings))]
-    if not all(not keys or np.array_equal(staging.tags[slots, :TAG_WORDS], tags_of(b, g, keys))
-               for g, (staging, keys, slots, b) in enumerate(zip(stagings, p.keys, read.d_slots,
-                                                                 bound))):
-        return False
-    for staging, slots, b in zip(stagings, read.d_slots, bound):
-        staging.secrets.update(zip(slots, b))
+    p, checked = read.params, []
+    for g, (staging, keys, slots) in enumerate(zip(stagings, p.keys, read.d_slots)):
+        if not keys:
+            continue
+        bound = p.tag_secrets(g, read.prompt, read.hashes[g] if read.hashes else None)
+        rows = staging.tags[slots]
+        if not np.array_equal(rows[:, :TAG_WORDS], tags_of(bound, g, keys)):
+            return False
+        checked.append((staging, slots, bound, rows[:, TAG_WORDS:].any(axis=1)))
+    for staging, slots, bound, sealed in checked:  # only a sealed slot needs its secret
+        staging.secrets.update((s, b) for s, b, x in zip(slots, bound, sealed) if x)
     return True
 
 
