@@ -74,7 +74,8 @@ def _group_of(pid: int) -> int | None:
 
 
 def test_pd_up_refuses_a_cpu_list_or_decode_batch_by_name_before_starting_anything(tmp_path):
-    for var, value in (("PD_P_CPUS", "9999"), ("PD_D_CPUS", "0;1"), ("PD_D_MAX_NUM_SEQS", "0")):
+    for var, value in (("PD_P_CPUS", "9999"), ("PD_P_CPUS", "0-99"), ("PD_D_CPUS", "0;1"),
+                       ("PD_D_MAX_NUM_SEQS", "0")):
         out = subprocess.run(["bash", "scripts/pd-up"], cwd=ROOT, capture_output=True, text=True,
                              env={**os.environ, "PD_DIR": str(tmp_path), var: value}, timeout=60)
         assert out.returncode == 1 and f"{var} must be" in out.stderr and f"'{value}'" in out.stderr
