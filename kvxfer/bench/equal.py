@@ -85,7 +85,7 @@ WORKLOADS = {"multi_turn": Workload(256, 96, 64, 4, (8,)),
              "chat": Workload(0, 300, 64, 1, (8,)),
              "long_in": Workload(0, 900, 8, 1, (4,))}
 _WHOLE = f"--decode-slots {2 * SEQS} --whole-slots {SEQS}"
-ARMS = {"colocated": None,
+ARMS = {"colocated": None,  # first: the limit and the objectives are measured on it
         "kvxfer": {"PD_PROXY_ARGS": "--decode-slots 0 --whole-slots 0 --prefill-queue 0"},
         "kvxfer_whole": {"PD_PROXY_ARGS": f"{_WHOLE} --prefill-queue 0"},
         "kvxfer_adaptive": {"PD_PROXY_ARGS": f"{_WHOLE} --prefill-queue 1"}}
@@ -104,13 +104,13 @@ def run(repeats: int = 1, workloads: tuple[str, ...] = tuple(WORKLOADS)) -> dict
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cores": [p_cpu, d_cpu],
                               "seqs": SEQS, "slo": {"ttft": TTFT_SLO, "tpot": TPOT_SLO},
                               "arms": {arm: {} for arm in ARMS}}
-    with _colocated(p_cpu, d_cpu) as urls:
-        result["limit"] = _limit(urls[0])
-        result["unloaded"] = {w: _unloaded(urls[0], WORKLOADS[w], seed=90 + i)
-                              for i, w in enumerate(workloads)}
     for r in range(repeats):
         for arm in (list(ARMS) if r % 2 == 0 else list(reversed(ARMS))):
             with _arm(arm, p_cpu, d_cpu) as (urls, sessions):
+                if "unloaded" not in result:  # the first start is colocated's: on its first
+                    result["limit"] = _limit(urls(0))  # instance, before any workload
+                    result["unloaded"] = {w: _unloaded(urls(0), WORKLOADS[w], seed=90 + i)
+                                          for i, w in enumerate(workloads)}
                 for i, w in enumerate(workloads):
                     for level in WORKLOADS[w].levels:
                         figures = _workload(urls, sessions, WORKLOADS[w], level, seed=10 * r + i,
